@@ -1,0 +1,28 @@
+# Two commands on a fresh clone: `make demo` and `make test`. Each creates .venv when needed.
+# torch is installed first and pinned: on these machines torch==2.13.0 is a CPU build on disk;
+# GPU users override it, e.g. `make test TORCH_SPEC="torch==2.13.0 --index-url <their index>"`.
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
+	$(BIN)/python -m pip install --quiet -e ".[test,demo]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m areal_ckpt.demo --config configs/demo.yaml
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,130 @@
+"""Durable, atomic publication of a staged checkpoint folder, and safe removal of old ones.
+
+The protocol: write every file into a staging folder beside the final name, fsync each file,
+write a manifest (sizes + CRC-32) last, fsync the staging folder, then switch it in with one
+rename and fsync the parent. A reader therefore sees either no folder or a complete one; a crash
+leaves only a staging folder, which :func:`remove_stale` deletes on the next start. Old folders
+are renamed to a trash name before deletion so a half-deleted folder is never visible.
+
+All functions are local and blocking; in a multi-rank job exactly one rank calls them for a
+given folder, after the others have finished writing (see the Saver).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+from areal_ckpt.errors import CommitError
+from areal_ckpt.fsio import FileRecord, fsync_dir, fsync_file, record_of, write_file_durably
+
+logger = logging.getLogger("areal_ckpt.commit")
+
+MANIFEST_FORMAT_VERSION = 1
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def write_manifest(
+    folder: Path, manifest_name: str, records: dict[str, FileRecord], header: dict[str, Any]
+) -> None:
+    """Write ``manifest_name`` into ``folder`` listing every file in it; durable on return.
+
+    ``records`` are files already fsync'd with known checksums (e.g. written by other ranks);
+    any other file found in ``folder`` (config, tokenizer) is read, checksummed and fsync'd here.
+    """
+    complete = dict(records)
+    for path in sorted(folder.rglob("*")):
+        relative = path.relative_to(folder).as_posix()
+        if path.is_file() and relative not in complete and relative != manifest_name:
+            complete[relative] = record_of(path)
+            fsync_file(path)
+    for path in sorted({p.parent for p in folder.rglob("*")} | {folder}):
+        fsync_dir(path)
+    manifest = {
+        **header,
+        "manifest_version": MANIFEST_FORMAT_VERSION,
+        "created_unix": time.time(),
+        "files": {name: {"size": rec.size, "crc32": rec.crc32} for name, rec in sorted(complete.items())},
+    }
+    write_file_durably(folder / manifest_name, json.dumps(manifest, indent=1).encode())
+    fsync_dir(folder)
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Atomically swap two paths with renameat2(RENAME_EXCHANGE); False where unsupported."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return False
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    result = renameat2(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE)
+    if result == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):  # no exchange on this filesystem
+        return False
+    raise OSError(error, os.strerror(error), str(first))
+
+
+def publish(staging: Path, final: Path, trash: Path) -> None:
+    """Make the complete folder ``staging`` visible as ``final``; durable on return.
+
+    If ``final`` already exists (the same step saved again) the two are exchanged atomically
+    where the filesystem allows, so ``final`` always names a complete folder; elsewhere the old
+    one is first renamed to ``trash``. The replaced folder is then deleted.
+    """
+    parent = final.parent
+    try:
+        if not final.exists():
+            os.rename(staging, final)
+        elif _exchange(staging, final):
+            remove_folder(staging, trash)
+        else:
+            os.rename(final, trash)
+            os.rename(staging, final)
+            fsync_dir(parent)
+            shutil.rmtree(trash)
+        fsync_dir(parent)
+    except OSError as error:
+        raise CommitError(f"{final}: could not publish staged folder {staging.name}: {error}") from error
+
+
+def remove_folder(folder: Path, trash: Path) -> None:
+    """Delete ``folder`` so that it disappears at once: rename to ``trash``, fsync, then delete."""
+    os.rename(folder, trash)
+    fsync_dir(folder.parent)
+    shutil.rmtree(trash)
+
+
+def remove_stale(parents: Iterable[Path], prefixes: tuple[str, ...]) -> list[Path]:
+    """Delete leftovers (staging / trash folders named with ``prefixes``) inside ``parents``.
+
+    Call only while no other process writes there. Returns what was removed.
+    """
+    removed = []
+    for parent in parents:
+        if not parent.is_dir():
+            continue
+        stale = [e for e in sorted(parent.iterdir()) if e.name.startswith(prefixes) and e.is_dir()]
+        for entry in stale:
+            if entry.is_symlink():
+                entry.unlink()
+            else:
+                shutil.rmtree(entry)
+            removed.append(entry)
+        if stale:
+            fsync_dir(parent)
+    for path in removed:
+        logger.warning("removed unfinished checkpoint folder %s (left by an interrupted save)", path)
+    return removed

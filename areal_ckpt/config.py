@@ -1,0 +1,152 @@
+"""Validated configuration models for the ``saver:`` and ``recover:`` blocks.
+
+Pure data: no I/O here (YAML reading lives in :mod:`areal_ckpt.config_loader`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+PositiveInt = Annotated[int, Field(gt=0, strict=True)]
+NonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
+StrictBool = Annotated[bool, Field(strict=True)]
+
+# A name becomes one folder level: no separators, no "." / "..", no leading dot (dot-names are
+# reserved for staging and trash folders).
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_+=@-][A-Za-z0-9_.+=@-]*$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def check_path_component(value: str, what: str) -> str:
+    """Return ``value`` if it is safe as one folder name, else raise ValueError naming ``what``."""
+    if not _SAFE_NAME.match(value) or value in {".", ".."}:
+        raise ValueError(
+            f"{what} {value!r} cannot be used as a folder name: use letters, digits and _ . + = @ -, "
+            "not starting with '.'"
+        )
+    return value
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes in ``value``: an int, or a string like ``"5GB"`` (decimal, as HF writes it) or ``"512MiB"``."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size like '5GB', got {value!r}")
+    if isinstance(value, int):
+        size = value
+    else:
+        match = _SIZE.match(value)
+        if not match:
+            raise ValueError(f"expected a size like '5GB' or '512MiB', got {value!r}")
+        size = int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "B").upper()])
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {value!r}")
+    return size
+
+
+class _TimerBlock(BaseModel):
+    """Fields shared by ``saver:`` and ``recover:``: where checkpoints go and when they are taken."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    experiment_name: str
+    trial_name: str
+    fileroot: str
+    # The ``{user}`` folder level; None means the current login name (see layout.default_user).
+    user: str | None = None
+    # Triggers combine with OR; None disables one. Epoch ticks happen on an epoch's last step.
+    freq_epochs: PositiveInt | None = None
+    freq_steps: PositiveInt | None = None
+    # Seconds on a monotonic clock since the last checkpoint of this model name.
+    freq_secs: PositiveInt | None = None
+
+    @field_validator("experiment_name", "trial_name", "user")
+    @classmethod
+    def _safe_component(cls, value: str | None, info: Any) -> str | None:
+        return None if value is None else check_path_component(value, info.field_name)
+
+    @field_validator("fileroot")
+    @classmethod
+    def _non_empty_root(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("fileroot must not be empty")
+        return value
+
+
+class SaverConfig(_TimerBlock):
+    """``saver:`` block: HuggingFace exports on epoch / step / time triggers."""
+
+    # auto: the best safe mode (sync until async lands); sync: block until durable; async: staged
+    # to shared memory and written in the background (not implemented yet: the Saver refuses it).
+    mode: Literal["auto", "sync", "async"] = "auto"
+    # Keep the newest N exports per model name; None keeps all.
+    keep_last: PositiveInt | None = None
+    # Largest safetensors file before the export is split into shards plus an index.
+    max_shard_size: int = 5 * 10**9
+    # Exported floating-point dtype; None keeps the trained dtype.
+    export_dtype: Literal["bfloat16", "float16", "float32"] | None = None
+
+    @field_validator("max_shard_size", mode="before")
+    @classmethod
+    def _parse_shard_size(cls, value: Any) -> int:
+        if not isinstance(value, (int, str)):
+            raise ValueError(f"expected a size like '5GB', got {value!r}")
+        return parse_size(value)
+
+
+class RecoverConfig(_TimerBlock):
+    """``recover:`` block: full-state recovery checkpoints (model, optimizer, loop state)."""
+
+    # on / auto: dump on the schedule and resume when a checkpoint exists; off / disabled: no-op.
+    mode: Literal["on", "auto", "off", "disabled"] = "disabled"
+    # Attempts after a failed dump write before the error is raised.
+    retries: NonNegativeInt = 3
+    no_save_optim: StrictBool = False
+    no_load_optim: StrictBool = False
+
+
+_INHERITED = ("experiment_name", "trial_name", "fileroot", "user")
+
+
+class CheckpointConfig(BaseModel):
+    """Top level: names shared by both blocks, which inherit them unless they set their own."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    experiment_name: str | None = None
+    trial_name: str | None = None
+    fileroot: str | None = None
+    user: str | None = None
+    saver: SaverConfig
+    recover: RecoverConfig
+
+    @model_validator(mode="before")
+    @classmethod
+    def _inherit_names(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for block in ("saver", "recover"):
+            raw = data.get(block)
+            if raw is None:
+                raw = {}
+            if isinstance(raw, dict):
+                merged = dict(raw)
+                for key in _INHERITED:
+                    if merged.get(key) is None and data.get(key) is not None:
+                        merged[key] = data[key]
+                data[block] = merged
+        return data

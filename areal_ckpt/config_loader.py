@@ -1,0 +1,163 @@
+"""Read ``saver:`` / ``recover:`` blocks from a YAML file, AReaL style.
+
+Supports ``${a.b}`` interpolation of other keys of the same file (resolved only where the blocks
+we read need it, so unrelated parts of a full training config are left alone) and dotted
+command-line overrides such as ``saver.freq_steps=10``. Every failure is one ConfigError that
+names the file, the key path and the problem.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+from pydantic import ValidationError
+
+from areal_ckpt.config import CheckpointConfig
+from areal_ckpt.errors import ConfigError
+
+_REFERENCE = re.compile(r"\$\{([^}]*)\}")
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
+_TOP_LEVEL = ("experiment_name", "trial_name", "fileroot", "user")
+
+
+def load_config(path: str | Path, overrides: Sequence[str] | None = None) -> CheckpointConfig:
+    """Read ``path`` (YAML), apply ``overrides`` (``"a.b=value"``), resolve ``${...}``, validate.
+
+    The top-level ``fileroot`` falls back to ``cluster.fileroot`` (where AReaL keeps it). Blocks
+    that omit experiment_name / trial_name / fileroot / user inherit them from the top level.
+    Blocking, local; raises ConfigError naming the file and key on any problem.
+    """
+    path = Path(path)
+    document = _read_yaml(path)
+    for override in overrides or ():
+        _apply_override(document, override, path)
+    resolver = _Resolver(document, path)
+    selected: dict[str, Any] = {}
+    for key in _TOP_LEVEL:
+        if key in document:
+            selected[key] = resolver.resolve_at((key,))
+    if "fileroot" not in selected and isinstance(document.get("cluster"), dict):
+        if "fileroot" in document["cluster"]:
+            selected["fileroot"] = resolver.resolve_at(("cluster", "fileroot"))
+    for block in ("saver", "recover"):
+        if block in document:
+            value = resolver.resolve_at((block,))
+            if value is not None and not isinstance(value, dict):
+                raise ConfigError(f"{path}: {block}: expected a mapping, got {type(value).__name__}")
+            selected[block] = value
+    try:
+        return CheckpointConfig.model_validate(selected)
+    except ValidationError as error:
+        raise ConfigError(_describe(error, path)) from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read config file: {error.strerror}") from None
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        where = ""
+        mark = getattr(error, "problem_mark", None)
+        if mark is not None:
+            where = f" (line {mark.line + 1}, column {mark.column + 1})"
+        problem = getattr(error, "problem", None) or str(error)
+        raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
+    if document is None:
+        return {}
+    if not isinstance(document, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(document).__name__}")
+    return document
+
+
+def _apply_override(document: dict[str, Any], override: str, path: Path) -> None:
+    key_path, sep, raw_value = override.partition("=")
+    keys = key_path.strip().split(".")
+    if not sep or not all(_KEY.match(key) for key in keys):
+        raise ConfigError(f"{path}: override {override!r}: expected key.path=value, e.g. saver.freq_steps=10")
+    try:
+        value = yaml.safe_load(raw_value) if raw_value.strip() else None
+    except yaml.YAMLError:
+        raise ConfigError(f"{path}: override {override!r}: value is not valid YAML") from None
+    node = document
+    for depth, key in enumerate(keys[:-1]):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            where = ".".join(keys[: depth + 1])
+            raise ConfigError(f"{path}: override {override!r}: {where} is not a mapping")
+        node = child
+    node[keys[-1]] = value
+
+
+class _Resolver:
+    """Resolves ``${a.b}`` references against the whole document, detecting cycles."""
+
+    def __init__(self, document: dict[str, Any], path: Path) -> None:
+        self._document = document
+        self._path = path
+        self._active: list[tuple[str, ...]] = []
+
+    def resolve_at(self, key_path: tuple[str, ...]) -> Any:
+        if key_path in self._active:
+            chain = " -> ".join(".".join(keys) for keys in [*self._active, key_path])
+            raise ConfigError(f"{self._path}: circular interpolation: {chain}")
+        self._active.append(key_path)
+        try:
+            return self._resolve(self._lookup(key_path), key_path)
+        finally:
+            self._active.pop()
+
+    def _lookup(self, key_path: tuple[str, ...]) -> Any:
+        node: Any = self._document
+        for key in key_path:
+            if not isinstance(node, dict) or key not in node:
+                raise KeyError(".".join(key_path))
+            node = node[key]
+        return node
+
+    def _resolve(self, value: Any, where: tuple[str, ...]) -> Any:
+        if isinstance(value, dict):
+            return {key: self._resolve(item, (*where, str(key))) for key, item in value.items()}
+        if isinstance(value, list):
+            return [self._resolve(item, (*where, str(index))) for index, item in enumerate(value)]
+        if not isinstance(value, str) or "${" not in value:
+            return value
+        whole = _REFERENCE.fullmatch(value)
+        if whole:
+            return self._reference(whole.group(1), where)
+        return _REFERENCE.sub(lambda match: str(self._reference(match.group(1), where)), value)
+
+    def _reference(self, target: str, where: tuple[str, ...]) -> Any:
+        keys = tuple(target.strip().split("."))
+        location = ".".join(where)
+        if not all(_KEY.match(key) for key in keys):
+            raise ConfigError(
+                f"{self._path}: {location}: unsupported interpolation ${{{target}}} "
+                "(only ${key.path} references to this file are supported)"
+            )
+        try:
+            return self.resolve_at(keys)
+        except KeyError:
+            raise ConfigError(
+                f"{self._path}: {location}: cannot resolve ${{{target}}}: no key {target!r} in this file"
+            ) from None
+
+
+def _describe(error: ValidationError, path: Path) -> str:
+    lines = []
+    for item in error.errors():
+        location = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        message = item["msg"]
+        if item["type"] == "extra_forbidden":
+            message = "unknown key"
+        elif "input" in item and item["type"] != "missing":
+            message = f"{message} (got {item['input']!r})"
+        lines.append(f"{location}: {message}")
+    return f"{path}: invalid configuration: " + "; ".join(lines)

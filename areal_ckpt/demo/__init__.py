@@ -1,0 +1,1 @@
+"""The demo job (`make demo`) and the tiny model / tokenizer builders it and the tests share."""

@@ -1,0 +1,111 @@
+"""TorchEngine: a transformers model (plain, DDP- or FSDP2-wrapped) with its optimizer and scheduler."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from areal_ckpt.tensors import TensorSpec
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The module whose state-dict keys match the HF checkpoint: strips DDP and torch.compile."""
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def original_class(module: nn.Module) -> type:
+    """The model's own class (FSDP2's ``fully_shard`` swaps in a subclass named ``FSDP<Name>``)."""
+    for cls in type(module).__mro__:
+        if not issubclass(cls, FSDPModule):
+            return cls
+    return type(module)
+
+
+class TorchEngine:
+    """What the Saver and RecoverHandler need from a torch training setup.
+
+    ``model`` is a transformers ``PreTrainedModel``, optionally wrapped in DDP, compiled, or
+    sharded with FSDP2 ``fully_shard``. Construction is local; :meth:`gather_full` is collective
+    when the model is sharded.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.module = unwrap_model(model)
+        if not hasattr(self.module, "config"):
+            raise TypeError(
+                f"TorchEngine: {type(self.module).__name__} has no .config; "
+                "HF export needs a transformers PreTrainedModel"
+            )
+
+    @property
+    def is_sharded(self) -> bool:
+        """True when parameters are DTensors (FSDP2): gathering them is collective."""
+        return any(isinstance(p, DTensor) for p in self.module.parameters())
+
+    @property
+    def config(self) -> Any:
+        """The model's ``PretrainedConfig``."""
+        return self.module.config
+
+    @property
+    def generation_config(self) -> Any | None:
+        """The model's ``GenerationConfig`` when it generates, else None."""
+        can_generate = getattr(self.module, "can_generate", None)
+        if can_generate is None or not can_generate():
+            return None
+        return getattr(self.module, "generation_config", None)
+
+    @property
+    def architecture(self) -> str:
+        """Class name recorded in ``config.json`` ``architectures``."""
+        return original_class(self.module).__name__
+
+    def _export_state(self) -> dict[str, torch.Tensor]:
+        state = self.module.state_dict()
+        tied = getattr(self.module, "all_tied_weights_keys", None) or {}
+        return {name: tensor for name, tensor in state.items() if name not in tied}
+
+    def export_specs(self) -> list[TensorSpec]:
+        """Every exported tensor's name, full shape and dtype, in state-dict order; local.
+
+        Tied duplicates (e.g. ``lm_head.weight`` tied to the embeddings) are left out, as
+        ``save_pretrained`` does; ``from_pretrained`` re-ties them.
+        """
+        return [
+            TensorSpec(name=name, shape=tuple(tensor.shape), dtype=tensor.dtype)
+            for name, tensor in self._export_state().items()
+        ]
+
+    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, full CPU tensor)`` for each name in ``names`` that is in ``keep``.
+
+        Collective when :attr:`is_sharded`: every rank must iterate the same ``names`` to the
+        end (each DTensor is all-gathered; ranks that do not keep it drop it at once). Local
+        otherwise, and then no tensor is copied unless it lives off the CPU.
+        """
+        state = self._export_state()
+        for name in names:
+            tensor = state[name]
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
+            if name in keep:
+                yield name, tensor.detach().cpu()

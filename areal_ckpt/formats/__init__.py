@@ -1,0 +1,1 @@
+"""Checkpoint file formats: writers and readers, independent of how tensors are gathered."""

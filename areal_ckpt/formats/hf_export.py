@@ -1,0 +1,138 @@
+"""HuggingFace export format: sharded safetensors + index, config, generation config, tokenizer.
+
+The shard plan comes from ``huggingface_hub``'s splitter, so file names and the index are what
+``save_pretrained`` would write. Files are dealt out to ranks round-robin; each rank writes its
+own files, so a multi-rank export is written in parallel and no rank ever holds more than one
+shard file's worth of gathered tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Protocol, Sequence
+
+import torch
+from huggingface_hub.serialization import split_state_dict_into_shards_factory
+
+from areal_ckpt.fsio import FileRecord, write_file_durably
+from areal_ckpt.formats.safetensors_io import write_safetensors
+from areal_ckpt.tensors import TensorSpec, export_dtype_for
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class ExportSource(Protocol):
+    """What an engine offers for export (see :class:`areal_ckpt.engines.TorchEngine`)."""
+
+    config: Any
+    generation_config: Any | None
+    architecture: str
+
+    def export_specs(self) -> list[TensorSpec]: ...
+
+    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """Which tensors go to which file; identical on every rank."""
+
+    files: dict[str, list[str]]
+    weight_map: dict[str, str]
+    total_size: int
+
+    @property
+    def is_sharded(self) -> bool:
+        """True when the export needs several files and an index."""
+        return len(self.files) > 1
+
+    def files_of_rank(self, rank: int, world_size: int) -> list[str]:
+        """Files written by ``rank``: file i goes to rank i mod world size."""
+        return [name for index, name in enumerate(self.files) if index % world_size == rank]
+
+
+def plan_export(specs: Sequence[TensorSpec], max_shard_size: int, dtype: torch.dtype | None) -> ExportPlan:
+    """Split tensors (in state-dict order) into safetensors files no larger than ``max_shard_size``."""
+    exported = {
+        spec.name: TensorSpec(spec.name, spec.shape, export_dtype_for(spec.dtype, dtype)) for spec in specs
+    }
+    split = split_state_dict_into_shards_factory(
+        exported,
+        get_storage_size=lambda spec: spec.nbytes,
+        filename_pattern="model{suffix}.safetensors",
+        max_shard_size=max_shard_size,
+    )
+    return ExportPlan(
+        files={name: list(tensors) for name, tensors in split.filename_to_tensors.items()},
+        weight_map=dict(split.tensor_to_filename),
+        total_size=sum(spec.nbytes for spec in exported.values()),
+    )
+
+
+def write_rank_shards(
+    source: ExportSource,
+    plan: ExportPlan,
+    folder: Path,
+    rank: int,
+    world_size: int,
+    dtype: torch.dtype | None,
+) -> tuple[dict[str, FileRecord], BaseException | None]:
+    """Write this rank's shard files into ``folder``; returns their records and any write error.
+
+    Collective when the source is sharded: every rank walks the files in rounds of
+    ``world_size`` and takes part in gathering every tensor, so one rank's failed write never
+    leaves the others waiting; the error is returned for the caller to agree on and raise.
+    Each file is fsync'd before this returns.
+    """
+    records: dict[str, FileRecord] = {}
+    error: BaseException | None = None
+    file_names = list(plan.files)
+    for start in range(0, len(file_names), world_size):
+        round_files = file_names[start : start + world_size]
+        mine = {name for index, name in enumerate(round_files) if (start + index) % world_size == rank}
+        for file_name in round_files:
+            names = plan.files[file_name]
+            keep = set(names) if file_name in mine and error is None else set()
+            tensors = [
+                (name, _to_dtype(tensor, dtype)) for name, tensor in source.gather_full(names, keep)
+            ]
+            if not tensors:
+                continue
+            try:
+                records[file_name] = write_safetensors(folder / file_name, tensors)
+            except Exception as exc:  # reported to every rank by the caller
+                error = exc
+    return records, error
+
+
+def _to_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor.to(export_dtype_for(tensor.dtype, dtype))
+
+
+def write_metadata(
+    source: ExportSource, plan: ExportPlan, folder: Path, dtype: torch.dtype | None, tokenizer: Any | None
+) -> None:
+    """Write config.json, generation_config.json, the shard index and the tokenizer; local.
+
+    Files are fsync'd later, when the commit writes the manifest.
+    """
+    config = copy.deepcopy(source.config)
+    config.architectures = [source.architecture]
+    if dtype is not None:
+        config.dtype = dtype
+    else:
+        float_dtypes = {spec.dtype for spec in source.export_specs() if spec.dtype.is_floating_point}
+        if len(float_dtypes) == 1:
+            config.dtype = float_dtypes.pop()
+    config.save_pretrained(folder)
+    if source.generation_config is not None:
+        source.generation_config.save_pretrained(folder)
+    if plan.is_sharded:
+        index = {"metadata": {"total_size": plan.total_size}, "weight_map": dict(sorted(plan.weight_map.items()))}
+        write_file_durably(folder / INDEX_FILE, json.dumps(index, indent=2).encode())
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)

@@ -1,0 +1,63 @@
+"""Where each artifact lives. Pure functions: nothing here creates, reads or removes anything."""
+
+from __future__ import annotations
+
+import getpass
+import os
+import re
+from pathlib import Path
+
+from areal_ckpt.config import check_path_component
+
+#: Prefix of an export being written; never loaded, removed by the next Saver.
+EXPORT_STAGING_PREFIX = ".export-staging."
+#: Prefix of an export being deleted (renamed first so that it vanishes atomically).
+EXPORT_TRASH_PREFIX = ".export-trash."
+#: Manifest written into every committed export.
+MANIFEST_NAME = "areal_ckpt_manifest.json"
+
+_EXPORT_LEAF = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)$")
+
+
+def default_user() -> str:
+    """The ``{user}`` folder level when the config sets none: the login name, else ``unknown``."""
+    for variable in ("USER", "LOGNAME"):
+        if os.environ.get(variable):
+            return os.environ[variable]
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return "unknown"
+
+
+def trial_root(fileroot: str | Path, user: str, experiment_name: str, trial_name: str) -> Path:
+    """``{fileroot}/checkpoints/{user}/{experiment_name}/{trial_name}``."""
+    return Path(fileroot) / "checkpoints" / user / experiment_name / trial_name
+
+
+def model_root(trial: Path, name: str) -> Path:
+    """Folder of one model name (``actor``, ``default``) inside a trial."""
+    return trial / check_path_component(name, "model name")
+
+
+def export_leaf(epoch: int, epoch_step: int, global_step: int) -> str:
+    """Folder name of one export, as AReaL writes it."""
+    return f"epoch{epoch}epochstep{epoch_step}globalstep{global_step}"
+
+
+def parse_export_leaf(leaf: str) -> tuple[int, int, int] | None:
+    """``(epoch, epoch_step, global_step)`` of an export folder name, or None if it is not one."""
+    match = _EXPORT_LEAF.match(leaf)
+    if not match:
+        return None
+    return int(match.group(1)), int(match.group(2)), int(match.group(3))
+
+
+def export_staging(final: Path) -> Path:
+    """Staging folder beside ``final`` in which that export is written before it is published."""
+    return final.parent / f"{EXPORT_STAGING_PREFIX}{final.name}"
+
+
+def export_trash(final: Path) -> Path:
+    """Name ``final`` is renamed to while it is being deleted."""
+    return final.parent / f"{EXPORT_TRASH_PREFIX}{final.name}"

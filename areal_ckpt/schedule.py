@@ -1,0 +1,106 @@
+"""When to checkpoint: epoch / step / seconds triggers, agreed by every rank.
+
+Policy only: nothing here touches files. The schedule's state is JSON-serializable so that a
+resumed run keeps its cadence.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from areal_ckpt import dist
+
+_STATE_VERSION = 1
+
+
+class TriggerSchedule:
+    """Epoch, step and time triggers combined with OR; a trigger set to None never fires.
+
+    Count triggers are periodic: with ``freq_steps=5`` the 5th, 10th, ... call fires, whatever
+    else fired in between. The time trigger measures seconds (monotonic clock) since the last
+    checkpoint of any cause, including forced ones. Count triggers are deterministic, so every
+    rank computes them alone; only when the time trigger alone could decide is rank 0's clock
+    broadcast (one small collective), so clocks that drift cannot split the ranks.
+    """
+
+    def __init__(
+        self,
+        freq_epochs: int | None,
+        freq_steps: int | None,
+        freq_secs: float | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.freq_epochs = freq_epochs
+        self.freq_steps = freq_steps
+        self.freq_secs = freq_secs
+        self._clock = clock
+        self._epochs_since = 0
+        self._steps_since = 0
+        self._last_fire = clock()
+
+    def should_fire(self, epoch_ended: bool) -> bool:
+        """Count one step (and an epoch if ``epoch_ended``); True when a checkpoint is due.
+
+        Collective when ``freq_secs`` is set and no count trigger fired: all ranks must call it
+        on the same steps. Otherwise local.
+        """
+        self._steps_since += 1
+        if epoch_ended:
+            self._epochs_since += 1
+        fired = False
+        if self.freq_steps is not None and self._steps_since >= self.freq_steps:
+            self._steps_since = 0
+            fired = True
+        if self.freq_epochs is not None and epoch_ended and self._epochs_since >= self.freq_epochs:
+            self._epochs_since = 0
+            fired = True
+        if not fired and self.freq_secs is not None:
+            due = self._clock() - self._last_fire >= self.freq_secs
+            fired = dist.broadcast_flag(due, src=0)
+        if fired:
+            self.mark_fired()
+        return fired
+
+    def mark_fired(self) -> None:
+        """Record that a checkpoint happened now (restarts the time trigger; local)."""
+        self._last_fire = self._clock()
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serializable counters and the seconds elapsed since the last checkpoint."""
+        return {
+            "version": _STATE_VERSION,
+            "epochs_since": self._epochs_since,
+            "steps_since": self._steps_since,
+            "secs_since_last": self._clock() - self._last_fire,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore counters and the time trigger's elapsed seconds from :meth:`state_dict`."""
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"schedule state: unsupported version {state.get('version')!r}")
+        self._epochs_since = int(state["epochs_since"])
+        self._steps_since = int(state["steps_since"])
+        self._last_fire = self._clock() - float(state["secs_since_last"])
+
+
+class NamedSchedules:
+    """One independent :class:`TriggerSchedule` per model name (``actor``, ``critic``, ...)."""
+
+    def __init__(self, factory: Callable[[], TriggerSchedule]) -> None:
+        self._factory = factory
+        self._schedules: dict[str, TriggerSchedule] = {}
+
+    def __getitem__(self, name: str) -> TriggerSchedule:
+        if name not in self._schedules:
+            self._schedules[name] = self._factory()
+        return self._schedules[name]
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serializable state of every schedule, by name."""
+        return {name: schedule.state_dict() for name, schedule in sorted(self._schedules.items())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore every named schedule from :meth:`state_dict`."""
+        for name, schedule_state in state.items():
+            self[name].load_state_dict(schedule_state)

@@ -1,0 +1,54 @@
+"""Tensor descriptions shared by engines and formats (no I/O, no collectives)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: torch dtype -> safetensors dtype tag.
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+#: Names accepted for ``export_dtype``.
+EXPORT_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, full (unsharded) shape and dtype of one tensor as it will be exported."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the full tensor in bytes."""
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        return numel * self.dtype.itemsize
+
+
+def export_dtype_for(source: torch.dtype, target: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor of ``source`` dtype is exported as: floats follow ``target``, others keep theirs."""
+    if target is None or not source.is_floating_point:
+        return source
+    return target

@@ -1,0 +1,130 @@
+"""load_config: AReaL-style blocks, interpolation, overrides, and one clear error per bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import areal_ckpt as ac
+
+AREAL_STYLE = """
+experiment_name: grpo-gsm8k
+trial_name: run1
+cluster:
+  fileroot: /tmp/areal/experiments
+  n_nodes: 1
+actor:
+  path: ${experiment_name}/actor   # unrelated keys are left alone
+saver:
+  experiment_name: ${experiment_name}
+  trial_name: ${trial_name}
+  fileroot: ${cluster.fileroot}
+  freq_epochs: 1
+  freq_steps: null
+  freq_secs: 600
+recover:
+  mode: auto
+  freq_steps: 20
+  retries: 2
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_areal_style_blocks_with_interpolation_and_inheritance(tmp_path):
+    cfg = ac.load_config(write(tmp_path, AREAL_STYLE))
+    assert cfg.saver.experiment_name == "grpo-gsm8k"
+    assert cfg.saver.fileroot == "/tmp/areal/experiments"
+    assert (cfg.saver.freq_epochs, cfg.saver.freq_steps, cfg.saver.freq_secs) == (1, None, 600)
+    # recover: names inherited from the top level (fileroot from cluster.fileroot)
+    assert cfg.recover.trial_name == "run1"
+    assert cfg.recover.fileroot == "/tmp/areal/experiments"
+    assert (cfg.recover.mode, cfg.recover.freq_steps, cfg.recover.retries) == ("auto", 20, 2)
+    assert cfg.saver.mode == "auto" and cfg.saver.max_shard_size == 5 * 10**9
+
+
+def test_defaults_when_blocks_are_omitted(tmp_path):
+    cfg = ac.load_config(write(tmp_path, "experiment_name: e\ntrial_name: t\nfileroot: /r\n"))
+    assert cfg.recover.mode == "disabled" and cfg.recover.retries == 3
+    assert cfg.saver.keep_last is None and cfg.saver.export_dtype is None
+    assert (cfg.saver.freq_epochs, cfg.saver.freq_steps, cfg.saver.freq_secs) == (None, None, None)
+
+
+def test_dotted_overrides_are_typed_and_feed_interpolation(tmp_path):
+    path = write(tmp_path, AREAL_STYLE)
+    cfg = ac.load_config(
+        path,
+        ["saver.freq_steps=10", "cluster.fileroot=/data/ckpt", "saver.max_shard_size=2MB", "recover.no_save_optim=true"],
+    )
+    assert cfg.saver.freq_steps == 10
+    assert cfg.saver.fileroot == "/data/ckpt" and cfg.recover.fileroot == "/data/ckpt"
+    assert cfg.saver.max_shard_size == 2 * 10**6
+    assert cfg.recover.no_save_optim is True
+
+
+def test_string_interpolation_inside_a_value(tmp_path):
+    text = "experiment_name: e\ntrial_name: t\nfileroot: /r\nsaver:\n  trial_name: ${trial_name}-export\n"
+    assert ac.load_config(write(tmp_path, text)).saver.trial_name == "t-export"
+
+
+@pytest.mark.parametrize("size, expected", [("5GB", 5 * 10**9), ("512MiB", 512 * 2**20), (1000, 1000), ("1.5KB", 1500)])
+def test_max_shard_size_units(tmp_path, size, expected):
+    cfg = ac.SaverConfig(experiment_name="e", trial_name="t", fileroot="/r", max_shard_size=size)
+    assert cfg.max_shard_size == expected
+
+
+BASE = "experiment_name: e\ntrial_name: t\nfileroot: /r\n"
+
+BAD_CONFIGS = [
+    ("unknown key", BASE + "saver:\n  freq_step: 3\n", ["saver.freq_step", "unknown key"]),
+    ("negative frequency", BASE + "saver:\n  freq_steps: -1\n", ["saver.freq_steps", "greater than 0"]),
+    ("zero frequency", BASE + "recover:\n  freq_secs: 0\n", ["recover.freq_secs", "greater than 0"]),
+    ("wrong type", BASE + "saver:\n  freq_epochs: often\n", ["saver.freq_epochs", "integer"]),
+    ("bool as int", BASE + "saver:\n  keep_last: true\n", ["saver.keep_last"]),
+    ("float frequency", BASE + "saver:\n  freq_steps: 2.5\n", ["saver.freq_steps"]),
+    ("bad mode", BASE + "recover:\n  mode: sometimes\n", ["recover.mode"]),
+    ("bad dtype", BASE + "saver:\n  export_dtype: int8\n", ["saver.export_dtype"]),
+    ("bad shard size", BASE + "saver:\n  max_shard_size: 5 gigs\n", ["saver.max_shard_size", "5 gigs"]),
+    ("negative retries", BASE + "recover:\n  retries: -2\n", ["recover.retries"]),
+    ("missing names", "saver:\n  freq_steps: 2\n", ["saver.experiment_name", "saver.trial_name", "saver.fileroot"]),
+    ("path in a name", "experiment_name: ../escape\ntrial_name: t\nfileroot: /r\n", ["experiment_name", "folder name"]),
+    ("block not a mapping", BASE + "saver: 5\n", ["saver", "mapping"]),
+    ("unresolvable interpolation", BASE + "saver:\n  fileroot: ${cluster.fileroot}\n", ["saver.fileroot", "cluster.fileroot"]),
+    ("circular interpolation", "experiment_name: ${trial_name}\ntrial_name: ${experiment_name}\nfileroot: /r\n", ["circular"]),
+    ("resolver syntax", BASE + "saver:\n  user: ${oc.env:USER}\n", ["saver.user", "unsupported"]),
+    ("bad yaml", "saver:\n  freq_steps: [1, 2\n", ["invalid YAML", "line"]),
+    ("top level not a mapping", "- a\n- b\n", ["top level"]),
+]
+
+
+@pytest.mark.parametrize("label, text, fragments", BAD_CONFIGS, ids=[case[0] for case in BAD_CONFIGS])
+def test_bad_config_names_file_key_and_problem(tmp_path, label, text, fragments):
+    path = write(tmp_path, text)
+    with pytest.raises(ac.ConfigError) as caught:
+        ac.load_config(path)
+    message = str(caught.value)
+    assert str(path) in message
+    for fragment in fragments:
+        assert fragment in message, f"{label}: {fragment!r} not in {message!r}"
+
+
+def test_missing_file_is_named(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ac.ConfigError, match="nope.yaml: config file not found"):
+        ac.load_config(missing)
+
+
+@pytest.mark.parametrize("override", ["saver.freq_steps", "saver..x=1", "=3"])
+def test_malformed_override_is_rejected(tmp_path, override):
+    with pytest.raises(ac.ConfigError, match="override"):
+        ac.load_config(write(tmp_path, BASE), [override])
+
+
+def test_bad_override_value_is_validated_like_the_file(tmp_path):
+    with pytest.raises(ac.ConfigError, match="saver.freq_steps"):
+        ac.load_config(write(tmp_path, BASE), ["saver.freq_steps=-5"])

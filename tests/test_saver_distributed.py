@@ -1,0 +1,86 @@
+"""Saver on 2 real processes (gloo): FSDP2 and DDP exports equal the single-process export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import areal_ckpt as ac
+from areal_ckpt.demo.tiny import build_model
+from areal_ckpt.formats.hf_export import plan_export
+from distributed import run_distributed
+from helpers import manifest, read_export_tensors, saver_config
+
+pytestmark = pytest.mark.dist
+
+SPEC = ac.FinetuneSpec(total_train_epochs=1, dataset_size=8, train_batch_size=2)
+VOCAB = 48
+SHARD = "40KB"
+
+
+def trained_model(wrap: str) -> torch.nn.Module:
+    """Same weights on every rank and in the single-process run: seed, then one SGD step on fixed data."""
+    torch.manual_seed(0)
+    model = build_model(VOCAB)
+    if wrap == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    elif wrap == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens = torch.arange(16).reshape(2, 8) % VOCAB
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    return model
+
+
+def export_worker(rank: int, world_size: int, fileroot: str, wrap: str, trial: str) -> None:
+    config = ac.SaverConfig(
+        experiment_name="exp", trial_name=trial, fileroot=fileroot, user="tester", max_shard_size=SHARD, freq_steps=2
+    )
+    saver = ac.Saver(config, SPEC)
+    engine = ac.TorchEngine(trained_model(wrap))
+    paths = [saver.save(engine, 0, step, step) for step in range(2)]
+    assert paths[0] is None and paths[1] is not None
+    assert Path(paths[1]).is_dir()  # visible to every rank when save returns
+
+
+def single_process_export(fileroot: Path) -> Path:
+    saver = ac.Saver(saver_config(fileroot, max_shard_size=SHARD), SPEC)
+    return Path(saver.save(ac.TorchEngine(trained_model("none")), 0, 1, 1, force=True))
+
+
+@pytest.mark.parametrize("wrap", ["fsdp2", "ddp"])
+def test_two_rank_export_equals_single_process_export(fileroot, wrap):
+    run_distributed(export_worker, 2, str(fileroot), wrap, f"{wrap}-trial")
+    multi = fileroot / f"checkpoints/tester/exp/{wrap}-trial/default/epoch0epochstep1globalstep1"
+    single = single_process_export(fileroot)
+
+    single_tensors, multi_tensors = read_export_tensors(single), read_export_tensors(multi)
+    assert single_tensors.keys() == multi_tensors.keys()
+    for name in single_tensors:
+        assert torch.equal(single_tensors[name], multi_tensors[name]), name
+    shards = sorted(p.name for p in multi.glob("model-*.safetensors"))
+    assert shards == sorted(p.name for p in single.glob("model-*.safetensors")) and len(shards) >= 2
+    assert json.loads((multi / "model.safetensors.index.json").read_text()) == json.loads(
+        (single / "model.safetensors.index.json").read_text()
+    )
+    assert manifest(multi)["world_size"] == 2
+    assert [p.name for p in multi.parent.iterdir()] == [multi.name]  # no staging left behind
+    loaded = AutoModelForCausalLM.from_pretrained(multi, local_files_only=True)
+    assert torch.equal(loaded.lm_head.weight, single_tensors["lm_head.weight"])
+
+
+def test_shard_files_are_dealt_to_both_ranks():
+    specs = ac.TorchEngine(build_model(VOCAB)).export_specs()
+    plan = plan_export(specs, ac.SaverConfig(experiment_name="e", trial_name="t", fileroot="/r", max_shard_size=SHARD).max_shard_size, None)
+    mine = [plan.files_of_rank(rank, 2) for rank in range(2)]
+    assert mine[0] and mine[1]
+    assert sorted(mine[0] + mine[1]) == sorted(plan.files)
