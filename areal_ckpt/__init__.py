@@ -9,7 +9,9 @@ from areal_ckpt.config import CheckpointConfig, RecoverConfig, SaverConfig
 from areal_ckpt.config_loader import load_config
 from areal_ckpt.engines import TorchEngine
 from areal_ckpt.errors import CheckpointError, CommitError, ConfigError, RankMismatchError
+from areal_ckpt.recover import RecoverHandler, check_if_recover
 from areal_ckpt.saver import Saver
+from areal_ckpt.state.recover_info import RecoverInfo
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.step import FinetuneSpec, StepInfo
 
@@ -21,11 +23,14 @@ __all__ = [
     "FinetuneSpec",
     "RankMismatchError",
     "RecoverConfig",
+    "RecoverHandler",
+    "RecoverInfo",
     "Saver",
     "SaverConfig",
     "StepInfo",
     "TorchEngine",
     "TriggerSchedule",
     "__version__",
+    "check_if_recover",
     "load_config",
 ]

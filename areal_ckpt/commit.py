@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
-from areal_ckpt.errors import CommitError
+from areal_ckpt.errors import CheckpointError, CommitError
 from areal_ckpt.fsio import FileRecord, fsync_dir, fsync_file, record_of, write_file_durably
 
 logger = logging.getLogger("areal_ckpt.commit")
@@ -128,3 +128,63 @@ def remove_stale(parents: Iterable[Path], prefixes: tuple[str, ...]) -> list[Pat
     for path in removed:
         logger.warning("removed unfinished checkpoint folder %s (left by an interrupted save)", path)
     return removed
+
+
+def switch_symlink(pointer: Path, target: str) -> None:
+    """Atomically make symlink ``pointer`` point to ``target`` (relative); durable on return.
+
+    A new symlink is created beside it and renamed over it, so readers see the old or the new
+    target, never neither.
+    """
+    temporary = pointer.with_name(f".{pointer.name}.new")
+    if temporary.is_symlink() or temporary.exists():
+        temporary.unlink()
+    os.symlink(target, temporary)
+    os.rename(temporary, pointer)
+    fsync_dir(pointer.parent)
+
+
+def read_manifest(folder: Path, manifest_name: str) -> dict[str, Any]:
+    """Parse a checkpoint manifest; raises CheckpointError naming the file when it is unusable."""
+    path = folder / manifest_name
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: manifest missing: the checkpoint is incomplete") from None
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: manifest unreadable: {error}") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise CheckpointError(f"{path}: manifest has no file list")
+    for name, entry in files.items():
+        parts = Path(name).parts
+        if Path(name).is_absolute() or ".." in parts or not parts:
+            raise CheckpointError(f"{path}: manifest names a file outside the checkpoint: {name!r}")
+        if not isinstance(entry, dict) or not all(isinstance(entry.get(k), int) for k in ("size", "crc32")):
+            raise CheckpointError(f"{path}: manifest entry for {name!r} is malformed")
+    return manifest
+
+
+def check_files(folder: Path, files: dict[str, dict[str, int]], names: Iterable[str]) -> list[str]:
+    """Check ``names`` (keys of a manifest's file list) against their size and CRC-32; local.
+
+    Returns one line per problem (missing, not a regular file, wrong size, checksum mismatch),
+    each naming the file; an empty list means every named file is intact.
+    """
+    problems = []
+    for name in names:
+        path = folder / name
+        expected = files[name]
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            problems.append(f"{path}: not a regular file")
+            continue
+        if not path.exists():
+            problems.append(f"{path}: missing")
+            continue
+        size = path.stat().st_size
+        if size != expected["size"]:
+            problems.append(f"{path}: size {size} bytes, manifest says {expected['size']} (truncated or replaced)")
+            continue
+        if record_of(path).crc32 != expected["crc32"]:
+            problems.append(f"{path}: checksum mismatch (file corrupted)")
+    return problems

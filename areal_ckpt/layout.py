@@ -61,3 +61,52 @@ def export_staging(final: Path) -> Path:
 def export_trash(final: Path) -> Path:
     """Name ``final`` is renamed to while it is being deleted."""
     return final.parent / f"{EXPORT_TRASH_PREFIX}{final.name}"
+
+
+# -- recovery checkpoints ------------------------------------------------------------------
+# Generations live in {trial}/.recover/gen-<global_step>-<token>/; the symlink
+# {trial}/.recover/current names the committed one and is switched with one atomic rename.
+# {trial}/recover_info and {trial}/{name}/recover_checkpoint are fixed symlinks through
+# `current`, so the folders AReaL users know always show the committed generation.
+
+RECOVER_STORE = ".recover"
+RECOVER_CURRENT = "current"
+RECOVER_INFO = "recover_info"
+RECOVER_CHECKPOINT = "recover_checkpoint"
+RECOVER_MANIFEST = f"{RECOVER_INFO}/{MANIFEST_NAME}"
+_GENERATION = re.compile(r"^gen-(\d+)-([0-9a-f]{8})$")
+
+
+def recover_store(trial: Path) -> Path:
+    """Folder holding every recovery generation of a trial."""
+    return trial / RECOVER_STORE
+
+
+def recover_pointer(trial: Path) -> Path:
+    """Symlink naming the committed generation (absent before the first dump)."""
+    return recover_store(trial) / RECOVER_CURRENT
+
+
+def generation_name(global_step: int, token: str) -> str:
+    """Folder name of one recovery generation."""
+    return f"gen-{global_step:08d}-{token}"
+
+
+def is_generation_name(name: str) -> bool:
+    """True for names made by :func:`generation_name` (nothing else in the store is ours)."""
+    return _GENERATION.match(name) is not None
+
+
+def recover_info_link(trial: Path) -> Path:
+    """``{trial}/recover_info`` (symlink to the committed generation's recover_info/)."""
+    return trial / RECOVER_INFO
+
+
+def recover_checkpoint_link(trial: Path, name: str) -> Path:
+    """``{trial}/{name}/recover_checkpoint`` (symlink to that model's folder in the committed generation)."""
+    return model_root(trial, name) / RECOVER_CHECKPOINT
+
+
+def rank_state_file(rank: int) -> str:
+    """Per-rank state (RNG, dataloader, client state) inside recover_info/."""
+    return f"rank{rank}.json"

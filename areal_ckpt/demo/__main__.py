@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import random
 import sys
 from pathlib import Path
@@ -20,25 +19,13 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import areal_ckpt as ac
-from areal_ckpt.demo.tiny import build_model, build_tokenizer
+from areal_ckpt.demo.tiny import build_model, build_tokenizer, warmup_cosine
 
 
 def make_problems(count: int, seed: int) -> list[str]:
     """``count`` addition problems with their answers, e.g. ``"12+7=19"``."""
     rng = random.Random(seed)
     return [f"{a}+{b}={a + b}" for a, b in ((rng.randrange(50), rng.randrange(50)) for _ in range(count))]
-
-
-def warmup_cosine(optimizer: torch.optim.Optimizer, warmup: int, total: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up for ``warmup`` steps, then cosine decay to zero at ``total``."""
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from areal_ckpt.tensors import TensorSpec
+
+MODEL_PREFIX = "model."
+OPTIM_PREFIX = "optim."
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -109,3 +119,77 @@ class TorchEngine:
                 tensor = tensor.full_tensor()
             if name in keep:
                 yield name, tensor.detach().cpu()
+
+    # -- recovery: full training state through DCP ------------------------------------------
+
+    @property
+    def is_frozen(self) -> bool:
+        """True when nothing trains this model (no optimizer): e.g. a reference policy."""
+        return self.optimizer is None
+
+    def recover_tensors(self, include_optimizer: bool) -> dict[str, torch.Tensor]:
+        """Flat ``{"model.<fqn>" | "optim.<fqn>.<key>": tensor}`` of this rank's state; local.
+
+        Tensors are the live ones (DTensors under FSDP2), so this also serves as the in-place
+        template that DCP loads into. Initializes optimizer state if the optimizer never stepped.
+        """
+        tensors = {MODEL_PREFIX + name: value for name, value in get_model_state_dict(self.model).items()}
+        if include_optimizer and self.optimizer is not None:
+            state = get_optimizer_state_dict(self.model, self.optimizer)["state"]
+            for fqn, entries in state.items():
+                for key, value in entries.items():
+                    if isinstance(value, torch.Tensor):
+                        tensors[f"{OPTIM_PREFIX}{fqn}.{key}"] = value
+        return tensors
+
+    def recover_extra(self, include_optimizer: bool) -> dict[str, Any]:
+        """Non-tensor state: optimizer param groups and scalar entries, LR scheduler; local."""
+        extra: dict[str, Any] = {}
+        if include_optimizer and self.optimizer is not None:
+            optim_state = get_optimizer_state_dict(self.model, self.optimizer)
+            extra["optimizer_param_groups"] = optim_state["param_groups"]
+            extra["optimizer_scalars"] = {
+                fqn: {key: value for key, value in entries.items() if not isinstance(value, torch.Tensor)}
+                for fqn, entries in optim_state["state"].items()
+            }
+        if self.lr_scheduler is not None:
+            extra["lr_scheduler"] = self.lr_scheduler.state_dict()
+        return extra
+
+    def load_recover_state(
+        self, tensors: dict[str, torch.Tensor], extra: dict[str, Any], include_optimizer: bool
+    ) -> None:
+        """Apply state loaded into the :meth:`recover_tensors` template plus ``extra``.
+
+        Collective under FSDP2 / DDP (the state-dict helpers synchronize); every rank calls it.
+        """
+        model_state = {k[len(MODEL_PREFIX):]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}
+        set_model_state_dict(self.model, model_state)
+        if include_optimizer and self.optimizer is not None:
+            state: dict[str, dict[str, Any]] = {
+                fqn: dict(scalars) for fqn, scalars in extra["optimizer_scalars"].items()
+            }
+            for key, value in tensors.items():
+                if key.startswith(OPTIM_PREFIX):
+                    fqn, _, entry = key[len(OPTIM_PREFIX):].rpartition(".")
+                    state.setdefault(fqn, {})[entry] = value
+            set_optimizer_state_dict(
+                self.model, self.optimizer, {"state": state, "param_groups": extra["optimizer_param_groups"]}
+            )
+        if self.lr_scheduler is not None:
+            if "lr_scheduler" not in extra:
+                raise KeyError("lr_scheduler")
+            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+
+    def fingerprint(self) -> list[int]:
+        """CRC-32 of each of this rank's weight tensors, to skip rewriting unchanged frozen models.
+
+        Local; one read of this rank's weights, no copy (except of tensors off the CPU).
+        """
+        digest = []
+        for value in get_model_state_dict(self.model).values():
+            local = value.to_local() if isinstance(value, DTensor) else value
+            flat = local.detach().cpu().contiguous().reshape(-1)
+            data = flat.view(torch.uint8).numpy() if flat.numel() else b""
+            digest.append(zlib.crc32(data))
+        return digest

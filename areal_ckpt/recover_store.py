@@ -1,0 +1,139 @@
+"""On-disk store of recovery generations with a single atomic switch.
+
+Layout (see :mod:`areal_ckpt.layout`)::
+
+    {trial}/.recover/gen-<step>-<token>/{name}/...          one folder per model (DCP shards)
+    {trial}/.recover/gen-<step>-<token>/recover_info/...    step counters, states, manifest
+    {trial}/.recover/current -> gen-<step>-<token>          the commit record
+    {trial}/recover_info -> .recover/current/recover_info    fixed convenience links
+    {trial}/{name}/recover_checkpoint -> ../.recover/current/{name}
+
+A dump writes a new generation beside the committed one, fsyncs it, writes its manifest, then
+renames a new ``current`` symlink over the old one: the only step that changes what a reader
+sees, and it is atomic. Only then are older generations deleted. A crash at any instant leaves
+``current`` on a complete generation; anything else in the store is debris that the next start
+removes. Every method here is local; in a job, rank 0 alone calls the ones that change the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+from areal_ckpt.commit import read_manifest, switch_symlink, write_manifest
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.fsio import FileRecord, fsync_dir
+from areal_ckpt.layout import (
+    RECOVER_CURRENT,
+    RECOVER_INFO,
+    RECOVER_MANIFEST,
+    RECOVER_STORE,
+    generation_name,
+    is_generation_name,
+    recover_checkpoint_link,
+    recover_info_link,
+    recover_pointer,
+    recover_store,
+)
+
+logger = logging.getLogger("areal_ckpt.recover")
+
+
+class RecoverStore:
+    """The recovery generations of one trial."""
+
+    def __init__(self, trial: Path) -> None:
+        self.trial = trial
+        self.root = recover_store(trial)
+        self.pointer = recover_pointer(trial)
+
+    def committed(self) -> str | None:
+        """Name of the committed generation, None when the trial has none.
+
+        Raises CheckpointError when a commit record exists but does not name a generation
+        folder of this store (dangling, tampered, pointing elsewhere): never a silent None.
+        """
+        if not self.pointer.is_symlink():
+            if self.pointer.exists():
+                raise CheckpointError(f"{self.pointer}: expected a symlink to a generation, found a regular entry")
+            return None
+        target = os.readlink(self.pointer)
+        if not is_generation_name(target):
+            raise CheckpointError(f"{self.pointer}: points to {target!r}, which is not a generation of this store")
+        if not (self.root / target).is_dir() or (self.root / target).is_symlink():
+            raise CheckpointError(f"{self.pointer}: committed generation {target} is missing")
+        return target
+
+    def path(self, generation: str) -> Path:
+        """Folder of ``generation`` (no side effects)."""
+        return self.root / generation
+
+    def create(self, global_step: int, model_names: list[str]) -> str:
+        """Create an empty generation folder with one sub-folder per model; returns its name."""
+        name = generation_name(global_step, secrets.token_hex(4))
+        folder = self.path(name)
+        for sub in [RECOVER_INFO, *model_names]:
+            (folder / sub).mkdir(parents=True)
+        fsync_dir(self.root)
+        return name
+
+    def link_model(self, source: str, target: str, model: str) -> dict[str, FileRecord]:
+        """Hard-link ``model``'s files from generation ``source`` into ``target`` (unchanged model).
+
+        Returns their manifest records, taken from ``source``'s manifest (no data is read).
+        """
+        files = read_manifest(self.path(source), RECOVER_MANIFEST)["files"]
+        records = {}
+        prefix = f"{model}/"
+        for relative, entry in files.items():
+            if relative.startswith(prefix):
+                os.link(self.path(source) / relative, self.path(target) / relative)
+                records[relative] = FileRecord(entry["size"], entry["crc32"])
+        if not records:
+            raise CheckpointError(f"{self.path(source)}: holds no files for model {model!r}")
+        return records
+
+    def commit(self, generation: str, records: dict[str, FileRecord], header: dict[str, Any], models: list[str]) -> None:
+        """Write the manifest, switch ``current`` to ``generation``, then delete older generations.
+
+        Durable on return. Until the switch the previous generation stays committed.
+        """
+        write_manifest(self.path(generation), RECOVER_MANIFEST, records, header)
+        switch_symlink(self.pointer, generation)
+        self._ensure_links(models)
+        self.remove_debris(keep=generation)
+
+    def _ensure_links(self, models: list[str]) -> None:
+        wanted = {recover_info_link(self.trial): f"{RECOVER_STORE}/{RECOVER_CURRENT}/{RECOVER_INFO}"}
+        for model in models:
+            wanted[recover_checkpoint_link(self.trial, model)] = f"../{RECOVER_STORE}/{RECOVER_CURRENT}/{model}"
+        for link, target in wanted.items():
+            if link.is_symlink() and os.readlink(link) == target:
+                continue
+            link.parent.mkdir(parents=True, exist_ok=True)
+            switch_symlink(link, target)
+
+    def remove_debris(self, keep: str | None) -> list[str]:
+        """Delete every generation except ``keep`` (uncommitted or superseded ones); returns them."""
+        if not self.root.is_dir():
+            return []
+        removed = []
+        for entry in sorted(self.root.iterdir()):
+            if entry.name == keep or entry.name == RECOVER_CURRENT:
+                continue
+            if is_generation_name(entry.name) and entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+                removed.append(entry.name)
+            elif entry.name.startswith(f".{RECOVER_CURRENT}."):
+                entry.unlink()
+        if removed:
+            fsync_dir(self.root)
+        return removed
+
+    def discard(self, generation: str) -> None:
+        """Delete an uncommitted generation after a failed dump (best effort)."""
+        shutil.rmtree(self.path(generation), ignore_errors=True)

@@ -1,0 +1,1 @@
+"""Training state that is not model weights: RNG streams and pickle-free serialization."""

@@ -1,0 +1,133 @@
+"""The ``recover_info/`` folder: step counters, component states and per-rank state, as JSON.
+
+Global files are written by rank 0: step_info.json, saver_info.json, evaluator_info.json,
+stats_logger_info.json, checkpoint_info.json. Each rank writes its own ``rank{r}.json``
+(RNG streams, dataloader position, client state). All values go through
+:mod:`areal_ckpt.state.safe_json`: nothing here can run code when read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.fsio import FileRecord, write_file_durably
+from areal_ckpt.layout import rank_state_file
+from areal_ckpt.state import safe_json
+from areal_ckpt.step import StepInfo
+
+logger = logging.getLogger("areal_ckpt.recover")
+
+GLOBAL_FILES = {
+    "saver_info": "saver_info.json",
+    "evaluator_info": "evaluator_info.json",
+    "stats_logger_info": "stats_logger_info.json",
+    "checkpoint_info": "checkpoint_info.json",
+}
+STEP_FILE = "step_info.json"
+RANK_COMPONENTS = ("dataloader", "rng", "client_state")
+
+
+@dataclass
+class RecoverInfo:
+    """What a resumed loop needs besides the restored objects: where to continue, and its state.
+
+    ``last_step_info`` is the step the dump was taken after: continue at ``.next()``.
+    ``dataloader_info`` and ``client_state`` are this rank's.
+    """
+
+    last_step_info: StepInfo
+    saver_info: dict[str, Any] | None = None
+    evaluator_info: dict[str, Any] | None = None
+    stats_logger_info: dict[str, Any] | None = None
+    checkpoint_info: dict[str, Any] | None = None
+    dataloader_info: Any = None
+    client_state: dict[str, Any] = field(default_factory=dict)
+    rng_state: Any = None
+    world_size: int = 1
+    path: str = ""
+
+
+def write_global_info(folder: Path, step_info: StepInfo, states: dict[str, Any]) -> None:
+    """Rank 0: write step_info.json and the ``*_info.json`` files (None for absent components)."""
+    write_file_durably(folder / STEP_FILE, json.dumps(step_info.model_dump(), indent=1).encode())
+    for key, file_name in GLOBAL_FILES.items():
+        write_file_durably(folder / file_name, safe_json.dumps(states.get(key)))
+
+
+def write_rank_state(folder: Path, rank: int, components: dict[str, Any]) -> tuple[str, FileRecord]:
+    """Every rank: write its own ``rank{r}.json``; returns (file name, record). Durable on return."""
+    unknown = set(components) - set(RANK_COMPONENTS)
+    if unknown:
+        raise ValueError(f"unknown per-rank components {sorted(unknown)}")
+    name = rank_state_file(rank)
+    return name, write_file_durably(folder / name, safe_json.dumps(components))
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing") from None
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: unreadable: {error}") from None
+
+
+def read_recover_info(
+    folder: Path, rank: int, world_size: int, saved_world_size: int, drop_rank_state: bool
+) -> RecoverInfo:
+    """Read ``recover_info/`` for ``rank`` of a job of ``world_size`` ranks; local, read-only.
+
+    When the world size changed, each per-rank component is re-assigned only if every saved
+    rank had the same value; otherwise CheckpointError explains how to proceed, unless
+    ``drop_rank_state`` is set, in which case that component is left out (None).
+    """
+    try:
+        step_info = StepInfo.model_validate(_read_json(folder / STEP_FILE))
+    except ValueError as error:
+        raise CheckpointError(f"{folder / STEP_FILE}: invalid step info: {error}") from None
+    info = RecoverInfo(last_step_info=step_info, world_size=saved_world_size, path=str(folder.parent))
+    for key, file_name in GLOBAL_FILES.items():
+        try:
+            setattr(info, key, safe_json.decode(_read_json(folder / file_name), str(folder / file_name)))
+        except ValueError as error:
+            raise CheckpointError(str(error)) from None
+    components = _rank_components(folder, rank, world_size, saved_world_size, drop_rank_state)
+    info.dataloader_info = components.get("dataloader")
+    info.rng_state = components.get("rng")
+    info.client_state = components.get("client_state") or {}
+    return info
+
+
+def _rank_components(
+    folder: Path, rank: int, world_size: int, saved_world_size: int, drop_rank_state: bool
+) -> dict[str, Any]:
+    if saved_world_size == world_size:
+        path = folder / rank_state_file(rank)
+        try:
+            return safe_json.decode(_read_json(path), str(path))
+        except ValueError as error:
+            raise CheckpointError(str(error)) from None
+    saved = [_read_json(folder / rank_state_file(r)) for r in range(saved_world_size)]
+    components: dict[str, Any] = {}
+    for component in RANK_COMPONENTS:
+        values = [state.get(component) for state in saved]
+        if all(value == values[0] for value in values):
+            components[component] = safe_json.decode(values[0], f"{folder}/rank*.json:{component}")
+        elif drop_rank_state:
+            logger.warning(
+                "world size changed (%d -> %d): per-rank %s state differs between saved ranks; "
+                "not restored (drop_rank_state=True)", saved_world_size, world_size, component,
+            )
+        else:
+            raise CheckpointError(
+                f"{folder}: saved by {saved_world_size} ranks, loading on {world_size}: the per-rank "
+                f"{component} state differs between the saved ranks, so it cannot be re-assigned. "
+                f"Resume with {saved_world_size} ranks, or pass drop_rank_state=True to "
+                f"RecoverHandler.load to restore weights, optimizer and counters without the per-rank state."
+            )
+    return components

@@ -1,0 +1,33 @@
+"""Capture and restore every random stream a training process draws from."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's python, numpy, torch CPU and (when present) CUDA RNG states; local."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(legacy=True),
+        "torch_cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`capture_rng_state` returned; local. Raises ValueError on a bad state."""
+    try:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch_cpu"])
+        if "torch_cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["torch_cuda"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"RNG state is malformed: {error}") from None

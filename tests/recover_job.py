@@ -1,0 +1,136 @@
+"""A small training job that recovers itself; run by the recovery tests as a real process.
+
+Single process (`python recover_job.py ...`) or under torchrun with FSDP2 (`--wrap fsdp2`).
+It follows the rules in docs/recovery.md: a DistributedSampler with a seed and set_epoch, a
+dataloader with its own generator, and resume from ``info.last_step_info.next()``. Dropout,
+AdamW and a warm-up + cosine schedule make every piece of state matter. It appends each step's
+loss to ``{out}/losses-rank{r}.jsonl`` and, when it finishes, writes its final weights and
+optimizer state to ``{out}/final-rank{r}.safetensors``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import areal_ckpt as ac
+from areal_ckpt.demo.tiny import build_model, warmup_cosine
+
+VOCAB = 48
+DATASET = 32
+BATCH = 4
+EPOCHS = 2
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fileroot", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--trial", default="bitexact")
+    parser.add_argument("--wrap", choices=["none", "fsdp2", "ddp"], default="none")
+    parser.add_argument("--freq-steps", type=int, default=2)
+    parser.add_argument("--kill-at", type=int, default=-1, help="SIGKILL this process after step K")
+    parser.add_argument("--hidden", type=int, default=64)
+    return parser.parse_args(argv)
+
+
+def run(rank: int, world_size: int, argv: list[str]) -> None:
+    """Entry point for a process started by tests/distributed.py (group already initialized)."""
+    train(parse(argv))
+
+
+def main() -> None:
+    """Entry point as a script, alone or under torchrun."""
+    if "RANK" in os.environ:
+        torch_dist.init_process_group("gloo")
+    try:
+        train(parse(None))
+    finally:
+        if torch_dist.is_initialized():
+            torch_dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace) -> None:
+    rank = torch_dist.get_rank() if torch_dist.is_initialized() else 0
+    world = torch_dist.get_world_size() if torch_dist.is_initialized() else 1
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    data_rng = torch.Generator().manual_seed(11)
+    dataset = [torch.randint(0, VOCAB, (12,), generator=data_rng) for _ in range(DATASET)]
+    model = build_model(VOCAB, hidden_size=args.hidden, intermediate_size=2 * args.hidden, attention_dropout=0.2)
+    if args.wrap == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    elif args.wrap == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    model.train()
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=7)
+    loader = StatefulDataLoader(dataset, batch_size=BATCH, sampler=sampler, generator=torch.Generator().manual_seed(3))
+    ft_spec = ac.FinetuneSpec(total_train_epochs=EPOCHS, dataset_size=DATASET // world, train_batch_size=BATCH)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    scheduler = warmup_cosine(optimizer, warmup=3, total=ft_spec.total_train_steps)
+    engine = ac.TorchEngine(model, optimizer=optimizer, lr_scheduler=scheduler)
+    config = ac.RecoverConfig(
+        experiment_name="exp", trial_name=args.trial, fileroot=args.fileroot, user="tester",
+        mode="on", freq_steps=args.freq_steps,
+    )
+    recover = ac.RecoverHandler(config, ft_spec)
+
+    info = recover.load(engine, dataloader=loader)
+    start = info.last_step_info.next() if info else ac.StepInfo(
+        epoch=0, epoch_step=0, global_step=0, steps_per_epoch=ft_spec.steps_per_epoch
+    )
+    noise_scale = info.client_state["noise_scale"] if info else 1.0
+    losses = open(out / f"losses-rank{rank}.jsonl", "a")
+    global_step = start.global_step
+    for epoch in range(start.epoch, EPOCHS):
+        sampler.set_epoch(epoch)
+        epoch_step = start.epoch_step if epoch == start.epoch else 0
+        for batch in loader:
+            # python, numpy and torch RNGs all feed the loss, so each must be restored exactly
+            jitter = random.random() * 1e-3 + float(np.random.rand()) * 1e-3
+            loss = model(input_ids=batch, labels=batch).loss * (1 + jitter * noise_scale)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            noise_scale *= 0.9
+            losses.write(json.dumps({"step": global_step, "loss": loss.item().hex()}) + "\n")
+            losses.flush()
+            step_info = ac.StepInfo(
+                epoch=epoch, epoch_step=epoch_step, global_step=global_step, steps_per_epoch=ft_spec.steps_per_epoch
+            )
+            recover.dump(engine, step_info, dataloader=loader, client_state={"noise_scale": noise_scale})
+            if global_step == args.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            epoch_step += 1
+            global_step += 1
+    final = {}
+    for name, tensor in engine.recover_tensors(include_optimizer=True).items():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        final[name] = local.detach().clone().contiguous()
+    final["lr"] = torch.tensor([group["lr"] for group in optimizer.param_groups], dtype=torch.float64)
+    save_file(final, out / f"final-rank{rank}.safetensors")
+
+
+if __name__ == "__main__":
+    main()
