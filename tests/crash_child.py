@@ -1,4 +1,4 @@
-"""Child process for the crash tests: exports a model again and again until it is killed."""
+"""Child process for the Saver crash tests: exports a model again and again until it is killed."""
 
 from __future__ import annotations
 
@@ -16,6 +16,11 @@ def model_for_step(step: int) -> torch.nn.Module:
     """Weights that differ per step, so a mix of two steps would be detectable."""
     torch.manual_seed(step)
     return build_model(512, hidden_size=256, intermediate_size=512, num_hidden_layers=4)
+
+
+def run(rank: int, world_size: int, fileroot: str) -> None:
+    """Entry point for tests/distributed.py: never returns; the test kills the process."""
+    main(fileroot)
 
 
 def main(fileroot: str) -> None:

@@ -25,14 +25,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, errors: Any) -> None:
+def _worker(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, errors: Any, group: bool
+) -> None:
     import torch.distributed as torch_dist
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
     )
-    if world_size > 1:
+    if group:
         torch_dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
@@ -45,11 +47,17 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args:
             torch_dist.destroy_process_group()
 
 
-def start_processes(fn: Callable[..., Any], world_size: int, *args: Any, errors: Any = None) -> list[Any]:
-    """Start ``fn(rank, world_size, *args)`` on ``world_size`` processes (gloo group when > 1)."""
+def start_processes(
+    fn: Callable[..., Any], world_size: int, *args: Any, errors: Any = None, group: bool | None = None
+) -> list[Any]:
+    """Start ``fn(rank, world_size, *args)`` on ``world_size`` processes.
+
+    A gloo process group joins them when ``group`` is True (default: when more than one).
+    """
     port = free_port()
+    group = world_size > 1 if group is None else group
     processes = [
-        _CONTEXT.Process(target=_worker, args=(fn, rank, world_size, port, args, errors), daemon=False)
+        _CONTEXT.Process(target=_worker, args=(fn, rank, world_size, port, args, errors, group), daemon=False)
         for rank in range(world_size)
     ]
     for process in processes:
@@ -57,14 +65,16 @@ def start_processes(fn: Callable[..., Any], world_size: int, *args: Any, errors:
     return processes
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0) -> list[int]:
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0, group: bool | None = None
+) -> list[int]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes and wait.
 
     Raises with every rank's traceback when a rank fails or hangs. A rank that kills itself
     (SIGKILL) is not a failure: the exit codes are returned (-9 for a killed rank).
     """
     errors = _CONTEXT.Queue()
-    processes = start_processes(fn, world_size, *args, errors=errors)
+    processes = start_processes(fn, world_size, *args, errors=errors, group=group)
     for process in processes:
         process.join(timeout)
     hung = [rank for rank, process in enumerate(processes) if process.is_alive()]

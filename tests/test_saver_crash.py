@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 import zlib
 from pathlib import Path
@@ -15,10 +13,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import areal_ckpt as ac
+import crash_child
 from crash_child import CONFIG_FIELDS, model_for_step
+from distributed import start_processes
 from helpers import export_names, manifest, read_export_tensors
-
-HERE = Path(__file__).parent
 
 
 def staging_has_shards(count: int):
@@ -36,26 +34,25 @@ def kill_during_export(fileroot: Path, ready) -> Path:
     """Start the child, wait until one export is committed and the next one's staging is
     ``ready``, SIGKILL the child and return that staging folder."""
     model_root = fileroot / "checkpoints/tester/exp/crash/default"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    child = subprocess.Popen([sys.executable, str(HERE / "crash_child.py"), str(fileroot)], env=env)
+    (child,) = start_processes(crash_child.run, 1, str(fileroot))
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline:
-            assert child.poll() is None, f"child exited early with code {child.returncode}"
+            assert child.is_alive(), f"child exited early with code {child.exitcode}"
             if model_root.is_dir() and export_names(model_root):
                 for staging in model_root.glob(".export-staging.*"):
                     try:
                         if ready(staging):
-                            child.send_signal(signal.SIGKILL)
-                            child.wait()
+                            os.kill(child.pid, signal.SIGKILL)
+                            child.join()
                             return staging
                     except FileNotFoundError:
                         continue
         raise AssertionError("the kill point was never reached")
     finally:
-        if child.poll() is None:
+        if child.is_alive():
             child.kill()
-            child.wait()
+        child.join()
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -138,8 +139,11 @@ def save_tensors(tensors: dict[str, torch.Tensor], folder: Path) -> None:
     if non_tensors:
         raise CheckpointError(f"only tensors go through DCP; not tensors: {non_tensors[:5]}")
     writer = FileSystemWriter(folder, single_file_per_rank=True, sync_files=True)
-    with _single_process_quiet():
-        metadata = dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_distributed())
+    try:
+        with _single_process_quiet():
+            metadata = dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_distributed())
+    except CheckpointException as error:  # a BaseException in DCP: make it an ordinary error
+        raise CheckpointError(f"{folder}: writing DCP shards failed: {_failures(error)}") from None
     if dist.rank() == 0:
         write_file_durably(folder / METADATA_JSON, json.dumps(metadata_to_json(metadata)).encode())
 
@@ -177,8 +181,19 @@ def load_tensors(
             raise CheckpointError(
                 f"{folder}: {name}: checkpoint has {dtype} {list(shape)}, model has {tensor.dtype} {list(tensor.shape)}"
             )
-    with _single_process_quiet():
-        dcp.load(template, storage_reader=SafeFileSystemReader(folder), no_dist=not dist.is_distributed())
+    try:
+        with _single_process_quiet():
+            dcp.load(template, storage_reader=SafeFileSystemReader(folder), no_dist=not dist.is_distributed())
+    except CheckpointException as error:
+        raise CheckpointError(f"{folder}: reading DCP shards failed: {_failures(error)}") from None
+
+
+def _failures(error: CheckpointException) -> str:
+    parts = []
+    for rank, failure in sorted(error.failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+    return "; ".join(parts)
 
 
 @contextlib.contextmanager
