@@ -117,6 +117,16 @@ class RecoverConfig(_TimerBlock):
     no_save_optim: StrictBool = False
     no_load_optim: StrictBool = False
 
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value: Any) -> Any:
+        # YAML 1.1 reads an unquoted `on` / `off` as a boolean: take them as the words meant.
+        if value is True:
+            return "on"
+        if value is False:
+            return "off"
+        return value
+
 
 _INHERITED = ("experiment_name", "trial_name", "fileroot", "user")
 

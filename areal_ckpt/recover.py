@@ -298,7 +298,7 @@ class RecoverHandler:
                 self._fingerprints[name] = engines[name].fingerprint()
         if info.rng_state is not None:
             restore_rng_state(info.rng_state)
-        logger.warning(
+        logger.info(
             "resuming from global step %d (epoch %d, step %d of the epoch): %s",
             info.last_step_info.global_step, info.last_step_info.epoch, info.last_step_info.epoch_step, folder,
         )

@@ -128,3 +128,9 @@ def test_malformed_override_is_rejected(tmp_path, override):
 def test_bad_override_value_is_validated_like_the_file(tmp_path):
     with pytest.raises(ac.ConfigError, match="saver.freq_steps"):
         ac.load_config(write(tmp_path, BASE), ["saver.freq_steps=-5"])
+
+
+@pytest.mark.parametrize("written, mode", [("on", "on"), ("off", "off"), ("'on'", "on"), ("auto", "auto")])
+def test_unquoted_on_and_off_mean_the_modes(tmp_path, written, mode):
+    cfg = ac.load_config(write(tmp_path, BASE + f"recover:\n  mode: {written}\n"))
+    assert cfg.recover.mode == mode

@@ -84,3 +84,28 @@ def test_shard_files_are_dealt_to_both_ranks():
     mine = [plan.files_of_rank(rank, 2) for rank in range(2)]
     assert mine[0] and mine[1]
     assert sorted(mine[0] + mine[1]) == sorted(plan.files)
+
+
+def drifting_clock_worker(rank: int, world_size: int, decisions_file: str) -> None:
+    """Rank 1's clock runs 7x faster than rank 0's: only rank 0's clock may decide."""
+    ticks = [0.0]
+
+    def clock() -> float:
+        return ticks[0] * (7.0 if rank == 1 else 1.0)
+
+    schedule = ac.TriggerSchedule(None, 5, 10, clock=clock)
+    decisions = []
+    for _ in range(12):
+        ticks[0] += 3.0
+        decisions.append(schedule.should_fire(False))
+    Path(f"{decisions_file}.{rank}").write_text(json.dumps(decisions))
+
+
+def test_ranks_agree_on_time_triggers_despite_clock_drift(tmp_path):
+    run_distributed(drifting_clock_worker, 2, str(tmp_path / "decisions"))
+    rank0 = json.loads((tmp_path / "decisions.0").read_text())
+    rank1 = json.loads((tmp_path / "decisions.1").read_text())
+    assert rank0 == rank1
+    # rank 0's clock gives 3 s per step: time fires at step 4 (12 s), count at step 5, and so on;
+    # rank 1's own clock would have fired at step 2 already
+    assert rank0 == [False, False, False, True, True, False, False, False, True, True, False, False]

@@ -1,0 +1,31 @@
+"""`make demo`'s job: killed part-way, restarted by its launcher, resumed, finished, exported."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_demo_is_killed_resumes_by_itself_and_replays_identical_losses(tmp_path):
+    command = [sys.executable, "-m", "areal_ckpt.demo", "--config", str(ROOT / "configs/demo.yaml"),
+               f"cluster.fileroot={tmp_path}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    output = done.stdout
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "simulating a crash: SIGKILL at global step 13" in output
+    assert "the training process was killed (SIGKILL); restarting it" in output
+    assert "resuming from global step 10 (last dump after step 9)" in output
+    losses: dict[int, set[str]] = {}
+    for step, loss in re.findall(r"global +(\d+) loss (\S+)", output):
+        losses.setdefault(int(step), set()).add(loss)
+    assert sorted(losses) == list(range(24))
+    assert all(len(values) == 1 for values in losses.values()), "a replayed step changed its loss"
+    assert re.search(r"generate\('12\+7='\) -> '12\+7=", output)
+    exports = sorted(p.name for p in tmp_path.glob("checkpoints/*/arithmetic-demo/trial0/default/epoch*"))
+    assert exports == ["epoch0epochstep11globalstep11", "epoch1epochstep11globalstep23", "epoch1epochstep3globalstep15"]
