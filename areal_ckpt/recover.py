@@ -166,16 +166,21 @@ class RecoverHandler:
         tags = dist.all_gather_objects([step_info.global_step, names])
         if any(tag != tags[0] for tag in tags):
             raise RankMismatchError(f"RecoverHandler.dump: ranks disagree on (global_step, models): {tags}")
-        generation = self._begin(step_info.global_step, names) if rank == 0 else None
-        generation = dist.broadcast_object(generation, src=0)
-        if generation is None or generation.startswith("error:"):
-            raise CheckpointError(f"{self.store.root}: cannot start a dump: {generation}")
+        begun = self._begin(step_info.global_step, names) if rank == 0 else None
+        kind, generation = dist.broadcast_object(begun, src=0)
+        if kind == "refused":
+            raise CheckpointError(generation)
+        if kind == "failed":
+            raise _AttemptFailed(f"cannot create a generation folder: {generation}")
         folder = self.store.path(generation)
         records: dict[str, FileRecord] = {}
+        fingerprints: dict[str, list[int]] = {}
         local_error: str | None = None
         try:
             for name in names:
-                records.update(self._dump_engine(engines[name], name, generation))
+                if engines[name].is_frozen:
+                    fingerprints[name] = engines[name].fingerprint()
+                records.update(self._dump_engine(engines[name], name, generation, fingerprints.get(name)))
             if rank == 0:
                 write_global_info(folder / RECOVER_INFO, step_info, components)
             file_name, record = write_rank_state(folder / RECOVER_INFO, rank, rank_state)
@@ -193,29 +198,33 @@ class RecoverHandler:
         if result.startswith("error:"):
             raise _AttemptFailed(result.removeprefix("error:"))
         self._generation = generation
-        for name in names:
-            if engines[name].is_frozen:
-                self._fingerprints[name] = engines[name].fingerprint()
+        self._fingerprints.update(fingerprints)
         total = sum(size for o in outcomes for size, _ in o.values())
         return self.store.path(generation), total
 
-    def _begin(self, global_step: int, names: list[str]) -> str:
+    def _begin(self, global_step: int, names: list[str]) -> tuple[str, str]:
+        """Rank 0: ("created", generation) | ("refused", why) | ("failed", OS error, retried)."""
         try:
             committed = self.store.committed()
-            if committed is not None and committed != self._generation:
-                return (
-                    f"error: {self.store.path(committed)} is a recovery checkpoint this job has not loaded; "
-                    "call RecoverHandler.load() first (or use another trial_name) so it is not overwritten"
-                )
+        except CheckpointError as error:
+            return "refused", str(error)
+        if committed is not None and committed != self._generation:
+            return "refused", (
+                f"{self.store.path(committed)} is a recovery checkpoint this job has not loaded; "
+                "call RecoverHandler.load() first (or use another trial_name) so it is not overwritten"
+            )
+        try:
             self.store.remove_debris(keep=committed)
-            return self.store.create(global_step, names)
-        except (OSError, CheckpointError) as error:
-            return f"error: {error}"
+            return "created", self.store.create(global_step, names)
+        except OSError as error:
+            return "failed", str(error)
 
-    def _dump_engine(self, engine: Any, name: str, generation: str) -> dict[str, FileRecord]:
+    def _dump_engine(
+        self, engine: Any, name: str, generation: str, fingerprint: list[int] | None
+    ) -> dict[str, FileRecord]:
         folder = self.store.path(generation) / name
         previous = self._fingerprints.get(name)
-        unchanged = engine.is_frozen and previous is not None and previous == engine.fingerprint()
+        unchanged = fingerprint is not None and previous == fingerprint
         if dist.all_true(unchanged) and self._generation is not None:
             return self.store.link_model(self._generation, generation, name) if dist.rank() == 0 else {}
         include_optimizer = not self.config.no_save_optim
@@ -246,8 +255,9 @@ class RecoverHandler:
         }
         try:
             self.store.commit(generation, records, header, names)
-        except Exception as error:  # the previous generation is still the committed one
-            self.store.discard(generation)
+        except Exception as error:
+            if self._committed_or_none() != generation:  # never delete what got committed
+                self.store.discard(generation)
             return f"error: commit failed: {error}"
         return str(self.store.path(generation))
 
@@ -303,6 +313,12 @@ class RecoverHandler:
             info.last_step_info.global_step, info.last_step_info.epoch, info.last_step_info.epoch_step, folder,
         )
         return info
+
+    def _committed_or_none(self) -> str | None:
+        try:
+            return self.store.committed()
+        except CheckpointError:
+            return None
 
     def _find_committed(self) -> str | None:
         try:

@@ -104,8 +104,11 @@ class RecoverStore:
         """
         write_manifest(self.path(generation), RECOVER_MANIFEST, records, header)
         switch_symlink(self.pointer, generation)
-        self._ensure_links(models)
-        self.remove_debris(keep=generation)
+        try:  # housekeeping: the commit above already holds whatever happens here
+            self._ensure_links(models)
+            self.remove_debris(keep=generation)
+        except OSError as error:
+            logger.warning("%s: committed %s, but tidying up failed: %s", self.root, generation, error)
 
     def _ensure_links(self, models: list[str]) -> None:
         wanted = {recover_info_link(self.trial): f"{RECOVER_STORE}/{RECOVER_CURRENT}/{RECOVER_INFO}"}

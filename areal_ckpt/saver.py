@@ -69,7 +69,7 @@ class Saver:
         self.last_metrics: dict[str, float] = {}
         if dist.rank() == 0 and self.trial_root.is_dir():
             remove_stale(
-                (p for p in self.trial_root.iterdir() if p.is_dir()),
+                (p for p in self.trial_root.iterdir() if p.is_dir() and not p.is_symlink()),
                 (EXPORT_STAGING_PREFIX, EXPORT_TRASH_PREFIX),
             )
 
