@@ -74,6 +74,9 @@ RECOVER_CURRENT = "current"
 RECOVER_INFO = "recover_info"
 RECOVER_CHECKPOINT = "recover_checkpoint"
 RECOVER_MANIFEST = f"{RECOVER_INFO}/{MANIFEST_NAME}"
+#: Inside each model's folder of a generation: optimizer / scheduler state, and HF config + tokenizer.
+ENGINE_STATE_FILE = "engine_state.json"
+HF_FILES = "hf"
 _GENERATION = re.compile(r"^gen-(\d+)-([0-9a-f]{8})$")
 
 

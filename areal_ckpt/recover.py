@@ -20,8 +20,9 @@ from areal_ckpt.commit import check_files, read_manifest
 from areal_ckpt.config import RecoverConfig
 from areal_ckpt.errors import CheckpointError, RankMismatchError
 from areal_ckpt.formats.dcp_io import load_tensors, save_tensors
+from areal_ckpt.formats.hf_export import write_config
 from areal_ckpt.fsio import FileRecord, record_of, write_file_durably
-from areal_ckpt.layout import RECOVER_INFO, RECOVER_MANIFEST, default_user, trial_root
+from areal_ckpt.layout import ENGINE_STATE_FILE, HF_FILES, RECOVER_INFO, RECOVER_MANIFEST, default_user, trial_root
 from areal_ckpt.recover_store import RecoverStore
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state import safe_json
@@ -33,7 +34,6 @@ logger = logging.getLogger("areal_ckpt.recover")
 
 RECOVER_FORMAT = "areal_ckpt.recover"
 RECOVER_FORMAT_VERSION = 1
-ENGINE_STATE_FILE = "engine_state.json"
 _OPTIMIZER_PREFIX = "optim."
 EPOCH_COMPLETE = "areal_ckpt_epoch_complete"
 
@@ -101,12 +101,14 @@ class RecoverHandler:
         evaluator: Stateful | None = None,
         stats_logger: Stateful | None = None,
         client_state: Mapping[str, Any] | None = None,
+        tokenizer: Any | None = None,
         force: bool = False,
     ) -> str | None:
         """Write a recovery checkpoint after ``step_info`` when the schedule says so (or ``force``).
 
         Collective: every rank calls it after every step, with its own dataloader and client
-        state. Blocking; returns the committed generation's path, durable, or None when no dump
+        state. The model's HF config (and ``tokenizer``, if given) are recorded so that
+        ``areal-ckpt export`` can turn the checkpoint into a HuggingFace folder. Blocking; returns the committed generation's path, durable, or None when no dump
         was due (or mode is off). A failed write is retried ``retries`` times with back-off, then
         raised; the previous checkpoint survives every failure.
         """
@@ -132,7 +134,7 @@ class RecoverHandler:
         start = time.perf_counter()
         for attempt in range(self.config.retries + 1):
             try:
-                path, size = self._dump_once(engines, step_info, components, rank_state)
+                path, size = self._dump_once(engines, step_info, components, rank_state, tokenizer)
                 break
             except _AttemptFailed as failure:
                 if attempt == self.config.retries:
@@ -159,7 +161,12 @@ class RecoverHandler:
         return dataloader.state_dict()
 
     def _dump_once(
-        self, engines: dict[str, Any], step_info: StepInfo, components: dict[str, Any], rank_state: dict[str, Any]
+        self,
+        engines: dict[str, Any],
+        step_info: StepInfo,
+        components: dict[str, Any],
+        rank_state: dict[str, Any],
+        tokenizer: Any,
     ) -> tuple[Path, int]:
         rank = dist.rank()
         names = sorted(engines)
@@ -180,7 +187,7 @@ class RecoverHandler:
             for name in names:
                 if engines[name].is_frozen:
                     fingerprints[name] = engines[name].fingerprint()
-                records.update(self._dump_engine(engines[name], name, generation, fingerprints.get(name)))
+                records.update(self._dump_engine(engines[name], name, generation, fingerprints.get(name), tokenizer))
             if rank == 0:
                 write_global_info(folder / RECOVER_INFO, step_info, components)
             file_name, record = write_rank_state(folder / RECOVER_INFO, rank, rank_state)
@@ -220,7 +227,7 @@ class RecoverHandler:
             return "failed", str(error)
 
     def _dump_engine(
-        self, engine: Any, name: str, generation: str, fingerprint: list[int] | None
+        self, engine: Any, name: str, generation: str, fingerprint: list[int] | None, tokenizer: Any
     ) -> dict[str, FileRecord]:
         folder = self.store.path(generation) / name
         previous = self._fingerprints.get(name)
@@ -235,6 +242,11 @@ class RecoverHandler:
         if dist.rank() == 0:
             extra = {"optimizer_saved": include_optimizer and not engine.is_frozen, **engine.recover_extra(include_optimizer)}
             records[f"{name}/{ENGINE_STATE_FILE}"] = write_file_durably(folder / ENGINE_STATE_FILE, safe_json.dumps(extra))
+            # what `areal-ckpt export` needs to turn these shards into a loadable HF folder
+            (folder / HF_FILES).mkdir()
+            write_config(engine, folder / HF_FILES, None)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(folder / HF_FILES)
         return records
 
     def _finish(

@@ -91,6 +91,7 @@ class RecoverStore:
         prefix = f"{model}/"
         for relative, entry in files.items():
             if relative.startswith(prefix):
+                (self.path(target) / relative).parent.mkdir(parents=True, exist_ok=True)
                 os.link(self.path(source) / relative, self.path(target) / relative)
                 records[relative] = FileRecord(entry["size"], entry["crc32"])
         if not records:

@@ -1,34 +1,26 @@
 """Saver: HuggingFace exports on epoch / step / time triggers, published atomically.
 
-Saver = schedule (when) + engine (what) + formats.hf_export (how bytes are laid out) +
-commit (how a folder becomes visible). Process-safe within one job: every rank calls
+Saver = schedule (when) + engine (what) + export (an atomic HF folder) + retention (how many). Process-safe within one job: every rank calls
 :meth:`Saver.save` and rank 0 alone publishes. Not safe for two jobs writing one trial.
 """
 
 from __future__ import annotations
 
 import logging
-import shutil
-import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from areal_ckpt import dist
-from areal_ckpt._version import __version__
-from areal_ckpt.commit import publish, remove_folder, remove_stale, write_manifest
+from areal_ckpt.commit import remove_folder, remove_stale
 from areal_ckpt.config import SaverConfig
-from areal_ckpt.errors import CheckpointError, RankMismatchError
-from areal_ckpt.fsio import FileRecord
-from areal_ckpt.formats.hf_export import ExportPlan, ExportSource, plan_export, write_metadata, write_rank_shards
+from areal_ckpt.errors import RankMismatchError
+from areal_ckpt.export import write_export
+from areal_ckpt.formats.hf_export import ExportSource
 from areal_ckpt.layout import (
     EXPORT_STAGING_PREFIX,
     EXPORT_TRASH_PREFIX,
-    MANIFEST_NAME,
     default_user,
     export_leaf,
-    export_staging,
     export_trash,
     model_root,
     parse_export_leaf,
@@ -105,91 +97,27 @@ class Saver:
     def _export(
         self, engine: ExportSource, epoch: int, epoch_step: int, global_step: int, name: str, tokenizer: Any
     ) -> Path:
-        start = time.perf_counter()
-        rank, world = dist.rank(), dist.world_size()
         tag = (name, epoch, epoch_step, global_step)
         tags = dist.all_gather_objects(list(tag))
         if any(tuple(other) != tag for other in tags):
             raise RankMismatchError(f"Saver.save: ranks disagree on (name, epoch, epoch_step, global_step): {tags}")
         final = self.export_root(name) / export_leaf(epoch, epoch_step, global_step)
-        staging = export_staging(final)
-        prepared = True
-        if rank == 0:
-            prepared = self._prepare_staging(staging)
-        if not dist.all_true(prepared):
-            raise CheckpointError(f"{staging}: could not create the staging folder (see rank 0's log)")
-        plan = plan_export(engine.export_specs(), self.config.max_shard_size, self._dtype)
-        records, error = write_rank_shards(engine, plan, staging, rank, world, self._dtype)
-        if error is not None:
-            logger.error("rank %d: writing export shards into %s failed: %s", rank, staging, error)
-        all_records = dist.all_gather_objects(
-            {file: (rec.size, rec.crc32) for file, rec in records.items()} if error is None else None
+        header = {"name": name, "step": {"epoch": epoch, "epoch_step": epoch_step, "global_step": global_step}}
+        result = write_export(
+            engine, final, max_shard_size=self.config.max_shard_size, dtype=self._dtype, tokenizer=tokenizer,
+            header=header,
         )
-        if any(part is None for part in all_records):
-            if rank == 0:
-                shutil.rmtree(staging, ignore_errors=True)
-            failed = [r for r, part in enumerate(all_records) if part is None]
-            raise CheckpointError(f"{final}: export failed on rank(s) {failed}; previous exports are intact") from error
-        committed: str | None = None
-        if rank == 0:
-            committed = self._commit(engine, plan, staging, final, tokenizer, all_records, tag)
-        committed = dist.broadcast_object(committed, src=0)
-        if committed is None or committed.startswith("error:"):
-            raise CheckpointError(f"{final}: commit failed on rank 0: {committed}")
-        seconds = time.perf_counter() - start
         self.last_metrics = {
-            "time/saving": seconds,
-            "bytes": float(plan.total_size),
-            "gbps": plan.total_size / seconds / 1e9 if seconds > 0 else 0.0,
+            "time/saving": result.seconds,
+            "bytes": float(result.bytes),
+            "gbps": result.bytes / result.seconds / 1e9 if result.seconds > 0 else 0.0,
         }
-        logger.info("exported %s (%.3f GB in %.2f s, %.2f GB/s)", final, plan.total_size / 1e9, seconds, self.last_metrics["gbps"])
-        if rank == 0 and self.config.keep_last is not None:
+        logger.info("exported %s (%.3f GB in %.2f s, %.2f GB/s)", final, result.bytes / 1e9, result.seconds,
+                    self.last_metrics["gbps"])
+        if dist.rank() == 0 and self.config.keep_last is not None:
             self._apply_retention(final)
         dist.barrier()
         return final
-
-    def _prepare_staging(self, staging: Path) -> bool:
-        try:
-            if staging.exists():
-                shutil.rmtree(staging)
-            staging.mkdir(parents=True)
-            return True
-        except OSError as error:
-            logger.error("cannot create staging folder %s: %s", staging, error)
-            return False
-
-    def _commit(
-        self,
-        engine: ExportSource,
-        plan: ExportPlan,
-        staging: Path,
-        final: Path,
-        tokenizer: Any,
-        all_records: list[dict[str, tuple[int, int]]],
-        tag: tuple[str, int, int, int],
-    ) -> str:
-        try:
-            write_metadata(engine, plan, staging, self._dtype, tokenizer)
-            records = {
-                file: FileRecord(size, crc)
-                for part in all_records
-                for file, (size, crc) in part.items()
-            }
-            header = {
-                "format": "areal_ckpt.hf_export",
-                "areal_ckpt_version": __version__,
-                "torch_version": torch.__version__,
-                "world_size": dist.world_size(),
-                "name": tag[0],
-                "step": {"epoch": tag[1], "epoch_step": tag[2], "global_step": tag[3]},
-            }
-            write_manifest(staging, MANIFEST_NAME, records, header)
-            publish(staging, final, export_trash(final))
-            return str(final)
-        except Exception as error:  # reported to every rank, which all raise
-            logger.error("commit of %s failed: %s", final, error)
-            shutil.rmtree(staging, ignore_errors=True)
-            return f"error: {error}"
 
     def _apply_retention(self, newest: Path) -> None:
         exports = sorted(

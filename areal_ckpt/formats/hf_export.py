@@ -113,13 +113,9 @@ def _to_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor.to(export_dtype_for(tensor.dtype, dtype))
 
 
-def write_metadata(
-    source: ExportSource, plan: ExportPlan, folder: Path, dtype: torch.dtype | None, tokenizer: Any | None
-) -> None:
-    """Write config.json, generation_config.json, the shard index and the tokenizer; local.
-
-    Files are fsync'd later, when the commit writes the manifest.
-    """
+def write_config(source: ExportSource, folder: Path, dtype: torch.dtype | None) -> None:
+    """Write config.json (with ``architectures`` and the exported ``dtype``) and, for models that
+    generate, generation_config.json into ``folder``; local, not fsync'd (the commit does that)."""
     config = copy.deepcopy(source.config)
     config.architectures = [source.architecture]
     if dtype is not None:
@@ -131,6 +127,16 @@ def write_metadata(
     config.save_pretrained(folder)
     if source.generation_config is not None:
         source.generation_config.save_pretrained(folder)
+
+
+def write_metadata(
+    source: ExportSource, plan: ExportPlan, folder: Path, dtype: torch.dtype | None, tokenizer: Any | None
+) -> None:
+    """Write config files, the shard index (when sharded) and the tokenizer; local.
+
+    Files are fsync'd later, when the commit writes the manifest.
+    """
+    write_config(source, folder, dtype)
     if plan.is_sharded:
         index = {"metadata": {"total_size": plan.total_size}, "weight_map": dict(sorted(plan.weight_map.items()))}
         write_file_durably(folder / INDEX_FILE, json.dumps(index, indent=2).encode())

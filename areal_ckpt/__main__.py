@@ -1,0 +1,7 @@
+"""`python -m areal_ckpt` runs the `areal-ckpt` command line."""
+
+import sys
+
+from areal_ckpt.cli import main
+
+sys.exit(main())

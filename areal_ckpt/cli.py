@@ -1,0 +1,151 @@
+"""`areal-ckpt`: inspect, verify, list and export checkpoints from a shell.
+
+Errors print one line plus a hint and exit non-zero; `--help` works on every command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from areal_ckpt.config import parse_size
+from areal_ckpt.convert import export_recovery
+from areal_ckpt.describe import describe, list_trial, verify
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.tensors import EXPORT_DTYPES
+
+
+def _when(unix: float | None) -> str:
+    if unix is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(unix).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _size(count: int | None) -> str:
+    if count is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if count < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return str(count)
+
+
+def _step(step: dict[str, Any] | None) -> str:
+    if not step:
+        return "-"
+    return f"global {step.get('global_step')} (epoch {step.get('epoch')}, step {step.get('epoch_step')})"
+
+
+def _print_table(rows: list[list[str]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    facts = describe(Path(args.path))
+    if args.json:
+        print(json.dumps(facts, indent=1))
+        return 0
+    rows = [
+        ["kind", facts["kind"]],
+        ["path", facts["path"]],
+        ["step", _step(facts.get("step"))],
+        ["world size", str(facts.get("world_size") or "-")],
+        ["created", _when(facts.get("created_unix"))],
+        ["size", f"{_size(facts['bytes'])} in {facts['files']} files"],
+        ["complete", "yes" if facts["complete"] else "NO"],
+    ]
+    if facts["kind"] == "export":
+        rows.insert(3, ["parameters", f"{facts['parameters']:,}"])
+        rows.insert(4, ["dtypes", ", ".join(f"{k} ({v:,})" for k, v in facts["dtypes"].items())])
+    else:
+        for model, info in facts["models"].items():
+            dtypes = ", ".join(info["dtypes"])
+            rows.append([f"model {model}", f"{info['parameters']:,} parameters ({dtypes}), {_size(info['bytes'])}, "
+                         f"optimizer {'yes' if info['optimizer'] else 'no'}"])
+    _print_table(rows)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    problems = verify(Path(args.path))
+    for problem in problems:
+        print(f"BAD  {problem}")
+    if problems:
+        print(f"{args.path}: {len(problems)} problem(s); do not load this checkpoint", file=sys.stderr)
+        return 1
+    print(f"OK   {args.path}: every file matches its manifest")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    entries = list_trial(Path(args.trial_root))
+    if args.json:
+        print(json.dumps(entries, indent=1))
+        return 0
+    if not entries:
+        print(f"{args.trial_root}: no exports and no recovery checkpoint")
+        return 0
+    rows = [["kind", "model", "global step", "epoch", "size", "created", "path"]]
+    for e in entries:
+        rows.append([e["kind"] + (" (DAMAGED)" if "problem" in e else ""), e["name"], str(e["global_step"]),
+                     str(e["epoch"]), _size(e["bytes"]), _when(e["created_unix"]), e["path"]])
+    _print_table(rows)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    dtype = EXPORT_DTYPES[args.dtype] if args.dtype else None
+    result = export_recovery(Path(args.recover_dir), Path(args.out_dir), name=args.name, dtype=dtype,
+                             max_shard_size=parse_size(args.max_shard_size))
+    print(f"exported {_size(result.bytes)} in {result.seconds:.2f} s to {result.path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="areal-ckpt", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    inspect = commands.add_parser("inspect", help="what a checkpoint folder is: kind, step, sizes, dtypes")
+    inspect.add_argument("path")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.set_defaults(run=cmd_inspect)
+
+    check = commands.add_parser("verify", help="check every file against the manifest; exit 0 only if intact")
+    check.add_argument("path")
+    check.set_defaults(run=cmd_verify)
+
+    listing = commands.add_parser("list", help="every export and the recovery checkpoint of a trial, newest first")
+    listing.add_argument("trial_root")
+    listing.add_argument("--json", action="store_true", help="machine-readable output")
+    listing.set_defaults(run=cmd_list)
+
+    export = commands.add_parser("export", help="recovery checkpoint (DCP) -> HuggingFace folder")
+    export.add_argument("recover_dir", help="trial folder, recover_info, or {name}/recover_checkpoint")
+    export.add_argument("out_dir", help="new folder to create")
+    export.add_argument("--name", help="model to export when the checkpoint holds several")
+    export.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="exported floating-point dtype")
+    export.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    export.set_defaults(run=cmd_export)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    try:
+        return args.run(args)
+    except (CheckpointError, ValueError, OSError) as error:
+        print(f"areal-ckpt {args.command}: error: {error}", file=sys.stderr)
+        print("hint: `areal-ckpt verify PATH` names damaged files; `areal-ckpt list TRIAL` shows what exists",
+              file=sys.stderr)
+        return 2

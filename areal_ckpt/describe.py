@@ -1,0 +1,179 @@
+"""What a checkpoint folder is, whether it is intact, and what a trial holds. Read-only."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+from areal_ckpt.commit import check_files, read_manifest
+from areal_ckpt.convert import resolve_recovery
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.layout import MANIFEST_NAME, RECOVER_MANIFEST, parse_export_leaf, recover_pointer
+
+_MAX_SAFETENSORS_HEADER = 100 << 20
+
+
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file; CheckpointError on an absurd or malformed header."""
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) != 8:
+            raise CheckpointError(f"{path}: too short to be a safetensors file")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > min(_MAX_SAFETENSORS_HEADER, path.stat().st_size - 8):
+            raise CheckpointError(f"{path}: header claims {length} bytes, more than the file holds")
+        try:
+            header = json.loads(handle.read(length))
+        except ValueError as error:
+            raise CheckpointError(f"{path}: malformed safetensors header: {error}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: malformed safetensors header")
+    return header
+
+
+def kind_of(path: Path) -> str:
+    """``export``, ``recover`` or ``unknown`` for a folder; read-only."""
+    try:
+        resolve_recovery(path)
+        return "recover"
+    except CheckpointError:
+        pass
+    if (path / MANIFEST_NAME).is_file() or any(path.glob("*.safetensors")):
+        return "export"
+    return "unknown"
+
+
+def describe(path: Path) -> dict[str, Any]:
+    """Facts about the checkpoint at ``path`` (kind, step, world size, models, sizes, dtypes,
+    parameters, creation time, complete?), as JSON-ready data."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a folder")
+    kind = kind_of(path)
+    if kind == "export":
+        return _describe_export(path)
+    if kind == "recover":
+        return _describe_recovery(path)
+    raise CheckpointError(f"{path}: neither an HF export nor a recovery checkpoint")
+
+
+def _describe_export(path: Path) -> dict[str, Any]:
+    manifest: dict[str, Any] = {}
+    if (path / MANIFEST_NAME).is_file():
+        manifest = read_manifest(path, MANIFEST_NAME)
+    dtypes: dict[str, int] = {}
+    parameters = 0
+    for shard in sorted(path.glob("*.safetensors")):
+        for name, entry in safetensors_header(shard).items():
+            if name == "__metadata__":
+                continue
+            count = 1
+            for dim in entry["shape"]:
+                count *= dim
+            parameters += count
+            dtypes[entry["dtype"]] = dtypes.get(entry["dtype"], 0) + count
+    files = {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()}
+    listed = set(manifest.get("files", {}))
+    return {
+        "kind": "export",
+        "path": str(path),
+        "name": manifest.get("name"),
+        "step": manifest.get("step"),
+        "world_size": manifest.get("world_size"),
+        "created_unix": manifest.get("created_unix"),
+        "parameters": parameters,
+        "dtypes": dtypes,
+        "bytes": sum(files.values()),
+        "files": len(files),
+        "complete": bool(manifest) and listed <= set(files),
+    }
+
+
+def _describe_recovery(path: Path) -> dict[str, Any]:
+    generation, _ = resolve_recovery(path)
+    manifest = read_manifest(generation, RECOVER_MANIFEST)
+    models = {}
+    for model in manifest.get("models", []):
+        metadata = json.loads((generation / model / "dcp_metadata.json").read_text())
+        weights = {k: v for k, v in metadata["tensors"].items() if k.startswith("model.")}
+        dtypes: dict[str, int] = {}
+        for entry in weights.values():
+            count = 1
+            for dim in entry["size"]:
+                count *= dim
+            dtypes[entry["dtype"]] = dtypes.get(entry["dtype"], 0) + count
+        models[model] = {
+            "parameters": sum(dtypes.values()),
+            "dtypes": dtypes,
+            "optimizer": any(k.startswith("optim.") for k in metadata["tensors"]),
+            "bytes": sum(e["size"] for f, e in manifest["files"].items() if f.startswith(f"{model}/")),
+        }
+    return {
+        "kind": "recover",
+        "path": str(generation),
+        "step": manifest.get("step"),
+        "world_size": manifest.get("world_size"),
+        "created_unix": manifest.get("created_unix"),
+        "models": models,
+        "versions": {"areal_ckpt": manifest.get("areal_ckpt_version"), "torch": manifest.get("torch_version")},
+        "bytes": sum(entry["size"] for entry in manifest["files"].values()),
+        "files": len(manifest["files"]),
+        "complete": all((generation / f).is_file() for f in manifest["files"]),
+    }
+
+
+def verify(path: Path) -> list[str]:
+    """Every problem with the checkpoint at ``path`` (missing, truncated, corrupted, unlisted
+    files; missing manifest), one line each naming the file. Empty means intact. Read-only."""
+    path = Path(path)
+    kind = kind_of(path) if path.is_dir() else "unknown"
+    if kind == "export":
+        folder, manifest_name = path, MANIFEST_NAME
+    elif kind == "recover":
+        folder, manifest_name = resolve_recovery(path)[0], RECOVER_MANIFEST
+    else:
+        return [f"{path}: not a checkpoint folder"]
+    try:
+        manifest = read_manifest(folder, manifest_name)
+    except CheckpointError as error:
+        return [str(error)]
+    files = manifest["files"]
+    problems = check_files(folder, files, sorted(files))
+    on_disk = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink()}
+    for extra in sorted(on_disk - set(files) - {manifest_name}):
+        problems.append(f"{folder / extra}: not listed in the manifest (added after the checkpoint was written)")
+    return problems
+
+
+def list_trial(trial: Path) -> list[dict[str, Any]]:
+    """Every export (all model names) and the recovery checkpoint of a trial, newest first."""
+    trial = Path(trial)
+    if not trial.is_dir():
+        raise CheckpointError(f"{trial}: not a folder")
+    entries = []
+    for model in sorted(p for p in trial.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        for export in model.iterdir():
+            parsed = parse_export_leaf(export.name)
+            if parsed is None or not export.is_dir():
+                continue
+            size = sum(p.stat().st_size for p in export.iterdir() if p.is_file())
+            entries.append({
+                "kind": "export", "name": model.name, "epoch": parsed[0], "epoch_step": parsed[1],
+                "global_step": parsed[2], "bytes": size, "created_unix": export.stat().st_mtime, "path": str(export),
+            })
+    if recover_pointer(trial).is_symlink():
+        try:
+            recovery = _describe_recovery(trial)
+        except CheckpointError as error:  # shown, not hidden: a damaged checkpoint is news
+            recovery = {"models": {}, "step": None, "bytes": None, "created_unix": None,
+                        "path": str(recover_pointer(trial)), "problem": str(error)}
+        step = recovery["step"] or {}
+        entries.append({
+            "kind": "recover", "name": ",".join(recovery["models"]), "epoch": step.get("epoch"),
+            "epoch_step": step.get("epoch_step"), "global_step": step.get("global_step"),
+            "bytes": recovery["bytes"], "created_unix": recovery["created_unix"], "path": recovery["path"],
+            **({"problem": recovery["problem"]} if "problem" in recovery else {}),
+        })
+    return sorted(entries, key=lambda e: (e["global_step"] or 0, e["created_unix"] or 0), reverse=True)

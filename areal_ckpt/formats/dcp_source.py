@@ -1,0 +1,78 @@
+"""A recovery checkpoint's model, read back from DCP shards as an export source.
+
+Offers what :mod:`areal_ckpt.formats.hf_export` needs (config, tensor list, gathering) so the
+same export code that serves a live model turns a checkpoint into a HuggingFace folder. Tensors
+are read one shard file's worth at a time: peak memory is bounded by the largest output shard.
+Single process, no process group needed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.formats.dcp_io import load_tensors, read_tensor_index
+from areal_ckpt.tensors import TensorSpec
+
+MODEL_PREFIX = "model."
+_SKIP_WHEN_READING = ("model.", "optim.")
+
+
+class DcpModelSource:
+    """The model of one ``{name}/`` folder of a recovery generation (DCP shards + ``hf/``)."""
+
+    def __init__(self, folder: Path, hf_folder: Path) -> None:
+        self.folder = folder
+        if not (hf_folder / "config.json").is_file():
+            raise CheckpointError(
+                f"{hf_folder / 'config.json'}: missing; this checkpoint did not record the model's HF config"
+            )
+        self.config = AutoConfig.from_pretrained(hf_folder, local_files_only=True)
+        generation = hf_folder / "generation_config.json"
+        self.generation_config = (
+            GenerationConfig.from_pretrained(hf_folder, local_files_only=True) if generation.is_file() else None
+        )
+        architectures = getattr(self.config, "architectures", None) or []
+        self.architecture = architectures[0] if architectures else type(self.config).__name__
+        self._index = {
+            name[len(MODEL_PREFIX):]: value
+            for name, value in read_tensor_index(folder).items()
+            if name.startswith(MODEL_PREFIX)
+        }
+        tied = self._tied_names()
+        self._names = [name for name in self._index if name not in tied]
+
+    def _tied_names(self) -> set[str]:
+        """Tied duplicates (e.g. lm_head.weight) as the model class declares them; built on meta."""
+        if not getattr(self.config, "tie_word_embeddings", False):
+            return set()
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(self.config)
+        return set(getattr(model, "all_tied_weights_keys", None) or {})
+
+    def export_specs(self) -> list[TensorSpec]:
+        """Stored model tensors (full shapes), tied duplicates left out; local, reads metadata only."""
+        return [TensorSpec(name, self._index[name][1], self._index[name][0]) for name in self._names]
+
+    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Read the tensors in ``keep`` among ``names`` from the shards (one DCP read); local."""
+        wanted = [name for name in names if name in keep]
+        if not wanted:
+            return
+        template = {
+            MODEL_PREFIX + name: torch.empty(self._index[name][1], dtype=self._index[name][0]) for name in wanted
+        }
+        load_tensors(template, self.folder, optional_prefixes=_SKIP_WHEN_READING)
+        for name in wanted:
+            yield name, template.pop(MODEL_PREFIX + name)
+
+
+def load_tokenizer(hf_folder: Path) -> Any | None:
+    """The tokenizer recorded beside a checkpoint, or None when none was recorded."""
+    if not any((hf_folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    return AutoTokenizer.from_pretrained(hf_folder, local_files_only=True)
