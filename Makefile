@@ -7,8 +7,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+TORTURE_TRIALS ?= 200
 
-.PHONY: demo test venv clean
+.PHONY: demo test torture venv clean
 
 venv: $(STAMP)
 
@@ -23,6 +24,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+torture: $(STAMP)
+	cd tests && ../$(BIN)/python torture.py --trials $(TORTURE_TRIALS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

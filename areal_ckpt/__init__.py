@@ -8,7 +8,7 @@ from areal_ckpt._version import __version__
 from areal_ckpt.config import CheckpointConfig, RecoverConfig, SaverConfig
 from areal_ckpt.config_loader import load_config
 from areal_ckpt.engines import TorchEngine
-from areal_ckpt.errors import CheckpointError, CommitError, ConfigError, RankMismatchError
+from areal_ckpt.errors import CheckpointError, CollectiveError, CommitError, ConfigError, RankMismatchError
 from areal_ckpt.recover import RecoverHandler, check_if_recover
 from areal_ckpt.saver import Saver
 from areal_ckpt.state.recover_info import RecoverInfo
@@ -18,6 +18,7 @@ from areal_ckpt.step import FinetuneSpec, StepInfo
 __all__ = [
     "CheckpointConfig",
     "CheckpointError",
+    "CollectiveError",
     "CommitError",
     "ConfigError",
     "FinetuneSpec",

@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import time
+import zlib
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -55,8 +56,16 @@ def write_manifest(
         "created_unix": time.time(),
         "files": {name: {"size": rec.size, "crc32": rec.crc32} for name, rec in sorted(complete.items())},
     }
-    write_file_durably(folder / manifest_name, json.dumps(manifest, indent=1).encode())
+    write_file_durably(folder / manifest_name, render_manifest(manifest))
     fsync_dir(folder)
+
+
+def render_manifest(manifest: dict[str, Any]) -> bytes:
+    """The bytes a manifest is stored as: canonical JSON carrying its own CRC-32 (computed with the field set to 0), so a damaged
+    manifest is named as such rather than blamed on the file whose entry it garbled."""
+    body = {key: value for key, value in manifest.items() if key != "manifest_crc32"}
+    draft = json.dumps({**body, "manifest_crc32": 0}, indent=1, sort_keys=True).encode()
+    return json.dumps({**body, "manifest_crc32": zlib.crc32(draft)}, indent=1, sort_keys=True).encode()
 
 
 def _exchange(first: Path, second: Path) -> bool:
@@ -148,11 +157,14 @@ def read_manifest(folder: Path, manifest_name: str) -> dict[str, Any]:
     """Parse a checkpoint manifest; raises CheckpointError naming the file when it is unusable."""
     path = folder / manifest_name
     try:
-        manifest = json.loads(path.read_text())
+        raw = path.read_bytes()
+        manifest = json.loads(raw)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: manifest missing: the checkpoint is incomplete") from None
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{path}: manifest unreadable: {error}") from None
+    if not isinstance(manifest, dict) or render_manifest(manifest) != raw:
+        raise CheckpointError(f"{path}: checksum mismatch (manifest corrupted or edited)")
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict):
         raise CheckpointError(f"{path}: manifest has no file list")

@@ -6,10 +6,32 @@ in the same order. Without an initialized process group they act as a world of o
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as torch_dist
+
+from areal_ckpt.errors import CollectiveError
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _collective(function: _F) -> _F:
+    """Turn a backend failure (a peer died: gloo reports "Connection closed by peer" at once;
+    otherwise the process group's timeout bounds the wait) into a CollectiveError."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except RuntimeError as error:
+            raise CollectiveError(
+                f"rank {rank()}: {function.__name__} across {world_size()} ranks failed "
+                f"(another rank died or the network broke): {error}"
+            ) from error
+
+    return wrapper  # type: ignore[return-value]
 
 
 def is_distributed() -> bool:
@@ -27,6 +49,7 @@ def world_size() -> int:
     return torch_dist.get_world_size() if is_distributed() else 1
 
 
+@_collective
 def barrier() -> None:
     """Collective: wait for every rank."""
     if is_distributed():
@@ -39,6 +62,7 @@ def _flag_device() -> torch.device:
     return torch.device("cpu")
 
 
+@_collective
 def broadcast_flag(flag: bool, src: int = 0) -> bool:
     """Collective: every rank returns rank ``src``'s ``flag``."""
     if not is_distributed():
@@ -48,6 +72,7 @@ def broadcast_flag(flag: bool, src: int = 0) -> bool:
     return bool(tensor.item())
 
 
+@_collective
 def all_true(flag: bool) -> bool:
     """Collective: True only when ``flag`` is True on every rank."""
     if not is_distributed():
@@ -57,6 +82,7 @@ def all_true(flag: bool) -> bool:
     return bool(tensor.item())
 
 
+@_collective
 def all_gather_objects(obj: Any) -> list[Any]:
     """Collective: every rank's JSON-like ``obj``, indexed by rank.
 
@@ -70,6 +96,7 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return gathered
 
 
+@_collective
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Collective: every rank returns rank ``src``'s small in-process ``obj``."""
     if not is_distributed():

@@ -17,3 +17,7 @@ class CommitError(CheckpointError):
 
 class RankMismatchError(CheckpointError):
     """Ranks disagree about what to save (name, step); raised on every rank before any write."""
+
+
+class CollectiveError(CheckpointError):
+    """A collective between ranks failed: usually another rank died or the network broke."""

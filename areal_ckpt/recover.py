@@ -18,11 +18,12 @@ from areal_ckpt import dist
 from areal_ckpt._version import __version__
 from areal_ckpt.commit import check_files, read_manifest
 from areal_ckpt.config import RecoverConfig
-from areal_ckpt.errors import CheckpointError, RankMismatchError
+from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError
 from areal_ckpt.formats.dcp_io import load_tensors, save_tensors
 from areal_ckpt.formats.hf_export import write_config
 from areal_ckpt.fsio import FileRecord, record_of, write_file_durably
 from areal_ckpt.layout import ENGINE_STATE_FILE, HF_FILES, RECOVER_INFO, RECOVER_MANIFEST, default_user, trial_root
+from areal_ckpt.lock import acquire_trial_lock
 from areal_ckpt.recover_store import RecoverStore
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state import safe_json
@@ -77,7 +78,8 @@ class RecoverHandler:
 
     One committed copy per trial, replaced on each dump by an atomic switch (see
     :mod:`areal_ckpt.recover_store` and docs/recovery.md for why a kill at any instant leaves
-    the previous or the new checkpoint, whole).
+    the previous or the new checkpoint, whole). Creating one (mode on/auto) takes the trial's
+    lock on rank 0: a second job on the same trial is refused.
     """
 
     def __init__(self, config: RecoverConfig, ft_spec: FinetuneSpec) -> None:
@@ -89,6 +91,8 @@ class RecoverHandler:
         self._generation: str | None = None  # committed generation this process loaded or wrote
         self._fingerprints: dict[str, list[int]] = {}
         self.last_metrics: dict[str, float] = {}
+        if self.enabled and dist.rank() == 0:
+            acquire_trial_lock(self.store.trial)
 
     # -- dump -------------------------------------------------------------------------------
 
@@ -136,6 +140,11 @@ class RecoverHandler:
             try:
                 path, size = self._dump_once(engines, step_info, components, rank_state, tokenizer)
                 break
+            except CollectiveError as lost:  # retrying without the other ranks cannot succeed
+                raise CollectiveError(
+                    f"{self.store.root}: recovery dump at global step {step_info.global_step} stopped: {lost}. "
+                    "The committed checkpoint is untouched; restart the job to resume from it."
+                ) from lost
             except _AttemptFailed as failure:
                 if attempt == self.config.retries:
                     raise CheckpointError(

@@ -26,6 +26,7 @@ from areal_ckpt.layout import (
     parse_export_leaf,
     trial_root,
 )
+from areal_ckpt.lock import acquire_trial_lock
 from areal_ckpt.schedule import NamedSchedules, TriggerSchedule
 from areal_ckpt.step import FinetuneSpec
 from areal_ckpt.tensors import EXPORT_DTYPES
@@ -37,6 +38,9 @@ _STATE_VERSION = 1
 
 class Saver:
     """Exports a model as a HuggingFace folder when its schedule says so.
+
+    Creating one takes the trial's lock on rank 0 (see :mod:`areal_ckpt.lock`): a second job on
+    the same trial is refused.
 
     Each model name (``actor``, ``critic``...) has its own schedule and its own folder under
     ``{fileroot}/checkpoints/{user}/{experiment_name}/{trial_name}/{name}/``. An export is
@@ -59,7 +63,8 @@ class Saver:
         )
         self._dtype = EXPORT_DTYPES[config.export_dtype] if config.export_dtype else None
         self.last_metrics: dict[str, float] = {}
-        if dist.rank() == 0 and self.trial_root.is_dir():
+        if dist.rank() == 0:
+            acquire_trial_lock(self.trial_root)
             remove_stale(
                 (p for p in self.trial_root.iterdir() if p.is_dir() and not p.is_symlink()),
                 (EXPORT_STAGING_PREFIX, EXPORT_TRASH_PREFIX),

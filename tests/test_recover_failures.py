@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import areal_ckpt as ac
+from areal_ckpt.commit import render_manifest
 from recover_fixtures import SPEC, committed_generation, dump_once, make_setup, recover_config, trial_dir
 
 
@@ -56,12 +57,20 @@ def test_different_model_names_missing_and_unexpected_keys(fileroot):
         load_fresh(fileroot, hidden_size=32, intermediate_size=64)
 
 
+def test_edited_manifest_is_named(fileroot):
+    dump_once(fileroot)
+    manifest_path = committed_generation(fileroot) / "recover_info/areal_ckpt_manifest.json"
+    manifest_path.write_text(manifest_path.read_text().replace('"world_size": 1', '"world_size": 2'))
+    with pytest.raises(ac.CheckpointError, match="areal_ckpt_manifest.json: checksum mismatch"):
+        load_fresh(fileroot)
+
+
 def test_incompatible_format_version_is_refused(fileroot):
     dump_once(fileroot)
     manifest_path = committed_generation(fileroot) / "recover_info/areal_ckpt_manifest.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["format_version"] = 99
-    manifest_path.write_text(json.dumps(manifest))
+    manifest_path.write_bytes(render_manifest(manifest))
     with pytest.raises(ac.CheckpointError, match="version 99 cannot be read"):
         load_fresh(fileroot)
 
@@ -112,7 +121,7 @@ def test_tampered_pickles_never_run(fileroot, tmp_path):
         payload = pickle.dumps(_RunsCode(str(marker)))
         (generation / relative).write_bytes(payload)
         manifest["files"][relative] = {"size": len(payload), "crc32": zlib.crc32(payload)}
-    manifest_path.write_text(json.dumps(manifest))
+    manifest_path.write_bytes(render_manifest(manifest))
     with pytest.raises(ac.CheckpointError, match="checkpoint_info.json: unreadable"):
         load_fresh(fileroot)
     assert not marker.exists()
@@ -125,7 +134,7 @@ def test_tampered_pickles_never_run(fileroot, tmp_path):
     manifest_path = generation / "recover_info/areal_ckpt_manifest.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["files"]["default/.metadata"] = {"size": len(payload), "crc32": zlib.crc32(payload)}
-    manifest_path.write_text(json.dumps(manifest))
+    manifest_path.write_bytes(render_manifest(manifest))
     info, setup = load_fresh(dump_fileroot)
     assert info is not None and not marker.exists()
     assert torch.equal(setup.model.lm_head.weight, trained.model.lm_head.weight)

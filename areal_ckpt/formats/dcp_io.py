@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import warnings
 from pathlib import Path
@@ -143,7 +144,9 @@ def save_tensors(tensors: dict[str, torch.Tensor], folder: Path) -> None:
         with _single_process_quiet():
             metadata = dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_distributed())
     except CheckpointException as error:  # a BaseException in DCP: make it an ordinary error
-        raise CheckpointError(f"{folder}: writing DCP shards failed: {_failures(error)}") from None
+        raise CheckpointError(
+            f"{folder}: writing DCP shards failed: {_failures(error)} ({_free_space(folder)})"
+        ) from None
     if dist.rank() == 0:
         write_file_durably(folder / METADATA_JSON, json.dumps(metadata_to_json(metadata)).encode())
 
@@ -186,6 +189,17 @@ def load_tensors(
             dcp.load(template, storage_reader=SafeFileSystemReader(folder), no_dist=not dist.is_distributed())
     except CheckpointException as error:
         raise CheckpointError(f"{folder}: reading DCP shards failed: {_failures(error)}") from None
+
+
+def _free_space(folder: Path) -> str:
+    """DCP's tensor writer reports a full disk as a zip-format error; say how much room there is."""
+    try:
+        stats = os.statvfs(folder)
+    except OSError as error:
+        return f"cannot stat the filesystem: {error.strerror}"
+    free = stats.f_bavail * stats.f_frsize
+    hint = ": no space left on device" if free < (1 << 20) else ""
+    return f"{free} bytes free on the filesystem{hint}"
 
 
 def _failures(error: CheckpointException) -> str:
