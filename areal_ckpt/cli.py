@@ -13,11 +13,18 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from tqdm import tqdm
+
 from areal_ckpt.config import parse_size
 from areal_ckpt.convert import export_recovery
 from areal_ckpt.describe import describe, list_trial, verify
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.tensors import EXPORT_DTYPES
+
+
+def _progress(unit: str) -> Any:
+    """A tqdm bar on stderr when it is a terminal; silent otherwise (scripts, CI logs)."""
+    return lambda items: tqdm(items, unit=unit, leave=False, disable=not sys.stderr.isatty())
 
 
 def _when(unix: float | None) -> str:
@@ -75,7 +82,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    problems = verify(Path(args.path))
+    problems = verify(Path(args.path), progress=_progress("file"))
     for problem in problems:
         print(f"BAD  {problem}")
     if problems:
@@ -104,7 +111,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     dtype = EXPORT_DTYPES[args.dtype] if args.dtype else None
     result = export_recovery(Path(args.recover_dir), Path(args.out_dir), name=args.name, dtype=dtype,
-                             max_shard_size=parse_size(args.max_shard_size))
+                             max_shard_size=parse_size(args.max_shard_size), progress=_progress("shard"))
     print(f"exported {_size(result.bytes)} in {result.seconds:.2f} s to {result.path}")
     return 0
 

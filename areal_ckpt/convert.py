@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Callable, Iterable
 
 import torch
 
@@ -37,7 +38,7 @@ def resolve_recovery(path: Path) -> tuple[Path, str | None]:
 
 def export_recovery(
     path: Path, out_dir: Path, name: str | None = None, dtype: torch.dtype | None = None,
-    max_shard_size: int = 5 * 10**9,
+    max_shard_size: int = 5 * 10**9, progress: Callable[[Iterable[int]], Iterable[int]] = iter,
 ) -> ExportResult:
     """Write model ``name`` of the recovery checkpoint at ``path`` as an HF folder ``out_dir``.
 
@@ -67,5 +68,5 @@ def export_recovery(
     return write_export(
         source, out_dir, max_shard_size=max_shard_size, dtype=dtype,
         tokenizer=load_tokenizer(generation / model / HF_FILES),
-        header={"name": model, "step": step, "converted_from": str(generation)},
+        header={"name": model, "step": step, "converted_from": str(generation)}, progress=progress,
     )

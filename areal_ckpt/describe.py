@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from areal_ckpt.commit import check_files, read_manifest
 from areal_ckpt.convert import resolve_recovery
@@ -124,7 +124,7 @@ def _describe_recovery(path: Path) -> dict[str, Any]:
     }
 
 
-def verify(path: Path) -> list[str]:
+def verify(path: Path, progress: Callable[[Iterable[str]], Iterable[str]] = iter) -> list[str]:
     """Every problem with the checkpoint at ``path`` (missing, truncated, corrupted, unlisted
     files; missing manifest), one line each naming the file. Empty means intact. Read-only."""
     path = Path(path)
@@ -140,7 +140,7 @@ def verify(path: Path) -> list[str]:
     except CheckpointError as error:
         return [str(error)]
     files = manifest["files"]
-    problems = check_files(folder, files, sorted(files))
+    problems = [problem for name in progress(sorted(files)) for problem in check_files(folder, files, [name])]
     on_disk = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink()}
     for extra in sorted(on_disk - set(files) - {manifest_name}):
         problems.append(f"{folder / extra}: not listed in the manifest (added after the checkpoint was written)")

@@ -11,7 +11,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -45,6 +45,7 @@ def write_export(
     dtype: torch.dtype | None,
     tokenizer: Any | None,
     header: dict[str, Any],
+    progress: Callable[[Iterable[int]], Iterable[int]] = iter,
 ) -> ExportResult:
     """Export ``source`` to the folder ``final``, replacing a folder of that name whole.
 
@@ -59,7 +60,7 @@ def write_export(
     if not dist.all_true(prepared):
         raise CheckpointError(f"{staging}: could not create the staging folder (see rank 0's log)")
     plan = plan_export(source.export_specs(), max_shard_size, dtype)
-    records, error = write_rank_shards(source, plan, staging, rank, world, dtype)
+    records, error = write_rank_shards(source, plan, staging, rank, world, dtype, progress)
     if error is not None:
         logger.error("rank %d: writing export shards into %s failed: %s", rank, staging, error)
     all_records = dist.all_gather_objects(

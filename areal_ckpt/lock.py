@@ -1,7 +1,8 @@
 """One job per trial: an advisory lock that dies with the process that holds it.
 
 Rank 0 of a job takes ``{trial}/.areal_ckpt.lock`` with ``flock`` when a Saver or
-RecoverHandler is created and keeps it until the process exits. The kernel releases it when the
+RecoverHandler is created and keeps it until ``Saver.finalize()`` / ``RecoverHandler.close()``
+or the process exits. The kernel releases it when the
 holder dies however it dies (SIGKILL included), so a crashed job never blocks its restart. Within
 one process the lock is shared (a Saver and a RecoverHandler on one trial, or a handler made
 again after a failed load). ``flock`` is honoured by local filesystems and most network ones;
@@ -21,17 +22,18 @@ from areal_ckpt.errors import CheckpointError
 
 LOCK_NAME = ".areal_ckpt.lock"
 
-_held: dict[Path, int] = {}
+_held: dict[Path, list[int]] = {}  # lock path -> [fd, number of holders in this process]
 
 
 def acquire_trial_lock(trial: Path) -> None:
-    """Take the trial's lock for the rest of this process's life; local, non-blocking.
+    """Take the trial's lock until a matching :func:`release_trial_lock` or the process ends.
 
-    Creates the trial folder if needed. Raises CheckpointError naming the holder (pid, host,
-    since when) if another process holds it.
+    Local, non-blocking; counted within the process. Creates the trial folder if needed.
+    Raises CheckpointError naming the holder (pid, host, since when) if another process holds it.
     """
     path = (trial / LOCK_NAME).absolute()
     if path in _held:
+        _held[path][1] += 1
         return
     trial.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -47,4 +49,14 @@ def acquire_trial_lock(trial: Path) -> None:
     holder = {"pid": os.getpid(), "host": socket.gethostname(), "since_unix": time.time()}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(holder).encode(), 0)
-    _held[path] = fd
+    _held[path] = [fd, 1]
+
+
+def release_trial_lock(trial: Path) -> None:
+    """Give back one hold on the trial's lock; the last one unlocks it. Local; no-op if not held."""
+    path = (trial / LOCK_NAME).absolute()
+    if path not in _held:
+        return
+    _held[path][1] -= 1
+    if _held[path][1] == 0:
+        os.close(_held.pop(path)[0])  # closing the descriptor releases the flock

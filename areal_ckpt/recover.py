@@ -23,7 +23,7 @@ from areal_ckpt.formats.dcp_io import load_tensors, save_tensors
 from areal_ckpt.formats.hf_export import write_config
 from areal_ckpt.fsio import FileRecord, record_of, write_file_durably
 from areal_ckpt.layout import ENGINE_STATE_FILE, HF_FILES, RECOVER_INFO, RECOVER_MANIFEST, default_user, trial_root
-from areal_ckpt.lock import acquire_trial_lock
+from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.recover_store import RecoverStore
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state import safe_json
@@ -91,8 +91,15 @@ class RecoverHandler:
         self._generation: str | None = None  # committed generation this process loaded or wrote
         self._fingerprints: dict[str, list[int]] = {}
         self.last_metrics: dict[str, float] = {}
-        if self.enabled and dist.rank() == 0:
+        self._locked = self.enabled and dist.rank() == 0
+        if self._locked:
             acquire_trial_lock(self.store.trial)
+
+    def close(self) -> None:
+        """Release the trial's lock (held from construction on rank 0); local, idempotent."""
+        if self._locked:
+            release_trial_lock(self.store.trial)
+            self._locked = False
 
     # -- dump -------------------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from areal_ckpt.layout import (
     parse_export_leaf,
     trial_root,
 )
-from areal_ckpt.lock import acquire_trial_lock
+from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.schedule import NamedSchedules, TriggerSchedule
 from areal_ckpt.step import FinetuneSpec
 from areal_ckpt.tensors import EXPORT_DTYPES
@@ -63,6 +63,7 @@ class Saver:
         )
         self._dtype = EXPORT_DTYPES[config.export_dtype] if config.export_dtype else None
         self.last_metrics: dict[str, float] = {}
+        self._finalized = False
         if dist.rank() == 0:
             acquire_trial_lock(self.trial_root)
             remove_stale(
@@ -151,5 +152,8 @@ class Saver:
         self._schedules.load_state_dict(state["schedules"])
 
     def finalize(self) -> None:
-        """Finish outstanding work; in sync mode every export is already durable, so this is a
-        local no-op kept for API parity with async mode. Idempotent."""
+        """Finish outstanding work and release the trial's lock; local, idempotent. In sync mode
+        every export is already durable when ``save`` returns."""
+        if dist.rank() == 0 and not self._finalized:
+            release_trial_lock(self.trial_root)
+        self._finalized = True

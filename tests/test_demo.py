@@ -1,4 +1,4 @@
-"""`make demo`'s job: killed part-way, restarted by its launcher, resumed, finished, exported."""
+"""`make demo`'s job: a GRPO run killed part-way, restarted by its launcher, resumed, finished."""
 
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ def test_demo_is_killed_resumes_by_itself_and_replays_identical_losses(tmp_path)
         losses.setdefault(int(step), set()).add(loss)
     assert sorted(losses) == list(range(24))
     assert all(len(values) == 1 for values in losses.values()), "a replayed step changed its loss"
-    assert re.search(r"generate\('12\+7='\) -> '12\+7=", output)
-    exports = sorted(p.name for p in tmp_path.glob("checkpoints/*/arithmetic-demo/trial0/default/epoch*"))
-    assert exports == ["epoch0epochstep11globalstep11", "epoch1epochstep11globalstep23", "epoch1epochstep3globalstep15"]
+    assert re.search(r"generate\('3\+4='\) -> '3\+4=", output)
+    assert "replay check: steps 10-13 ran twice" in output and "identical to the last bit" in output
+    exports = sorted(p.name for p in tmp_path.glob("checkpoints/*/grpo-digits/trial0/actor/epoch*"))
+    assert exports == ["epoch0epochstep7globalstep7", "epoch1epochstep7globalstep15", "epoch2epochstep7globalstep23"]
+    assert (tmp_path / "reports/grpo-digits/trial0/report.png").stat().st_size > 10_000
+    assert re.search(r"recover +actor,ref +23 ", output)

@@ -6,7 +6,10 @@ for the Python blocks after it); Python blocks run in one namespace, in a scratc
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +35,24 @@ def test_code_blocks_run(doc, tmp_path, monkeypatch):
             ac.load_config(tmp_path / "config.yaml")
         elif language == "python":
             exec(compile(code, f"{doc.name}:python-block", "exec"), namespace)
+
+
+def test_shell_blocks_with_the_cli_run(tmp_path, fileroot, tokenizer):
+    """README's `areal-ckpt` lines run against a real trial (an actor and a frozen ref)."""
+    from recover_fixtures import SPEC, make_setup, recover_config, step_info, trial_dir
+
+    setup = make_setup()
+    engines = {"actor": setup.engine, "ref": ac.TorchEngine(make_setup(seed=2).model)}
+    handler = ac.RecoverHandler(recover_config(fileroot), SPEC)
+    handler.dump(engines, step_info(0), tokenizer=tokenizer, force=True)
+    handler.close()
+    env = {**os.environ, "TRIAL": str(trial_dir(fileroot)), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    shell = [code for doc in DOCS for language, code in blocks(doc) if language == "sh" and "areal-ckpt" in code]
+    assert shell
+    for code in shell:
+        done = subprocess.run(["bash", "-euc", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+    assert (tmp_path / "exported/config.json").is_file()
 
 
 def test_readme_shows_the_two_commands():

@@ -15,6 +15,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import areal_ckpt as ac
 from distributed import run_distributed
+from torture import second_job
 from recover_fixtures import (
     SPEC, committed_generation, dump_once, make_setup, recover_config, step_info, train_step, trial_dir,
 )
@@ -205,3 +206,18 @@ def _dump_with_rank_dependent_step(rank: int, world: int, root: str) -> None:
 def test_ranks_disagreeing_on_the_step_are_stopped_before_any_write(fileroot):
     run_distributed(_dump_with_rank_dependent_step, 2, str(fileroot))
     assert not (trial_dir(fileroot) / ".recover").exists()
+
+
+def test_trial_lock_is_held_until_close_and_finalize(fileroot, tmp_path):
+    report = tmp_path / "report.txt"
+    handler = ac.RecoverHandler(recover_config(fileroot), SPEC)
+    saver = ac.Saver(ac.SaverConfig(experiment_name="exp", trial_name="trial", fileroot=str(fileroot), user="tester"), SPEC)
+    run_distributed(second_job, 1, str(fileroot), str(report))
+    assert report.read_text().startswith("refused") and "another job is using this trial" in report.read_text()
+    handler.close()
+    run_distributed(second_job, 1, str(fileroot), str(report))
+    assert report.read_text().startswith("refused")  # the Saver still holds it
+    saver.finalize()
+    saver.finalize()  # idempotent
+    run_distributed(second_job, 1, str(fileroot), str(report))
+    assert report.read_text() == "accepted"

@@ -111,10 +111,13 @@ def _check_recover(root: Path, trial: str, model: dict | None = None) -> tuple[s
         return "lost", "; ".join(problems[:2])
     setup = make_setup(seed=1, **(BIG if model is None else model))
     config = recover_config(root).model_copy(update={"trial_name": trial})
+    handler = ac.RecoverHandler(config, SPEC)
     try:
-        info = ac.RecoverHandler(config, SPEC).load(setup.engine, drop_rank_state=True)
+        info = handler.load(setup.engine, drop_rank_state=True)
     except ac.CheckpointError as error:
         return "lost", str(error)
+    finally:
+        handler.close()
     if info is None:
         return "lost", "no checkpoint after a commit"
     if not _every_weight_equals(setup.model, float(info.last_step_info.global_step)):
@@ -124,7 +127,7 @@ def _check_recover(root: Path, trial: str, model: dict | None = None) -> tuple[s
 
 def _check_exports(root: Path, trial: str) -> tuple[str, str]:
     model_root = root / "checkpoints/tester/exp" / trial / "default"
-    ac.Saver(ac.SaverConfig(experiment_name="exp", trial_name=trial, fileroot=str(root), user="tester"), SPEC)
+    ac.Saver(ac.SaverConfig(experiment_name="exp", trial_name=trial, fileroot=str(root), user="tester"), SPEC).finalize()
     leftovers = [p.name for p in model_root.iterdir() if p.name.startswith(".")]
     if leftovers:
         return "wrong", f"debris after restart: {leftovers}"
@@ -211,7 +214,8 @@ def scenario_disk_full(trials: int, work: Path) -> Row:
                 continue
             row.record(*_check_recover_named(mount, "trial", expect_step=1))
         finally:
-            subprocess.run(["umount", str(mount)], capture_output=True)
+            if subprocess.run(["umount", str(mount)], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "--lazy", str(mount)], capture_output=True)
     return row
 
 
@@ -258,11 +262,14 @@ def scenario_corruption(work: Path) -> Row:
             _damage(damaged, how)
             problems = verify(copy / "checkpoints/tester/exp/trial")
             named = any(relative.name in problem for problem in problems)
+            handler = ac.RecoverHandler(recover_config(copy), SPEC)
             try:
-                ac.RecoverHandler(recover_config(copy), SPEC).load(make_setup(seed=1).engine)
+                handler.load(make_setup(seed=1).engine)
                 loaded, message = True, ""
             except ac.CheckpointError as error:
                 loaded, message = False, str(error)
+            finally:
+                handler.close()
             if loaded:
                 row.record("wrong", f"{how} {relative}: loaded silently")
             elif not named or relative.name not in message:

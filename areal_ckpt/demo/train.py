@@ -1,14 +1,17 @@
-"""The demo's training process: a tiny causal LM learns digit addition on CPU.
+"""The demo's training process: GRPO-style RL of a tiny causal LM on digit addition, on CPU.
 
 It follows docs/recovery.md: one RecoverHandler.load() before training, resume from
 ``info.last_step_info.next()``, a DistributedSampler with a seed plus ``set_epoch`` and a
-dataloader with its own generator, ``dump`` and ``save`` after every step. Everything is built
-locally (tokenizer trained on a few strings, model from a config); nothing is downloaded.
+dataloader with its own generator, ``save`` and ``dump`` after every step. The reference policy
+is a frozen engine (dumped once, then hard-linked); the adaptive KL coefficient travels in
+``client_state``. Everything is built locally; nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import json
 import logging
 import os
 import random
@@ -22,22 +25,13 @@ import torch
 import yaml
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
+from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import areal_ckpt as ac
+from areal_ckpt.demo.report import checkpoint_table, plot, read_metrics, replay_check
+from areal_ckpt.demo.rl import adapt_kl, grpo_loss, make_prompts, sample
 from areal_ckpt.demo.tiny import build_model, build_tokenizer, warmup_cosine
-
-
-def make_problems(count: int, seed: int) -> list[str]:
-    """``count`` addition problems with their answers, e.g. ``"12+7=19"``."""
-    rng = random.Random(seed)
-    return [f"{a}+{b}={a + b}" for a, b in ((rng.randrange(50), rng.randrange(50)) for _ in range(count))]
-
-
-def newest_export(saver: ac.Saver) -> Path:
-    """The committed export with the highest global step."""
-    exports = [p for p in saver.export_root().iterdir() if p.name.startswith("epoch")]
-    return max(exports, key=lambda p: int(p.name.rsplit("globalstep", 1)[1]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,67 +45,107 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = ac.load_config(args.config, args.overrides)
     demo = (yaml.safe_load(Path(args.config).read_text()) or {}).get("demo", {})
-    random.seed(demo["seed"])
-    np.random.seed(demo["seed"])
-    torch.manual_seed(demo["seed"])
+    seed = demo["seed"]
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
     tokenizer = build_tokenizer()
-    model = build_model(len(tokenizer), attention_dropout=0.1)
-    problems = make_problems(demo["dataset_size"], demo["seed"])
-    encoded = tokenizer(problems, padding="max_length", max_length=12, return_tensors="pt")
-    dataset = list(zip(encoded["input_ids"], encoded["attention_mask"]))
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=demo["seed"])
-    loader = StatefulDataLoader(
-        dataset, batch_size=demo["batch_size"], sampler=sampler, generator=torch.Generator().manual_seed(demo["seed"])
-    )
-    ft_spec = ac.FinetuneSpec(
-        total_train_epochs=demo["epochs"], dataset_size=len(dataset), train_batch_size=demo["batch_size"]
-    )
-    optimizer = torch.optim.AdamW(model.parameters(), lr=demo["lr"])
+    tokenizer.padding_side = "left"
+    policy = build_model(len(tokenizer), attention_dropout=0.1)
+    reference = copy.deepcopy(policy).eval().requires_grad_(False)
+    prompts = make_prompts(demo["dataset_size"], seed)
+    sampler = DistributedSampler(prompts, num_replicas=1, rank=0, shuffle=True, seed=seed)
+    loader = StatefulDataLoader(prompts, batch_size=demo["batch_size"], sampler=sampler,
+                                collate_fn=list, generator=torch.Generator().manual_seed(seed))
+    ft_spec = ac.FinetuneSpec(total_train_epochs=demo["epochs"], dataset_size=len(prompts),
+                              train_batch_size=demo["batch_size"])
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=demo["lr"])
     scheduler = warmup_cosine(optimizer, demo["warmup_steps"], ft_spec.total_train_steps)
-    engine = ac.TorchEngine(model, optimizer=optimizer, lr_scheduler=scheduler)
+    actor = ac.TorchEngine(policy, optimizer=optimizer, lr_scheduler=scheduler)
+    engines = {"actor": actor, "ref": ac.TorchEngine(reference)}
     saver = ac.Saver(cfg.saver, ft_spec)
     recover = ac.RecoverHandler(cfg.recover, ft_spec)
+    reports = Path(cfg.saver.fileroot) / "reports" / cfg.saver.experiment_name / cfg.saver.trial_name
+    reports.mkdir(parents=True, exist_ok=True)
 
-    info = recover.load(engine, saver=saver, dataloader=loader)
+    info = recover.load(engines, saver=saver, dataloader=loader)
     if info is None:
         start = ac.StepInfo(epoch=0, epoch_step=0, global_step=0, steps_per_epoch=ft_spec.steps_per_epoch)
-        print(f"fresh start: {sum(p.numel() for p in model.parameters()):,} parameters, {ft_spec.total_train_steps} steps")
+        kl_coef = demo["kl_coef"]
+        print(f"fresh start: {sum(p.numel() for p in policy.parameters()):,} parameters, "
+              f"{ft_spec.total_train_steps} RL steps", flush=True)
     else:
         start = info.last_step_info.next()
-        print(f"resuming from global step {start.global_step} (last dump after step {info.last_step_info.global_step})")
+        kl_coef = info.client_state["kl_coef"]
+        print(f"resuming from global step {start.global_step} (last dump after step "
+              f"{info.last_step_info.global_step}; kl_coef {kl_coef:.4f})", flush=True)
+
+    metrics = open(reports / "metrics.jsonl", "a")
     global_step = start.global_step
     for epoch in range(start.epoch, ft_spec.total_train_epochs):
         sampler.set_epoch(epoch)
         epoch_step = start.epoch_step if epoch == start.epoch else 0
-        for input_ids, attention_mask in loader:
-            labels = input_ids.masked_fill(attention_mask == 0, -100)
-            loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        bar = tqdm(total=ft_spec.steps_per_epoch, initial=epoch_step, desc=f"epoch {epoch}", disable=None)
+        for batch in loader:
+            rollout = sample(policy, tokenizer, batch, demo["group_size"], demo["new_tokens"])
+            loss, kl = grpo_loss(policy, reference, rollout, kl_coef)
             loss.backward()
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
+            kl_coef = adapt_kl(kl_coef, kl, demo["kl_target"])
             step = ac.StepInfo(epoch=epoch, epoch_step=epoch_step, global_step=global_step,
                                steps_per_epoch=ft_spec.steps_per_epoch)
             last = global_step == ft_spec.total_train_steps - 1
-            exported = saver.save(engine, epoch, epoch_step, global_step, tokenizer=tokenizer, force=last)
-            dumped = recover.dump(engine, step, saver=saver, dataloader=loader, force=last)
-            notes = ("  export" if exported else "") + ("  recover-dump" if dumped else "")
-            print(f"epoch {epoch} step {epoch_step:2d} global {global_step:2d} loss {loss.item():.4f}{notes}", flush=True)
+            exported = saver.save(actor, epoch, epoch_step, global_step, name="actor", tokenizer=tokenizer, force=last)
+            export_seconds = saver.last_metrics["time/saving"] if exported else None
+            dumped = recover.dump(engines, step, saver=saver, dataloader=loader, tokenizer=tokenizer,
+                                  client_state={"kl_coef": kl_coef}, force=last)
+            dump_seconds = recover.last_metrics["time/saving"] if dumped else None
+            record = {"pid": os.getpid(), "global_step": global_step, "loss": loss.item().hex(),
+                      "reward": rollout.rewards.mean().item(), "kl": kl, "kl_coef": kl_coef,
+                      "export_seconds": export_seconds, "recover_seconds": dump_seconds}
+            metrics.write(json.dumps(record) + "\n")
+            metrics.flush()
+            events = ("  export" if exported else "") + ("  recover-dump" if dumped else "")
+            bar.set_postfix(reward=f"{record['reward']:.2f}", kl=f"{kl:.4f}", loss=f"{loss.item():.3f}")
+            bar.update()
+            if bar.disable:
+                print(f"epoch {epoch} step {epoch_step:2d} global {global_step:2d} loss {loss.item():.6f} "
+                      f"reward {record['reward']:.3f} kl {kl:.5f}{events}", flush=True)
             if global_step == args.kill_at_step:
+                bar.close()
                 print(f"simulating a crash: SIGKILL at global step {global_step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
             epoch_step += 1
             global_step += 1
+        bar.close()
+    metrics.close()
     saver.finalize()
-
-    newest = newest_export(saver)
-    print(f"\nloading the newest export with from_pretrained: {newest}")
-    loaded = AutoModelForCausalLM.from_pretrained(newest, local_files_only=True)
-    loaded_tokenizer = AutoTokenizer.from_pretrained(newest, local_files_only=True)
-    prompt = loaded_tokenizer("12+7=", return_tensors="pt")
-    output = loaded.generate(**prompt, max_new_tokens=3, do_sample=False, pad_token_id=loaded_tokenizer.pad_token_id)
-    print(f"generate('12+7=') -> {loaded_tokenizer.decode(output[0], skip_special_tokens=True)!r}")
+    recover.close()
+    summarize(saver, reports)
     return 0
+
+
+def summarize(saver: ac.Saver, reports: Path) -> None:
+    """Print the checkpoints, the replay check and the plot; load the newest export and generate."""
+    records = read_metrics(reports / "metrics.jsonl")
+    print("\ncheckpoints of this trial (newest first):")
+    print("\n".join(checkpoint_table(saver.trial_root, records)))
+    print(f"\nreplay check: {replay_check(records)}")
+    plot(records, reports / "report.png")
+    print(f"plot of reward, KL and save events: {reports / 'report.png'}")
+    exports = [p for p in saver.export_root("actor").iterdir() if p.name.startswith("epoch")]
+    newest = max(exports, key=lambda p: int(p.name.rsplit("globalstep", 1)[1]))
+    print(f"\nload the newest export like any HF model:\n"
+          f"    model = AutoModelForCausalLM.from_pretrained('{newest}')\n"
+          f"    tokenizer = AutoTokenizer.from_pretrained('{newest}')")
+    model = AutoModelForCausalLM.from_pretrained(newest, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(newest, local_files_only=True)
+    for prompt in ("3+4=", "8+9="):
+        encoded = tokenizer(prompt, return_tensors="pt")
+        output = model.generate(**encoded, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        print(f"    generate({prompt!r}) -> {tokenizer.decode(output[0], skip_special_tokens=True)!r}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 import torch
 from huggingface_hub.serialization import split_state_dict_into_shards_factory
@@ -80,8 +80,11 @@ def write_rank_shards(
     rank: int,
     world_size: int,
     dtype: torch.dtype | None,
+    progress: Callable[[Iterable[int]], Iterable[int]] = iter,
 ) -> tuple[dict[str, FileRecord], BaseException | None]:
     """Write this rank's shard files into ``folder``; returns their records and any write error.
+
+    ``progress`` wraps the iteration over rounds of files (e.g. a tqdm bar in the CLI).
 
     Collective when the source is sharded: every rank walks the files in rounds of
     ``world_size`` and takes part in gathering every tensor, so one rank's failed write never
@@ -91,7 +94,7 @@ def write_rank_shards(
     records: dict[str, FileRecord] = {}
     error: BaseException | None = None
     file_names = list(plan.files)
-    for start in range(0, len(file_names), world_size):
+    for start in progress(range(0, len(file_names), world_size)):
         round_files = file_names[start : start + world_size]
         mine = {name for index, name in enumerate(round_files) if (start + index) % world_size == rank}
         for file_name in round_files:
