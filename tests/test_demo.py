@@ -20,7 +20,7 @@ def test_demo_is_killed_resumes_by_itself_and_replays_identical_losses(tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "simulating a crash: SIGKILL at global step 13" in output
     assert "the training process was killed (SIGKILL); restarting it" in output
-    assert "resuming from global step 10 (last dump after step 9)" in output
+    assert "resuming from global step 10 (last dump after step 9; kl_coef" in output
     losses: dict[int, set[str]] = {}
     for step, loss in re.findall(r"global +(\d+) loss (\S+)", output):
         losses.setdefault(int(step), set()).add(loss)
