@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 TORTURE_TRIALS ?= 200
 
-.PHONY: demo test torture venv clean
+.PHONY: demo test torture bench venv clean
 
 venv: $(STAMP)
 
@@ -27,6 +27,9 @@ test: $(STAMP)
 
 torture: $(STAMP)
 	cd tests && ../$(BIN)/python torture.py --trials $(TORTURE_TRIALS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench.py --out docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,333 @@
+"""`make bench`: checkpoint write / read throughput against the disk's own limit, as ratios.
+
+Every method saves the same model-shaped state (a Qwen2 built from a config: many tensors of
+mixed sizes), durably (fsync), in interleaved rounds (A, B, C, A, B, C, ...) because disk speed
+on these machines swings by +-50%; medians are compared as ratios measured in the same run.
+Before every cold read the files are evicted from the page cache with
+posix_fadvise(POSIX_FADV_DONTNEED) after an fsync.
+
+    python benchmarks/bench.py --sizes 256 1024 --rounds 3 --out docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import areal_ckpt as ac
+
+warnings.filterwarnings("ignore")
+logging.disable(logging.WARNING)
+
+
+def model_of_size(mib: int, dtype: torch.dtype) -> Qwen2ForCausalLM:
+    """A Qwen2 whose fp32 state is about ``mib`` MiB (hidden 1024, vocab 8192, as many layers as fit)."""
+    hidden, inter, vocab = 1024, 2816, 8192
+    per_layer = (4 * hidden * hidden // 2 + 3 * hidden * inter + 4 * hidden) * 4  # GQA halves k/v
+    layers = max(1, round((mib * 2**20 - 2 * vocab * hidden * 4) / per_layer))
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).to(dtype)
+
+
+def evict(folder: Path) -> None:
+    """fsync then drop every file under ``folder`` from the page cache."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    for path in [*folder.rglob("*"), folder]:
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+def state_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+class PeakRss:
+    """Samples resident memory every 5 ms while active: peak extra memory of what runs inside."""
+
+    def __enter__(self) -> "PeakRss":
+        self.base = self._rss()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._rss())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.extra = self.peak - self.base
+
+
+# -- writers: each writes the state durably into an empty folder ------------------------------
+
+def write_raw(model, folder: Path) -> None:
+    with open(folder / "raw.bin", "wb", buffering=0) as handle:
+        for tensor in model.state_dict().values():
+            handle.write(memoryview(tensor.contiguous().view(torch.uint8).reshape(-1).numpy()))
+        os.fsync(handle.fileno())
+
+
+def write_torch_save(model, folder: Path) -> None:
+    torch.save(model.state_dict(), folder / "model.pt")
+    fsync_tree(folder)
+
+
+def write_safetensors(model, folder: Path) -> None:
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors")
+    fsync_tree(folder)
+
+
+def write_dcp(model, folder: Path) -> None:
+    dcp.save(model.state_dict(), checkpoint_id=str(folder), no_dist=True)
+
+
+def write_dcp_hf(model, folder: Path) -> None:
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    dcp.save(model.state_dict(), storage_writer=HuggingFaceStorageWriter(path=str(folder)), no_dist=True)
+    fsync_tree(folder)
+
+
+def write_save_pretrained(model, folder: Path) -> None:
+    model.save_pretrained(folder)
+    fsync_tree(folder)
+
+
+def write_saver(model, folder: Path) -> None:
+    config = ac.SaverConfig(experiment_name="bench", trial_name="t", fileroot=str(folder), user="bench")
+    saver = ac.Saver(config, ac.FinetuneSpec(total_train_epochs=1, dataset_size=1, train_batch_size=1))
+    saver.save(ac.TorchEngine(model), 0, 0, 0, force=True)
+    saver.finalize()
+
+
+def write_recover(model, folder: Path) -> None:
+    config = ac.RecoverConfig(experiment_name="bench", trial_name="t", fileroot=str(folder), user="bench", mode="on")
+    handler = ac.RecoverHandler(config, ac.FinetuneSpec(total_train_epochs=1, dataset_size=1, train_batch_size=1))
+    engine = ac.TorchEngine(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0))  # stateless: model only
+    handler.dump(engine, ac.StepInfo(epoch=0, epoch_step=0, global_step=0, steps_per_epoch=1), force=True)
+    handler.close()
+
+
+WRITERS: dict[str, Callable] = {
+    "raw write+fsync": write_raw,
+    "torch.save": write_torch_save,
+    "safetensors.save_file": write_safetensors,
+    "dcp.save (FileSystemWriter)": write_dcp,
+    "dcp HuggingFaceStorageWriter": write_dcp_hf,
+    "save_pretrained": write_save_pretrained,
+    "areal_ckpt Saver export": write_saver,
+    "areal_ckpt recover dump": write_recover,
+}
+
+
+# -- readers: each reads a cold copy written by the matching writer ----------------------------
+
+def read_raw(model, folder: Path) -> None:
+    with open(folder / "raw.bin", "rb", buffering=0) as handle:
+        while handle.read(64 << 20):
+            pass
+
+
+def read_torch_load(model, folder: Path) -> None:
+    torch.load(folder / "model.pt", weights_only=True)
+
+
+def read_safetensors(model, folder: Path) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    for tensor in tensors.values():
+        tensor.sum()  # touch every page
+
+
+def read_dcp(model, folder: Path) -> None:
+    state = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
+    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+
+
+def read_from_pretrained(model, folder: Path) -> None:
+    AutoModelForCausalLM.from_pretrained(folder, dtype=model.dtype)
+
+
+def read_saver_export(model, folder: Path) -> None:
+    export = next(folder.glob("checkpoints/bench/bench/t/default/epoch*"))
+    AutoModelForCausalLM.from_pretrained(export, dtype=model.dtype)
+
+
+def read_recover(model, folder: Path) -> None:
+    config = ac.RecoverConfig(experiment_name="bench", trial_name="t", fileroot=str(folder), user="bench", mode="on")
+    handler = ac.RecoverHandler(config, ac.FinetuneSpec(total_train_epochs=1, dataset_size=1, train_batch_size=1))
+    handler.load(ac.TorchEngine(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0)))
+    handler.close()
+
+
+READERS: dict[str, tuple[str, Callable]] = {
+    "raw read": ("raw write+fsync", read_raw),
+    "torch.load": ("torch.save", read_torch_load),
+    "safetensors load_file": ("safetensors.save_file", read_safetensors),
+    "dcp.load": ("dcp.save (FileSystemWriter)", read_dcp),
+    "from_pretrained (save_pretrained)": ("save_pretrained", read_from_pretrained),
+    "from_pretrained (Saver export)": ("areal_ckpt Saver export", read_saver_export),
+    "areal_ckpt recover load": ("areal_ckpt recover dump", read_recover),
+}
+
+TARGETS = [
+    # (label, numerator, denominator, minimum ratio)
+    ("recover dump >= 0.9x raw write", "areal_ckpt recover dump", "raw write+fsync", 0.9),
+    ("HF export >= 0.9x safetensors.save_file", "areal_ckpt Saver export", "safetensors.save_file", 0.9),
+    ("HF export faster than save_pretrained", "areal_ckpt Saver export", "save_pretrained", 1.0),
+    ("recover load >= 0.9x raw read", "areal_ckpt recover load", "raw read", 0.9),
+    ("export reload >= 0.9x safetensors load", "from_pretrained (Saver export)", "safetensors load_file", 0.9),
+]
+
+
+def run(sizes: list[int], rounds: int, dtypes: list[torch.dtype], workdir: Path) -> list[dict]:
+    results = []
+    for dtype in dtypes:
+        for mib in sizes:
+            model = model_of_size(mib, dtype)
+            size = state_bytes(model)
+            write_times: dict[str, list[float]] = {name: [] for name in WRITERS}
+            read_times: dict[str, list[float]] = {name: [] for name in READERS}
+            memory: dict[str, int] = {}
+            for round_index in range(rounds):
+                folders = {}
+                for name, writer in WRITERS.items():
+                    folder = Path(tempfile.mkdtemp(dir=workdir))
+                    gc.collect()
+                    with PeakRss() as rss:
+                        start = time.perf_counter()
+                        writer(model, folder)
+                        write_times[name].append(time.perf_counter() - start)
+                    memory[name] = max(memory.get(name, 0), rss.extra)
+                    evict(folder)
+                    folders[name] = folder
+                for name, (source, reader) in READERS.items():
+                    gc.collect()
+                    start = time.perf_counter()
+                    reader(model, folders[source])
+                    read_times[name].append(time.perf_counter() - start)
+                for folder in folders.values():
+                    shutil.rmtree(folder)
+                print(f"  {dtype} {mib} MiB: round {round_index + 1}/{rounds} done", file=sys.stderr, flush=True)
+            results.append({
+                "dtype": str(dtype).removeprefix("torch."), "mib": mib, "bytes": size,
+                "write": {n: statistics.median(t) for n, t in write_times.items()},
+                "read": {n: statistics.median(t) for n, t in read_times.items()},
+                "memory": memory,
+            })
+            del model
+    return results
+
+
+def report(results: list[dict], machine: str) -> str:
+    lines = [f"Measured {time.strftime('%Y-%m-%d')} on {machine}; medians of interleaved rounds; "
+             "GB/s = 10^9 bytes per second of state; ratios against the row named.", ""]
+    for result in results:
+        gbps = lambda seconds: result["bytes"] / seconds / 1e9  # noqa: E731
+        lines += [f"### {result['dtype']}, {result['bytes'] / 2**20:.0f} MiB of state", "",
+                  "| write (durable) | seconds | GB/s | x raw write | peak extra RSS |", "| --- | --- | --- | --- | --- |"]
+        raw = result["write"]["raw write+fsync"]
+        for name, seconds in result["write"].items():
+            lines.append(f"| {name} | {seconds:.2f} | {gbps(seconds):.2f} | {raw / seconds:.2f} | "
+                         f"{result['memory'][name] / 2**20:.0f} MiB |")
+        lines += ["", "| read (cold cache) | seconds | GB/s | x raw read |", "| --- | --- | --- | --- |"]
+        raw = result["read"]["raw read"]
+        for name, seconds in result["read"].items():
+            lines.append(f"| {name} | {seconds:.2f} | {gbps(seconds):.2f} | {raw / seconds:.2f} |")
+        lines += ["", "| target | ratio | verdict |", "| --- | --- | --- |"]
+        timings = {**result["write"], **result["read"]}
+        for label, numerator, denominator, minimum in TARGETS:
+            ratio = timings[denominator] / timings[numerator]
+            lines.append(f"| {label} | {ratio:.2f} | {'PASS' if ratio >= minimum else 'FAIL'} |")
+        budget = 0.1 * result["bytes"] + 256 * 2**20
+        extra = result["memory"]["areal_ckpt recover dump"]
+        lines.append(f"| sync dump peak extra memory <= 10% of state + 256 MiB | {extra / 2**20:.0f} MiB of "
+                     f"{budget / 2**20:.0f} MiB | {'PASS' if extra <= budget else 'FAIL'} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for axis, kind in zip(axes, ("write", "read")):
+        for name in results[0][kind]:
+            for dtype in sorted({r["dtype"] for r in results}):
+                rows = [r for r in results if r["dtype"] == dtype]
+                axis.plot([r["mib"] for r in rows], [r["bytes"] / r[kind][name] / 1e9 for r in rows], marker="o",
+                          label=f"{name} ({dtype})")
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("state size (MiB)")
+        axis.set_ylabel("GB/s")
+        axis.set_title(f"{kind} throughput")
+        axis.legend(fontsize=6)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024], help="state sizes in MiB (fp32)")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workdir", default=None, help="where to write (default: a temp folder under ./runs)")
+    parser.add_argument("--out", default=None, help="write the Markdown report (and a PNG beside it) here")
+    args = parser.parse_args(argv)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-", dir=Path("runs").absolute() if Path("runs").is_dir() else None))
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        results = run(args.sizes, args.rounds, [getattr(torch, d) for d in args.dtypes], workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    machine = f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM"
+    text = report(results, machine)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        png = out.with_suffix(".png")
+        plot(results, png)
+        out.write_text(f"# Benchmarks\n\n![throughput against state size]({png.name})\n\n"
+                       f"Rerun: `make bench` (or `python benchmarks/bench.py --help`).\n\n{text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
