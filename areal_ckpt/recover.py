@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Mapping
 
 import torch
 
@@ -27,6 +27,7 @@ from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.recover_store import RecoverStore
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state import safe_json
+from areal_ckpt.state.components import Stateful, capture_components, dataloader_state, restore_components
 from areal_ckpt.state.recover_info import RecoverInfo, read_recover_info, write_global_info, write_rank_state
 from areal_ckpt.state.rng import capture_rng_state, restore_rng_state
 from areal_ckpt.step import FinetuneSpec, StepInfo
@@ -36,13 +37,6 @@ logger = logging.getLogger("areal_ckpt.recover")
 RECOVER_FORMAT = "areal_ckpt.recover"
 RECOVER_FORMAT_VERSION = 1
 _OPTIMIZER_PREFIX = "optim."
-EPOCH_COMPLETE = "areal_ckpt_epoch_complete"
-
-
-class Stateful(Protocol):
-    def state_dict(self) -> Any: ...
-
-    def load_state_dict(self, state: Any) -> None: ...
 
 
 class _AttemptFailed(Exception):
@@ -132,13 +126,11 @@ class RecoverHandler:
             self._schedule.mark_fired()
         engines = dict(engine) if isinstance(engine, Mapping) else {"default": engine}
         components = {
-            "saver_info": saver.state_dict() if saver is not None else None,
-            "evaluator_info": evaluator.state_dict() if evaluator is not None else None,
-            "stats_logger_info": stats_logger.state_dict() if stats_logger is not None else None,
+            **capture_components(saver, evaluator, stats_logger),
             "checkpoint_info": self._schedule.state_dict(),
         }
         rank_state = {
-            "dataloader": self._dataloader_state(dataloader, step_info),
+            "dataloader": dataloader_state(dataloader, self.ft_spec.is_epoch_last_step(step_info.epoch_step)),
             "rng": capture_rng_state(),
             "client_state": dict(client_state or {}),
         }
@@ -165,16 +157,6 @@ class RecoverHandler:
         self.last_metrics = {"time/saving": seconds, "bytes": float(size), "gbps": size / seconds / 1e9}
         logger.info("recovery checkpoint at global step %d: %s (%.3f GB in %.2f s)", step_info.global_step, path, size / 1e9, seconds)
         return str(path)
-
-    def _dataloader_state(self, dataloader: Stateful | None, step_info: StepInfo) -> Any:
-        # After an epoch's last batch a stateful loader's state still says "inside this epoch",
-        # and restoring it would yield an empty epoch. The resumed loop starts the next epoch,
-        # so record that instead: load() then leaves the loader fresh.
-        if dataloader is None:
-            return None
-        if self.ft_spec.is_epoch_last_step(step_info.epoch_step):
-            return {EPOCH_COMPLETE: True}
-        return dataloader.state_dict()
 
     def _dump_once(
         self,
@@ -208,7 +190,7 @@ class RecoverHandler:
                 write_global_info(folder / RECOVER_INFO, step_info, components)
             file_name, record = write_rank_state(folder / RECOVER_INFO, rank, rank_state)
             records[f"{RECOVER_INFO}/{file_name}"] = record
-        except RankMismatchError:
+        except (RankMismatchError, CollectiveError):
             raise
         except Exception as error:  # DCP raises on every rank; local failures are agreed below
             local_error = f"rank {rank}: {type(error).__name__}: {error}"
@@ -329,7 +311,12 @@ class RecoverHandler:
         info = read_recover_info(
             folder / RECOVER_INFO, dist.rank(), dist.world_size(), manifest["world_size"], drop_rank_state
         )
-        self._apply(info, saver, dataloader, evaluator, stats_logger)
+        restore_components(info.path, {
+            "saver": info.saver_info, "evaluator": info.evaluator_info,
+            "stats_logger": info.stats_logger_info, "dataloader": info.dataloader_info,
+        }, {"saver": saver, "evaluator": evaluator, "stats_logger": stats_logger, "dataloader": dataloader})
+        if info.checkpoint_info is not None:
+            self._schedule.load_state_dict(info.checkpoint_info)
         self._generation = found
         for name in sorted(engines):
             if engines[name].is_frozen:
@@ -388,21 +375,3 @@ class RecoverHandler:
             engine.load_recover_state(template, extra, include_optimizer)
         except (KeyError, ValueError, RuntimeError) as error:
             raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: cannot restore optimizer / scheduler: {error}") from None
-
-    def _apply(self, info: RecoverInfo, saver: Any, dataloader: Any, evaluator: Any, stats_logger: Any) -> None:
-        for label, target, state in (
-            ("saver", saver, info.saver_info),
-            ("evaluator", evaluator, info.evaluator_info),
-            ("stats_logger", stats_logger, info.stats_logger_info),
-            ("dataloader", dataloader, info.dataloader_info),
-        ):
-            if target is None:
-                continue
-            if state is None:
-                logger.warning("%s: no %s state in the checkpoint; it starts fresh", info.path, label)
-                continue
-            if label == "dataloader" and isinstance(state, dict) and state.get(EPOCH_COMPLETE):
-                continue  # dumped after an epoch's last step: a fresh loader starts the next epoch
-            target.load_state_dict(state)
-        if info.checkpoint_info is not None:
-            self._schedule.load_state_dict(info.checkpoint_info)
