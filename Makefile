@@ -26,7 +26,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 torture: $(STAMP)
-	cd tests && ../$(BIN)/python torture.py --trials $(TORTURE_TRIALS)
+	cd tests && ../$(BIN)/python torture.py --trials $(TORTURE_TRIALS) --out ../runs/torture-results.md
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench.py --out docs/benchmarks.md

@@ -425,15 +425,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trials", type=int, default=200, help="kills per kill configuration")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="also write the results table (Markdown) here")
     args = parser.parse_args(argv)
     started = time.time()
     rows = run_all(args.trials, args.seed)
-    print(f"\ntorture run: {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, "
-          f"{args.trials} trials per kill configuration, {time.time() - started:.0f} s")
+    heading = (f"torture run: {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, "
+               f"{args.trials} trials per kill configuration, seed {args.seed}, {time.time() - started:.0f} s")
+    print(f"\n{heading}")
     for row in rows:
         print(row.line())
         for note in row.notes:
             print(f"    {note}")
+    if args.out:
+        table = ["| scenario | trials | resumed correctly | lost | wrong |", "| --- | --- | --- | --- | --- |"]
+        table += [f"| {r.scenario} | {r.trials} | {r.resumed_correctly} | {r.lost} | {r.wrong} |" for r in rows]
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(heading + "\n\n" + "\n".join(table) + "\n")
     return 0 if all(row.lost == 0 and row.wrong == 0 for row in rows) else 1
 
 
