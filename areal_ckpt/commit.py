@@ -184,11 +184,15 @@ def check_files(folder: Path, files: dict[str, dict[str, int]], names: Iterable[
     each naming the file; an empty list means every named file is intact.
     """
     problems = []
+    root = folder.resolve()
     for name in names:
         path = folder / name
         expected = files[name]
         if path.is_symlink() or (path.exists() and not path.is_file()):
             problems.append(f"{path}: not a regular file")
+            continue
+        if path.exists() and not path.resolve().is_relative_to(root):
+            problems.append(f"{path}: resolves outside the checkpoint (a folder on its path is a link)")
             continue
         if not path.exists():
             problems.append(f"{path}: missing")

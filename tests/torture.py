@@ -317,6 +317,12 @@ def scenario_hostile(work: Path) -> Row:
     target.unlink()
     target.symlink_to(outside)
     expect_refusal("symlink to outside", root)
+    root = fresh("linked-folder")
+    generation = (root / "checkpoints/tester/exp/trial/.recover/current").resolve()
+    elsewhere = work / "elsewhere-model"
+    shutil.move(generation / "default", elsewhere)
+    (generation / "default").symlink_to(elsewhere)
+    expect_refusal("model folder replaced by a link to outside", root)
     root = fresh("pointer")
     pointer = root / "checkpoints/tester/exp/trial/.recover/current"
     pointer.unlink()
