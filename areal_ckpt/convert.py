@@ -12,28 +12,10 @@ from areal_ckpt.commit import check_files, read_manifest
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.export import ExportResult, write_export
 from areal_ckpt.formats.dcp_source import DcpModelSource, load_tokenizer
-from areal_ckpt.layout import HF_FILES, RECOVER_INFO, RECOVER_MANIFEST, is_generation_name, recover_pointer
+from areal_ckpt.layout import HF_FILES, RECOVER_MANIFEST
+from areal_ckpt.recover_store import resolve_recovery
 
 logger = logging.getLogger("areal_ckpt.convert")
-
-
-def resolve_recovery(path: Path) -> tuple[Path, str | None]:
-    """The generation folder behind ``path`` and the model folder it names, if any.
-
-    ``path`` may be a trial folder, its ``.recover`` store, a generation, ``recover_info`` or a
-    ``{name}/recover_checkpoint`` link. Raises CheckpointError when it is none of these.
-    """
-    path = Path(path)
-    for candidate in (path, path / ".recover"):
-        pointer = candidate / "current" if candidate.name == ".recover" else recover_pointer(candidate)
-        if pointer.is_symlink():
-            return (pointer.parent / pointer.readlink()).resolve(), None
-    resolved = path.resolve()
-    if is_generation_name(resolved.name):
-        return resolved, None
-    if is_generation_name(resolved.parent.name):
-        return resolved.parent, None if resolved.name == RECOVER_INFO else resolved.name
-    raise CheckpointError(f"{path}: not a recovery checkpoint (no .recover/current, generation or recover_info)")
 
 
 def export_recovery(

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from areal_ckpt.commit import check_files, read_manifest
-from areal_ckpt.convert import resolve_recovery
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.layout import MANIFEST_NAME, RECOVER_MANIFEST, parse_export_leaf, recover_pointer
+from areal_ckpt.recover_store import resolve_recovery
 
 _MAX_SAFETENSORS_HEADER = 100 << 20
 

@@ -141,3 +141,22 @@ class RecoverStore:
     def discard(self, generation: str) -> None:
         """Delete an uncommitted generation after a failed dump (best effort)."""
         shutil.rmtree(self.path(generation), ignore_errors=True)
+
+
+def resolve_recovery(path: Path) -> tuple[Path, str | None]:
+    """The generation folder behind ``path`` and the model folder it names, if any.
+
+    ``path`` may be a trial folder, its ``.recover`` store, a generation, ``recover_info`` or a
+    ``{name}/recover_checkpoint`` link. Raises CheckpointError when it is none of these.
+    """
+    path = Path(path)
+    for candidate in (path, path / RECOVER_STORE):
+        pointer = candidate / RECOVER_CURRENT if candidate.name == RECOVER_STORE else recover_pointer(candidate)
+        if pointer.is_symlink():
+            return (pointer.parent / pointer.readlink()).resolve(), None
+    resolved = path.resolve()
+    if is_generation_name(resolved.name):
+        return resolved, None
+    if is_generation_name(resolved.parent.name):
+        return resolved.parent, None if resolved.name == RECOVER_INFO else resolved.name
+    raise CheckpointError(f"{path}: not a recovery checkpoint (no .recover/current, generation or recover_info)")

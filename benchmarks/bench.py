@@ -295,7 +295,7 @@ def plot(results: list[dict], path: Path) -> None:
                 axis.plot([r["mib"] for r in rows], [r["bytes"] / r[kind][name] / 1e9 for r in rows], marker="o",
                           label=f"{name} ({dtype})")
         axis.set_xscale("log", base=2)
-        axis.set_xlabel("state size (MiB)")
+        axis.set_xlabel("model size class (MiB of fp32 state requested; see the tables for exact sizes)")
         axis.set_ylabel("GB/s")
         axis.set_title(f"{kind} throughput")
         axis.legend(fontsize=6)
