@@ -233,12 +233,13 @@ class RecoverHandler:
         if dist.all_true(unchanged) and self._generation is not None:
             return self.store.link_model(self._generation, generation, name) if dist.rank() == 0 else {}
         include_optimizer = not self.config.no_save_optim
-        save_tensors(engine.recover_tensors(include_optimizer), folder)
+        tensors, extra = engine.recover_state(include_optimizer)
+        save_tensors(tensors, folder)
         records = {
             f"{name}/{path.name}": record_of(path) for path in sorted(folder.glob(f"__{dist.rank()}_*.distcp"))
         }
         if dist.rank() == 0:
-            extra = {"optimizer_saved": include_optimizer and not engine.is_frozen, **engine.recover_extra(include_optimizer)}
+            extra["optimizer_saved"] = include_optimizer and not engine.is_frozen
             records[f"{name}/{ENGINE_STATE_FILE}"] = write_file_durably(folder / ENGINE_STATE_FILE, safe_json.dumps(extra))
             # what `areal-ckpt export` needs to turn these shards into a loadable HF folder
             (folder / HF_FILES).mkdir()
@@ -369,7 +370,7 @@ class RecoverHandler:
         if engine.optimizer is not None and not include_optimizer:
             logger.warning("%s: optimizer state not restored (%s)", folder,
                            "no_load_optim is set" if self.config.no_load_optim else "it was not saved")
-        template = engine.recover_tensors(include_optimizer)
+        template = engine.recover_template(include_optimizer and extra.get("optimizer_has_state", True))
         load_tensors(template, folder, optional_prefixes=() if include_optimizer else (_OPTIMIZER_PREFIX,))
         try:
             engine.load_recover_state(template, extra, include_optimizer)

@@ -125,7 +125,7 @@ def train(args: argparse.Namespace) -> None:
             epoch_step += 1
             global_step += 1
     final = {}
-    for name, tensor in engine.recover_tensors(include_optimizer=True).items():
+    for name, tensor in engine.recover_template(with_optimizer_tensors=True).items():
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         final[name] = local.detach().clone().contiguous()
     final["lr"] = torch.tensor([group["lr"] for group in optimizer.param_groups], dtype=torch.float64)

@@ -221,3 +221,18 @@ def test_trial_lock_is_held_until_close_and_finalize(fileroot, tmp_path):
     saver.finalize()  # idempotent
     run_distributed(second_job, 1, str(fileroot), str(report))
     assert report.read_text() == "accepted"
+
+
+def test_stateless_optimizer_keeps_its_param_groups_without_a_hidden_copy(fileroot):
+    setup = make_setup()
+    sgd = torch.optim.SGD(setup.model.parameters(), lr=0.125)
+    engine = ac.TorchEngine(setup.model, optimizer=sgd)
+    tensors, extra = engine.recover_state(include_optimizer=True)
+    assert all(parameter.grad is None for parameter in setup.model.parameters())  # no zero grads made
+    assert not any(name.startswith("optim.") for name in tensors) and extra["optimizer_has_state"] is False
+    ac.RecoverHandler(recover_config(fileroot), SPEC).dump(engine, step_info(0), force=True)
+    fresh = make_setup(seed=4)
+    fresh_sgd = torch.optim.SGD(fresh.model.parameters(), lr=1.0)
+    ac.RecoverHandler(recover_config(fileroot), SPEC).load(ac.TorchEngine(fresh.model, optimizer=fresh_sgd))
+    assert fresh_sgd.param_groups[0]["lr"] == 0.125
+    assert torch.equal(fresh.model.lm_head.weight, setup.model.lm_head.weight)

@@ -127,39 +127,62 @@ class TorchEngine:
         """True when nothing trains this model (no optimizer): e.g. a reference policy."""
         return self.optimizer is None
 
-    def recover_tensors(self, include_optimizer: bool) -> dict[str, torch.Tensor]:
-        """Flat ``{"model.<fqn>" | "optim.<fqn>.<key>": tensor}`` of this rank's state; local.
+    def recover_state(self, include_optimizer: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """This rank's state for a dump: flat tensors and the non-tensor rest; local.
 
-        Tensors are the live ones (DTensors under FSDP2), so this also serves as the in-place
-        template that DCP loads into. Initializes optimizer state if the optimizer never stepped.
+        Tensors are ``{"model.<fqn>" | "optim.<fqn>.<key>": tensor}``, the live ones (DTensors
+        under FSDP2), not copies. The rest holds optimizer param groups and scalar entries and
+        the LR scheduler. An optimizer without state (stateless, or never stepped) contributes
+        only its param groups: asking torch for its state dict would first allocate a zero
+        gradient for every parameter, a hidden full copy of the model.
         """
         tensors = {MODEL_PREFIX + name: value for name, value in get_model_state_dict(self.model).items()}
+        extra: dict[str, Any] = {}
         if include_optimizer and self.optimizer is not None:
-            state = get_optimizer_state_dict(self.model, self.optimizer)["state"]
-            for fqn, entries in state.items():
+            extra["optimizer_has_state"] = bool(self.optimizer.state)
+            if self.optimizer.state:
+                optim_state = get_optimizer_state_dict(self.model, self.optimizer)
+                extra["optimizer_param_groups"] = optim_state["param_groups"]
+                extra["optimizer_scalars"] = {}
+                for fqn, entries in optim_state["state"].items():
+                    extra["optimizer_scalars"][fqn] = {}
+                    for key, value in entries.items():
+                        if isinstance(value, torch.Tensor):
+                            tensors[f"{OPTIM_PREFIX}{fqn}.{key}"] = value
+                        else:
+                            extra["optimizer_scalars"][fqn][key] = value
+            else:
+                extra["optimizer_param_groups"] = self._param_groups_by_name()
+                extra["optimizer_scalars"] = {}
+        if self.lr_scheduler is not None:
+            extra["lr_scheduler"] = self.lr_scheduler.state_dict()
+        return tensors, extra
+
+    def _param_groups_by_name(self) -> list[dict[str, Any]]:
+        names = {id(parameter): name for name, parameter in self.module.named_parameters()}
+        return [
+            {**{key: value for key, value in group.items() if key != "params"},
+             "params": [names[id(parameter)] for parameter in group["params"]]}
+            for group in self.optimizer.param_groups
+        ]
+
+    def recover_template(self, with_optimizer_tensors: bool) -> dict[str, torch.Tensor]:
+        """The live tensors a load fills in place (same keys as :meth:`recover_state`); local.
+
+        With ``with_optimizer_tensors`` the optimizer's state is initialized first if it is empty.
+        """
+        tensors = {MODEL_PREFIX + name: value for name, value in get_model_state_dict(self.model).items()}
+        if with_optimizer_tensors and self.optimizer is not None:
+            for fqn, entries in get_optimizer_state_dict(self.model, self.optimizer)["state"].items():
                 for key, value in entries.items():
                     if isinstance(value, torch.Tensor):
                         tensors[f"{OPTIM_PREFIX}{fqn}.{key}"] = value
         return tensors
 
-    def recover_extra(self, include_optimizer: bool) -> dict[str, Any]:
-        """Non-tensor state: optimizer param groups and scalar entries, LR scheduler; local."""
-        extra: dict[str, Any] = {}
-        if include_optimizer and self.optimizer is not None:
-            optim_state = get_optimizer_state_dict(self.model, self.optimizer)
-            extra["optimizer_param_groups"] = optim_state["param_groups"]
-            extra["optimizer_scalars"] = {
-                fqn: {key: value for key, value in entries.items() if not isinstance(value, torch.Tensor)}
-                for fqn, entries in optim_state["state"].items()
-            }
-        if self.lr_scheduler is not None:
-            extra["lr_scheduler"] = self.lr_scheduler.state_dict()
-        return extra
-
     def load_recover_state(
         self, tensors: dict[str, torch.Tensor], extra: dict[str, Any], include_optimizer: bool
     ) -> None:
-        """Apply state loaded into the :meth:`recover_tensors` template plus ``extra``.
+        """Apply state loaded into the :meth:`recover_template` tensors plus ``extra``.
 
         Collective under FSDP2 / DDP (the state-dict helpers synchronize); every rank calls it.
         """
