@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import areal_ckpt as ac  # noqa: E402
 from areal_ckpt.describe import verify  # noqa: E402
 from distributed import start_processes  # noqa: E402
-from recover_fixtures import SPEC, make_setup, recover_config, step_info  # noqa: E402
+from recover_fixtures import SPEC, make_setup, recover_config, step_info, train_step  # noqa: E402
 
 BIG = dict(hidden_size=192, intermediate_size=384, num_hidden_layers=3)  # ~2 MB of weights: dumps take a while
 
@@ -180,6 +180,7 @@ def scenario_kill_one_rank(trials: int, rng: random.Random, work: Path, bound: f
 
 def disk_full_job(rank: int, world: int, root: str, report: str) -> None:
     setup = make_setup()
+    train_step(setup, 0)  # AdamW now has state: a dump holds model + moments, about 1.0 MiB
     config = recover_config(Path(root), retries=2)
     handler = ac.RecoverHandler(config, SPEC)
     _fill(setup.model, 1.0)
