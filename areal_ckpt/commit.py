@@ -100,6 +100,8 @@ def publish(staging: Path, final: Path, trash: Path) -> None:
         elif _exchange(staging, final):
             remove_folder(staging, trash)
         else:
+            if trash.exists():
+                shutil.rmtree(trash)
             os.rename(final, trash)
             os.rename(staging, final)
             fsync_dir(parent)
@@ -111,6 +113,8 @@ def publish(staging: Path, final: Path, trash: Path) -> None:
 
 def remove_folder(folder: Path, trash: Path) -> None:
     """Delete ``folder`` so that it disappears at once: rename to ``trash``, fsync, then delete."""
+    if trash.exists():  # left by a crash during an earlier deletion
+        shutil.rmtree(trash)
     os.rename(folder, trash)
     fsync_dir(folder.parent)
     shutil.rmtree(trash)
