@@ -89,8 +89,8 @@ class _TimerBlock(BaseModel):
 class SaverConfig(_TimerBlock):
     """``saver:`` block: HuggingFace exports on epoch / step / time triggers."""
 
-    # auto: the best safe mode (sync until async lands); sync: block until durable; async: staged
-    # to shared memory and written in the background (not implemented yet: the Saver refuses it).
+    # sync: block until durable; async: staged to shared memory and written in the background;
+    # auto: async for a model on an accelerator, sync for a CPU-trained one (see background.py).
     mode: Literal["auto", "sync", "async"] = "auto"
     # Keep the newest N exports per model name; None keeps all.
     keep_last: PositiveInt | None = None
@@ -110,8 +110,10 @@ class SaverConfig(_TimerBlock):
 class RecoverConfig(_TimerBlock):
     """``recover:`` block: full-state recovery checkpoints (model, optimizer, loop state)."""
 
-    # on / auto: dump on the schedule and resume when a checkpoint exists; off / disabled: no-op.
-    mode: Literal["on", "auto", "off", "disabled"] = "disabled"
+    # on / auto / sync / async: dump on the schedule and resume when a checkpoint exists;
+    # off / disabled: no-op. sync blocks until a dump is durable, async writes it in the
+    # background; on / auto pick async only for a model on an accelerator (see background.py).
+    mode: Literal["on", "auto", "sync", "async", "off", "disabled"] = "disabled"
     # Attempts after a failed dump write before the error is raised.
     retries: NonNegativeInt = 3
     no_save_optim: StrictBool = False

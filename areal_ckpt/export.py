@@ -11,7 +11,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -19,9 +19,17 @@ from areal_ckpt import dist
 from areal_ckpt._version import __version__
 from areal_ckpt.commit import publish, write_manifest
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats.hf_export import ExportPlan, ExportSource, plan_export, write_metadata, write_rank_shards
+from areal_ckpt.formats.hf_export import (
+    ExportPlan,
+    ExportSource,
+    TensorSource,
+    plan_export,
+    write_metadata,
+    write_rank_shards,
+)
 from areal_ckpt.fsio import FileRecord
 from areal_ckpt.layout import MANIFEST_NAME, export_staging, export_trash
+from areal_ckpt.staging import StagedLayout, StagingArena, layout_of_specs
 
 logger = logging.getLogger("areal_ckpt.export")
 
@@ -35,6 +43,34 @@ class ExportResult:
     path: Path
     bytes: int
     seconds: float
+
+
+@dataclass(frozen=True)
+class ExportTarget:
+    """A begun export (staging folder made, metadata written); plain, picklable data."""
+
+    final: Path
+    plan: ExportPlan
+    dtype: torch.dtype | None
+    header: dict[str, Any]
+
+    @property
+    def staging(self) -> Path:
+        """The folder the shards are written into before the publish."""
+        return export_staging(self.final)
+
+
+class StagedExportSource:
+    """An export source whose tensors are already full and local (staged, or a converter's)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield the kept names' tensors; local, no copy."""
+        for name in names:
+            if name in keep:
+                yield name, self.tensors[name]
 
 
 def write_export(
@@ -54,68 +90,106 @@ def write_export(
     On failure nothing is published, the staging folder is removed and every rank raises.
     """
     start = time.perf_counter()
-    rank, world = dist.rank(), dist.world_size()
-    staging = export_staging(final)
-    prepared = _prepare_staging(staging) if rank == 0 else True
-    if not dist.all_true(prepared):
-        raise CheckpointError(f"{staging}: could not create the staging folder (see rank 0's log)")
-    plan = plan_export(source.export_specs(), max_shard_size, dtype)
-    records, error = write_rank_shards(source, plan, staging, rank, world, dtype, progress)
-    if error is not None:
-        logger.error("rank %d: writing export shards into %s failed: %s", rank, staging, error)
-    all_records = dist.all_gather_objects(
-        {file: (rec.size, rec.crc32) for file, rec in records.items()} if error is None else None
-    )
-    if any(part is None for part in all_records):
-        if rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-        failed = [r for r, part in enumerate(all_records) if part is None]
-        raise CheckpointError(f"{final}: export failed on rank(s) {failed}: {error}; nothing was published")
-    outcome = None
-    if rank == 0:
-        outcome = _commit(source, plan, staging, final, tokenizer, dtype, all_records, header)
-    outcome = dist.broadcast_object(outcome, src=0)
-    if outcome is not None:
-        raise CheckpointError(f"{final}: commit failed on rank 0: {outcome}; nothing was published")
-    return ExportResult(path=final, bytes=plan.total_size, seconds=time.perf_counter() - start)
+    target = begin_export(source, final, max_shard_size=max_shard_size, dtype=dtype, tokenizer=tokenizer,
+                          header=header)
+    written = finish_export(source, target, progress)
+    return ExportResult(path=final, bytes=written, seconds=time.perf_counter() - start)
 
 
-def _prepare_staging(staging: Path) -> bool:
-    try:
-        if staging.exists():
-            shutil.rmtree(staging)
-        staging.mkdir(parents=True)
-        return True
-    except OSError as error:
-        logger.error("cannot create staging folder %s: %s", staging, error)
-        return False
-
-
-def _commit(
+def begin_export(
     source: ExportSource,
-    plan: ExportPlan,
-    staging: Path,
     final: Path,
-    tokenizer: Any,
+    *,
+    max_shard_size: int,
     dtype: torch.dtype | None,
-    all_records: list[dict[str, tuple[int, int]]],
+    tokenizer: Any | None,
     header: dict[str, Any],
-) -> str | None:
-    """Rank 0: metadata, manifest, publish. Returns None on success, else the error text."""
-    try:
-        write_metadata(source, plan, staging, dtype, tokenizer)
-        records = {file: FileRecord(size, crc) for part in all_records for file, (size, crc) in part.items()}
-        full_header = {
+) -> ExportTarget:
+    """Plan the export and have rank 0 create the staging folder with the config, index and
+    tokenizer in it. Collective; blocking; raises on every rank if rank 0 could not."""
+    target = ExportTarget(
+        final=final,
+        plan=plan_export(source.export_specs(), max_shard_size, dtype),
+        dtype=dtype,
+        header={
             "format": EXPORT_FORMAT,
             "areal_ckpt_version": __version__,
             "torch_version": torch.__version__,
             "world_size": dist.world_size(),
             **header,
-        }
-        write_manifest(staging, MANIFEST_NAME, records, full_header)
-        publish(staging, final, export_trash(final))
+        },
+    )
+    error = _prepare_staging(source, target, tokenizer) if dist.rank() == 0 else None
+    error = dist.broadcast_object(error, src=0)
+    if error is not None:
+        raise CheckpointError(f"{target.staging}: could not prepare the export: {error}; nothing was published")
+    return target
+
+
+def stage_export(source: ExportSource, target: ExportTarget, arena: StagingArena) -> StagedLayout:
+    """Copy the tensors of this rank's files of ``target`` into ``arena``; collective when the
+    source is sharded (every tensor is gathered in turn), local otherwise. Blocking."""
+    mine = target.plan.files_of_rank(dist.rank(), dist.world_size())
+    specs = {spec.name: spec for spec in source.export_specs()}
+    names = [name for file_name in mine for name in target.plan.files[file_name]]
+    layout = layout_of_specs((name, specs[name].dtype, specs[name].shape) for name in names)
+    ordered = [name for file_name in target.plan.files for name in target.plan.files[file_name]]
+    arena.stage(layout, source.gather_full(ordered, set(names)))
+    return layout
+
+
+def finish_export(
+    source: TensorSource,
+    target: ExportTarget,
+    progress: Callable[[Iterable[int]], Iterable[int]] = iter,
+) -> int:
+    """Write this rank's shard files, then rank 0 writes the manifest and publishes.
+
+    Collective over the current process group (the job's, or the background writers');
+    blocking. Returns the export's tensor bytes. On failure the staging folder is removed,
+    nothing is published and every rank raises.
+    """
+    rank, world = dist.rank(), dist.world_size()
+    records, error = write_rank_shards(source, target.plan, target.staging, rank, world, target.dtype, progress)
+    if error is not None:
+        logger.error("rank %d: writing export shards into %s failed: %s", rank, target.staging, error)
+    all_records = dist.all_gather_objects(
+        {file: (rec.size, rec.crc32) for file, rec in records.items()} if error is None else None
+    )
+    if any(part is None for part in all_records):
+        if rank == 0:
+            shutil.rmtree(target.staging, ignore_errors=True)
+        failed = [r for r, part in enumerate(all_records) if part is None]
+        raise CheckpointError(f"{target.final}: export failed on rank(s) {failed}: {error}; nothing was published")
+    outcome = _commit(target, all_records) if rank == 0 else None
+    outcome = dist.broadcast_object(outcome, src=0)
+    if outcome is not None:
+        raise CheckpointError(f"{target.final}: commit failed on rank 0: {outcome}; nothing was published")
+    return target.plan.total_size
+
+
+def _prepare_staging(source: ExportSource, target: ExportTarget, tokenizer: Any) -> str | None:
+    """Rank 0: a fresh staging folder holding the metadata files. Returns the error text or None."""
+    try:
+        if target.staging.exists():
+            shutil.rmtree(target.staging)
+        target.staging.mkdir(parents=True)
+        write_metadata(source, target.plan, target.staging, target.dtype, tokenizer)
         return None
     except Exception as error:  # reported to every rank, which all raise
-        logger.error("commit of %s failed: %s", final, error)
-        shutil.rmtree(staging, ignore_errors=True)
+        logger.error("cannot prepare staging folder %s: %s", target.staging, error)
+        shutil.rmtree(target.staging, ignore_errors=True)
+        return f"{type(error).__name__}: {error}"
+
+
+def _commit(target: ExportTarget, all_records: list[dict[str, tuple[int, int]]]) -> str | None:
+    """Rank 0: manifest, publish. Returns None on success, else the error text."""
+    try:
+        records = {file: FileRecord(size, crc) for part in all_records for file, (size, crc) in part.items()}
+        write_manifest(target.staging, MANIFEST_NAME, records, target.header)
+        publish(target.staging, target.final, export_trash(target.final))
+        return None
+    except Exception as error:  # reported to every rank, which all raise
+        logger.error("commit of %s failed: %s", target.final, error)
+        shutil.rmtree(target.staging, ignore_errors=True)
         return str(error)

@@ -60,3 +60,13 @@ def release_trial_lock(trial: Path) -> None:
     _held[path][1] -= 1
     if _held[path][1] == 0:
         os.close(_held.pop(path)[0])  # closing the descriptor releases the flock
+
+
+def held_lock_descriptor(trial: Path) -> int | None:
+    """The descriptor of the trial's lock if this process holds it, else None; local.
+
+    A child process given a duplicate of it keeps the lock alive as long as it runs (flock
+    belongs to the open file, not to a process).
+    """
+    entry = _held.get((trial / LOCK_NAME).absolute())
+    return None if entry is None else entry[0]

@@ -7,25 +7,28 @@ Job-safe for one job per trial; process-safe within it: every rank calls ``dump`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from pathlib import Path
 from typing import Any, Mapping
 
 import torch
 
 from areal_ckpt import dist
 from areal_ckpt._version import __version__
-from areal_ckpt.commit import check_files, read_manifest
-from areal_ckpt.config import RecoverConfig
+from areal_ckpt.background import BackgroundWriter, describe_metrics, resolve_async, saving_metrics
+from areal_ckpt.commit import read_manifest
+from areal_ckpt.config import RecoverConfig, check_path_component
 from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError
-from areal_ckpt.formats.dcp_io import load_tensors, save_tensors
 from areal_ckpt.formats.hf_export import write_config
-from areal_ckpt.fsio import FileRecord, record_of, write_file_durably
+from areal_ckpt.fsio import FileRecord, write_file_durably
 from areal_ckpt.layout import ENGINE_STATE_FILE, HF_FILES, RECOVER_INFO, RECOVER_MANIFEST, default_user, trial_root
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
+from areal_ckpt.recover_read import find_committed, load_engine, verify_generation
 from areal_ckpt.recover_store import RecoverStore
+from areal_ckpt.recover_write import MODEL_SEPARATOR, RECOVER_FORMAT, RECOVER_FORMAT_VERSION, DumpJob
 from areal_ckpt.schedule import TriggerSchedule
+from areal_ckpt.staging import layout_of
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.components import Stateful, capture_components, dataloader_state, restore_components
 from areal_ckpt.state.recover_info import RecoverInfo, read_recover_info, write_global_info, write_rank_state
@@ -34,9 +37,6 @@ from areal_ckpt.step import FinetuneSpec, StepInfo
 
 logger = logging.getLogger("areal_ckpt.recover")
 
-RECOVER_FORMAT = "areal_ckpt.recover"
-RECOVER_FORMAT_VERSION = 1
-_OPTIMIZER_PREFIX = "optim."
 
 
 class _AttemptFailed(Exception):
@@ -44,7 +44,7 @@ class _AttemptFailed(Exception):
 
 
 def _enabled(config: RecoverConfig) -> bool:
-    return config.mode in ("on", "auto")
+    return config.mode in ("on", "auto", "sync", "async")
 
 
 def _store_of(config: RecoverConfig) -> RecoverStore:
@@ -52,7 +52,7 @@ def _store_of(config: RecoverConfig) -> RecoverStore:
 
 
 def check_if_recover(config: RecoverConfig) -> bool:
-    """True when mode is on/auto and the trial has a committed recovery checkpoint; local.
+    """True when recovery is enabled (mode on/auto/sync/async) and the trial has a committed recovery checkpoint; local.
 
     Raises CheckpointError when a commit record exists but is broken, so a launcher never
     mistakes a damaged checkpoint for a fresh trial. Checksums are verified by ``load``.
@@ -72,8 +72,9 @@ class RecoverHandler:
 
     One committed copy per trial, replaced on each dump by an atomic switch (see
     :mod:`areal_ckpt.recover_store` and docs/recovery.md for why a kill at any instant leaves
-    the previous or the new checkpoint, whole). Creating one (mode on/auto) takes the trial's
-    lock on rank 0: a second job on the same trial is refused.
+    the previous or the new checkpoint, whole). Creating one (recovery enabled) takes the
+    trial's lock on rank 0: a second job on the same trial is refused. Dumps are written in the
+    calling process or, asynchronously, by a background writer (see ``dump``).
     """
 
     def __init__(self, config: RecoverConfig, ft_spec: FinetuneSpec) -> None:
@@ -85,15 +86,23 @@ class RecoverHandler:
         self._generation: str | None = None  # committed generation this process loaded or wrote
         self._fingerprints: dict[str, list[int]] = {}
         self.last_metrics: dict[str, float] = {}
+        self._writer = BackgroundWriter("recover", self.store.trial)
+        self._pending: tuple[str, dict[str, list[int]]] | None = None  # dump in flight
         self._locked = self.enabled and dist.rank() == 0
         if self._locked:
             acquire_trial_lock(self.store.trial)
 
     def close(self) -> None:
-        """Release the trial's lock (held from construction on rank 0); local, idempotent."""
-        if self._locked:
-            release_trial_lock(self.store.trial)
-            self._locked = False
+        """Wait for the dump in flight, stop the background writer, free its shared memory and
+        release the trial's lock (held from construction on rank 0). Call it on every rank;
+        idempotent. Raises the background error of the last dump, after releasing everything."""
+        try:
+            self._collect()
+        finally:
+            self._writer.close()
+            if self._locked:
+                release_trial_lock(self.store.trial)
+                self._locked = False
 
     # -- dump -------------------------------------------------------------------------------
 
@@ -113,9 +122,16 @@ class RecoverHandler:
 
         Collective: every rank calls it after every step, with its own dataloader and client
         state. The model's HF config (and ``tokenizer``, if given) are recorded so that
-        ``areal-ckpt export`` can turn the checkpoint into a HuggingFace folder. Blocking; returns the committed generation's path, durable, or None when no dump
-        was due (or mode is off). A failed write is retried ``retries`` times with back-off, then
-        raised; the previous checkpoint survives every failure.
+        ``areal-ckpt export`` can turn the checkpoint into a HuggingFace folder. Returns None
+        when no dump was due (or mode is off), else the generation's path.
+
+        Synchronous: blocks until that generation is committed and durable. Asynchronous (mode
+        ``async``; ``auto`` / ``on`` when the model is on an accelerator): first waits for the
+        dump in flight, writes the small JSON files, copies the tensors to shared memory and
+        returns; the background writer commits it later (:meth:`wait`, :meth:`close`). A failed
+        write is retried ``retries`` times with back-off, then raised on every rank: by this
+        call (sync), or by the next due dump, ``wait`` or ``close`` (async). The previous
+        checkpoint survives every failure.
         """
         if not self.enabled:
             return None
@@ -135,15 +151,14 @@ class RecoverHandler:
             "client_state": dict(client_state or {}),
         }
         start = time.perf_counter()
+        self._collect()
+        background = resolve_async(self.config.mode, any(e.on_accelerator for e in engines.values()))
         for attempt in range(self.config.retries + 1):
             try:
-                path, size = self._dump_once(engines, step_info, components, rank_state, tokenizer)
+                job, tensors, fingerprints = self._prepare(engines, step_info, components, rank_state, tokenizer)
                 break
             except CollectiveError as lost:  # retrying without the other ranks cannot succeed
-                raise CollectiveError(
-                    f"{self.store.root}: recovery dump at global step {step_info.global_step} stopped: {lost}. "
-                    "The committed checkpoint is untouched; restart the job to resume from it."
-                ) from lost
+                raise self._stopped(step_info, lost) from lost
             except _AttemptFailed as failure:
                 if attempt == self.config.retries:
                     raise CheckpointError(
@@ -153,21 +168,73 @@ class RecoverHandler:
                 delay = min(0.5 * 2**attempt, 10.0)
                 logger.warning("recovery dump attempt %d failed (%s); retrying in %.1f s", attempt + 1, failure, delay)
                 time.sleep(delay)
-        seconds = time.perf_counter() - start
-        self.last_metrics = {"time/saving": seconds, "bytes": float(size), "gbps": size / seconds / 1e9}
-        logger.info("recovery checkpoint at global step %d: %s (%.3f GB in %.2f s)", step_info.global_step, path, size / 1e9, seconds)
-        return str(path)
+        if background:
+            layout = layout_of(tensors)
+            try:
+                self._writer.arena.stage(layout, tensors.items())
+            except BaseException:
+                if dist.rank() == 0:
+                    self.store.discard(job.generation)
+                raise
+            self._writer.submit(dataclasses.replace(job, layout=layout))
+            self._pending = (job.generation, fingerprints)
+            self.last_metrics = saving_metrics(time.perf_counter() - start, layout.nbytes)
+            return str(self.store.path(job.generation))
+        try:
+            result = job.run(tensors)
+        except CollectiveError as lost:
+            raise self._stopped(step_info, lost) from lost
+        self._committed(job.generation, fingerprints)
+        self.last_metrics = saving_metrics(time.perf_counter() - start, result["bytes"], background=0.0)
+        logger.info("recovery checkpoint at global step %d: %s (%s)", step_info.global_step, result["path"],
+                    describe_metrics(self.last_metrics))
+        return result["path"]
 
-    def _dump_once(
+    def _stopped(self, step_info: StepInfo, lost: CollectiveError) -> CollectiveError:
+        return CollectiveError(
+            f"{self.store.root}: recovery dump at global step {step_info.global_step} stopped: {lost}. "
+            "The committed checkpoint is untouched; restart the job to resume from it."
+        )
+
+    def wait(self) -> None:
+        """Block until the dump in flight (async mode) is committed; no-op otherwise.
+
+        Call it on every rank. Raises the background error, if the dump failed.
+        """
+        self._collect()
+
+    def _collect(self) -> None:
+        outcome = self._writer.wait()
+        if outcome is None:
+            return
+        generation, fingerprints = self._pending
+        self._pending = None
+        self._committed(generation, fingerprints)
+        self.last_metrics = {**self.last_metrics, **saving_metrics(
+            self.last_metrics["time/saving"], outcome.result["bytes"], background=outcome.seconds)}
+        logger.info("recovery checkpoint %s committed in the background (%s)", outcome.result["path"],
+                    describe_metrics(self.last_metrics))
+
+    def _committed(self, generation: str, fingerprints: dict[str, list[int]]) -> None:
+        self._generation = generation
+        self._fingerprints.update(fingerprints)
+
+    def _prepare(
         self,
         engines: dict[str, Any],
         step_info: StepInfo,
         components: dict[str, Any],
         rank_state: dict[str, Any],
         tokenizer: Any,
-    ) -> tuple[Path, int]:
+    ) -> tuple[DumpJob, dict[str, torch.Tensor], dict[str, list[int]]]:
+        """Create the generation, write its JSON files, capture the tensors; collective.
+
+        Raises _AttemptFailed on every rank (after discarding the generation) when a rank failed.
+        """
         rank = dist.rank()
         names = sorted(engines)
+        for name in names:
+            check_path_component(name, "model name")
         tags = dist.all_gather_objects([step_info.global_step, names])
         if any(tag != tags[0] for tag in tags):
             raise RankMismatchError(f"RecoverHandler.dump: ranks disagree on (global_step, models): {tags}")
@@ -179,33 +246,45 @@ class RecoverHandler:
             raise _AttemptFailed(f"cannot create a generation folder: {generation}")
         folder = self.store.path(generation)
         records: dict[str, FileRecord] = {}
+        tensors: dict[str, torch.Tensor] = {}
         fingerprints: dict[str, list[int]] = {}
         local_error: str | None = None
         try:
             for name in names:
                 if engines[name].is_frozen:
                     fingerprints[name] = engines[name].fingerprint()
-                records.update(self._dump_engine(engines[name], name, generation, fingerprints.get(name), tokenizer))
+                model_tensors, model_records = self._prepare_engine(
+                    engines[name], name, generation, fingerprints.get(name), tokenizer
+                )
+                records.update(model_records)
+                tensors.update({f"{name}{MODEL_SEPARATOR}{key}": value for key, value in model_tensors.items()})
             if rank == 0:
                 write_global_info(folder / RECOVER_INFO, step_info, components)
             file_name, record = write_rank_state(folder / RECOVER_INFO, rank, rank_state)
             records[f"{RECOVER_INFO}/{file_name}"] = record
         except (RankMismatchError, CollectiveError):
             raise
-        except Exception as error:  # DCP raises on every rank; local failures are agreed below
+        except Exception as error:  # local failures are agreed below
             local_error = f"rank {rank}: {type(error).__name__}: {error}"
-        outcomes = dist.all_gather_objects(local_error or {k: (r.size, r.crc32) for k, r in records.items()})
-        errors = [o for o in outcomes if isinstance(o, str)]
-        result = None
-        if rank == 0:
-            result = self._finish(generation, names, errors, outcomes, step_info)
-        result = dist.broadcast_object(result, src=0)
-        if result.startswith("error:"):
-            raise _AttemptFailed(result.removeprefix("error:"))
-        self._generation = generation
-        self._fingerprints.update(fingerprints)
-        total = sum(size for o in outcomes for size, _ in o.values())
-        return self.store.path(generation), total
+        errors = [e for e in dist.all_gather_objects(local_error) if e is not None]
+        if errors:
+            if rank == 0:
+                self.store.discard(generation)
+            raise _AttemptFailed("; ".join(errors))
+        header = {
+            "format": RECOVER_FORMAT,
+            "format_version": RECOVER_FORMAT_VERSION,
+            "areal_ckpt_version": __version__,
+            "torch_version": torch.__version__,
+            "world_size": dist.world_size(),
+            "models": names,
+            "step": step_info.model_dump(),
+        }
+        job = DumpJob(
+            trial=self.store.trial, generation=generation, models=names,
+            records={k: (r.size, r.crc32) for k, r in records.items()}, header=header, retries=self.config.retries,
+        )
+        return job, tensors, fingerprints
 
     def _begin(self, global_step: int, names: list[str]) -> tuple[str, str]:
         """Rank 0: ("created", generation) | ("refused", why) | ("failed", OS error, retried)."""
@@ -224,20 +303,19 @@ class RecoverHandler:
         except OSError as error:
             return "failed", str(error)
 
-    def _dump_engine(
+    def _prepare_engine(
         self, engine: Any, name: str, generation: str, fingerprint: list[int] | None, tokenizer: Any
-    ) -> dict[str, FileRecord]:
+    ) -> tuple[dict[str, torch.Tensor], dict[str, FileRecord]]:
+        """This rank's tensors of one model (none when an unchanged frozen model is linked) and
+        the records of the files written for it here."""
         folder = self.store.path(generation) / name
         previous = self._fingerprints.get(name)
         unchanged = fingerprint is not None and previous == fingerprint
         if dist.all_true(unchanged) and self._generation is not None:
-            return self.store.link_model(self._generation, generation, name) if dist.rank() == 0 else {}
+            return {}, self.store.link_model(self._generation, generation, name) if dist.rank() == 0 else {}
         include_optimizer = not self.config.no_save_optim
         tensors, extra = engine.recover_state(include_optimizer)
-        save_tensors(tensors, folder)
-        records = {
-            f"{name}/{path.name}": record_of(path) for path in sorted(folder.glob(f"__{dist.rank()}_*.distcp"))
-        }
+        records = {}
         if dist.rank() == 0:
             extra["optimizer_saved"] = include_optimizer and not engine.is_frozen
             records[f"{name}/{ENGINE_STATE_FILE}"] = write_file_durably(folder / ENGINE_STATE_FILE, safe_json.dumps(extra))
@@ -246,31 +324,7 @@ class RecoverHandler:
             write_config(engine, folder / HF_FILES, None)
             if tokenizer is not None:
                 tokenizer.save_pretrained(folder / HF_FILES)
-        return records
-
-    def _finish(
-        self, generation: str, names: list[str], errors: list[str], outcomes: list[Any], step_info: StepInfo
-    ) -> str:
-        if errors:
-            self.store.discard(generation)
-            return "error:" + "; ".join(errors)
-        records = {k: FileRecord(size, crc) for o in outcomes for k, (size, crc) in o.items()}
-        header = {
-            "format": RECOVER_FORMAT,
-            "format_version": RECOVER_FORMAT_VERSION,
-            "areal_ckpt_version": __version__,
-            "torch_version": torch.__version__,
-            "world_size": dist.world_size(),
-            "models": names,
-            "step": step_info.model_dump(),
-        }
-        try:
-            self.store.commit(generation, records, header, names)
-        except Exception as error:
-            if self._committed_or_none() != generation:  # never delete what got committed
-                self.store.discard(generation)
-            return f"error: commit failed: {error}"
-        return str(self.store.path(generation))
+        return tensors, records
 
     # -- load -------------------------------------------------------------------------------
 
@@ -294,21 +348,21 @@ class RecoverHandler:
             return None
         found: str | None = None
         if dist.rank() == 0:
-            found = self._find_committed()
+            found = find_committed(self.store)
         found = dist.broadcast_object(found, src=0)
         if found is None:
             return None
         if found.startswith("error:"):
             raise CheckpointError(found.removeprefix("error:"))
         folder = self.store.path(found)
-        manifest = self._verify(folder)
+        manifest = verify_generation(folder)
         engines = dict(engine) if isinstance(engine, Mapping) else {"default": engine}
         if sorted(engines) != manifest["models"]:
             raise CheckpointError(
                 f"{folder}: checkpoint holds models {manifest['models']}, load was given {sorted(engines)}"
             )
         for name in sorted(engines):
-            self._load_engine(engines[name], folder / name)
+            load_engine(engines[name], folder / name, self.config.no_load_optim)
         info = read_recover_info(
             folder / RECOVER_INFO, dist.rank(), dist.world_size(), manifest["world_size"], drop_rank_state
         )
@@ -329,50 +383,3 @@ class RecoverHandler:
             info.last_step_info.global_step, info.last_step_info.epoch, info.last_step_info.epoch_step, folder,
         )
         return info
-
-    def _committed_or_none(self) -> str | None:
-        try:
-            return self.store.committed()
-        except CheckpointError:
-            return None
-
-    def _find_committed(self) -> str | None:
-        try:
-            committed = self.store.committed()
-        except CheckpointError as error:
-            return f"error:{error}"
-        removed = self.store.remove_debris(keep=committed)
-        if removed:
-            logger.warning("removed uncommitted recovery generations (interrupted dumps): %s", removed)
-        return committed
-
-    def _verify(self, folder: Path) -> dict[str, Any]:
-        manifest = read_manifest(folder, RECOVER_MANIFEST)
-        if manifest.get("format") != RECOVER_FORMAT or manifest.get("format_version") != RECOVER_FORMAT_VERSION:
-            raise CheckpointError(
-                f"{folder / RECOVER_MANIFEST}: format {manifest.get('format')!r} version "
-                f"{manifest.get('format_version')!r} cannot be read by areal_ckpt {__version__} "
-                f"(reads {RECOVER_FORMAT!r} version {RECOVER_FORMAT_VERSION})"
-            )
-        files = manifest["files"]
-        mine = [name for index, name in enumerate(sorted(files)) if index % dist.world_size() == dist.rank()]
-        problems = [p for part in dist.all_gather_objects(check_files(folder, files, mine)) for p in part]
-        if problems:
-            raise CheckpointError(f"{folder}: recovery checkpoint is damaged: " + "; ".join(problems))
-        return manifest
-
-    def _load_engine(self, engine: Any, folder: Path) -> None:
-        try:
-            extra = safe_json.loads((folder / ENGINE_STATE_FILE).read_bytes(), str(folder / ENGINE_STATE_FILE))
-        except ValueError as error:
-            raise CheckpointError(str(error)) from None
-        include_optimizer = bool(extra.get("optimizer_saved")) and not self.config.no_load_optim
-        if engine.optimizer is not None and not include_optimizer:
-            logger.warning("%s: optimizer state not restored (%s)", folder,
-                           "no_load_optim is set" if self.config.no_load_optim else "it was not saved")
-        template = engine.recover_template(include_optimizer and extra.get("optimizer_has_state", True))
-        load_tensors(template, folder, optional_prefixes=() if include_optimizer else (_OPTIMIZER_PREFIX,))
-        try:
-            engine.load_recover_state(template, extra, include_optimizer)
-        except (KeyError, ValueError, RuntimeError) as error:
-            raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: cannot restore optimizer / scheduler: {error}") from None

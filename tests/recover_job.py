@@ -43,6 +43,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--freq-steps", type=int, default=2)
     parser.add_argument("--kill-at", type=int, default=-1, help="SIGKILL this process after step K")
     parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--mode", choices=["on", "sync", "async"], default="on")
     return parser.parse_args(argv)
 
 
@@ -91,7 +92,7 @@ def train(args: argparse.Namespace) -> None:
     engine = ac.TorchEngine(model, optimizer=optimizer, lr_scheduler=scheduler)
     config = ac.RecoverConfig(
         experiment_name="exp", trial_name=args.trial, fileroot=args.fileroot, user="tester",
-        mode="on", freq_steps=args.freq_steps,
+        mode=args.mode, freq_steps=args.freq_steps,
     )
     recover = ac.RecoverHandler(config, ft_spec)
 
@@ -124,6 +125,7 @@ def train(args: argparse.Namespace) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             epoch_step += 1
             global_step += 1
+    recover.close()
     final = {}
     for name, tensor in engine.recover_template(with_optimizer_tensors=True).items():
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor

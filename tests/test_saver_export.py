@@ -175,11 +175,6 @@ def test_saver_state_dict_is_json_and_keeps_cadence_across_restart(fileroot, mak
     assert fresh.save(engine, 0, 5, 5) is None
 
 
-def test_async_mode_is_refused_until_implemented(fileroot):
-    with pytest.raises(NotImplementedError, match="async"):
-        ac.Saver(saver_config(fileroot, mode="async"), SPEC)
-
-
 def test_saving_the_same_step_again_replaces_the_folder_whole(fileroot, make_model):
     saver = ac.Saver(saver_config(fileroot), SPEC)
     first = Path(saver.save(ac.TorchEngine(make_model(1)), 0, 0, 0, force=True))

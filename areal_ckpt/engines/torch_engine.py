@@ -67,6 +67,11 @@ class TorchEngine:
             )
 
     @property
+    def on_accelerator(self) -> bool:
+        """True when the weights live off the CPU (e.g. CUDA): ``auto`` mode then saves asynchronously."""
+        return any(p.device.type not in ("cpu", "meta") for p in self.module.parameters())
+
+    @property
     def is_sharded(self) -> bool:
         """True when parameters are DTensors (FSDP2): gathering them is collective."""
         return any(isinstance(p, DTensor) for p in self.module.parameters())

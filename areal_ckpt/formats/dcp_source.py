@@ -38,6 +38,7 @@ class DcpModelSource:
         )
         architectures = getattr(self.config, "architectures", None) or []
         self.architecture = architectures[0] if architectures else type(self.config).__name__
+        self.on_accelerator = False
         self._index = {
             name[len(MODEL_PREFIX):]: value
             for name, value in read_tensor_index(folder).items()

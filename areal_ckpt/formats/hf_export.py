@@ -25,16 +25,21 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-class ExportSource(Protocol):
+class TensorSource(Protocol):
+    """Full tensors by name, the way shard files are written from them."""
+
+    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+class ExportSource(TensorSource, Protocol):
     """What an engine offers for export (see :class:`areal_ckpt.engines.TorchEngine`)."""
 
     config: Any
     generation_config: Any | None
     architecture: str
+    on_accelerator: bool
 
     def export_specs(self) -> list[TensorSpec]: ...
-
-    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,7 @@ def plan_export(specs: Sequence[TensorSpec], max_shard_size: int, dtype: torch.d
 
 
 def write_rank_shards(
-    source: ExportSource,
+    source: TensorSource,
     plan: ExportPlan,
     folder: Path,
     rank: int,

@@ -1,0 +1,292 @@
+"""Background writer processes: checkpoint writes that run while training continues.
+
+Each rank of an asynchronous Saver or RecoverHandler owns one writer process (spawned, not a
+thread: a thread would compete with the training loop for the GIL). The writers of a job form
+their own gloo process group, so a job's collective write and commit code runs unchanged in
+them. The training process stages tensors into shared memory (:mod:`areal_ckpt.staging`),
+hands the writer a job naming where each tensor sits, and goes on; the writer writes, fsyncs
+and commits, then reports back. At most one job is in flight per writer.
+
+A writer never outlives its training process: it asks the kernel to SIGKILL it when its parent
+dies, ignores Ctrl-C (its parent decides), and holds the trial lock's descriptor, so a restarted
+job cannot start while an orphaned write is still running. A kill at any instant therefore has
+the same effect as in a synchronous save: the previous checkpoint stays committed, and the
+half-written one is debris that the next start removes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import multiprocessing
+import multiprocessing.reduction
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from areal_ckpt import dist
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.lock import held_lock_descriptor
+from areal_ckpt.staging import StagedLayout, StagedTensors, StagingArena
+
+logger = logging.getLogger("areal_ckpt.background")
+
+_PR_SET_PDEATHSIG = 1
+_STORE_TIMEOUT = timedelta(minutes=10)
+_LIVENESS_POLL_SECONDS = 0.5
+
+
+class BackgroundJob(Protocol):
+    """A write job: picklable plain data plus the staged layout of its tensors."""
+
+    layout: StagedLayout
+
+    def run(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Write and commit; collective over the writers' group; returns small JSON-like data."""
+        ...
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    """What a finished background job reported, and how long it ran in the background."""
+
+    result: dict[str, Any]
+    seconds: float
+
+
+class _InheritedDescriptor:
+    """A file descriptor that the spawned child receives as its own duplicate."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        return _detach, (multiprocessing.reduction.DupFd(self.fd),)
+
+
+def _detach(duplicate: Any) -> int:
+    return duplicate.detach()
+
+
+class BackgroundWriter:
+    """One rank's writer process, its staging arena and the job in flight; owned by the
+    training process.
+
+    ``label`` names it in logs and errors; ``trial`` is the trial whose lock the writer holds
+    along with its parent. Stage a job's tensors into :attr:`arena`, then :meth:`submit` it.
+    """
+
+    def __init__(self, label: str, trial: Path) -> None:
+        self.label = label
+        self.trial = trial
+        self.arena = StagingArena()
+        self._process: Any = None
+        self._conn: Any = None
+        self._in_flight = False
+        self._sent_buffer: torch.Tensor | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        """True while a submitted job has not been collected by :meth:`wait`."""
+        return self._in_flight
+
+    def _start(self) -> None:
+        """Start the writer process; collective (rank 0 picks the port the writers meet on).
+        Returns without waiting for the writer to finish starting."""
+        address = None
+        if dist.rank() == 0:
+            address = (os.environ.get("MASTER_ADDR") or socket.gethostname(), _free_port())
+        host, port = dist.broadcast_object(address, src=0)
+        context = multiprocessing.get_context("spawn")
+        parent_end, child_end = context.Pipe()
+        lock_fd = held_lock_descriptor(self.trial)
+        self._process = context.Process(
+            target=_serve,
+            args=(child_end, dist.rank(), dist.world_size(), host, port, os.getpid(),
+                  None if lock_fd is None else _InheritedDescriptor(lock_fd),
+                  logging.getLogger("areal_ckpt").getEffectiveLevel()),
+            name=f"areal_ckpt-writer-{self.label}-rank{dist.rank()}",
+            daemon=True,
+        )
+        self._process.start()
+        child_end.close()
+        self._conn = parent_end
+        self._sent_buffer = None
+        atexit.register(self._drain_at_exit)
+
+    def submit(self, job: BackgroundJob) -> None:
+        """Hand ``job``, whose tensors are staged in :attr:`arena`, to the writer; non-blocking.
+
+        Collective when the writer is not running yet (it is started, on every rank); local
+        otherwise. The previous job must have been collected with :meth:`wait` first.
+        """
+        if self._in_flight:
+            raise RuntimeError(f"{self.label}: a background save is still in flight; wait() for it first")
+        if self._process is None:
+            self._start()
+        buffer = self.arena.buffer
+        try:
+            if buffer is not self._sent_buffer:
+                self._conn.send(("buffer", buffer))
+                self._sent_buffer = buffer
+            self._conn.send(("job", job))
+        except OSError as error:
+            raise self._died(f"cannot reach it: {error}") from None
+        self._in_flight = True
+
+    def wait(self) -> JobOutcome | None:
+        """Block until the job in flight has finished; local. None when nothing was in flight.
+
+        Raises CheckpointError with the writer's error when the job failed or the writer died;
+        the writer is then stopped (the next :meth:`start` makes a new one).
+        """
+        if not self._in_flight:
+            return None
+        self._in_flight = False
+        try:
+            while not self._conn.poll(_LIVENESS_POLL_SECONDS):
+                if not self._process.is_alive():
+                    raise self._died(f"exit code {self._process.exitcode}")
+            message = self._conn.recv()
+        except (EOFError, OSError) as error:
+            raise self._died(str(error) or type(error).__name__) from None
+        if message[0] == "failed":
+            self.stop()
+            logger.debug("%s: background traceback:\n%s", self.label, message[2])
+            raise CheckpointError(f"{self.label}: background save failed: {message[1]}")
+        return JobOutcome(result=message[1], seconds=message[2])
+
+    def stop(self) -> None:
+        """Ask the writer to exit and join it; drops the in-flight job; local, idempotent."""
+        if self._process is None:
+            return
+        atexit.unregister(self._drain_at_exit)
+        try:
+            self._conn.send(("stop", None))
+        except OSError:
+            pass
+        self._process.join(timeout=30)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._conn.close()
+        self._process = self._conn = self._sent_buffer = None
+        self._in_flight = False
+
+    def close(self) -> None:
+        """Stop the writer and free the arena; local, idempotent. Collect the job first."""
+        self.stop()
+        self.arena.release()
+
+    def _died(self, detail: str) -> CheckpointError:
+        self._in_flight = False
+        process = self._process
+        self.stop()
+        return CheckpointError(
+            f"{self.label}: background writer process {getattr(process, 'pid', '?')} died ({detail}); "
+            "the checkpoint it was writing was not committed, the previous one is intact"
+        )
+
+    def _drain_at_exit(self) -> None:
+        """At interpreter exit, finish the job in flight so a last save is not silently lost."""
+        try:
+            outcome = self.wait()
+            if outcome is not None:
+                logger.info("%s: finished the last background save at exit: %s", self.label, outcome.result)
+        except CheckpointError as error:
+            logger.error("%s: %s", self.label, error)
+        self.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _serve(
+    conn: Any, rank: int, world: int, host: str, port: int, parent_pid: int, lock_fd: int | None, log_level: int
+) -> None:
+    """The writer process: join the writers' group, then run jobs until told to stop."""
+    _die_with_parent(parent_pid)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s %(name)s [writer rank {rank}] %(levelname)s: %(message)s"))
+    package_logger = logging.getLogger("areal_ckpt")
+    package_logger.addHandler(handler)
+    package_logger.setLevel(log_level)
+    if world > 1:
+        store = torch.distributed.TCPStore(host, port, world, is_master=rank == 0, timeout=_STORE_TIMEOUT)
+        torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    buffer: torch.Tensor | None = None
+    staged = StagedTensors()
+    while True:
+        try:
+            kind, payload = conn.recv()
+        except EOFError:  # the parent closed its end: nothing more will come
+            break
+        if kind == "stop":
+            break
+        if kind == "buffer":
+            buffer = payload
+            continue
+        start = time.perf_counter()
+        try:
+            result = payload.run(staged.materialize(buffer, payload.layout))
+            conn.send(("done", result, time.perf_counter() - start))
+        except BaseException as error:  # reported to the parent, which raises it
+            conn.send(("failed", f"{type(error).__name__}: {error}", traceback.format_exc()))
+    if lock_fd is not None:
+        os.close(lock_fd)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def resolve_async(mode: str, on_accelerator: bool) -> bool:
+    """Whether a save in ``mode`` runs in the background.
+
+    ``async``: always. ``auto`` / ``on``: only when the state lives on an accelerator, where
+    staging is the device-to-host copy a save needs anyway and the host's cores are idle
+    during compute; a CPU-trained model saves synchronously, because a background writer would
+    compete with the training loop for the same cores. Anything else: synchronously.
+    """
+    if mode == "async":
+        return True
+    return mode in ("auto", "on") and on_accelerator
+
+
+def saving_metrics(blocking: float, nbytes: int, background: float | None = None) -> dict[str, float]:
+    """The metrics dict of one save: ``time/saving`` (seconds the caller was blocked),
+    ``time/background`` (seconds written in the background; 0 when synchronous; absent until
+    known), ``bytes`` and ``gbps`` (bytes over the time spent writing)."""
+    metrics = {"time/saving": blocking, "bytes": float(nbytes)}
+    if background is not None:
+        writing = background if background > 0 else blocking
+        metrics["time/background"] = background
+        metrics["gbps"] = nbytes / writing / 1e9 if writing > 0 else 0.0
+    return metrics
+
+
+def describe_metrics(metrics: dict[str, float]) -> str:
+    """One log-line rendering of :func:`saving_metrics`."""
+    text = f"{metrics['bytes'] / 1e9:.3f} GB, blocked {metrics['time/saving']:.2f} s"
+    if "time/background" in metrics:
+        text += f", background {metrics['time/background']:.2f} s, {metrics['gbps']:.2f} GB/s"
+    return text

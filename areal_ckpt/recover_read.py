@@ -1,0 +1,77 @@
+"""The read side of recovery: find the committed generation, verify it, load a model's state.
+
+Every function here reads; none changes a committed generation. Collective ones say so.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from areal_ckpt import dist
+from areal_ckpt._version import __version__
+from areal_ckpt.commit import check_files, read_manifest
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.formats.dcp_io import load_tensors
+from areal_ckpt.layout import ENGINE_STATE_FILE, RECOVER_MANIFEST
+from areal_ckpt.recover_store import RecoverStore
+from areal_ckpt.recover_write import RECOVER_FORMAT, RECOVER_FORMAT_VERSION
+from areal_ckpt.state import safe_json
+
+logger = logging.getLogger("areal_ckpt.recover")
+
+_OPTIMIZER_PREFIX = "optim."
+
+
+def find_committed(store: RecoverStore) -> str | None:
+    """Rank 0 at start: the committed generation (None if none) after deleting the debris of
+    interrupted dumps; ``error:<why>`` when the commit record is broken. Local."""
+    try:
+        committed = store.committed()
+    except CheckpointError as error:
+        return f"error:{error}"
+    removed = store.remove_debris(keep=committed)
+    if removed:
+        logger.warning("removed uncommitted recovery generations (interrupted dumps): %s", removed)
+    return committed
+
+
+def verify_generation(folder: Path) -> dict[str, Any]:
+    """Check the manifest's format and every file's size and CRC-32; returns the manifest.
+
+    Collective: the files are dealt out to the ranks, each checks its share, all agree.
+    Raises CheckpointError naming every damaged file.
+    """
+    manifest = read_manifest(folder, RECOVER_MANIFEST)
+    if manifest.get("format") != RECOVER_FORMAT or manifest.get("format_version") != RECOVER_FORMAT_VERSION:
+        raise CheckpointError(
+            f"{folder / RECOVER_MANIFEST}: format {manifest.get('format')!r} version "
+            f"{manifest.get('format_version')!r} cannot be read by areal_ckpt {__version__} "
+            f"(reads {RECOVER_FORMAT!r} version {RECOVER_FORMAT_VERSION})"
+        )
+    files = manifest["files"]
+    mine = [name for index, name in enumerate(sorted(files)) if index % dist.world_size() == dist.rank()]
+    problems = [p for part in dist.all_gather_objects(check_files(folder, files, mine)) for p in part]
+    if problems:
+        raise CheckpointError(f"{folder}: recovery checkpoint is damaged: " + "; ".join(problems))
+    return manifest
+
+
+def load_engine(engine: Any, folder: Path, no_load_optim: bool) -> None:
+    """Load one model's weights (and optimizer / scheduler unless ``no_load_optim`` or not
+    saved) from its folder of a verified generation. Collective under FSDP2 / DDP."""
+    try:
+        extra = safe_json.loads((folder / ENGINE_STATE_FILE).read_bytes(), str(folder / ENGINE_STATE_FILE))
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
+    include_optimizer = bool(extra.get("optimizer_saved")) and not no_load_optim
+    if engine.optimizer is not None and not include_optimizer:
+        logger.warning("%s: optimizer state not restored (%s)", folder,
+                       "no_load_optim is set" if no_load_optim else "it was not saved")
+    template = engine.recover_template(include_optimizer and extra.get("optimizer_has_state", True))
+    load_tensors(template, folder, optional_prefixes=() if include_optimizer else (_OPTIMIZER_PREFIX,))
+    try:
+        engine.load_recover_state(template, extra, include_optimizer)
+    except (KeyError, ValueError, RuntimeError) as error:
+        raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: cannot restore optimizer / scheduler: {error}") from None

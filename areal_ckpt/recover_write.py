@@ -1,0 +1,119 @@
+"""The second half of a recovery dump: tensor shards, agreement, commit.
+
+The first half (:mod:`areal_ckpt.recover`) runs in the training process: it creates the
+generation folder, writes the small JSON files and captures the tensors. This half writes the
+tensors through DCP and commits; it runs either in the training process (sync) or in the
+background writers (async, :mod:`areal_ckpt.background`), collective over whichever group runs
+it. A failed write is retried in place; after the last attempt the generation is discarded, so
+the previous checkpoint stays the committed one whatever happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from areal_ckpt import dist
+from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError
+from areal_ckpt.formats.dcp_io import save_tensors
+from areal_ckpt.fsio import FileRecord, record_of
+from areal_ckpt.recover_store import RecoverStore
+from areal_ckpt.staging import StagedLayout
+
+logger = logging.getLogger("areal_ckpt.recover")
+
+RECOVER_FORMAT = "areal_ckpt.recover"
+RECOVER_FORMAT_VERSION = 1
+
+#: Separates the model name from the tensor name in a dump's flat tensor dict.
+MODEL_SEPARATOR = "/"
+
+
+@dataclass(frozen=True)
+class DumpJob:
+    """Everything the tensor half of one dump needs; plain, picklable data.
+
+    ``records`` are this rank's files written by the first half (JSON state, linked shards);
+    ``header`` is the manifest header; ``layout`` locates the staged tensors (async only).
+    """
+
+    trial: Path
+    generation: str
+    models: list[str]
+    records: dict[str, tuple[int, int]]
+    header: dict[str, Any]
+    retries: int
+    layout: StagedLayout | None = None
+
+    def run(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """Write ``tensors`` (``"{model}/{name}"`` -> tensor) and commit the generation.
+
+        Collective over the current process group; blocking; durable on return. Returns the
+        generation's path and the bytes of all its files. Raises CheckpointError (on every
+        rank) after ``retries`` failed attempts, with the generation discarded;
+        CollectiveError at once when a peer is gone.
+        """
+        store = RecoverStore(self.trial)
+        by_model: dict[str, dict[str, Any]] = {}
+        for key, tensor in tensors.items():
+            model, _, name = key.partition(MODEL_SEPARATOR)
+            by_model.setdefault(model, {})[name] = tensor
+        for attempt in range(self.retries + 1):
+            outcome = self._attempt(store, by_model)
+            if not outcome.startswith("error:"):
+                return {"path": str(store.path(self.generation)), "bytes": int(outcome)}
+            failure = outcome.removeprefix("error:")
+            if attempt == self.retries:
+                if dist.rank() == 0 and _committed_or_none(store) != self.generation:
+                    store.discard(self.generation)
+                raise CheckpointError(
+                    f"{store.root}: recovery dump at global step {self.header['step']['global_step']} failed "
+                    f"after {attempt + 1} attempts: {failure}; the previous checkpoint is intact"
+                )
+            delay = min(0.5 * 2**attempt, 10.0)
+            logger.warning("recovery dump attempt %d failed (%s); retrying in %.1f s", attempt + 1, failure, delay)
+            time.sleep(delay)
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _attempt(self, store: RecoverStore, by_model: dict[str, dict[str, Any]]) -> str:
+        """One write + commit; returns the committed bytes as text, or ``error:<why>``."""
+        rank = dist.rank()
+        folder = store.path(self.generation)
+        records = dict(self.records)
+        local_error: str | None = None
+        try:
+            for model in sorted(by_model):
+                save_tensors(by_model[model], folder / model)
+                for path in sorted((folder / model).glob(f"__{rank}_*.distcp")):
+                    record = record_of(path)
+                    records[f"{model}/{path.name}"] = (record.size, record.crc32)
+        except (RankMismatchError, CollectiveError):
+            raise
+        except Exception as error:  # DCP raises on every rank; local failures are agreed below
+            local_error = f"rank {rank}: {type(error).__name__}: {error}"
+        outcomes = dist.all_gather_objects(local_error or records)
+        result = self._commit(store, outcomes) if rank == 0 else None
+        return dist.broadcast_object(result, src=0)
+
+    def _commit(self, store: RecoverStore, outcomes: list[Any]) -> str:
+        errors = [o for o in outcomes if isinstance(o, str)]
+        if errors:
+            return "error:" + "; ".join(errors)
+        records = {k: FileRecord(size, crc) for o in outcomes for k, (size, crc) in o.items()}
+        try:
+            store.commit(self.generation, records, self.header, self.models)
+        except Exception as error:
+            if _committed_or_none(store) != self.generation:
+                return f"error: commit failed: {error}"
+            logger.warning("%s: committed %s, but then: %s", store.root, self.generation, error)
+        return str(sum(record.size for record in records.values()))
+
+
+def _committed_or_none(store: RecoverStore) -> str | None:
+    try:
+        return store.committed()
+    except CheckpointError:
+        return None

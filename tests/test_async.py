@@ -1,0 +1,165 @@
+"""Asynchronous saving (mode: async): shared-memory staging, background writer processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+import areal_ckpt as ac
+from areal_ckpt.background import resolve_async
+from areal_ckpt.staging import StagingArena, layout_of, view
+from distributed import run_distributed
+from helpers import export_names, read_export_tensors, saver_config
+from recover_fixtures import SPEC, committed_generation, make_setup, recover_config, step_info, train_step
+from recovery_runs import assert_same_run, run_job
+from test_saver_distributed import SHARD, trained_model
+
+pytestmark = pytest.mark.dist
+
+
+def _fill(model: torch.nn.Module, value: float) -> None:
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(value)
+
+
+def test_auto_is_async_only_for_a_model_on_an_accelerator():
+    assert resolve_async("async", on_accelerator=False) and not resolve_async("sync", on_accelerator=True)
+    for mode in ("auto", "on"):
+        assert resolve_async(mode, on_accelerator=True) and not resolve_async(mode, on_accelerator=False)
+    assert ac.RecoverConfig(experiment_name="e", trial_name="t", fileroot="/r", mode="async").mode == "async"
+
+
+def test_staging_arena_copies_reuses_its_memory_and_frees_it():
+    arena = StagingArena()
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(2).bfloat16()}
+    layout = layout_of(tensors)
+    arena.stage(layout, tensors.items())
+    buffer = arena.buffer
+    assert buffer.is_shared() and arena.capacity >= layout.nbytes
+    for name, tensor in tensors.items():
+        assert torch.equal(view(buffer, layout.tensors[name]), tensor)
+    tensors["a"].add_(1)  # a staged copy does not follow the live tensor
+    assert not torch.equal(view(buffer, layout.tensors["a"]), tensors["a"])
+    arena.stage(layout, tensors.items())
+    assert arena.buffer is buffer and torch.equal(view(buffer, layout.tensors["a"]), tensors["a"])
+    bigger = {**tensors, "d": torch.randn(1000)}
+    arena.stage(layout_of(bigger), bigger.items())
+    assert arena.buffer is not buffer and arena.capacity >= layout_of(bigger).nbytes
+    arena.release()
+    assert arena.capacity == 0
+
+
+def test_async_exports_are_the_sync_exports_and_keep_retention(tmp_path, make_model):
+    sync_root, async_root = tmp_path / "sync", tmp_path / "async"
+    model = make_model(1)
+    engine = ac.TorchEngine(model)
+    fields = dict(freq_steps=1, keep_last=2, max_shard_size="100KB")
+    sync_saver = ac.Saver(saver_config(sync_root, mode="sync", **fields), SPEC)
+    async_saver = ac.Saver(saver_config(async_root, mode="async", **fields), SPEC)
+    for step in range(4):
+        _fill(model, float(step))
+        sync_path = Path(sync_saver.save(engine, 0, step, step))
+        async_path = Path(async_saver.save(engine, 0, step, step))
+        assert set(async_saver.last_metrics) >= {"time/saving", "bytes"}
+        _fill(model, -1.0)  # the training step after save: the background write must not see it
+    async_saver.finalize()
+    sync_saver.finalize()
+    assert export_names(async_path.parent) == export_names(sync_path.parent) == [
+        "epoch0epochstep2globalstep2", "epoch0epochstep3globalstep3"
+    ]
+    assert set(async_saver.last_metrics) == {"time/saving", "time/background", "bytes", "gbps"}
+    files = sorted(p.name for p in sync_path.iterdir())
+    assert files == sorted(p.name for p in async_path.iterdir()) and "model.safetensors.index.json" in files
+    for name in files:
+        if name.endswith(".safetensors") or name.endswith(".json") and name != "areal_ckpt_manifest.json":
+            assert (async_path / name).read_bytes() == (sync_path / name).read_bytes(), name
+    assert all(bool((t == 3.0).all()) for t in read_export_tensors(async_path).values())
+    assert not [p for p in async_path.parent.iterdir() if p.name.startswith(".")]  # no staging left
+
+
+def async_fsdp2_export_worker(rank: int, world_size: int, fileroot: str) -> None:
+    config = ac.SaverConfig(
+        experiment_name="exp", trial_name="fsdp2-async", fileroot=fileroot, user="tester", max_shard_size=SHARD,
+        mode="async",
+    )
+    saver = ac.Saver(config, SPEC)
+    model = trained_model("fsdp2")
+    saver.save(ac.TorchEngine(model), 0, 1, 1, force=True)
+    _fill(model, 0.0)  # training goes on while the writers write
+    saver.finalize()
+
+
+def test_two_rank_fsdp2_async_export_equals_single_process_export(fileroot):
+    run_distributed(async_fsdp2_export_worker, 2, str(fileroot))
+    multi = fileroot / "checkpoints/tester/exp/fsdp2-async/default/epoch0epochstep1globalstep1"
+    saver = ac.Saver(saver_config(fileroot, max_shard_size=SHARD, mode="sync"), SPEC)
+    single = Path(saver.save(ac.TorchEngine(trained_model("none")), 0, 1, 1, force=True))
+    shards = sorted(p.name for p in single.glob("model-*.safetensors"))
+    assert len(shards) >= 2 and shards == sorted(p.name for p in multi.glob("model-*.safetensors"))
+    for name in shards:
+        assert (multi / name).read_bytes() == (single / name).read_bytes(), name
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run (synchronous dumps)."""
+    base = tmp_path_factory.mktemp("reference")
+    run_job(base / "root", base / "out")
+    return base / "out"
+
+
+def test_async_dumps_resume_bit_exactly_after_kills(reference, tmp_path):
+    # dumps after steps 1, 3, 5...; a kill right after dump() returns (step 5) lands while the
+    # background write is in flight, so the resume may start from step 3 or from step 5
+    root, out = tmp_path / "root", tmp_path / "out"
+    for kill_at in (5, 8):
+        assert run_job(root, out, extra=["--mode", "async", "--kill-at", str(kill_at)]) == [-9]
+    run_job(root, out, extra=["--mode", "async"])
+    assert_same_run(reference, out, world_size=1)
+
+
+@pytest.fixture(scope="module")
+def reference_fsdp2(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("reference-fsdp2")
+    run_job(base / "root", base / "out", world_size=2, wrap="fsdp2")
+    return base / "out"
+
+
+def test_async_fsdp2_dumps_resume_bit_exactly(reference_fsdp2, tmp_path):
+    root, out = tmp_path / "root", tmp_path / "out"
+    assert run_job(root, out, world_size=2, wrap="fsdp2", extra=["--mode", "async", "--kill-at", "4"]) == [-9, -9]
+    run_job(root, out, world_size=2, wrap="fsdp2", extra=["--mode", "async"])
+    assert_same_run(reference_fsdp2, out, world_size=2)
+
+
+def test_a_dead_writer_is_reported_and_the_next_dump_starts_a_new_one(fileroot):
+    setup = make_setup()
+    handler = ac.RecoverHandler(recover_config(fileroot, mode="async"), SPEC)
+    handler.dump(setup.engine, step_info(0), force=True)
+    handler.wait()
+    good = committed_generation(fileroot)
+    (writer,) = multiprocessing.active_children()
+    os.kill(writer.pid, signal.SIGKILL)
+    writer.join()
+    train_step(setup, 1)
+    with pytest.raises(ac.CheckpointError, match=r"background writer process \d+ died"):
+        handler.dump(setup.engine, step_info(1), force=True)
+        handler.wait()
+    assert committed_generation(fileroot) == good
+    train_step(setup, 2)
+    path = handler.dump(setup.engine, step_info(2), force=True)
+    handler.close()
+    assert committed_generation(fileroot) == Path(path)
+    assert sorted(p.name for p in committed_generation(fileroot).parent.iterdir()) == ["current", Path(path).name]
+    assert set(handler.last_metrics) == {"time/saving", "time/background", "bytes", "gbps"}
+    resumed = make_setup(seed=1)
+    info = ac.RecoverHandler(recover_config(fileroot), SPEC).load(resumed.engine)
+    assert info.last_step_info.global_step == 2
+    for name, tensor in setup.model.state_dict().items():
+        assert torch.equal(tensor, resumed.model.state_dict()[name]), name
