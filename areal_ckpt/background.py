@@ -96,9 +96,10 @@ class BackgroundWriter:
         self._sent_buffer: torch.Tensor | None = None
 
     @property
-    def in_flight(self) -> bool:
-        """True while a submitted job has not been collected by :meth:`wait`."""
-        return self._in_flight
+    def busy(self) -> bool:
+        """True while the job in flight is still running (its result not yet sent); local,
+        non-blocking. A finished job stays to be collected by :meth:`wait`."""
+        return self._in_flight and self._process.is_alive() and not self._conn.poll(0)
 
     def _start(self) -> None:
         """Start the writer process; collective (rank 0 picks the port the writers meet on).

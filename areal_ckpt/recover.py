@@ -196,6 +196,11 @@ class RecoverHandler:
             "The committed checkpoint is untouched; restart the job to resume from it."
         )
 
+    @property
+    def saving_in_background(self) -> bool:
+        """True while an asynchronous dump is still being written; local, non-blocking."""
+        return self._writer.busy
+
     def wait(self) -> None:
         """Block until the dump in flight (async mode) is committed; no-op otherwise.
 

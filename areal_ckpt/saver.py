@@ -141,6 +141,11 @@ class Saver:
         logger.info("exported %s (%s)", final, describe_metrics(self.last_metrics))
         return final
 
+    @property
+    def saving_in_background(self) -> bool:
+        """True while an asynchronous export is still being written; local, non-blocking."""
+        return self._writer.busy
+
     def wait(self) -> None:
         """Block until the export in flight (async mode) is committed; no-op otherwise.
 

@@ -17,10 +17,11 @@ def assert_clean(row: torture.Row, trials: int) -> None:
     assert row.resumed_correctly == trials
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("kind", ["recover", "saver"])
 @pytest.mark.parametrize("world", [1, 2])
-def test_kill_during_save(tmp_path, kind, world):
-    assert_clean(torture.scenario_kill_during_save(2, world, kind, random.Random(world), tmp_path), 2)
+def test_kill_during_save(tmp_path, kind, world, mode):
+    assert_clean(torture.scenario_kill_during_save(2, world, kind, random.Random(world), tmp_path, mode), 2)
 
 
 def test_kill_one_rank_survivor_stops_with_an_error(tmp_path):

@@ -12,6 +12,8 @@ damaged file, a second job).
 from __future__ import annotations
 
 import argparse
+import fcntl
+import functools
 import os
 import random
 import shutil
@@ -22,6 +24,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -66,14 +69,15 @@ def _every_weight_equals(model: torch.nn.Module, value: float) -> bool:
 
 # -- 1 / 2: kills during dump and export ------------------------------------------------------
 
-def dump_job(rank: int, world: int, root: str, trial: str, kind: str) -> None:
+def dump_job(rank: int, world: int, root: str, trial: str, kind: str, mode: str) -> None:
     """Step s sets every weight to s, then dumps (recover) or exports (saver), forever."""
     setup = make_setup(**BIG)
     if kind == "recover":
-        handler = ac.RecoverHandler(recover_config(Path(root), retries=0).model_copy(update={"trial_name": trial}), SPEC)
+        config = recover_config(Path(root), retries=0, mode="on" if mode == "sync" else mode)
+        handler = ac.RecoverHandler(config.model_copy(update={"trial_name": trial}), SPEC)
     else:
         handler = ac.Saver(ac.SaverConfig(experiment_name="exp", trial_name=trial, fileroot=root, user="tester",
-                                          max_shard_size="1MB"), SPEC)
+                                          max_shard_size="1MB", mode=mode), SPEC)
     for step in range(10**6):
         _fill(setup.model, float(step))
         if kind == "recover":
@@ -89,9 +93,11 @@ def _committed_once(trial_dir: Path, kind: str) -> bool:
     return model_root.is_dir() and any(p.name.startswith("epoch") for p in model_root.iterdir())
 
 
-def _kill_at_random(root: Path, trial: str, kind: str, world: int, rng: random.Random, victims: list[int]) -> list:
+def _kill_at_random(
+    root: Path, trial: str, kind: str, world: int, rng: random.Random, victims: list[int], mode: str = "sync"
+) -> list:
     trial_dir = root / "checkpoints/tester/exp" / trial
-    processes = start_processes(dump_job, world, str(root), trial, kind)
+    processes = start_processes(dump_job, world, str(root), trial, kind, mode)
     deadline = time.monotonic() + 120
     while not _committed_once(trial_dir, kind):
         if time.monotonic() > deadline or any(not p.is_alive() for p in processes):
@@ -142,13 +148,36 @@ def _check_exports(root: Path, trial: str) -> tuple[str, str]:
     return "resumed_correctly", ""
 
 
-def scenario_kill_during_save(trials: int, world: int, kind: str, rng: random.Random, work: Path) -> Row:
-    row = Row(f"kill during {'dump' if kind == 'recover' else 'save'}, {world} rank(s), sync")
+def _lock_released(trial_dir: Path, bound: float = 30.0) -> bool:
+    """Wait until nothing holds the trial's lock: a killed job's background writers die with it
+    (the kernel kills them when their parent dies), as a launcher restarting the job would."""
+    deadline = time.monotonic() + bound
+    while time.monotonic() < deadline:
+        try:
+            fd = os.open(trial_dir / ".areal_ckpt.lock", os.O_RDWR)
+        except FileNotFoundError:
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            time.sleep(0.01)
+        finally:
+            os.close(fd)
+    return False
+
+
+def scenario_kill_during_save(trials: int, world: int, kind: str, rng: random.Random, work: Path,
+                              mode: str = "sync") -> Row:
+    row = Row(f"kill during {'dump' if kind == 'recover' else 'save'}, {world} rank(s), {mode}")
     for index in range(trials):
-        trial = f"{kind}-{world}-{index}"
-        processes = _kill_at_random(work, trial, kind, world, rng, victims=list(range(world)))
+        trial = f"{kind}-{world}-{mode}-{index}"
+        processes = _kill_at_random(work, trial, kind, world, rng, victims=list(range(world)), mode=mode)
         for process in processes:
             process.join()
+        if not _lock_released(work / "checkpoints/tester/exp" / trial):
+            row.record("lost", "a background writer outlived its killed job for 30 s")
+            continue
         check = _check_recover if kind == "recover" else _check_exports
         row.record(*check(work, trial))
     return row
@@ -405,23 +434,25 @@ def scenario_bad_config(work: Path) -> Row:
     return row
 
 
-def run_all(trials: int, seed: int = 0) -> list[Row]:
-    """Every scenario with ``trials`` kills per kill configuration."""
+def run_all(trials: int, seed: int = 0, select: str | None = None) -> list[Row]:
+    """Every scenario (or those whose id contains ``select``) with ``trials`` kills per kill
+    configuration."""
     rng = random.Random(seed)
     work = Path(tempfile.mkdtemp(prefix="areal-ckpt-torture-"))
     try:
-        rows = [
-            scenario_kill_during_save(trials, 1, "recover", rng, work),
-            scenario_kill_during_save(trials, 2, "recover", rng, work),
-            scenario_kill_during_save(trials, 1, "saver", rng, work),
-            scenario_kill_during_save(trials, 2, "saver", rng, work),
-            scenario_kill_one_rank(max(2, trials // 10), rng, work),
-            scenario_disk_full(max(1, trials // 50), work),
-            scenario_corruption(work),
-            scenario_hostile(work),
-            scenario_two_jobs(max(1, trials // 50), work),
-            scenario_bad_config(work),
+        scenarios: list[tuple[str, Callable[[], Row]]] = [
+            (f"kill-{kind}-{world}-{mode}", functools.partial(scenario_kill_during_save, trials, world, kind, rng, work, mode))
+            for mode in ("sync", "async") for kind in ("recover", "saver") for world in (1, 2)
         ]
+        scenarios += [
+            ("kill-one-rank", lambda: scenario_kill_one_rank(max(2, trials // 10), rng, work)),
+            ("disk-full", lambda: scenario_disk_full(max(1, trials // 50), work)),
+            ("corruption", lambda: scenario_corruption(work)),
+            ("hostile", lambda: scenario_hostile(work)),
+            ("two-jobs", lambda: scenario_two_jobs(max(1, trials // 50), work)),
+            ("bad-config", lambda: scenario_bad_config(work)),
+        ]
+        rows = [run() for name, run in scenarios if select is None or select in name]
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return rows
@@ -432,9 +463,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=200, help="kills per kill configuration")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="also write the results table (Markdown) here")
+    parser.add_argument("--select", default=None,
+                        help="run only scenarios whose id contains this (ids: kill-{recover,saver}-{1,2}-{sync,async}, "
+                             "kill-one-rank, disk-full, corruption, hostile, two-jobs, bad-config)")
     args = parser.parse_args(argv)
     started = time.time()
-    rows = run_all(args.trials, args.seed)
+    rows = run_all(args.trials, args.seed, args.select)
     heading = (f"torture run: {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, "
                f"{args.trials} trials per kill configuration, seed {args.seed}, {time.time() - started:.0f} s")
     print(f"\n{heading}")
