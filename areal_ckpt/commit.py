@@ -181,11 +181,14 @@ def read_manifest(folder: Path, manifest_name: str) -> dict[str, Any]:
     return manifest
 
 
-def check_files(folder: Path, files: dict[str, dict[str, int]], names: Iterable[str]) -> list[str]:
+def check_files(
+    folder: Path, files: dict[str, dict[str, int]], names: Iterable[str], checksum: bool = True
+) -> list[str]:
     """Check ``names`` (keys of a manifest's file list) against their size and CRC-32; local.
 
     Returns one line per problem (missing, not a regular file, wrong size, checksum mismatch),
-    each naming the file; an empty list means every named file is intact.
+    each naming the file; an empty list means every named file is intact. With ``checksum``
+    False only what needs no reading is checked (the caller checksums while it reads).
     """
     problems = []
     root = folder.resolve()
@@ -205,6 +208,6 @@ def check_files(folder: Path, files: dict[str, dict[str, int]], names: Iterable[
         if size != expected["size"]:
             problems.append(f"{path}: size {size} bytes, manifest says {expected['size']} (truncated or replaced)")
             continue
-        if record_of(path).crc32 != expected["crc32"]:
+        if checksum and record_of(path).crc32 != expected["crc32"]:
             problems.append(f"{path}: checksum mismatch (file corrupted)")
     return problems

@@ -367,7 +367,7 @@ class RecoverHandler:
                 f"{folder}: checkpoint holds models {manifest['models']}, load was given {sorted(engines)}"
             )
         for name in sorted(engines):
-            load_engine(engines[name], folder / name, self.config.no_load_optim)
+            load_engine(engines[name], folder / name, manifest, self.config.no_load_optim)
         info = read_recover_info(
             folder / RECOVER_INFO, dist.rank(), dist.world_size(), manifest["world_size"], drop_rank_state
         )

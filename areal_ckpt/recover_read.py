@@ -14,6 +14,7 @@ from areal_ckpt._version import __version__
 from areal_ckpt.commit import check_files, read_manifest
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import load_tensors
+from areal_ckpt.fsio import FileRecord
 from areal_ckpt.layout import ENGINE_STATE_FILE, RECOVER_MANIFEST
 from areal_ckpt.recover_store import RecoverStore
 from areal_ckpt.recover_write import RECOVER_FORMAT, RECOVER_FORMAT_VERSION
@@ -22,6 +23,7 @@ from areal_ckpt.state import safe_json
 logger = logging.getLogger("areal_ckpt.recover")
 
 _OPTIMIZER_PREFIX = "optim."
+DATA_SUFFIX = ".distcp"
 
 
 def find_committed(store: RecoverStore) -> str | None:
@@ -38,7 +40,9 @@ def find_committed(store: RecoverStore) -> str | None:
 
 
 def verify_generation(folder: Path) -> dict[str, Any]:
-    """Check the manifest's format and every file's size and CRC-32; returns the manifest.
+    """Check the manifest's format, every file's presence and size, and the CRC-32 of every
+    file but the tensor data files (those are checked while :func:`load_engine` reads them,
+    saving a full pass); returns the manifest.
 
     Collective: the files are dealt out to the ranks, each checks its share, all agree.
     Raises CheckpointError naming every damaged file.
@@ -52,15 +56,18 @@ def verify_generation(folder: Path) -> dict[str, Any]:
         )
     files = manifest["files"]
     mine = [name for index, name in enumerate(sorted(files)) if index % dist.world_size() == dist.rank()]
-    problems = [p for part in dist.all_gather_objects(check_files(folder, files, mine)) for p in part]
+    local = check_files(folder, files, [name for name in mine if not name.endswith(DATA_SUFFIX)])
+    local += check_files(folder, files, [name for name in mine if name.endswith(DATA_SUFFIX)], checksum=False)
+    problems = [p for part in dist.all_gather_objects(local) for p in part]
     if problems:
         raise CheckpointError(f"{folder}: recovery checkpoint is damaged: " + "; ".join(problems))
     return manifest
 
 
-def load_engine(engine: Any, folder: Path, no_load_optim: bool) -> None:
+def load_engine(engine: Any, folder: Path, manifest: dict[str, Any], no_load_optim: bool) -> None:
     """Load one model's weights (and optimizer / scheduler unless ``no_load_optim`` or not
-    saved) from its folder of a verified generation. Collective under FSDP2 / DDP."""
+    saved) from its folder of a generation checked by :func:`verify_generation`, checking the
+    data files' CRC-32 as they are read. Collective (DCP; FSDP2 / DDP state-dict helpers)."""
     try:
         extra = safe_json.loads((folder / ENGINE_STATE_FILE).read_bytes(), str(folder / ENGINE_STATE_FILE))
     except ValueError as error:
@@ -70,7 +77,14 @@ def load_engine(engine: Any, folder: Path, no_load_optim: bool) -> None:
         logger.warning("%s: optimizer state not restored (%s)", folder,
                        "no_load_optim is set" if no_load_optim else "it was not saved")
     template = engine.recover_template(include_optimizer and extra.get("optimizer_has_state", True))
-    load_tensors(template, folder, optional_prefixes=() if include_optimizer else (_OPTIMIZER_PREFIX,))
+    prefix = f"{folder.name}/"
+    expected = {
+        name[len(prefix):]: FileRecord(entry["size"], entry["crc32"])
+        for name, entry in manifest["files"].items()
+        if name.startswith(prefix) and name.endswith(DATA_SUFFIX)
+    }
+    load_tensors(template, folder, optional_prefixes=() if include_optimizer else (_OPTIMIZER_PREFIX,),
+                 expected=expected)
     try:
         engine.load_recover_state(template, extra, include_optimizer)
     except (KeyError, ValueError, RuntimeError) as error:

@@ -19,14 +19,14 @@ from typing import Any
 from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError
 from areal_ckpt.formats.dcp_io import save_tensors
-from areal_ckpt.fsio import FileRecord, record_of
+from areal_ckpt.fsio import FileRecord
 from areal_ckpt.recover_store import RecoverStore
 from areal_ckpt.staging import StagedLayout
 
 logger = logging.getLogger("areal_ckpt.recover")
 
 RECOVER_FORMAT = "areal_ckpt.recover"
-RECOVER_FORMAT_VERSION = 1
+RECOVER_FORMAT_VERSION = 2  # 2: raw DCP data files (formats/dcp_storage.py)
 
 #: Separates the model name from the tensor name in a dump's flat tensor dict.
 MODEL_SEPARATOR = "/"
@@ -86,10 +86,8 @@ class DumpJob:
         local_error: str | None = None
         try:
             for model in sorted(by_model):
-                save_tensors(by_model[model], folder / model)
-                for path in sorted((folder / model).glob(f"__{rank}_*.distcp")):
-                    record = record_of(path)
-                    records[f"{model}/{path.name}"] = (record.size, record.crc32)
+                for file_name, record in save_tensors(by_model[model], folder / model).items():
+                    records[f"{model}/{file_name}"] = (record.size, record.crc32)
         except (RankMismatchError, CollectiveError):
             raise
         except Exception as error:  # DCP raises on every rank; local failures are agreed below

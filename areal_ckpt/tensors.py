@@ -52,3 +52,12 @@ def export_dtype_for(source: torch.dtype, target: torch.dtype | None) -> torch.d
     if target is None or not source.is_floating_point:
         return source
     return target
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU tensor in row-major order, as a view (copied only when the tensor
+    is not contiguous). Writable when the tensor is contiguous: reading into it fills the tensor."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview(flat.view(torch.uint8).numpy())

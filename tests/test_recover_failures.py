@@ -115,8 +115,9 @@ def test_tampered_pickles_never_run(fileroot, tmp_path):
     marker = tmp_path / "code-ran"
     manifest_path = generation / "recover_info/areal_ckpt_manifest.json"
     manifest = json.loads(manifest_path.read_text())
-    # replace DCP's pickled .metadata and a JSON state file with code-running pickles, and
-    # forge the manifest so their checksums match: only the loader's own rules stand between
+    # plant a code-running pickle where DCP's default writer keeps its pickled metadata, replace
+    # a JSON state file with another, and forge the manifest so their checksums match: only the
+    # loader's own rules stand between
     for relative in ("default/.metadata", "recover_info/checkpoint_info.json"):
         payload = pickle.dumps(_RunsCode(str(marker)))
         (generation / relative).write_bytes(payload)
@@ -125,7 +126,7 @@ def test_tampered_pickles_never_run(fileroot, tmp_path):
     with pytest.raises(ac.CheckpointError, match="checkpoint_info.json: unreadable"):
         load_fresh(fileroot)
     assert not marker.exists()
-    # with only .metadata replaced the checkpoint still loads: that file is never read
+    # with only a .metadata pickle planted the checkpoint still loads: no such file is ever read
     dump_fileroot = tmp_path / "second"
     trained = dump_once(dump_fileroot)
     generation = committed_generation(dump_fileroot)
@@ -138,6 +139,16 @@ def test_tampered_pickles_never_run(fileroot, tmp_path):
     info, setup = load_fresh(dump_fileroot)
     assert info is not None and not marker.exists()
     assert torch.equal(setup.model.lm_head.weight, trained.model.lm_head.weight)
+
+
+def test_data_files_hold_raw_tensor_bytes_not_pickles(fileroot):
+    trained = dump_once(fileroot)
+    folder = committed_generation(fileroot) / "default"
+    index = json.loads((folder / "dcp_metadata.json").read_text())
+    entry = next(e for e in index["storage"] if e["fqn"] == "model.lm_head.weight")
+    data = (folder / entry["file"]).read_bytes()[entry["byte_offset"] : entry["byte_offset"] + entry["length"]]
+    assert data == trained.model.lm_head.weight.detach().contiguous().numpy().tobytes()
+    assert not (folder / ".metadata").exists()
 
 
 def test_models_given_to_load_must_match_the_checkpoint(fileroot):

@@ -238,7 +238,7 @@ def scenario_disk_full(trials: int, work: Path) -> Row:
             (process,) = start_processes(disk_full_job, 1, str(mount), str(report))
             process.join(300)
             outcome = report.read_text() if report.exists() else f"job died ({process.exitcode})"
-            if "no space left on device" not in outcome or "previous checkpoint is intact" not in outcome:
+            if "no space left on device" not in outcome.lower() or "previous checkpoint is intact" not in outcome:
                 row.record("wrong", f"unexpected outcome: {outcome[:200]}")
                 continue
             row.record(*_check_recover_named(mount, "trial", expect_step=1))

@@ -18,17 +18,10 @@ from typing import Sequence
 import torch
 
 from areal_ckpt.fsio import ChecksummedWriter, FileRecord
-from areal_ckpt.tensors import SAFETENSORS_DTYPES
+from areal_ckpt.tensors import SAFETENSORS_DTYPES, tensor_bytes
 
 if sys.byteorder != "little":
     raise ImportError("areal_ckpt writes safetensors from memory and needs a little-endian host")
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach().contiguous().reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
 
 
 def safetensors_header(tensors: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> bytes:
@@ -62,7 +55,7 @@ def write_safetensors(
     try:
         writer.write(safetensors_header(tensors, metadata or {"format": "pt"}))
         for _, tensor in tensors:
-            writer.write(_tensor_bytes(tensor))
+            writer.write(tensor_bytes(tensor))
     except BaseException:
         writer.abort()
         raise

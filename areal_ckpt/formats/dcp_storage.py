@@ -1,0 +1,330 @@
+"""A DCP storage layer of our own: raw tensor bytes, JSON metadata, checksums on the fly.
+
+``torch.distributed.checkpoint`` keeps planning, deduplication and resharding; this module only
+decides how bytes land. Each rank writes one file ``__{rank}_0.distcp`` holding its tensors'
+raw little-endian bytes back to back (no per-tensor pickle or zip records), with the CRC-32
+computed on a helper thread while writing. Rank 0 writes ``dcp_metadata.json``: which chunk of
+which tensor lies at which offset. There is no ``.metadata`` pickle at all. Reading fills the
+destination tensors straight from the file (one copy, none when no resharding is needed) and
+checks each file's CRC-32 against the manifest while it reads, when it reads the whole file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.futures import Future
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.fsio import ChecksummedWriter, FileRecord, RunningCrc, record_of, write_file_durably
+from areal_ckpt.tensors import tensor_bytes
+
+METADATA_JSON = "dcp_metadata.json"
+_DTYPES = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+        torch.int16, torch.int8, torch.uint8, torch.bool,
+    )
+}
+_DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+
+
+def metadata_to_json(metadata: Metadata) -> dict[str, Any]:
+    """A JSON rendering of DCP ``Metadata`` for tensor-only checkpoints."""
+    tensors = {}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(f"DCP entry {fqn!r} is not a tensor; only tensors are stored through DCP")
+        tensors[fqn] = {
+            "dtype": str(entry.properties.dtype).removeprefix("torch."),
+            "requires_grad": entry.properties.requires_grad,
+            "size": list(entry.size),
+            "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in entry.chunks],
+        }
+    storage = [
+        {
+            "fqn": index.fqn,
+            "offset": None if index.offset is None else list(index.offset),
+            "index": index.index,
+            "file": info.relative_path,
+            "byte_offset": info.offset,
+            "length": info.length,
+            "transforms": list(info.transform_descriptors or []),
+        }
+        for index, info in metadata.storage_data.items()
+    ]
+    return {"version": metadata.version, "tensors": tensors, "storage": storage}
+
+
+def metadata_from_json(data: dict[str, Any], source: Path) -> Metadata:
+    """Rebuild DCP ``Metadata`` from :func:`metadata_to_json`; raises CheckpointError naming ``source``."""
+    try:
+        tensors = {}
+        for fqn, entry in data["tensors"].items():
+            tensors[fqn] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=_DTYPES[entry["dtype"]], requires_grad=bool(entry["requires_grad"])),
+                size=torch.Size(_ints(entry["size"])),
+                chunks=[
+                    ChunkStorageMetadata(offsets=torch.Size(_ints(c["offsets"])), sizes=torch.Size(_ints(c["sizes"])))
+                    for c in entry["chunks"]
+                ],
+            )
+        storage = {}
+        for item in data["storage"]:
+            if not isinstance(item["file"], str) or not _DATA_FILE.match(item["file"]):
+                raise ValueError(f"data file name {item['file']!r} is not a DCP shard in this folder")
+            if item["transforms"]:
+                raise ValueError(f"transforms {item['transforms']!r} are not supported")
+            offset = None if item["offset"] is None else torch.Size(_ints(item["offset"]))
+            index = MetadataIndex(fqn=item["fqn"], offset=offset, index=item["index"])
+            storage[index] = _StorageInfo(
+                relative_path=item["file"], offset=_ints([item["byte_offset"]])[0], length=_ints([item["length"]])[0]
+            )
+        return Metadata(
+            state_dict_metadata=tensors,
+            planner_data={fqn: (fqn,) for fqn in tensors},
+            storage_data=storage,
+            storage_meta=StorageMeta(),
+            version=data.get("version"),
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(f"{source}: malformed DCP metadata: {error}") from None
+
+
+def _ints(values: Any) -> list[int]:
+    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise ValueError(f"expected non-negative integers, got {values!r}")
+    return values
+
+
+def data_file_of(rank: int) -> str:
+    """The name of ``rank``'s data file."""
+    return f"__{rank}_0.distcp"
+
+
+class RawStorageWriter(StorageWriter):
+    """Writes each rank's tensors raw into its own file in ``folder``; metadata as JSON.
+
+    After ``dcp.save`` returns, :attr:`record` is this rank's data file's size and CRC-32.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        self.folder = Path(folder)
+        self.record: FileRecord | None = None
+        self.file_name: str | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Nothing to reset: the folder is fixed at construction."""
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """No per-save set-up is needed."""
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """The plan as DCP made it."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Give plan *i* (rank *i*) its data file."""
+        return [dataclasses.replace(plan, storage_data=data_file_of(index)) for index, plan in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's items into its file and fsync it; blocking (the future is done)."""
+        self.file_name = plan.storage_data
+        writer = ChecksummedWriter(self.folder / self.file_name)
+        results = []
+        offset = 0
+        try:
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    raise CheckpointError(f"{item.index.fqn}: only tensors are stored through DCP")
+                tensor = planner.resolve_data(item).detach()
+                if tensor.device.type != "cpu":
+                    tensor = tensor.cpu()
+                data = tensor_bytes(tensor)
+                writer.write(data)
+                info = _StorageInfo(relative_path=self.file_name, offset=offset, length=len(data))
+                results.append(WriteResult(index=item.index, size_in_bytes=len(data), storage_data=info))
+                offset += len(data)
+        except BaseException:
+            writer.abort()
+            raise
+        self.record = writer.close()
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: write ``dcp_metadata.json`` durably."""
+        metadata.storage_data = {result.index: result.storage_data for part in results for result in part}
+        write_file_durably(self.folder / METADATA_JSON, json.dumps(metadata_to_json(metadata)).encode())
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """Any folder path."""
+        return True
+
+
+def read_metadata_json(folder: Path) -> Metadata:
+    """DCP ``Metadata`` from ``folder``'s JSON; raises CheckpointError naming the file."""
+    source = Path(folder) / METADATA_JSON
+    try:
+        data = json.loads(source.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{source}: missing (DCP metadata)") from None
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{source}: unreadable DCP metadata: {error}") from None
+    return metadata_from_json(data, source)
+
+
+class RawStorageReader(StorageReader):
+    """Reads what :class:`RawStorageWriter` wrote, straight into the destination tensors.
+
+    ``expected`` maps data file names to their manifest records: a file this rank reads whole
+    is checked against its CRC-32 while it is read; one read in part is checked with a full
+    pass afterwards. Without ``expected`` nothing is checked (the caller verified already).
+    """
+
+    def __init__(self, folder: Path, expected: dict[str, FileRecord] | None = None) -> None:
+        super().__init__()
+        self.folder = Path(folder)
+        self.expected = expected
+        self._metadata: Metadata | None = None
+        self._chunk_sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """Nothing to reset: the folder is fixed at construction."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The JSON metadata (never a pickle)."""
+        return read_metadata_json(self.folder)
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Index the stored chunks' shapes."""
+        self._metadata = metadata
+        self._chunk_sizes = {
+            (fqn, tuple(chunk.offsets)): tuple(chunk.sizes)
+            for fqn, entry in metadata.state_dict_metadata.items()
+            for chunk in entry.chunks
+        }
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """The plan as DCP made it."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """The plans as DCP made them."""
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Fill this rank's destination tensors file by file, in file order; blocking."""
+        per_file: dict[str, list[tuple[_StorageInfo, ReadItem]]] = {}
+        for item in plan.items:
+            info = self._metadata.storage_data[item.storage_index]
+            per_file.setdefault(info.relative_path, []).append((info, item))
+        for file_name, items in per_file.items():
+            items.sort(key=lambda pair: pair[0].offset)
+            self._read_file(file_name, items, planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_file(self, file_name: str, items: list[tuple[_StorageInfo, ReadItem]], planner: LoadPlanner) -> None:
+        path = self.folder / file_name
+        crc = RunningCrc()
+        covered = 0  # bytes from the start of the file read so far without a gap
+        with open(path, "rb", buffering=0) as handle:
+            for info, item in items:
+                if item.type == LoadItemType.BYTE_IO:
+                    raise CheckpointError(f"{path}: {item.storage_index.fqn} is not a tensor; refusing to read it")
+                buffer, target = self._destination(info, item, planner, path)
+                view = tensor_bytes(buffer)
+                handle.seek(info.offset)
+                _read_exactly(handle, view, path)
+                if info.offset == covered:
+                    crc.update(view)
+                    covered += info.length
+                if buffer is not target:
+                    target.copy_(_region(buffer, item.storage_offsets, item.lengths))
+                planner.commit_tensor(item, target)
+        self._check(path, file_name, covered, crc)
+
+    def _destination(
+        self, info: _StorageInfo, item: ReadItem, planner: LoadPlanner, path: Path
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(buffer to read the stored chunk into, destination): the destination itself when it
+        takes the whole chunk as is, else a temporary chunk-shaped buffer."""
+        fqn = item.storage_index.fqn
+        dtype = self._metadata.state_dict_metadata[fqn].properties.dtype
+        sizes = self._chunk_sizes.get((fqn, tuple(item.storage_index.offset or ())))
+        if sizes is None:
+            raise CheckpointError(f"{path}: no stored chunk of {fqn} at offsets {item.storage_index.offset}")
+        numel = 1
+        for size in sizes:
+            numel *= size
+        if numel * dtype.itemsize != info.length:
+            raise CheckpointError(f"{path}: {fqn}: {info.length} stored bytes for {list(sizes)} {dtype}")
+        target = planner.resolve_tensor(item).detach()
+        whole = all(o == 0 for o in item.storage_offsets) and tuple(item.lengths) == sizes
+        if whole and target.is_contiguous() and target.device.type == "cpu" and target.dtype == dtype:
+            return target, target
+        return torch.empty(sizes, dtype=dtype), target
+
+    def _check(self, path: Path, file_name: str, covered: int, crc: RunningCrc) -> None:
+        if self.expected is None:
+            crc.value()
+            return
+        expected = self.expected.get(file_name)
+        if expected is None:
+            raise CheckpointError(f"{path}: not listed in the checkpoint's manifest")
+        actual = crc.value() if covered == expected.size else record_of(path).crc32
+        if actual != expected.crc32:
+            raise CheckpointError(f"{path}: checksum mismatch (file corrupted)")
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        """Any folder path."""
+        return True
+
+
+def _region(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
+    """The view of ``tensor`` starting at ``offsets`` with ``lengths`` along each dimension."""
+    for dim, (start, length) in enumerate(zip(offsets, lengths)):
+        tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+def _read_exactly(handle: Any, view: memoryview, path: Path) -> None:
+    """Fill ``view`` from ``handle``; a short file is reported as truncated."""
+    view = view.cast("B")
+    while view:
+        count = handle.readinto(view)
+        if not count:
+            raise CheckpointError(f"{path}: ends early (truncated)")
+        view = view[count:]
