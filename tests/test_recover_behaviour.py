@@ -235,4 +235,5 @@ def test_stateless_optimizer_keeps_its_param_groups_without_a_hidden_copy(filero
     fresh_sgd = torch.optim.SGD(fresh.model.parameters(), lr=1.0)
     ac.RecoverHandler(recover_config(fileroot), SPEC).load(ac.TorchEngine(fresh.model, optimizer=fresh_sgd))
     assert fresh_sgd.param_groups[0]["lr"] == 0.125
+    assert all(parameter.grad is None for parameter in fresh.model.parameters())  # nor when loading
     assert torch.equal(fresh.model.lm_head.weight, setup.model.lm_head.weight)

@@ -171,6 +171,29 @@ class TorchEngine:
             for group in self.optimizer.param_groups
         ]
 
+    def _is_live(self, model_state: dict[str, torch.Tensor]) -> bool:
+        """True when ``model_state`` is the unsharded model's own memory (the template a load
+        filled in place): copying it onto itself would only cost a pass over the model."""
+        if self.is_sharded:
+            return False
+        live = self.module.state_dict()
+        return live.keys() == model_state.keys() and all(
+            live[name].data_ptr() == tensor.data_ptr() and live[name].shape == tensor.shape
+            for name, tensor in model_state.items()
+        )
+
+    def _load_param_groups_by_name(self, stored: list[dict[str, Any]]) -> None:
+        """Restore hyperparameters saved by :meth:`_param_groups_by_name` (an optimizer without
+        state: nothing else to load, and no zero gradients allocated to find that out)."""
+        names = {id(parameter): name for name, parameter in self.module.named_parameters()}
+        groups = self.optimizer.param_groups
+        if len(groups) != len(stored):
+            raise ValueError(f"optimizer has {len(groups)} parameter groups, the checkpoint {len(stored)}")
+        for index, (group, saved) in enumerate(zip(groups, stored)):
+            if [names[id(parameter)] for parameter in group["params"]] != saved["params"]:
+                raise ValueError(f"parameter group {index} holds other parameters than in the checkpoint")
+            group.update({key: value for key, value in saved.items() if key != "params"})
+
     def recover_template(self, with_optimizer_tensors: bool) -> dict[str, torch.Tensor]:
         """The live tensors a load fills in place (same keys as :meth:`recover_state`); local.
 
@@ -192,8 +215,11 @@ class TorchEngine:
         Collective under FSDP2 / DDP (the state-dict helpers synchronize); every rank calls it.
         """
         model_state = {k[len(MODEL_PREFIX):]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}
-        set_model_state_dict(self.model, model_state)
-        if include_optimizer and self.optimizer is not None:
+        if not self._is_live(model_state):
+            set_model_state_dict(self.model, model_state)
+        if include_optimizer and self.optimizer is not None and not extra.get("optimizer_has_state", True):
+            self._load_param_groups_by_name(extra["optimizer_param_groups"])
+        elif include_optimizer and self.optimizer is not None:
             state: dict[str, dict[str, Any]] = {
                 fqn: dict(scalars) for fqn, scalars in extra["optimizer_scalars"].items()
             }

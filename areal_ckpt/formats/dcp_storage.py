@@ -123,6 +123,9 @@ def _ints(values: Any) -> list[int]:
     return values
 
 
+_READ_AHEAD = 64 << 20
+
+
 def data_file_of(rank: int) -> str:
     """The name of ``rank``'s data file."""
     return f"__{rank}_0.distcp"
@@ -259,12 +262,18 @@ class RawStorageReader(StorageReader):
         path = self.folder / file_name
         crc = RunningCrc()
         covered = 0  # bytes from the start of the file read so far without a gap
+        prefetched = 0  # the kernel has been asked to read ahead up to here
         with open(path, "rb", buffering=0) as handle:
             for info, item in items:
                 if item.type == LoadItemType.BYTE_IO:
                     raise CheckpointError(f"{path}: {item.storage_index.fqn} is not a tensor; refusing to read it")
                 buffer, target = self._destination(info, item, planner, path)
                 view = tensor_bytes(buffer)
+                start = max(prefetched, info.offset)
+                if info.offset + info.length + _READ_AHEAD > prefetched + _READ_AHEAD // 2:
+                    # tensors are read one by one; ask for large read-ahead as one big read would
+                    prefetched = info.offset + info.length + _READ_AHEAD
+                    os.posix_fadvise(handle.fileno(), start, prefetched - start, os.POSIX_FADV_WILLNEED)
                 handle.seek(info.offset)
                 _read_exactly(handle, view, path)
                 if info.offset == covered:
