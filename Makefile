@@ -16,7 +16,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
-	$(BIN)/python -m pip install --quiet -e ".[test,demo]"
+	$(BIN)/python -m pip install --quiet -e ".[test,demo,deepspeed]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -7,7 +7,7 @@ checkpoints restore a whole training job.
 from areal_ckpt._version import __version__
 from areal_ckpt.config import CheckpointConfig, RecoverConfig, SaverConfig
 from areal_ckpt.config_loader import load_config
-from areal_ckpt.engines import TorchEngine
+from areal_ckpt.engines import DeepSpeedEngine, TorchEngine
 from areal_ckpt.errors import CheckpointError, CollectiveError, CommitError, ConfigError, RankMismatchError
 from areal_ckpt.recover import RecoverHandler, check_if_recover
 from areal_ckpt.saver import Saver
@@ -21,6 +21,7 @@ __all__ = [
     "CollectiveError",
     "CommitError",
     "ConfigError",
+    "DeepSpeedEngine",
     "FinetuneSpec",
     "RankMismatchError",
     "RecoverConfig",

@@ -13,7 +13,7 @@ from areal_ckpt import dist
 from areal_ckpt._version import __version__
 from areal_ckpt.commit import check_files, read_manifest
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats.dcp_io import load_tensors
+from areal_ckpt.formats.dcp_io import load_tensors, read_tensor_index
 from areal_ckpt.fsio import FileRecord
 from areal_ckpt.layout import ENGINE_STATE_FILE, RECOVER_MANIFEST
 from areal_ckpt.recover_store import RecoverStore
@@ -76,14 +76,21 @@ def load_engine(engine: Any, folder: Path, manifest: dict[str, Any], no_load_opt
     if engine.optimizer is not None and not include_optimizer:
         logger.warning("%s: optimizer state not restored (%s)", folder,
                        "no_load_optim is set" if no_load_optim else "it was not saved")
-    template = engine.recover_template(include_optimizer and extra.get("optimizer_has_state", True))
+    try:
+        engine.validate_recover_state(extra, include_optimizer)
+    except ValueError as error:
+        raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: {error}") from None
+    template = engine.recover_template(include_optimizer and extra.get("optimizer_has_state", True),
+                                       read_tensor_index(folder))
     prefix = f"{folder.name}/"
     expected = {
         name[len(prefix):]: FileRecord(entry["size"], entry["crc32"])
         for name, entry in manifest["files"].items()
         if name.startswith(prefix) and name.endswith(DATA_SUFFIX)
     }
-    load_tensors(template, folder, optional_prefixes=() if include_optimizer else (_OPTIMIZER_PREFIX,),
+    # partitions that other ranks own (ZeRO) are theirs to read
+    others = tuple(f"{_OPTIMIZER_PREFIX}rank{r}." for r in range(manifest["world_size"]) if r != dist.rank())
+    load_tensors(template, folder, optional_prefixes=others if include_optimizer else (_OPTIMIZER_PREFIX,),
                  expected=expected)
     try:
         engine.load_recover_state(template, extra, include_optimizer)

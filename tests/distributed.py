@@ -13,8 +13,12 @@ import socket
 import traceback
 from typing import Any, Callable
 
+# DeepSpeed on CPU; its one-time op build (~40 s) is cached in an ignored folder of the clone
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                           ".cache", "torch_extensions"))
 _PRELOAD = ["torch", "torch.distributed.checkpoint", "transformers", "areal_ckpt", "areal_ckpt.demo.tiny",
-            "torchdata.stateful_dataloader", "safetensors.torch"]
+            "torchdata.stateful_dataloader", "safetensors.torch", "deepspeed"]
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(_PRELOAD)
 

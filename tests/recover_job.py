@@ -39,7 +39,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fileroot", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--trial", default="bitexact")
-    parser.add_argument("--wrap", choices=["none", "fsdp2", "ddp"], default="none")
+    parser.add_argument("--wrap", choices=["none", "fsdp2", "ddp", "zero0", "zero1", "zero2", "zero3"], default="none")
     parser.add_argument("--freq-steps", type=int, default=2)
     parser.add_argument("--kill-at", type=int, default=-1, help="SIGKILL this process after step K")
     parser.add_argument("--hidden", type=int, default=64)
@@ -89,7 +89,15 @@ def train(args: argparse.Namespace) -> None:
     ft_spec = ac.FinetuneSpec(total_train_epochs=EPOCHS, dataset_size=DATASET // world, train_batch_size=BATCH)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     scheduler = warmup_cosine(optimizer, warmup=3, total=ft_spec.total_train_steps)
-    engine = ac.TorchEngine(model, optimizer=optimizer, lr_scheduler=scheduler)
+    if args.wrap.startswith("zero"):
+        import deepspeed
+
+        ds_config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+                     "zero_optimization": {"stage": int(args.wrap[-1]), "stage3_param_persistence_threshold": 0}}
+        ds_engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+        model, engine = ds_engine, ac.DeepSpeedEngine(ds_engine)
+    else:
+        engine = ac.TorchEngine(model, optimizer=optimizer, lr_scheduler=scheduler)
     config = ac.RecoverConfig(
         experiment_name="exp", trial_name=args.trial, fileroot=args.fileroot, user="tester",
         mode=args.mode, freq_steps=args.freq_steps,
@@ -110,10 +118,14 @@ def train(args: argparse.Namespace) -> None:
             # python, numpy and torch RNGs all feed the loss, so each must be restored exactly
             jitter = random.random() * 1e-3 + float(np.random.rand()) * 1e-3
             loss = model(input_ids=batch, labels=batch).loss * (1 + jitter * noise_scale)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
+            if args.wrap.startswith("zero"):
+                model.backward(loss)
+                model.step()  # steps the optimizer and the LR scheduler
+            else:
+                loss.backward()
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
             noise_scale *= 0.9
             losses.write(json.dumps({"step": global_step, "loss": loss.item().hex()}) + "\n")
             losses.flush()
@@ -131,6 +143,8 @@ def train(args: argparse.Namespace) -> None:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         final[name] = local.detach().clone().contiguous()
     final["lr"] = torch.tensor([group["lr"] for group in optimizer.param_groups], dtype=torch.float64)
+    if args.wrap.startswith("zero"):
+        final["global_steps"] = torch.tensor([model.global_steps])
     save_file(final, out / f"final-rank{rank}.safetensors")
 
 

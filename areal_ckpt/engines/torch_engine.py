@@ -171,9 +171,9 @@ class TorchEngine:
             for group in self.optimizer.param_groups
         ]
 
-    def _is_live(self, model_state: dict[str, torch.Tensor]) -> bool:
+    def is_own_memory(self, model_state: dict[str, torch.Tensor]) -> bool:
         """True when ``model_state`` is the unsharded model's own memory (the template a load
-        filled in place): copying it onto itself would only cost a pass over the model."""
+        filled in place): copying it onto itself would only cost a pass over the model. Local."""
         if self.is_sharded:
             return False
         live = self.module.state_dict()
@@ -194,10 +194,13 @@ class TorchEngine:
                 raise ValueError(f"parameter group {index} holds other parameters than in the checkpoint")
             group.update({key: value for key, value in saved.items() if key != "params"})
 
-    def recover_template(self, with_optimizer_tensors: bool) -> dict[str, torch.Tensor]:
+    def recover_template(
+        self, with_optimizer_tensors: bool, stored: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None
+    ) -> dict[str, torch.Tensor]:
         """The live tensors a load fills in place (same keys as :meth:`recover_state`); local.
 
-        With ``with_optimizer_tensors`` the optimizer's state is initialized first if it is empty.
+        With ``with_optimizer_tensors`` the optimizer's state is initialized first if it is
+        empty. ``stored`` (the checkpoint's tensor index) is not needed here.
         """
         tensors = {MODEL_PREFIX + name: value for name, value in get_model_state_dict(self.model).items()}
         if with_optimizer_tensors and self.optimizer is not None:
@@ -207,6 +210,13 @@ class TorchEngine:
                         tensors[f"{OPTIM_PREFIX}{fqn}.{key}"] = value
         return tensors
 
+    def validate_recover_state(self, extra: dict[str, Any], include_optimizer: bool) -> None:
+        """Raise ValueError when ``extra`` (a dump's non-tensor state) cannot be applied here."""
+        if "deepspeed" in extra:
+            raise ValueError("written by a DeepSpeed engine; load it with areal_ckpt.DeepSpeedEngine")
+        if self.lr_scheduler is not None and "lr_scheduler" not in extra:
+            raise ValueError("no LR scheduler state was saved, but this engine has a scheduler")
+
     def load_recover_state(
         self, tensors: dict[str, torch.Tensor], extra: dict[str, Any], include_optimizer: bool
     ) -> None:
@@ -215,7 +225,7 @@ class TorchEngine:
         Collective under FSDP2 / DDP (the state-dict helpers synchronize); every rank calls it.
         """
         model_state = {k[len(MODEL_PREFIX):]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}
-        if not self._is_live(model_state):
+        if not self.is_own_memory(model_state):
             set_model_state_dict(self.model, model_state)
         if include_optimizer and self.optimizer is not None and not extra.get("optimizer_has_state", True):
             self._load_param_groups_by_name(extra["optimizer_param_groups"])
@@ -231,8 +241,6 @@ class TorchEngine:
                 self.model, self.optimizer, {"state": state, "param_groups": extra["optimizer_param_groups"]}
             )
         if self.lr_scheduler is not None:
-            if "lr_scheduler" not in extra:
-                raise KeyError("lr_scheduler")
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
 
     def fingerprint(self) -> list[int]:

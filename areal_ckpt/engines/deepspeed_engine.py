@@ -1,0 +1,288 @@
+"""DeepSpeedEngine: a ``deepspeed.initialize`` engine (ZeRO 0-3) seen the way TorchEngine is.
+
+Export (HF): ZeRO 0-2 keep the whole model on every rank, so tensors are written straight from
+parameter memory; under ZeRO-3 each parameter is gathered in turn (``GatheredParameters``) and
+dropped at once by ranks that do not write it, so no rank ever holds the whole model.
+
+Recovery: we store what DeepSpeed's optimizer actually trains, not its pickled state dict:
+
+- the model: full tensors under ZeRO 0-2 (identical on every rank: DCP writes them once); under
+  ZeRO-3 each parameter's partition as a 1-D DTensor over the flattened parameter, so the files
+  hold whole parameters (``areal-ckpt export`` can rebuild them) and no gather is needed;
+- ZeRO 1-3: this rank's fp32 master partitions and the wrapped optimizer's state tensors, under
+  keys that name the rank (a partition belongs to one data-parallel layout: loading needs the
+  same world size, and says so otherwise), plus hyper-parameters, loss-scaler settings and the
+  engine's step counters as JSON. ZeRO 0 with a torch optimizer goes through TorchEngine.
+
+``deepspeed`` is imported only when one of these engines is made.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import torch
+from torch.distributed.tensor import DeviceMesh, DTensor, Shard
+
+from areal_ckpt import dist
+from areal_ckpt.engines.torch_engine import MODEL_PREFIX, OPTIM_PREFIX, TorchEngine, unwrap_model
+from areal_ckpt.tensors import TensorSpec
+
+_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+_SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+class DeepSpeedEngine:
+    """What the Saver, RecoverHandler and :func:`areal_ckpt.save_checkpoint` need from DeepSpeed.
+
+    ``ds_engine`` is what ``deepspeed.initialize`` returned first. Construction is local;
+    ``gather_full`` (ZeRO-3), ``recover_state`` and ``load_recover_state`` are collective.
+    """
+
+    def __init__(self, ds_engine: Any) -> None:
+        self.ds_engine = ds_engine
+        self.stage = int(ds_engine.zero_optimization_stage())
+        self.module = unwrap_model(ds_engine.module)
+        self.optimizer = ds_engine.optimizer
+        self.lr_scheduler = ds_engine.lr_scheduler
+        self._torch = TorchEngine(
+            self.module, optimizer=self.optimizer if self.stage == 0 else None, lr_scheduler=self.lr_scheduler
+        )
+        if self.stage == 0 and self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"DeepSpeedEngine: ZeRO stage 0 with {type(self.optimizer).__name__} (fp16 / bf16 wrapper) is not "
+                "supported; use ZeRO stage 1 or higher for mixed precision"
+            )
+        self._mesh: DeviceMesh | None = None
+
+    # -- what export needs ------------------------------------------------------------------
+
+    @property
+    def config(self) -> Any:
+        """The model's ``PretrainedConfig``."""
+        return self._torch.config
+
+    @property
+    def generation_config(self) -> Any | None:
+        """The model's ``GenerationConfig`` when it generates, else None."""
+        return self._torch.generation_config
+
+    @property
+    def architecture(self) -> str:
+        """Class name recorded in ``config.json`` ``architectures``."""
+        return self._torch.architecture
+
+    @property
+    def on_accelerator(self) -> bool:
+        """True when DeepSpeed runs on an accelerator (``auto`` mode then saves asynchronously)."""
+        return self.ds_engine.device.type not in ("cpu", "meta")
+
+    @property
+    def is_sharded(self) -> bool:
+        """True under ZeRO-3: parameters are partitioned and gathering them is collective."""
+        return self.stage == 3
+
+    @property
+    def is_frozen(self) -> bool:
+        """True when the engine has no optimizer (e.g. a reference model run through DeepSpeed)."""
+        return self.optimizer is None
+
+    def _parameters(self) -> dict[str, torch.nn.Parameter]:
+        return dict(self.module.named_parameters())
+
+    def export_specs(self) -> list[TensorSpec]:
+        """Every exported tensor's name, full shape and dtype (tied duplicates left out); local."""
+        if self.stage < 3:
+            return self._torch.export_specs()
+        parameters = self._parameters()
+        specs = []
+        for spec in self._torch.export_specs():
+            parameter = parameters.get(spec.name)
+            shape = tuple(parameter.ds_shape) if hasattr(parameter, "ds_shape") else spec.shape
+            specs.append(TensorSpec(spec.name, shape, spec.dtype))
+        return specs
+
+    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, full CPU tensor)`` for each name in ``names`` that is in ``keep``.
+
+        Collective under ZeRO-3 (every rank walks the same ``names``; one parameter is gathered
+        at a time); local, and without copies of CPU tensors, under ZeRO 0-2.
+        """
+        if self.stage < 3:
+            yield from self._torch.gather_full(names, keep)
+            return
+        import deepspeed
+
+        parameters = self._parameters()
+        state = self.module.state_dict()
+        for name in names:
+            parameter = parameters.get(name)
+            if parameter is None or not hasattr(parameter, "ds_tensor"):
+                if name in keep:
+                    yield name, state[name].detach().cpu()
+                continue
+            with deepspeed.zero.GatheredParameters([parameter]):
+                full = parameter.data.detach().to("cpu", copy=True) if name in keep else None
+            if full is not None:
+                yield name, full
+
+    # -- recovery ---------------------------------------------------------------------------
+
+    def recover_state(self, include_optimizer: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """This rank's state for a dump: live tensors (no copies) and the JSON-able rest; local.
+
+        See the module docstring for what is stored; the rest records the ZeRO stage, world
+        size and step counters, so a load can check it gets what it expects.
+        """
+        if self.stage == 0:
+            tensors, extra = self._torch.recover_state(include_optimizer)
+        else:
+            tensors, extra = self._model_tensors(), {}
+            if include_optimizer and self.optimizer is not None:
+                extra["optimizer_has_state"] = True
+                extra.update(self._optimizer_state(tensors))
+            if self.lr_scheduler is not None:
+                extra["lr_scheduler"] = self.lr_scheduler.state_dict()
+        extra["deepspeed"] = {
+            "zero_stage": self.stage,
+            "world_size": dist.world_size(),
+            "counters": {name: int(getattr(self.ds_engine, name)) for name in _COUNTERS},
+        }
+        if self.stage == 3:
+            extra["deepspeed"]["flat_shapes"] = {
+                name: list(parameter.ds_shape) for name, parameter in self._parameters().items()
+                if hasattr(parameter, "ds_shape")
+            }
+        return tensors, extra
+
+    def _model_tensors(self) -> dict[str, torch.Tensor]:
+        if self.stage < 3:
+            return {MODEL_PREFIX + name: value for name, value in self.module.state_dict().items()}
+        parameters = self._parameters()
+        tensors = {}
+        for name, value in self.module.state_dict().items():
+            parameter = parameters.get(name)
+            tensors[MODEL_PREFIX + name] = self._flat_shard(parameter) if hasattr(parameter, "ds_tensor") else value
+        return tensors
+
+    def _flat_shard(self, parameter: torch.nn.Parameter) -> DTensor:
+        """This rank's partition of ``parameter`` as a shard of the flattened parameter (a view).
+
+        DeepSpeed gives rank r elements [r*s, (r+1)*s) of the flattened parameter (s rounded up,
+        the tail padded), which is how a DTensor shards dimension 0 unevenly.
+        """
+        numel, local = parameter.ds_numel, parameter.ds_tensor
+        valid = max(0, min(local.numel(), numel - dist.rank() * local.numel()))
+        if self._mesh is None:
+            self._mesh = DeviceMesh(local.device.type, list(range(dist.world_size())))
+        return DTensor.from_local(local.view(-1)[:valid], self._mesh, [Shard(0)], run_check=False,
+                                  shape=torch.Size([numel]), stride=(1,))
+
+    def _masters(self) -> list[torch.Tensor]:
+        optimizer = self.optimizer
+        return list(optimizer.fp32_partitioned_groups_flat if self.stage == 3
+                    else optimizer.single_partition_of_fp32_groups)
+
+    def _optimizer_state(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Add this rank's fp32 master partitions and optimizer state tensors to ``tensors``;
+        return the JSON-able rest (hyper-parameters, scalar state, loss scaler)."""
+        rank, inner = dist.rank(), self.optimizer.optimizer
+        scalars: dict[str, dict[str, Any]] = {}
+        for index, master in enumerate(self._masters()):
+            tensors[f"{OPTIM_PREFIX}rank{rank}.master.{index}"] = master
+            scalars[str(index)] = {}
+            for key, value in inner.state.get(master, {}).items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"{OPTIM_PREFIX}rank{rank}.state.{index}.{key}"] = value
+                else:
+                    scalars[str(index)][key] = value
+        scaler = self.optimizer.loss_scaler
+        return {
+            "optimizer_param_groups": [{k: v for k, v in group.items() if k != "params"} for group in inner.param_groups],
+            "optimizer_scalars": scalars,
+            "loss_scaler": {field: getattr(scaler, field) for field in _SCALER_FIELDS if hasattr(scaler, field)},
+        }
+
+    def recover_template(
+        self, with_optimizer_tensors: bool, stored: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The live tensors a load fills in place (same keys as :meth:`recover_state`); local.
+
+        With ``with_optimizer_tensors``, state tensors the wrapped optimizer does not have yet
+        (it has not stepped) are allocated as ``stored`` (the checkpoint's index) describes them.
+        """
+        if self.stage == 0:
+            return self._torch.recover_template(with_optimizer_tensors)
+        tensors = self._model_tensors()
+        if with_optimizer_tensors and self.optimizer is not None:
+            inner, prefix = self.optimizer.optimizer, f"{OPTIM_PREFIX}rank{dist.rank()}.state."
+            masters = self._masters()
+            for name, (dtype, shape) in (stored or {}).items():
+                if name.startswith(prefix):
+                    index, _, key = name[len(prefix):].partition(".")
+                    entry = inner.state.setdefault(masters[int(index)], {})
+                    if key not in entry:
+                        entry[key] = torch.empty(shape, dtype=dtype, device=masters[int(index)].device)
+            self._optimizer_state(tensors)
+        return tensors
+
+    def validate_recover_state(self, extra: dict[str, Any], include_optimizer: bool) -> None:
+        """Raise ValueError when the dump was written with another ZeRO stage, or (optimizer
+        included) another world size: ZeRO partitions belong to one data-parallel layout."""
+        saved = extra.get("deepspeed")
+        if saved is None:
+            raise ValueError("not written by a DeepSpeed engine; load it with areal_ckpt.TorchEngine")
+        if saved["zero_stage"] != self.stage:
+            raise ValueError(f"written with ZeRO stage {saved['zero_stage']}, this engine runs stage {self.stage}")
+        if self.stage > 0 and include_optimizer and saved["world_size"] != dist.world_size():
+            raise ValueError(f"ZeRO optimizer partitions were written by {saved['world_size']} ranks and cannot be "
+                             f"loaded by {dist.world_size()}; set no_load_optim to load the model only")
+        if self.lr_scheduler is not None and "lr_scheduler" not in extra:
+            raise ValueError("no LR scheduler state was saved, but this engine has a scheduler")
+
+    def load_recover_state(
+        self, tensors: dict[str, torch.Tensor], extra: dict[str, Any], include_optimizer: bool
+    ) -> None:
+        """Apply state loaded into the :meth:`recover_template` tensors plus ``extra``.
+
+        Collective under ZeRO-3 (persistent parameters are re-gathered on next use).
+        """
+        saved = extra["deepspeed"]
+        for name, value in saved["counters"].items():
+            setattr(self.ds_engine, name, value)
+        if self.stage == 0:
+            self._torch.load_recover_state(tensors, extra, include_optimizer)
+            return
+        if self.stage < 3:
+            model_state = {k[len(MODEL_PREFIX):]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}
+            if not self._torch.is_own_memory(model_state):
+                self.module.load_state_dict(model_state)
+        if include_optimizer and self.optimizer is not None:
+            inner = self.optimizer.optimizer
+            for group, stored in zip(inner.param_groups, extra["optimizer_param_groups"], strict=True):
+                group.update(stored)
+            for index, master in enumerate(self._masters()):
+                inner.state[master].update(extra["optimizer_scalars"][str(index)])
+            for field, value in extra["loss_scaler"].items():
+                setattr(self.optimizer.loss_scaler, field, value)
+        elif self.optimizer is not None and self.stage < 3:
+            self.optimizer.refresh_fp32_params()  # masters from the loaded weights (module only)
+        if self.stage == 3:
+            persistent = getattr(self.optimizer, "persistent_parameters", [])
+            if persistent:
+                persistent[0].partition(persistent)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+
+    def fingerprint(self) -> list[int]:
+        """CRC-32 of each of this rank's weight tensors (partitions under ZeRO-3); local."""
+        if self.stage < 3:
+            return self._torch.fingerprint()
+        import zlib
+
+        digest = []
+        for parameter in self.module.parameters():
+            local = parameter.ds_tensor if hasattr(parameter, "ds_tensor") else parameter
+            flat = local.detach().cpu().contiguous().reshape(-1)
+            digest.append(zlib.crc32(flat.view(torch.uint8).numpy() if flat.numel() else b""))
+        return digest
