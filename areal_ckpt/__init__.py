@@ -14,6 +14,7 @@ from areal_ckpt.saver import Saver
 from areal_ckpt.state.recover_info import RecoverInfo
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.step import FinetuneSpec, StepInfo
+from areal_ckpt.tagged import load_checkpoint, save_checkpoint
 
 __all__ = [
     "CheckpointConfig",
@@ -34,5 +35,7 @@ __all__ = [
     "TriggerSchedule",
     "__version__",
     "check_if_recover",
+    "load_checkpoint",
     "load_config",
+    "save_checkpoint",
 ]

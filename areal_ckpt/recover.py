@@ -24,7 +24,7 @@ from areal_ckpt.formats.hf_export import write_config
 from areal_ckpt.fsio import FileRecord, write_file_durably
 from areal_ckpt.layout import ENGINE_STATE_FILE, HF_FILES, RECOVER_INFO, RECOVER_MANIFEST, default_user, trial_root
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
-from areal_ckpt.recover_read import find_committed, load_engine, verify_generation
+from areal_ckpt.recover_read import find_committed, load_engine, verify_checkpoint
 from areal_ckpt.recover_store import RecoverStore
 from areal_ckpt.recover_write import MODEL_SEPARATOR, RECOVER_FORMAT, RECOVER_FORMAT_VERSION, DumpJob
 from areal_ckpt.schedule import TriggerSchedule
@@ -360,7 +360,7 @@ class RecoverHandler:
         if found.startswith("error:"):
             raise CheckpointError(found.removeprefix("error:"))
         folder = self.store.path(found)
-        manifest = verify_generation(folder)
+        manifest = verify_checkpoint(folder)
         engines = dict(engine) if isinstance(engine, Mapping) else {"default": engine}
         if sorted(engines) != manifest["models"]:
             raise CheckpointError(

@@ -23,6 +23,7 @@ from areal_ckpt.state import safe_json
 logger = logging.getLogger("areal_ckpt.recover")
 
 _OPTIMIZER_PREFIX = "optim."
+_MODEL_PREFIX = "model."
 DATA_SUFFIX = ".distcp"
 
 
@@ -39,20 +40,22 @@ def find_committed(store: RecoverStore) -> str | None:
     return committed
 
 
-def verify_generation(folder: Path) -> dict[str, Any]:
+def verify_checkpoint(
+    folder: Path, manifest_name: str = RECOVER_MANIFEST, fmt: str = RECOVER_FORMAT, version: int = RECOVER_FORMAT_VERSION
+) -> dict[str, Any]:
     """Check the manifest's format, every file's presence and size, and the CRC-32 of every
     file but the tensor data files (those are checked while :func:`load_engine` reads them,
-    saving a full pass); returns the manifest.
+    saving a full pass); returns the manifest. Defaults: a recovery generation.
 
     Collective: the files are dealt out to the ranks, each checks its share, all agree.
     Raises CheckpointError naming every damaged file.
     """
-    manifest = read_manifest(folder, RECOVER_MANIFEST)
-    if manifest.get("format") != RECOVER_FORMAT or manifest.get("format_version") != RECOVER_FORMAT_VERSION:
+    manifest = read_manifest(folder, manifest_name)
+    if manifest.get("format") != fmt or manifest.get("format_version") != version:
         raise CheckpointError(
-            f"{folder / RECOVER_MANIFEST}: format {manifest.get('format')!r} version "
+            f"{folder / manifest_name}: format {manifest.get('format')!r} version "
             f"{manifest.get('format_version')!r} cannot be read by areal_ckpt {__version__} "
-            f"(reads {RECOVER_FORMAT!r} version {RECOVER_FORMAT_VERSION})"
+            f"(reads {fmt!r} version {version})"
         )
     files = manifest["files"]
     mine = [name for index, name in enumerate(sorted(files)) if index % dist.world_size() == dist.rank()]
@@ -64,10 +67,19 @@ def verify_generation(folder: Path) -> dict[str, Any]:
     return manifest
 
 
-def load_engine(engine: Any, folder: Path, manifest: dict[str, Any], no_load_optim: bool) -> None:
-    """Load one model's weights (and optimizer / scheduler unless ``no_load_optim`` or not
-    saved) from its folder of a generation checked by :func:`verify_generation`, checking the
-    data files' CRC-32 as they are read. Collective (DCP; FSDP2 / DDP state-dict helpers)."""
+def load_engine(
+    engine: Any,
+    folder: Path,
+    manifest: dict[str, Any],
+    no_load_optim: bool,
+    load_scheduler: bool = True,
+    strict: bool = True,
+) -> None:
+    """Load one model's weights (and optimizer unless ``no_load_optim`` or not saved; LR
+    scheduler when ``load_scheduler``) from its folder of a checkpoint checked by
+    :func:`verify_checkpoint`, checking the data files' CRC-32 as they are read. ``strict``
+    False loads the model tensors both sides have and logs the others. Collective (DCP;
+    FSDP2 / DDP / DeepSpeed state-dict helpers)."""
     try:
         extra = safe_json.loads((folder / ENGINE_STATE_FILE).read_bytes(), str(folder / ENGINE_STATE_FILE))
     except ValueError as error:
@@ -75,13 +87,25 @@ def load_engine(engine: Any, folder: Path, manifest: dict[str, Any], no_load_opt
     include_optimizer = bool(extra.get("optimizer_saved")) and not no_load_optim
     if engine.optimizer is not None and not include_optimizer:
         logger.warning("%s: optimizer state not restored (%s)", folder,
-                       "no_load_optim is set" if no_load_optim else "it was not saved")
+                       "not requested: no_load_optim / load_optimizer_states=False" if no_load_optim else "it was not saved")
+    if not load_scheduler:
+        extra.pop("lr_scheduler", None)
+    elif engine.lr_scheduler is not None and "lr_scheduler" not in extra:
+        raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: no LR scheduler state was saved, "
+                              "but this engine has a scheduler")
     try:
         engine.validate_recover_state(extra, include_optimizer)
     except ValueError as error:
         raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: {error}") from None
-    template = engine.recover_template(include_optimizer and extra.get("optimizer_has_state", True),
-                                       read_tensor_index(folder))
+    stored = read_tensor_index(folder)
+    template = engine.recover_template(include_optimizer and extra.get("optimizer_has_state", True), stored)
+    optional: tuple[str, ...] = ()
+    if not strict:
+        skipped = sorted(name for name in template if name.startswith(_MODEL_PREFIX) and name not in stored)
+        template = {name: value for name, value in template.items() if name not in skipped}
+        optional += (_MODEL_PREFIX,)
+        if skipped:
+            logger.warning("%s: not in the checkpoint, left as they are: %s", folder, skipped[:10])
     prefix = f"{folder.name}/"
     expected = {
         name[len(prefix):]: FileRecord(entry["size"], entry["crc32"])
@@ -89,10 +113,10 @@ def load_engine(engine: Any, folder: Path, manifest: dict[str, Any], no_load_opt
         if name.startswith(prefix) and name.endswith(DATA_SUFFIX)
     }
     # partitions that other ranks own (ZeRO) are theirs to read
-    others = tuple(f"{_OPTIMIZER_PREFIX}rank{r}." for r in range(manifest["world_size"]) if r != dist.rank())
-    load_tensors(template, folder, optional_prefixes=others if include_optimizer else (_OPTIMIZER_PREFIX,),
+    optional += tuple(f"{_OPTIMIZER_PREFIX}rank{r}." for r in range(manifest["world_size"]) if r != dist.rank())
+    load_tensors(template, folder, optional_prefixes=optional if include_optimizer else optional + (_OPTIMIZER_PREFIX,),
                  expected=expected)
     try:
-        engine.load_recover_state(template, extra, include_optimizer)
+        engine.load_recover_state(template, extra, include_optimizer, strict)
     except (KeyError, ValueError, RuntimeError) as error:
-        raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: cannot restore optimizer / scheduler: {error}") from None
+        raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: cannot restore model / optimizer / scheduler: {error}") from None

@@ -237,26 +237,27 @@ class DeepSpeedEngine:
         if self.stage > 0 and include_optimizer and saved["world_size"] != dist.world_size():
             raise ValueError(f"ZeRO optimizer partitions were written by {saved['world_size']} ranks and cannot be "
                              f"loaded by {dist.world_size()}; set no_load_optim to load the model only")
-        if self.lr_scheduler is not None and "lr_scheduler" not in extra:
-            raise ValueError("no LR scheduler state was saved, but this engine has a scheduler")
+        if self.stage == 3 and saved["world_size"] != dist.world_size():
+            raise ValueError(f"ZeRO-3 partitions were written by {saved['world_size']} ranks and cannot be loaded by "
+                             f"{dist.world_size()}; export the checkpoint (areal-ckpt export) and start from that")
 
     def load_recover_state(
-        self, tensors: dict[str, torch.Tensor], extra: dict[str, Any], include_optimizer: bool
+        self, tensors: dict[str, torch.Tensor], extra: dict[str, Any], include_optimizer: bool, strict: bool = True
     ) -> None:
-        """Apply state loaded into the :meth:`recover_template` tensors plus ``extra``.
-
-        Collective under ZeRO-3 (persistent parameters are re-gathered on next use).
+        """Apply state loaded into the :meth:`recover_template` tensors plus ``extra`` (the LR
+        scheduler's state when ``extra`` holds it). ``strict`` False tolerates model keys that
+        were not loaded. Collective under ZeRO-3 (persistent parameters re-gather on next use).
         """
         saved = extra["deepspeed"]
         for name, value in saved["counters"].items():
             setattr(self.ds_engine, name, value)
         if self.stage == 0:
-            self._torch.load_recover_state(tensors, extra, include_optimizer)
+            self._torch.load_recover_state(tensors, extra, include_optimizer, strict)
             return
         if self.stage < 3:
             model_state = {k[len(MODEL_PREFIX):]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}
             if not self._torch.is_own_memory(model_state):
-                self.module.load_state_dict(model_state)
+                self.module.load_state_dict(model_state, strict=strict)
         if include_optimizer and self.optimizer is not None:
             inner = self.optimizer.optimizer
             for group, stored in zip(inner.param_groups, extra["optimizer_param_groups"], strict=True):
@@ -271,7 +272,7 @@ class DeepSpeedEngine:
             persistent = getattr(self.optimizer, "persistent_parameters", [])
             if persistent:
                 persistent[0].partition(persistent)
-        if self.lr_scheduler is not None:
+        if self.lr_scheduler is not None and "lr_scheduler" in extra:
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
 
     def fingerprint(self) -> list[int]:

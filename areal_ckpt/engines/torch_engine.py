@@ -8,6 +8,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -214,19 +215,17 @@ class TorchEngine:
         """Raise ValueError when ``extra`` (a dump's non-tensor state) cannot be applied here."""
         if "deepspeed" in extra:
             raise ValueError("written by a DeepSpeed engine; load it with areal_ckpt.DeepSpeedEngine")
-        if self.lr_scheduler is not None and "lr_scheduler" not in extra:
-            raise ValueError("no LR scheduler state was saved, but this engine has a scheduler")
 
     def load_recover_state(
-        self, tensors: dict[str, torch.Tensor], extra: dict[str, Any], include_optimizer: bool
+        self, tensors: dict[str, torch.Tensor], extra: dict[str, Any], include_optimizer: bool, strict: bool = True
     ) -> None:
-        """Apply state loaded into the :meth:`recover_template` tensors plus ``extra``.
-
-        Collective under FSDP2 / DDP (the state-dict helpers synchronize); every rank calls it.
+        """Apply state loaded into the :meth:`recover_template` tensors plus ``extra`` (the LR
+        scheduler's state when ``extra`` holds it). ``strict`` False tolerates model keys that
+        were not loaded. Collective under FSDP2 / DDP (the state-dict helpers synchronize).
         """
         model_state = {k[len(MODEL_PREFIX):]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}
         if not self.is_own_memory(model_state):
-            set_model_state_dict(self.model, model_state)
+            set_model_state_dict(self.model, model_state, options=StateDictOptions(strict=strict))
         if include_optimizer and self.optimizer is not None and not extra.get("optimizer_has_state", True):
             self._load_param_groups_by_name(extra["optimizer_param_groups"])
         elif include_optimizer and self.optimizer is not None:
@@ -240,7 +239,7 @@ class TorchEngine:
             set_optimizer_state_dict(
                 self.model, self.optimizer, {"state": state, "param_groups": extra["optimizer_param_groups"]}
             )
-        if self.lr_scheduler is not None:
+        if self.lr_scheduler is not None and "lr_scheduler" in extra:
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
 
     def fingerprint(self) -> list[int]:

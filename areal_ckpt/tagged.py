@@ -1,0 +1,222 @@
+"""DeepSpeed-shaped checkpoints: ``save_checkpoint`` / ``load_checkpoint`` with tags and ``latest``.
+
+For code that already calls ``engine.save_checkpoint(save_dir, tag, client_state)``: the same
+call shape and semantics, with our guarantees. Layout::
+
+    {save_dir}/latest                        the newest committed tag (one line of text)
+    {save_dir}/{tag}/model/...               DCP data files, dcp_metadata.json, engine_state.json
+    {save_dir}/{tag}/client_state/rank{r}.json   each rank's own client_state (JSON)
+    {save_dir}/{tag}/areal_ckpt_manifest.json    sizes and CRC-32 of every file
+
+A tag folder is written under a staging name and renamed into place whole; ``latest`` is then
+replaced by renaming a new file over it (never rewritten in place), so it always names a
+complete tag. Nothing here takes the trial lock: ``save_dir`` is the caller's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from areal_ckpt import dist
+from areal_ckpt._version import __version__
+from areal_ckpt.commit import publish, write_manifest
+from areal_ckpt.config import check_path_component
+from areal_ckpt.errors import CheckpointError, RankMismatchError
+from areal_ckpt.formats.dcp_io import save_tensors
+from areal_ckpt.fsio import FileRecord, fsync_dir, write_file_durably
+from areal_ckpt.layout import ENGINE_STATE_FILE, MANIFEST_NAME
+from areal_ckpt.recover_read import load_engine, verify_checkpoint
+from areal_ckpt.state import safe_json
+
+logger = logging.getLogger("areal_ckpt.tagged")
+
+TAGGED_FORMAT = "areal_ckpt.tagged"
+TAGGED_FORMAT_VERSION = 1
+LATEST = "latest"
+_MODEL = "model"
+_CLIENT = "client_state"
+
+
+def _engine_of(engine: Any) -> Any:
+    """Our engine for ``engine``: a TorchEngine / DeepSpeedEngine as is, a DeepSpeed engine wrapped."""
+    if hasattr(engine, "recover_state"):
+        return engine
+    if hasattr(engine, "zero_optimization_stage"):
+        from areal_ckpt.engines.deepspeed_engine import DeepSpeedEngine
+
+        return DeepSpeedEngine(engine)
+    raise TypeError(f"{type(engine).__name__} is not an engine: pass areal_ckpt.TorchEngine(...) or a DeepSpeed engine")
+
+
+def _default_tag(engine: Any) -> str:
+    ds_engine = getattr(engine, "ds_engine", None)
+    if ds_engine is None:
+        raise ValueError("tag is required with a TorchEngine (it keeps no global step counter)")
+    return f"global_step{ds_engine.global_steps}"
+
+
+def save_checkpoint(
+    engine: Any,
+    save_dir: str | os.PathLike,
+    tag: str | None = None,
+    client_state: dict[str, Any] | None = None,
+    save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
+) -> bool:
+    """Save model, optimizer, LR scheduler and this rank's ``client_state`` as ``save_dir/tag``.
+
+    Collective: every rank calls it. ``tag`` defaults to ``global_step{N}`` (DeepSpeed's
+    counter) and must be the same on every rank: a mismatch raises RankMismatchError on every
+    rank before anything is written. ``client_state`` must be JSON-like (dicts, lists, numbers,
+    strings; tensors are not allowed). With ``exclude_frozen_parameters`` parameters that do
+    not require grad are left out. Durable on return, then ``latest`` names ``tag`` (when
+    ``save_latest``). Returns True; on failure raises on every rank, leaving earlier tags and
+    ``latest`` as they were.
+    """
+    engine = _engine_of(engine)
+    tag = tag if tag is not None else _default_tag(engine)
+    check_path_component(tag, "tag")
+    tags = dist.all_gather_objects(tag)
+    if any(other != tag for other in tags):
+        raise RankMismatchError(f"save_checkpoint: ranks disagree on the tag: {tags}; nothing was written")
+    root = Path(save_dir)
+    final, staging = root / tag, root / f".{tag}.staging"
+    error = _prepare(staging) if dist.rank() == 0 else None
+    error = dist.broadcast_object(error, src=0)
+    if error is not None:
+        raise CheckpointError(f"{staging}: cannot prepare the checkpoint folder: {error}")
+    records: dict[str, tuple[int, int]] = {}
+    local_error = None
+    try:
+        tensors, extra = engine.recover_state(include_optimizer=True)
+        if exclude_frozen_parameters:
+            frozen = {f"model.{name}" for name, p in engine.module.named_parameters() if not p.requires_grad}
+            tensors = {name: value for name, value in tensors.items() if name not in frozen}
+        record = write_file_durably(staging / _CLIENT / f"rank{dist.rank()}.json", safe_json.dumps(dict(client_state or {})))
+        records[f"{_CLIENT}/rank{dist.rank()}.json"] = (record.size, record.crc32)
+        for name, record in save_tensors(tensors, staging / _MODEL).items():
+            records[f"{_MODEL}/{name}"] = (record.size, record.crc32)
+        if dist.rank() == 0:
+            extra["optimizer_saved"] = not engine.is_frozen
+            write_file_durably(staging / _MODEL / ENGINE_STATE_FILE, safe_json.dumps(extra))
+    except Exception as failure:  # agreed below: every rank raises
+        local_error = f"rank {dist.rank()}: {type(failure).__name__}: {failure}"
+    outcomes = dist.all_gather_objects(local_error or records)
+    result = _commit(root, tag, staging, final, outcomes, save_latest) if dist.rank() == 0 else None
+    result = dist.broadcast_object(result, src=0)
+    if result is not None:
+        raise CheckpointError(f"{final}: checkpoint not saved: {result}; earlier tags and {LATEST} are untouched")
+    return True
+
+
+def _prepare(staging: Path) -> str | None:
+    try:
+        if staging.exists():
+            shutil.rmtree(staging)
+        (staging / _MODEL).mkdir(parents=True)
+        (staging / _CLIENT).mkdir()
+        return None
+    except OSError as error:
+        return str(error)
+
+
+def _commit(root: Path, tag: str, staging: Path, final: Path, outcomes: list[Any], save_latest: bool) -> str | None:
+    """Rank 0: manifest, publish, ``latest``. Returns the error text, or None."""
+    errors = [outcome for outcome in outcomes if isinstance(outcome, str)]
+    try:
+        if errors:
+            return "; ".join(errors)
+        records = {name: FileRecord(*entry) for outcome in outcomes for name, entry in outcome.items()}
+        header = {"format": TAGGED_FORMAT, "format_version": TAGGED_FORMAT_VERSION, "tag": tag,
+                  "world_size": dist.world_size(), "areal_ckpt_version": __version__}
+        write_manifest(staging, MANIFEST_NAME, records, header)
+        publish(staging, final, root / f".{tag}.trash")
+        if save_latest:
+            _write_latest(root, tag)
+        return None
+    except Exception as error:
+        logger.error("saving %s failed: %s", final, error)
+        return f"{type(error).__name__}: {error}"
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_latest(root: Path, tag: str) -> None:
+    """Point ``latest`` at ``tag`` by renaming a complete new file over it; durable."""
+    temporary = root / f".{LATEST}.{os.getpid()}"
+    write_file_durably(temporary, f"{tag}\n".encode())
+    os.replace(temporary, root / LATEST)
+    fsync_dir(root)
+
+
+def read_latest(root: Path) -> str | None:
+    """The tag ``latest`` names, None when there is no ``latest``; local.
+
+    Raises CheckpointError when it names something that is not a tag folder of ``root``.
+    """
+    path = root / LATEST
+    if not path.is_file():
+        return None
+    tag = path.read_text(errors="replace").strip()
+    try:
+        check_path_component(tag, "tag")
+    except ValueError as error:
+        raise CheckpointError(f"{path}: {error}") from None
+    if not (root / tag).is_dir():
+        raise CheckpointError(f"{path}: names {tag!r}, but {root / tag} does not exist")
+    return tag
+
+
+def load_checkpoint(
+    engine: Any,
+    load_dir: str | os.PathLike,
+    tag: str | None = None,
+    load_module_strict: bool = True,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+) -> tuple[str | None, dict[str, Any] | None]:
+    """Load ``load_dir/tag`` (``tag`` None: what ``latest`` names) into ``engine``.
+
+    Collective: every rank calls it. Returns ``(tag folder, this rank's client_state)``, or
+    ``(None, None)`` when no tag is given and there is no ``latest``. Each rank gets the
+    client_state it saved (the checkpoint must then have been written by as many ranks).
+    Every file is checked against the manifest; damage raises CheckpointError naming the
+    file. ``load_module_only`` skips optimizer and scheduler; ``load_module_strict`` False
+    loads the model tensors present on both sides and logs the rest.
+    """
+    engine = _engine_of(engine)
+    root = Path(load_dir)
+    if tag is None:
+        found = None
+        if dist.rank() == 0:
+            try:
+                found = read_latest(root)
+            except CheckpointError as error:
+                found = f"error:{error}"
+        found = dist.broadcast_object(found, src=0)
+        if found is None:
+            return None, None
+        if found.startswith("error:"):
+            raise CheckpointError(found.removeprefix("error:"))
+        tag = found
+    check_path_component(tag, "tag")
+    folder = root / tag
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such checkpoint tag")
+    manifest = verify_checkpoint(folder, MANIFEST_NAME, TAGGED_FORMAT, TAGGED_FORMAT_VERSION)
+    load_engine(engine, folder / _MODEL, manifest, no_load_optim=load_module_only or not load_optimizer_states,
+                load_scheduler=load_lr_scheduler_states and not load_module_only, strict=load_module_strict)
+    client_file = folder / _CLIENT / f"rank{dist.rank()}.json"
+    if f"{_CLIENT}/{client_file.name}" not in manifest["files"]:
+        raise CheckpointError(f"{client_file}: missing; the checkpoint was written by {manifest['world_size']} "
+                              f"ranks, this job has {dist.world_size()}")
+    try:
+        client_state = safe_json.loads(client_file.read_bytes(), str(client_file))
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
+    return str(folder), client_state

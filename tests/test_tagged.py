@@ -1,0 +1,101 @@
+"""DeepSpeed-shaped save_checkpoint / load_checkpoint: tags, `latest`, per-rank client_state."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import areal_ckpt as ac
+from distributed import run_distributed
+from recover_fixtures import make_setup, train_step
+from test_deepspeed import deepspeed_engine
+
+VOCAB = 48
+
+
+def test_torch_engine_round_trip_and_latest_is_replaced_not_rewritten(tmp_path):
+    setup = make_setup()
+    train_step(setup, 0)
+    assert ac.load_checkpoint(setup.engine, tmp_path) == (None, None)  # nothing saved yet
+    with pytest.raises(ValueError, match="tag is required"):
+        ac.save_checkpoint(setup.engine, tmp_path)
+    assert ac.save_checkpoint(setup.engine, tmp_path, tag="step1", client_state={"kl": 0.5, "seen": [1, 2]})
+    first_inode = os.stat(tmp_path / "latest").st_ino
+    train_step(setup, 1)
+    ac.save_checkpoint(setup.engine, tmp_path, tag="step2", client_state={"kl": 0.25})
+    assert (tmp_path / "latest").read_text().strip() == "step2"
+    assert os.stat(tmp_path / "latest").st_ino != first_inode  # a new file renamed over the old one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step1", "step2"]  # no staging left
+
+    fresh = make_setup(seed=3)
+    path, client_state = ac.load_checkpoint(fresh.engine, tmp_path)
+    assert path == str(tmp_path / "step2") and client_state == {"kl": 0.25}
+    for name, tensor in setup.model.state_dict().items():
+        assert torch.equal(tensor, fresh.model.state_dict()[name]), name
+    assert fresh.optimizer.state_dict()["state"][0]["exp_avg"].equal(setup.optimizer.state_dict()["state"][0]["exp_avg"])
+    assert fresh.scheduler.state_dict() == setup.scheduler.state_dict()
+
+    older = make_setup(seed=4)
+    path, client_state = ac.load_checkpoint(older.engine, tmp_path, tag="step1", load_module_only=True)
+    assert client_state == {"kl": 0.5, "seen": [1, 2]} and not older.optimizer.state
+
+
+def test_damaged_and_misnamed_checkpoints_are_refused_by_name(tmp_path):
+    setup = make_setup()
+    ac.save_checkpoint(setup.engine, tmp_path, tag="good")
+    data = next((tmp_path / "good/model").glob("*.distcp"))
+    data.write_bytes(bytes([data.read_bytes()[0] ^ 1]) + data.read_bytes()[1:])
+    with pytest.raises(ac.CheckpointError, match=r"__0_0.distcp: checksum mismatch"):
+        ac.load_checkpoint(make_setup(seed=1).engine, tmp_path)
+    (tmp_path / "latest").write_text("../elsewhere\n")
+    with pytest.raises(ac.CheckpointError, match="latest: tag '../elsewhere' cannot be used as a folder name"):
+        ac.load_checkpoint(make_setup(seed=1).engine, tmp_path)
+    with pytest.raises(ValueError, match="tag"):
+        ac.save_checkpoint(setup.engine, tmp_path, tag="a/b")
+
+
+def _ds_step(engine, step: int) -> None:
+    tokens = (torch.arange(16).reshape(2, 8) * (step + 1)) % VOCAB
+    engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+    engine.step()
+
+
+def deepspeed_tagged_worker(rank: int, world_size: int, root: str, report: str) -> None:
+    from areal_ckpt.demo.tiny import build_model
+
+    torch.manual_seed(0)
+    trained = deepspeed_engine(build_model(VOCAB), stage=2)
+    for step in range(3):
+        _ds_step(trained, step)
+    ac.save_checkpoint(trained, root, client_state={"rank": rank, "noise": 0.5 + rank})
+    try:
+        ac.save_checkpoint(trained, root, tag=f"differs-on-rank-{rank}")
+        mismatch = "saved"
+    except ac.RankMismatchError:
+        mismatch = "refused"
+    torch.manual_seed(1)
+    fresh = deepspeed_engine(build_model(VOCAB), stage=2)
+    path, client_state = ac.load_checkpoint(fresh, root)
+    _ds_step(trained, 3)
+    _ds_step(fresh, 3)  # resumed training continues exactly
+    same = all(torch.equal(a, b) for a, b in zip(trained.module.parameters(), fresh.module.parameters()))
+    Path(f"{report}.{rank}").write_text(json.dumps({
+        "path": path, "client_state": client_state, "mismatch": mismatch, "same": same,
+        "global_steps": fresh.global_steps, "entries": sorted(p.name for p in Path(root).iterdir()),
+    }))
+
+
+@pytest.mark.dist
+def test_deepspeed_tags_latest_and_per_rank_client_state(tmp_path):
+    root, report = tmp_path / "ckpt", tmp_path / "report"
+    run_distributed(deepspeed_tagged_worker, 2, str(root), str(report))
+    reports = [json.loads(Path(f"{report}.{rank}").read_text()) for rank in range(2)]
+    for rank, entry in enumerate(reports):
+        assert entry["path"] == str(root / "global_step3")  # DeepSpeed's default tag
+        assert entry["client_state"] == {"rank": rank, "noise": 0.5 + rank}  # each rank its own
+        assert entry["mismatch"] == "refused" and entry["same"] and entry["global_steps"] == 4
+        assert entry["entries"] == ["global_step3", "latest"]  # the refused save wrote nothing
