@@ -16,7 +16,7 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from areal_ckpt.config import parse_size
-from areal_ckpt.convert import export_recovery
+from areal_ckpt.convert import export_deepspeed, export_recovery
 from areal_ckpt.describe import describe, list_trial, verify
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.tensors import EXPORT_DTYPES
@@ -116,6 +116,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert_deepspeed(args: argparse.Namespace) -> int:
+    dtype = EXPORT_DTYPES[args.dtype] if args.dtype else None
+    result = export_deepspeed(Path(args.ds_dir), Path(args.out_dir), tag=args.tag, dtype=dtype,
+                              max_shard_size=parse_size(args.max_shard_size),
+                              config_dir=Path(args.config) if args.config else None, progress=_progress("shard"))
+    print(f"exported {_size(result.bytes)} in {result.seconds:.2f} s to {result.path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="areal-ckpt", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
@@ -142,6 +151,16 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="exported floating-point dtype")
     export.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     export.set_defaults(run=cmd_export)
+
+    convert = commands.add_parser("convert-deepspeed", help="DeepSpeed ZeRO checkpoint -> HuggingFace folder")
+    convert.add_argument("ds_dir", help="folder holding 'latest' and tag folders (ours or DeepSpeed's own)")
+    convert.add_argument("out_dir", help="new folder to create")
+    convert.add_argument("--tag", help="checkpoint tag (default: what 'latest' names)")
+    convert.add_argument("--config", help="folder with the model's config.json, for DeepSpeed's own layout "
+                                          "(default: DS_DIR)")
+    convert.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="exported floating-point dtype")
+    convert.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    convert.set_defaults(run=cmd_convert_deepspeed)
     return parser
 
 

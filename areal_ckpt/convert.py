@@ -1,19 +1,23 @@
-"""Turn a recovery checkpoint (DCP shards) into a HuggingFace export folder, offline."""
+"""Turn training checkpoints into HuggingFace export folders, offline: a recovery checkpoint
+(DCP), or a DeepSpeed checkpoint (ours from ``save_checkpoint``, or DeepSpeed's own layout)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from areal_ckpt.commit import check_files, read_manifest
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.export import ExportResult, write_export
-from areal_ckpt.formats.dcp_source import DcpModelSource, load_tokenizer
-from areal_ckpt.layout import HF_FILES, RECOVER_MANIFEST
+from areal_ckpt.formats.dcp_source import DcpModelSource, load_tokenizer, tied_names
+from areal_ckpt.layout import HF_FILES, MANIFEST_NAME, RECOVER_MANIFEST
 from areal_ckpt.recover_store import resolve_recovery
+from areal_ckpt.tagged import TAGGED_FORMAT, read_latest
+from areal_ckpt.tensors import TensorSpec
 
 logger = logging.getLogger("areal_ckpt.convert")
 
@@ -40,10 +44,7 @@ def export_recovery(
     problems = check_files(generation, files, [f for f in files if f.startswith(f"{model}/")])
     if problems:
         raise CheckpointError(f"{generation}: model {model!r} is damaged: " + "; ".join(problems))
-    out_dir = Path(out_dir)
-    if out_dir.exists():
-        raise CheckpointError(f"{out_dir}: already exists; choose a new output folder")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    out_dir = _new_output(out_dir)
     source = DcpModelSource(generation / model, generation / model / HF_FILES)
     step = manifest.get("step", {})
     logger.info("exporting model %r of %s (global step %s) to %s", model, generation, step.get("global_step"), out_dir)
@@ -52,3 +53,109 @@ def export_recovery(
         tokenizer=load_tokenizer(generation / model / HF_FILES),
         header={"name": model, "step": step, "converted_from": str(generation)}, progress=progress,
     )
+
+
+def _new_output(out_dir: Path) -> Path:
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise CheckpointError(f"{out_dir}: already exists; choose a new output folder")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    return out_dir
+
+
+class _StateDictSource:
+    """Full tensors in memory (a converted DeepSpeed checkpoint) plus the model's HF config."""
+
+    def __init__(self, config: Any, tensors: dict[str, torch.Tensor]) -> None:
+        self.config = config
+        self.generation_config = None
+        architectures = getattr(config, "architectures", None) or []
+        self.architecture = architectures[0] if architectures else type(config).__name__
+        self.on_accelerator = False
+        tied = tied_names(config)
+        self.tensors = {name: tensor for name, tensor in tensors.items() if name not in tied}
+
+    def export_specs(self) -> list[TensorSpec]:
+        """Every tensor's name, shape and dtype."""
+        return [TensorSpec(name, tuple(t.shape), t.dtype) for name, t in self.tensors.items()]
+
+    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The kept tensors; local, no copy."""
+        for name in names:
+            if name in keep:
+                yield name, self.tensors[name]
+
+
+@contextlib.contextmanager
+def _weights_only_deepspeed_loads() -> Iterator[None]:
+    """Run DeepSpeed's checkpoint readers with ``torch.load(weights_only=True)``.
+
+    DeepSpeed's reconstruction (``zero_to_fp32``) asks ``torch.load`` for full unpickling;
+    here every call is forced to the weights-only unpickler, which can build nothing but
+    tensors, containers and the few plain DeepSpeed classes these files hold (loss scaler
+    settings, the ZeRO stage enum, parameter fragment addresses).
+    """
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    original = torch.load
+
+    def weights_only_load(*args: Any, **kwargs: Any) -> Any:
+        kwargs["weights_only"] = True
+        return original(*args, **kwargs)
+
+    torch.load = weights_only_load
+    try:
+        with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
+            yield
+    finally:
+        torch.load = original
+
+
+def export_deepspeed(
+    ds_dir: Path, out_dir: Path, tag: str | None = None, dtype: torch.dtype | None = None,
+    max_shard_size: int = 5 * 10**9, config_dir: Path | None = None,
+    progress: Callable[[Iterable[int]], Iterable[int]] = iter,
+) -> ExportResult:
+    """Write the DeepSpeed checkpoint ``ds_dir/tag`` (``tag`` None: what ``latest`` names) as an
+    HF folder ``out_dir``; local, single process, blocking; ``out_dir`` must not exist.
+
+    Our layout (``areal_ckpt.save_checkpoint``) streams one output shard at a time and takes
+    config.json from the checkpoint. DeepSpeed's own layout is rebuilt to full fp32 tensors by
+    DeepSpeed's ``zero_to_fp32`` (all in memory, as that tool does), read with the weights-only
+    unpickler; its config.json comes from ``config_dir`` (default: ``ds_dir``).
+    """
+    ds_dir = Path(ds_dir)
+    tag = tag or read_latest(ds_dir)
+    if tag is None:
+        raise CheckpointError(f"{ds_dir}: no 'latest' file; name the checkpoint with --tag")
+    folder = ds_dir / tag
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such checkpoint tag")
+    manifest_path = folder / MANIFEST_NAME
+    if manifest_path.is_file():
+        manifest = read_manifest(folder, MANIFEST_NAME)
+        if manifest.get("format") != TAGGED_FORMAT:
+            raise CheckpointError(f"{manifest_path}: format {manifest.get('format')!r} is not a DeepSpeed-shaped checkpoint")
+        problems = check_files(folder, manifest["files"], [name for name in manifest["files"] if name.startswith("model/")])
+        if problems:
+            raise CheckpointError(f"{folder}: damaged: " + "; ".join(problems))
+        source: Any = DcpModelSource(folder / "model", folder / "model" / HF_FILES)
+        header = {"name": "default", "step": {"tag": tag}, "converted_from": str(folder)}
+        return write_export(source, _new_output(out_dir), max_shard_size=max_shard_size, dtype=dtype, tokenizer=None,
+                            header=header, progress=progress)
+    from transformers import AutoConfig
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    config_dir = Path(config_dir) if config_dir is not None else ds_dir
+    if not (config_dir / "config.json").is_file():
+        raise CheckpointError(f"{config_dir / 'config.json'}: missing; DeepSpeed checkpoints hold no model "
+                              "config: pass --config with the model's HF folder")
+    config = AutoConfig.from_pretrained(config_dir, local_files_only=True)
+    logger.info("rebuilding full fp32 weights of %s with DeepSpeed's zero_to_fp32", folder)
+    with _weights_only_deepspeed_loads():
+        tensors = get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=tag)
+    header = {"name": "default", "step": {"tag": tag}, "converted_from": str(folder)}
+    return write_export(_StateDictSource(config, dict(tensors)), _new_output(out_dir), max_shard_size=max_shard_size,
+                        dtype=dtype, tokenizer=None, header=header, progress=progress)

@@ -4,7 +4,8 @@ For code that already calls ``engine.save_checkpoint(save_dir, tag, client_state
 call shape and semantics, with our guarantees. Layout::
 
     {save_dir}/latest                        the newest committed tag (one line of text)
-    {save_dir}/{tag}/model/...               DCP data files, dcp_metadata.json, engine_state.json
+    {save_dir}/{tag}/model/...               DCP data files, dcp_metadata.json, engine_state.json,
+                                             hf/config.json
     {save_dir}/{tag}/client_state/rank{r}.json   each rank's own client_state (JSON)
     {save_dir}/{tag}/areal_ckpt_manifest.json    sizes and CRC-32 of every file
 
@@ -27,8 +28,9 @@ from areal_ckpt.commit import publish, write_manifest
 from areal_ckpt.config import check_path_component
 from areal_ckpt.errors import CheckpointError, RankMismatchError
 from areal_ckpt.formats.dcp_io import save_tensors
+from areal_ckpt.formats.hf_export import write_config
 from areal_ckpt.fsio import FileRecord, fsync_dir, write_file_durably
-from areal_ckpt.layout import ENGINE_STATE_FILE, MANIFEST_NAME
+from areal_ckpt.layout import ENGINE_STATE_FILE, HF_FILES, MANIFEST_NAME
 from areal_ckpt.recover_read import load_engine, verify_checkpoint
 from areal_ckpt.state import safe_json
 
@@ -103,6 +105,8 @@ def save_checkpoint(
         if dist.rank() == 0:
             extra["optimizer_saved"] = not engine.is_frozen
             write_file_durably(staging / _MODEL / ENGINE_STATE_FILE, safe_json.dumps(extra))
+            (staging / _MODEL / HF_FILES).mkdir()  # what convert-deepspeed needs for config.json
+            write_config(engine, staging / _MODEL / HF_FILES, None)
     except Exception as failure:  # agreed below: every rank raises
         local_error = f"rank {dist.rank()}: {type(failure).__name__}: {failure}"
     outcomes = dist.all_gather_objects(local_error or records)

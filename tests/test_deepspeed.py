@@ -61,3 +61,51 @@ def test_zero3_export_gathers_piecewise_and_equals_the_single_process_export(fil
     for name in expected:
         assert torch.equal(expected[name], actual[name]), name
     assert len(list(multi.glob("model-*.safetensors"))) >= 2
+
+
+def deepspeed_checkpoints_worker(rank: int, world_size: int, root: str, stage: int) -> None:
+    """Train a step, then save with DeepSpeed's own engine.save_checkpoint and with ours."""
+    import deepspeed
+
+    engine = deepspeed_engine(trained_model("none"), stage=stage)
+    tokens = torch.arange(16).reshape(2, 8) % 48
+    engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+    engine.step()
+    engine.save_checkpoint(f"{root}/native")
+    ac.save_checkpoint(engine, f"{root}/ours")
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        expected = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        save_file(expected, f"{root}/expected.safetensors")
+        engine.module.config.save_pretrained(f"{root}/native")  # as an HF training script keeps it
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_convert_deepspeed_checkpoints_to_loadable_hf_folders(tmp_path, stage):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from areal_ckpt.cli import main
+
+    run_distributed(deepspeed_checkpoints_worker, WORLD, str(tmp_path), stage)
+    expected = load_file(tmp_path / "expected.safetensors")
+    for layout in ("native", "ours"):
+        out = tmp_path / f"hf-{layout}"
+        assert main(["convert-deepspeed", str(tmp_path / layout), str(out), "--max-shard-size", SHARD]) == 0
+        loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+        for name, parameter in loaded.named_parameters():
+            assert torch.equal(parameter, expected[name]), f"{layout}: {name}"
+    bf16 = tmp_path / "hf-bf16"
+    assert main(["convert-deepspeed", str(tmp_path / "native"), str(bf16), "--dtype", "bfloat16"]) == 0
+    assert AutoModelForCausalLM.from_pretrained(bf16, local_files_only=True).lm_head.weight.dtype == torch.bfloat16
+
+
+def test_convert_deepspeed_without_a_config_says_what_is_missing(tmp_path, capsys):
+    from areal_ckpt.cli import main
+
+    (tmp_path / "ds/global_step1").mkdir(parents=True)
+    (tmp_path / "ds/latest").write_text("global_step1")
+    assert main(["convert-deepspeed", str(tmp_path / "ds"), str(tmp_path / "out")]) == 2
+    assert "config.json: missing" in capsys.readouterr().err

@@ -16,6 +16,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import load_tensors, read_tensor_index
+from areal_ckpt.layout import ENGINE_STATE_FILE
+from areal_ckpt.state import safe_json
 from areal_ckpt.tensors import TensorSpec
 
 MODEL_PREFIX = "model."
@@ -44,20 +46,16 @@ class DcpModelSource:
             for name, value in read_tensor_index(folder).items()
             if name.startswith(MODEL_PREFIX)
         }
-        tied = self._tied_names()
+        if not self._index:
+            raise CheckpointError(f"{folder}: holds no model tensors")
+        self._shapes = {name: shape for name, (_, shape) in self._index.items()}
+        self._shapes.update({name: tuple(shape) for name, shape in _flat_shapes(folder).items() if name in self._index})
+        tied = tied_names(self.config)
         self._names = [name for name in self._index if name not in tied]
-
-    def _tied_names(self) -> set[str]:
-        """Tied duplicates (e.g. lm_head.weight) as the model class declares them; built on meta."""
-        if not getattr(self.config, "tie_word_embeddings", False):
-            return set()
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(self.config)
-        return set(getattr(model, "all_tied_weights_keys", None) or {})
 
     def export_specs(self) -> list[TensorSpec]:
         """Stored model tensors (full shapes), tied duplicates left out; local, reads metadata only."""
-        return [TensorSpec(name, self._index[name][1], self._index[name][0]) for name in self._names]
+        return [TensorSpec(name, self._shapes[name], self._index[name][0]) for name in self._names]
 
     def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
         """Read the tensors in ``keep`` among ``names`` from the shards (one DCP read); local."""
@@ -69,7 +67,29 @@ class DcpModelSource:
         }
         load_tensors(template, self.folder, optional_prefixes=_SKIP_WHEN_READING)
         for name in wanted:
-            yield name, template.pop(MODEL_PREFIX + name)
+            yield name, template.pop(MODEL_PREFIX + name).reshape(self._shapes[name])
+
+
+def tied_names(config: Any) -> set[str]:
+    """Tied duplicates (e.g. lm_head.weight) as the model class of ``config`` declares them;
+    the model is built on the meta device (no memory)."""
+    if not getattr(config, "tie_word_embeddings", False):
+        return set()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return set(getattr(model, "all_tied_weights_keys", None) or {})
+
+
+def _flat_shapes(folder: Path) -> dict[str, list[int]]:
+    """Real shapes of parameters stored flattened (DeepSpeed ZeRO-3 partitions), if any."""
+    path = folder / ENGINE_STATE_FILE
+    if not path.is_file():
+        return {}
+    try:
+        extra = safe_json.loads(path.read_bytes(), str(path))
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
+    return (extra.get("deepspeed") or {}).get("flat_shapes") or {}
 
 
 def load_tokenizer(hf_folder: Path) -> Any | None:
