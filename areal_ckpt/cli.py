@@ -67,7 +67,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ["world size", str(facts.get("world_size") or "-")],
         ["created", _when(facts.get("created_unix"))],
         ["size", f"{_size(facts['bytes'])} in {facts['files']} files"],
-        ["complete", "yes" if facts["complete"] else "NO"],
+        ["complete", {True: "yes", False: "NO", None: "unknown (no manifest)"}[facts["complete"]]],
     ]
     if facts["kind"] == "export":
         rows.insert(3, ["parameters", f"{facts['parameters']:,}"])

@@ -11,6 +11,7 @@ from areal_ckpt.commit import check_files, read_manifest
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.layout import MANIFEST_NAME, RECOVER_MANIFEST, parse_export_leaf, recover_pointer
 from areal_ckpt.recover_store import resolve_recovery
+from areal_ckpt.tagged import LATEST, TAGGED_FORMAT, read_latest
 
 _MAX_SAFETENSORS_HEADER = 100 << 20
 
@@ -33,13 +34,28 @@ def safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
+def deepspeed_folder(path: Path) -> Path | None:
+    """The DeepSpeed checkpoint tag folder ``path`` is or names (through ``latest``), if any:
+    ours (``save_checkpoint``) or DeepSpeed's own layout. Read-only."""
+    if (path / LATEST).is_file():
+        return path / read_latest(path)
+    if (path / MANIFEST_NAME).is_file():
+        try:
+            return path if read_manifest(path, MANIFEST_NAME).get("format") == TAGGED_FORMAT else None
+        except CheckpointError:
+            return None
+    return path if any(path.glob("*model_states.pt")) else None
+
+
 def kind_of(path: Path) -> str:
-    """``export``, ``recover`` or ``unknown`` for a folder; read-only."""
+    """``export``, ``recover``, ``deepspeed`` or ``unknown`` for a folder; read-only."""
     try:
         resolve_recovery(path)
         return "recover"
     except CheckpointError:
         pass
+    if deepspeed_folder(path) is not None:
+        return "deepspeed"
     if (path / MANIFEST_NAME).is_file() or any(path.glob("*.safetensors")):
         return "export"
     return "unknown"
@@ -56,7 +72,9 @@ def describe(path: Path) -> dict[str, Any]:
         return _describe_export(path)
     if kind == "recover":
         return _describe_recovery(path)
-    raise CheckpointError(f"{path}: neither an HF export nor a recovery checkpoint")
+    if kind == "deepspeed":
+        return _describe_deepspeed(deepspeed_folder(path))
+    raise CheckpointError(f"{path}: neither an HF export, a recovery checkpoint nor a DeepSpeed checkpoint")
 
 
 def _describe_export(path: Path) -> dict[str, Any]:
@@ -91,25 +109,41 @@ def _describe_export(path: Path) -> dict[str, Any]:
     }
 
 
-def _describe_recovery(path: Path) -> dict[str, Any]:
-    generation, _ = resolve_recovery(path)
-    manifest = read_manifest(generation, RECOVER_MANIFEST)
-    models = {}
-    for model in manifest.get("models", []):
-        metadata = json.loads((generation / model / "dcp_metadata.json").read_text())
-        weights = {k: v for k, v in metadata["tensors"].items() if k.startswith("model.")}
-        dtypes: dict[str, int] = {}
-        for entry in weights.values():
+def _model_facts(folder: Path, manifest: dict[str, Any], model: str) -> dict[str, Any]:
+    """Parameters, dtypes, optimizer presence and bytes of one DCP model folder."""
+    metadata = json.loads((folder / model / "dcp_metadata.json").read_text())
+    dtypes: dict[str, int] = {}
+    for name, entry in metadata["tensors"].items():
+        if name.startswith("model."):
             count = 1
             for dim in entry["size"]:
                 count *= dim
             dtypes[entry["dtype"]] = dtypes.get(entry["dtype"], 0) + count
-        models[model] = {
-            "parameters": sum(dtypes.values()),
-            "dtypes": dtypes,
-            "optimizer": any(k.startswith("optim.") for k in metadata["tensors"]),
-            "bytes": sum(e["size"] for f, e in manifest["files"].items() if f.startswith(f"{model}/")),
-        }
+    return {
+        "parameters": sum(dtypes.values()),
+        "dtypes": dtypes,
+        "optimizer": any(k.startswith("optim.") for k in metadata["tensors"]),
+        "bytes": sum(e["size"] for f, e in manifest["files"].items() if f.startswith(f"{model}/")),
+    }
+
+
+def _describe_deepspeed(folder: Path) -> dict[str, Any]:
+    files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
+    facts: dict[str, Any] = {"kind": "deepspeed", "path": str(folder), "step": {"tag": folder.name},
+                             "bytes": sum(files.values()), "files": len(files)}
+    if not (folder / MANIFEST_NAME).is_file():  # DeepSpeed's own layout: no manifest to go by
+        return {**facts, "layout": "deepspeed", "world_size": None, "created_unix": None, "models": {},
+                "complete": None}
+    manifest = read_manifest(folder, MANIFEST_NAME)
+    return {**facts, "layout": "areal_ckpt", "world_size": manifest.get("world_size"),
+            "created_unix": manifest.get("created_unix"), "models": {"model": _model_facts(folder, manifest, "model")},
+            "complete": all(name in files for name in manifest["files"])}
+
+
+def _describe_recovery(path: Path) -> dict[str, Any]:
+    generation, _ = resolve_recovery(path)
+    manifest = read_manifest(generation, RECOVER_MANIFEST)
+    models = {model: _model_facts(generation, manifest, model) for model in manifest.get("models", [])}
     return {
         "kind": "recover",
         "path": str(generation),
@@ -133,6 +167,10 @@ def verify(path: Path, progress: Callable[[Iterable[str]], Iterable[str]] = iter
         folder, manifest_name = path, MANIFEST_NAME
     elif kind == "recover":
         folder, manifest_name = resolve_recovery(path)[0], RECOVER_MANIFEST
+    elif kind == "deepspeed":
+        folder, manifest_name = deepspeed_folder(path), MANIFEST_NAME
+        if not (folder / manifest_name).is_file():
+            return [f"{folder}: DeepSpeed's own layout carries no checksums; nothing to verify it against"]
     else:
         return [f"{path}: not a checkpoint folder"]
     try:

@@ -99,3 +99,19 @@ def test_deepspeed_tags_latest_and_per_rank_client_state(tmp_path):
         assert entry["client_state"] == {"rank": rank, "noise": 0.5 + rank}  # each rank its own
         assert entry["mismatch"] == "refused" and entry["same"] and entry["global_steps"] == 4
         assert entry["entries"] == ["global_step3", "latest"]  # the refused save wrote nothing
+
+
+def test_cli_inspects_and_verifies_a_tagged_checkpoint(tmp_path, capsys):
+    from areal_ckpt.cli import main
+
+    setup = make_setup()
+    train_step(setup, 0)
+    ac.save_checkpoint(setup.engine, tmp_path, tag="step7")
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["kind"] == "deepspeed" and facts["path"] == str(tmp_path / "step7") and facts["complete"]
+    assert facts["models"]["model"]["optimizer"] and facts["world_size"] == 1
+    assert main(["verify", str(tmp_path)]) == 0
+    (tmp_path / "step7/client_state/rank0.json").write_text("{\"forged\": true}")
+    assert main(["verify", str(tmp_path)]) == 1
+    assert "client_state/rank0.json: size" in capsys.readouterr().out
