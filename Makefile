@@ -31,6 +31,7 @@ torture: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench.py --out docs/benchmarks.md
 	$(BIN)/python benchmarks/bench_async.py --out docs/benchmarks-async.md
+	$(BIN)/python benchmarks/bench_multirank.py --out docs/benchmarks-multirank.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -16,6 +16,7 @@ import gc
 import logging
 import os
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -123,6 +124,33 @@ def write_dcp_hf(model, folder: Path) -> None:
     fsync_tree(folder)
 
 
+_DEEPSPEED: dict[int, object] = {}  # id(model) -> its DeepSpeed engine (initialize once per model)
+
+
+def deepspeed_engine(model):
+    """A ZeRO-0 DeepSpeed engine around ``model`` (CPU, gloo, a world of one), built once."""
+    if id(model) not in _DEEPSPEED:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parent.parent / ".cache/torch_extensions"))
+        import deepspeed
+
+        if not torch.distributed.is_initialized():
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                          config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}})
+        _DEEPSPEED.clear()
+        _DEEPSPEED[id(model)] = engine
+    return _DEEPSPEED[id(model)]
+
+
+def write_deepspeed(model, folder: Path) -> None:
+    deepspeed_engine(model).save_checkpoint(str(folder))
+    fsync_tree(folder)
+
+
 def write_save_pretrained(model, folder: Path) -> None:
     model.save_pretrained(folder)
     fsync_tree(folder)
@@ -152,6 +180,7 @@ WRITERS: dict[str, Callable] = {
     "save_pretrained": write_save_pretrained,
     "areal_ckpt Saver export": write_saver,
     "areal_ckpt recover dump": write_recover,
+    "DeepSpeed save_checkpoint (fp32 only)": write_deepspeed,
 }
 
 
@@ -187,6 +216,10 @@ def read_saver_export(model, folder: Path) -> None:
     AutoModelForCausalLM.from_pretrained(export, dtype=model.dtype)
 
 
+def read_deepspeed(model, folder: Path) -> None:
+    deepspeed_engine(model).load_checkpoint(str(folder))
+
+
 def read_recover(model, folder: Path) -> None:
     config = ac.RecoverConfig(experiment_name="bench", trial_name="t", fileroot=str(folder), user="bench", mode="on")
     handler = ac.RecoverHandler(config, ac.FinetuneSpec(total_train_epochs=1, dataset_size=1, train_batch_size=1))
@@ -202,6 +235,7 @@ READERS: dict[str, tuple[str, Callable]] = {
     "from_pretrained (save_pretrained)": ("save_pretrained", read_from_pretrained),
     "from_pretrained (Saver export)": ("areal_ckpt Saver export", read_saver_export),
     "areal_ckpt recover load": ("areal_ckpt recover dump", read_recover),
+    "DeepSpeed load_checkpoint (fp32 only)": ("DeepSpeed save_checkpoint (fp32 only)", read_deepspeed),
 }
 
 TARGETS = [
@@ -220,12 +254,14 @@ def run(sizes: list[int], rounds: int, dtypes: list[torch.dtype], workdir: Path)
         for mib in sizes:
             model = model_of_size(mib, dtype)
             size = state_bytes(model)
-            write_times: dict[str, list[float]] = {name: [] for name in WRITERS}
-            read_times: dict[str, list[float]] = {name: [] for name in READERS}
+            writers = {n: w for n, w in WRITERS.items() if dtype == torch.float32 or "fp32 only" not in n}
+            readers = {n: r for n, r in READERS.items() if r[0] in writers}
+            write_times: dict[str, list[float]] = {name: [] for name in writers}
+            read_times: dict[str, list[float]] = {name: [] for name in readers}
             memory: dict[str, int] = {}
             for round_index in range(rounds):
                 folders = {}
-                for name, writer in WRITERS.items():
+                for name, writer in writers.items():
                     folder = Path(tempfile.mkdtemp(dir=workdir))
                     gc.collect()
                     with PeakRss() as rss:
@@ -235,7 +271,7 @@ def run(sizes: list[int], rounds: int, dtypes: list[torch.dtype], workdir: Path)
                     memory[name] = max(memory.get(name, 0), rss.extra)
                     evict(folder)
                     folders[name] = folder
-                for name, (source, reader) in READERS.items():
+                for name, (source, reader) in readers.items():
                     gc.collect()
                     start = time.perf_counter()
                     reader(model, folders[source])
@@ -291,7 +327,9 @@ def plot(results: list[dict], path: Path) -> None:
     for axis, kind in zip(axes, ("write", "read")):
         for name in results[0][kind]:
             for dtype in sorted({r["dtype"] for r in results}):
-                rows = [r for r in results if r["dtype"] == dtype]
+                rows = [r for r in results if r["dtype"] == dtype and name in r[kind]]
+                if not rows:
+                    continue
                 axis.plot([r["mib"] for r in rows], [r["bytes"] / r[kind][name] / 1e9 for r in rows], marker="o",
                           label=f"{name} ({dtype})")
         axis.set_xscale("log", base=2)
