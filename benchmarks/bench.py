@@ -131,6 +131,7 @@ def deepspeed_engine(model):
     """A ZeRO-0 DeepSpeed engine around ``model`` (CPU, gloo, a world of one), built once."""
     if id(model) not in _DEEPSPEED:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parent.parent / ".cache/torch_extensions"))
         import deepspeed
 
@@ -343,7 +344,7 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024], help="state sizes in MiB (fp32)")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096], help="state sizes in MiB (fp32)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workdir", default=None, help="where to write (default: a temp folder under ./runs)")
