@@ -149,7 +149,7 @@ class BackgroundWriter:
         """Block until the job in flight has finished; local. None when nothing was in flight.
 
         Raises CheckpointError with the writer's error when the job failed or the writer died;
-        the writer is then stopped (the next :meth:`start` makes a new one).
+        the writer is then stopped (the next :meth:`submit` starts a new one).
         """
         if not self._in_flight:
             return None
@@ -195,7 +195,7 @@ class BackgroundWriter:
         self.stop()
         return CheckpointError(
             f"{self.label}: background writer process {getattr(process, 'pid', '?')} died ({detail}); "
-            "the checkpoint it was writing was not committed, the previous one is intact"
+            "the save it was running did not finish: the last committed checkpoint is the one on disk"
         )
 
     def _drain_at_exit(self) -> None:

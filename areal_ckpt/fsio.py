@@ -73,7 +73,7 @@ class ChecksummedWriter:
         self.path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._size = 0
-        self._crc = RunningCrc()
+        self._crc = RunningCrc(max_pending=4)  # bounds what a streamed (freshly made) tensor keeps alive
 
     def write(self, data: memoryview | bytes) -> None:
         """Write all of ``data`` (looping over short writes); it is checksummed meanwhile on a

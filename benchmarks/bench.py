@@ -1,10 +1,12 @@
 """`make bench`: checkpoint write / read throughput against the disk's own limit, as ratios.
 
 Every method saves the same model-shaped state (a Qwen2 built from a config: many tensors of
-mixed sizes), durably (fsync), in interleaved rounds (A, B, C, A, B, C, ...) because disk speed
-on these machines swings by +-50%; medians are compared as ratios measured in the same run.
+mixed sizes), durably (fsync). Disk speed on these machines swings by +-50%, so each method
+runs right after a raw write (or cold raw read) of the same bytes and is measured against that
+pair (raw, A, raw, B, ...), the order rotating from round to round; medians over rounds.
 Before every cold read the files are evicted from the page cache with
-posix_fadvise(POSIX_FADV_DONTNEED) after an fsync.
+posix_fadvise(POSIX_FADV_DONTNEED) after an fsync. The raw row paired with itself shows how
+much the disk drifts between two identical writes.
 
     python benchmarks/bench.py --sizes 256 1024 --rounds 3 --out docs/benchmarks.md
 """
@@ -249,7 +251,25 @@ TARGETS = [
 ]
 
 
+RAW_WRITE, RAW_READ = "raw write+fsync", "raw read"
+
+
+def _rotated(names: list[str], round_index: int, rounds: int) -> list[str]:
+    """The order of one round: shifted each round so no method always runs at the same point."""
+    shift = (round_index * max(1, len(names) // rounds)) % len(names)
+    return names[shift:] + names[:shift]
+
+
+def _timed(function: Callable, *args: object) -> float:
+    gc.collect()
+    start = time.perf_counter()
+    function(*args)
+    return time.perf_counter() - start
+
+
 def run(sizes: list[int], rounds: int, dtypes: list[torch.dtype], workdir: Path) -> list[dict]:
+    """Every method, every size and dtype; each method's time is paired with a raw write (or
+    read) of the same bytes right before it, and its speed is taken relative to that pair."""
     results = []
     for dtype in dtypes:
         for mib in sizes:
@@ -257,58 +277,73 @@ def run(sizes: list[int], rounds: int, dtypes: list[torch.dtype], workdir: Path)
             size = state_bytes(model)
             writers = {n: w for n, w in WRITERS.items() if dtype == torch.float32 or "fp32 only" not in n}
             readers = {n: r for n, r in READERS.items() if r[0] in writers}
-            write_times: dict[str, list[float]] = {name: [] for name in writers}
-            read_times: dict[str, list[float]] = {name: [] for name in readers}
+            times: dict[str, list[float]] = {name: [] for name in [*writers, *readers]}
+            paired: dict[str, list[float]] = {name: [] for name in [*writers, *readers]}  # raw time / method time
             memory: dict[str, int] = {}
             for round_index in range(rounds):
+                raw = Path(tempfile.mkdtemp(dir=workdir))
                 folders = {}
-                for name, writer in writers.items():
+                for name in _rotated(list(writers), round_index, rounds):
+                    shutil.rmtree(raw)
+                    raw.mkdir()
+                    baseline = _timed(write_raw, model, raw)
+                    evict(raw)
                     folder = Path(tempfile.mkdtemp(dir=workdir))
-                    gc.collect()
                     with PeakRss() as rss:
-                        start = time.perf_counter()
-                        writer(model, folder)
-                        write_times[name].append(time.perf_counter() - start)
+                        seconds = _timed(writers[name], model, folder)
                     memory[name] = max(memory.get(name, 0), rss.extra)
                     evict(folder)
                     folders[name] = folder
-                for name, (source, reader) in readers.items():
-                    gc.collect()
-                    start = time.perf_counter()
-                    reader(model, folders[source])
-                    read_times[name].append(time.perf_counter() - start)
-                for folder in folders.values():
+                    times[name].append(seconds)
+                    paired[name].append(baseline / seconds)
+                for name in _rotated(list(readers), round_index, rounds):
+                    evict(raw)
+                    baseline = _timed(read_raw, model, raw)
+                    source, reader = readers[name]
+                    seconds = _timed(reader, model, folders[source])
+                    times[name].append(seconds)
+                    paired[name].append(baseline / seconds)
+                for folder in [raw, *folders.values()]:
                     shutil.rmtree(folder)
                 print(f"  {dtype} {mib} MiB: round {round_index + 1}/{rounds} done", file=sys.stderr, flush=True)
             results.append({
                 "dtype": str(dtype).removeprefix("torch."), "mib": mib, "bytes": size,
-                "write": {n: statistics.median(t) for n, t in write_times.items()},
-                "read": {n: statistics.median(t) for n, t in read_times.items()},
+                "write": {n: statistics.median(times[n]) for n in writers},
+                "read": {n: statistics.median(times[n]) for n in readers},
+                "paired": paired,
                 "memory": memory,
             })
             del model
     return results
 
 
+def _target_ratio(paired: dict[str, list[float]], numerator: str, denominator: str) -> float:
+    """Median over rounds of numerator's speed over denominator's, each relative to its raw pair."""
+    if denominator in (RAW_WRITE, RAW_READ):
+        return statistics.median(paired[numerator])
+    return statistics.median(n / d for n, d in zip(paired[numerator], paired[denominator]))
+
+
 def report(results: list[dict], machine: str) -> str:
-    lines = [f"Measured {time.strftime('%Y-%m-%d')} on {machine}; medians of interleaved rounds; "
-             "GB/s = 10^9 bytes per second of state; ratios against the row named.", ""]
+    lines = [f"Measured {time.strftime('%Y-%m-%d')} on {machine}; medians over rounds. Each method runs right "
+             "after a raw write (or cold raw read) of the same bytes, and 'x raw' is the median of those paired "
+             "ratios, so a disk that drifts during the run cancels out; the order of methods rotates each round. "
+             "GB/s = 10^9 bytes per second of state.", ""]
     for result in results:
         gbps = lambda seconds: result["bytes"] / seconds / 1e9  # noqa: E731
+        paired = result["paired"]
         lines += [f"### {result['dtype']}, {result['bytes'] / 2**20:.0f} MiB of state", "",
-                  "| write (durable) | seconds | GB/s | x raw write | peak extra RSS |", "| --- | --- | --- | --- | --- |"]
-        raw = result["write"]["raw write+fsync"]
+                  "| write (durable) | seconds | GB/s | x raw write (paired) | peak extra RSS |",
+                  "| --- | --- | --- | --- | --- |"]
         for name, seconds in result["write"].items():
-            lines.append(f"| {name} | {seconds:.2f} | {gbps(seconds):.2f} | {raw / seconds:.2f} | "
+            lines.append(f"| {name} | {seconds:.2f} | {gbps(seconds):.2f} | {statistics.median(paired[name]):.2f} | "
                          f"{result['memory'][name] / 2**20:.0f} MiB |")
-        lines += ["", "| read (cold cache) | seconds | GB/s | x raw read |", "| --- | --- | --- | --- |"]
-        raw = result["read"]["raw read"]
+        lines += ["", "| read (cold cache) | seconds | GB/s | x raw read (paired) |", "| --- | --- | --- | --- |"]
         for name, seconds in result["read"].items():
-            lines.append(f"| {name} | {seconds:.2f} | {gbps(seconds):.2f} | {raw / seconds:.2f} |")
+            lines.append(f"| {name} | {seconds:.2f} | {gbps(seconds):.2f} | {statistics.median(paired[name]):.2f} |")
         lines += ["", "| target | ratio | verdict |", "| --- | --- | --- |"]
-        timings = {**result["write"], **result["read"]}
         for label, numerator, denominator, minimum in TARGETS:
-            ratio = timings[denominator] / timings[numerator]
+            ratio = _target_ratio(paired, numerator, denominator)
             lines.append(f"| {label} | {ratio:.2f} | {'PASS' if ratio >= minimum else 'FAIL'} |")
         budget = 0.1 * result["bytes"] + 256 * 2**20
         extra = result["memory"]["areal_ckpt recover dump"]

@@ -42,3 +42,24 @@ def fileroot(tmp_path: Path) -> Path:
 @pytest.fixture(autouse=True)
 def _library_logs(caplog):
     caplog.set_level(logging.INFO, logger="areal_ckpt")
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory) -> Path:
+    """Output of the uninterrupted single-process recover_job run (sync dumps), shared by the
+    tests that compare a killed-and-resumed run with it."""
+    from recovery_runs import run_job
+
+    base = tmp_path_factory.mktemp("reference")
+    run_job(base / "root", base / "out")
+    return base / "out"
+
+
+@pytest.fixture(scope="session")
+def reference_run_fsdp2(tmp_path_factory) -> Path:
+    """Output of the uninterrupted 2-rank FSDP2 recover_job run (sync dumps)."""
+    from recovery_runs import run_job
+
+    base = tmp_path_factory.mktemp("reference-fsdp2")
+    run_job(base / "root", base / "out", world_size=2, wrap="fsdp2")
+    return base / "out"

@@ -106,36 +106,21 @@ def test_two_rank_fsdp2_async_export_equals_single_process_export(fileroot):
         assert (multi / name).read_bytes() == (single / name).read_bytes(), name
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """The uninterrupted run (synchronous dumps)."""
-    base = tmp_path_factory.mktemp("reference")
-    run_job(base / "root", base / "out")
-    return base / "out"
-
-
-def test_async_dumps_resume_bit_exactly_after_kills(reference, tmp_path):
+def test_async_dumps_resume_bit_exactly_after_kills(reference_run, tmp_path):
     # dumps after steps 1, 3, 5...; a kill right after dump() returns (step 5) lands while the
     # background write is in flight, so the resume may start from step 3 or from step 5
     root, out = tmp_path / "root", tmp_path / "out"
     for kill_at in (5, 8):
         assert run_job(root, out, extra=["--mode", "async", "--kill-at", str(kill_at)]) == [-9]
     run_job(root, out, extra=["--mode", "async"])
-    assert_same_run(reference, out, world_size=1)
+    assert_same_run(reference_run, out, world_size=1)
 
 
-@pytest.fixture(scope="module")
-def reference_fsdp2(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("reference-fsdp2")
-    run_job(base / "root", base / "out", world_size=2, wrap="fsdp2")
-    return base / "out"
-
-
-def test_async_fsdp2_dumps_resume_bit_exactly(reference_fsdp2, tmp_path):
+def test_async_fsdp2_dumps_resume_bit_exactly(reference_run_fsdp2, tmp_path):
     root, out = tmp_path / "root", tmp_path / "out"
     assert run_job(root, out, world_size=2, wrap="fsdp2", extra=["--mode", "async", "--kill-at", "4"]) == [-9, -9]
     run_job(root, out, world_size=2, wrap="fsdp2", extra=["--mode", "async"])
-    assert_same_run(reference_fsdp2, out, world_size=2)
+    assert_same_run(reference_run_fsdp2, out, world_size=2)
 
 
 def test_a_dead_writer_is_reported_and_the_next_dump_starts_a_new_one(fileroot):

@@ -14,21 +14,14 @@ pytestmark = pytest.mark.dist
 WORLD = 2  # 32 samples over 2 ranks, batch 4: 4 steps per epoch, dumps after steps 1, 3, 5, 7
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    base = tmp_path_factory.mktemp("reference-fsdp2")
-    run_job(base / "root", base / "out", world_size=WORLD, wrap="fsdp2")
-    return base / "out"
-
-
-def test_fsdp2_resume_after_kills_is_bit_exact(reference, tmp_path):
+def test_fsdp2_resume_after_kills_is_bit_exact(reference_run_fsdp2, tmp_path):
     root, out = tmp_path / "root", tmp_path / "out"
     # step 3 is the last step of epoch 0 (killed right after its dump), under real torchrun;
     # step 4 is one step past a dump (replayed after resume)
     assert run_job_torchrun(root, out, WORLD, "fsdp2", ["--kill-at", "3"]) != 0
     assert run_job(root, out, world_size=WORLD, wrap="fsdp2", extra=["--kill-at", "4"]) == [-9, -9]
     run_job(root, out, world_size=WORLD, wrap="fsdp2")
-    assert_same_run(reference, out, world_size=WORLD)
+    assert_same_run(reference_run_fsdp2, out, world_size=WORLD)
 
 
 def _pending_has(relative: str, skip: set[str]):
@@ -39,7 +32,7 @@ def _pending_has(relative: str, skip: set[str]):
     return ready
 
 
-def test_killing_either_rank_mid_dump_leaves_a_whole_checkpoint(reference, tmp_path):
+def test_killing_either_rank_mid_dump_leaves_a_whole_checkpoint(reference_run_fsdp2, tmp_path):
     root, out = tmp_path / "root", tmp_path / "out"
     trial = root / "checkpoints/tester/exp/bitexact"
     for relative, victim in [
@@ -53,4 +46,4 @@ def test_killing_either_rank_mid_dump_leaves_a_whole_checkpoint(reference, tmp_p
         committed = os.readlink(store / "current")
         assert (store / committed / "recover_info/areal_ckpt_manifest.json").is_file(), relative
     run_job(root, out, world_size=WORLD, wrap="fsdp2")
-    assert_same_run(reference, out, world_size=WORLD)
+    assert_same_run(reference_run_fsdp2, out, world_size=WORLD)

@@ -5,22 +5,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-
 from recovery_runs import assert_same_run, pending_generation, run_job, run_job_killed_when
 
 STEPS_PER_EPOCH = 8  # 32 samples, batch 4, one rank
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """The uninterrupted run."""
-    base = tmp_path_factory.mktemp("reference")
-    run_job(base / "root", base / "out")
-    return base / "out"
-
-
-def test_resume_after_kills_is_bit_exact(reference, tmp_path):
+def test_resume_after_kills_is_bit_exact(reference_run, tmp_path):
     # dumps every 2 steps (after steps 1, 3, 5, ...). Kill after step 5 (right after a dump,
     # mid-epoch), after step 6 (one step past a dump: step 6 is replayed), after step 7 (the
     # epoch's last step), then let the resumed run finish.
@@ -28,7 +18,7 @@ def test_resume_after_kills_is_bit_exact(reference, tmp_path):
     for kill_at in (5, 6, 7):
         assert run_job(root, out, extra=["--kill-at", str(kill_at)]) == [-9]
     run_job(root, out)
-    assert_same_run(reference, out, world_size=1)
+    assert_same_run(reference_run, out, world_size=1)
 
 
 def _in_generation(relative: str):
@@ -52,7 +42,7 @@ def debris(trial: Path) -> set[str]:
     return {p.name for p in store.iterdir()} if store.is_dir() else set()
 
 
-def test_kill_at_any_point_of_a_dump_leaves_a_whole_checkpoint(reference, tmp_path):
+def test_kill_at_any_point_of_a_dump_leaves_a_whole_checkpoint(reference_run, tmp_path):
     root, out = tmp_path / "root", tmp_path / "out"
     trial = root / "checkpoints/tester/exp/bitexact"
     for name, ready in KILL_POINTS.items():
@@ -61,5 +51,5 @@ def test_kill_at_any_point_of_a_dump_leaves_a_whole_checkpoint(reference, tmp_pa
         committed = os.readlink(trial / ".recover/current")
         assert (trial / ".recover" / committed / "recover_info/areal_ckpt_manifest.json").is_file(), name
     run_job(root, out)
-    assert_same_run(reference, out, world_size=1)
+    assert_same_run(reference_run, out, world_size=1)
     assert sorted(p.name for p in (trial / ".recover").iterdir()) == ["current", os.readlink(trial / ".recover/current")]

@@ -2,8 +2,8 @@
 
 The shard plan comes from ``huggingface_hub``'s splitter, so file names and the index are what
 ``save_pretrained`` would write. Files are dealt out to ranks round-robin; each rank writes its
-own files, so a multi-rank export is written in parallel and no rank ever holds more than one
-shard file's worth of gathered tensors.
+own files, so a multi-rank export is written in parallel, and each tensor goes to its file as
+soon as it is gathered: a rank holds one gathered tensor at a time, whatever the shard size.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 import torch
 from huggingface_hub.serialization import split_state_dict_into_shards_factory
 
+from areal_ckpt.errors import CollectiveError
 from areal_ckpt.fsio import FileRecord, write_file_durably
 from areal_ckpt.formats.safetensors_io import write_safetensors
 from areal_ckpt.tensors import TensorSpec, export_dtype_for
@@ -49,6 +50,7 @@ class ExportPlan:
     files: dict[str, list[str]]
     weight_map: dict[str, str]
     total_size: int
+    specs: dict[str, TensorSpec]  # every exported tensor as written (export dtype)
 
     @property
     def is_sharded(self) -> bool:
@@ -75,6 +77,7 @@ def plan_export(specs: Sequence[TensorSpec], max_shard_size: int, dtype: torch.d
         files={name: list(tensors) for name, tensors in split.filename_to_tensors.items()},
         weight_map=dict(split.tensor_to_filename),
         total_size=sum(spec.nbytes for spec in exported.values()),
+        specs=exported,
     )
 
 
@@ -94,7 +97,8 @@ def write_rank_shards(
     Collective when the source is sharded: every rank walks the files in rounds of
     ``world_size`` and takes part in gathering every tensor, so one rank's failed write never
     leaves the others waiting; the error is returned for the caller to agree on and raise.
-    Each file is fsync'd before this returns.
+    Each tensor is written as soon as it is gathered: a rank holds one gathered tensor at a
+    time, not a shard file's worth. Each file is fsync'd before this returns.
     """
     records: dict[str, FileRecord] = {}
     error: BaseException | None = None
@@ -104,16 +108,20 @@ def write_rank_shards(
         mine = {name for index, name in enumerate(round_files) if (start + index) % world_size == rank}
         for file_name in round_files:
             names = plan.files[file_name]
-            keep = set(names) if file_name in mine and error is None else set()
-            tensors = [
-                (name, _to_dtype(tensor, dtype)) for name, tensor in source.gather_full(names, keep)
-            ]
-            if not tensors:
-                continue
-            try:
-                records[file_name] = write_safetensors(folder / file_name, tensors)
-            except Exception as exc:  # reported to every rank by the caller
-                error = exc
+            writes = file_name in mine and error is None
+            gathered = source.gather_full(names, set(names) if writes else set())
+            if writes:
+                try:
+                    records[file_name] = write_safetensors(
+                        folder / file_name, [plan.specs[name] for name in names],
+                        ((name, _to_dtype(tensor, dtype)) for name, tensor in gathered),
+                    )
+                except CollectiveError:
+                    raise
+                except Exception as exc:  # reported to every rank by the caller
+                    error = exc
+            for _ in gathered:  # the rest of this file's gathers (all of them for others' files)
+                pass
     return records, error
 
 

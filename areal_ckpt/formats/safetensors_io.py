@@ -3,8 +3,9 @@
 The bytes follow the safetensors format exactly (8-byte little-endian header length, JSON
 header padded to 8 bytes, then raw little-endian tensor data) and load with the ``safetensors``
 library. We write the format ourselves rather than through ``safetensors.torch.save_file`` so
-that each tensor goes to disk straight from its own memory (no second copy of the shard), and
-the CRC-32 for the manifest is computed on the way out instead of by reading the file back.
+that each tensor goes to disk straight from its own memory as it arrives (no copy of the
+shard, and no need to hold it whole), and the CRC-32 for the manifest is computed on the way
+out instead of by reading the file back.
 """
 
 from __future__ import annotations
@@ -13,49 +14,61 @@ import json
 import struct
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
 from areal_ckpt.fsio import ChecksummedWriter, FileRecord
-from areal_ckpt.tensors import SAFETENSORS_DTYPES, tensor_bytes
+from areal_ckpt.tensors import SAFETENSORS_DTYPES, TensorSpec, tensor_bytes
 
 if sys.byteorder != "little":
     raise ImportError("areal_ckpt writes safetensors from memory and needs a little-endian host")
 
 
-def safetensors_header(tensors: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> bytes:
-    """The header (length prefix + padded JSON) for ``tensors`` laid out in the given order."""
+def safetensors_header(specs: Sequence[TensorSpec], metadata: dict[str, str]) -> bytes:
+    """The header (length prefix + padded JSON) for tensors ``specs`` laid out in that order."""
     entries: dict[str, object] = {"__metadata__": metadata}
     offset = 0
-    for name, tensor in tensors:
-        if tensor.dtype not in SAFETENSORS_DTYPES:
-            raise TypeError(f"tensor {name!r}: dtype {tensor.dtype} cannot be stored in safetensors")
-        size = tensor.numel() * tensor.element_size()
-        entries[name] = {
-            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + size],
+    for spec in specs:
+        if spec.dtype not in SAFETENSORS_DTYPES:
+            raise TypeError(f"tensor {spec.name!r}: dtype {spec.dtype} cannot be stored in safetensors")
+        entries[spec.name] = {
+            "dtype": SAFETENSORS_DTYPES[spec.dtype],
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + spec.nbytes],
         }
-        offset += size
+        offset += spec.nbytes
     body = json.dumps(entries, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)
     return struct.pack("<Q", len(body)) + body
 
 
 def write_safetensors(
-    path: Path, tensors: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None
+    path: Path,
+    specs: Sequence[TensorSpec],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    metadata: dict[str, str] | None = None,
 ) -> FileRecord:
-    """Write ``tensors`` (CPU) to ``path`` in safetensors format and fsync it; local, blocking.
+    """Write a safetensors file holding ``specs`` at ``path`` and fsync it; local, blocking.
 
-    Durable on return (the file; its directory entry is fsync'd at commit). On error the
-    partial file is left for the caller's staging folder to discard.
+    The header comes from ``specs``; the data from ``tensors`` (CPU), which must yield exactly
+    those names, shapes and dtypes in that order. It may be a generator: each tensor is written
+    as it arrives, so the whole file never has to be in memory. Durable on return (the file;
+    its directory entry is fsync'd at commit). On error the partial file is left for the
+    caller's staging folder to discard.
     """
     writer = ChecksummedWriter(path)
     try:
-        writer.write(safetensors_header(tensors, metadata or {"format": "pt"}))
-        for _, tensor in tensors:
+        writer.write(safetensors_header(specs, metadata or {"format": "pt"}))
+        count = 0
+        for (name, tensor), spec in zip(tensors, specs):
+            if name != spec.name or tuple(tensor.shape) != tuple(spec.shape) or tensor.dtype != spec.dtype:
+                raise ValueError(f"{path.name}: got {name} {tuple(tensor.shape)} {tensor.dtype} where the header "
+                                 f"says {spec.name} {tuple(spec.shape)} {spec.dtype}")
             writer.write(tensor_bytes(tensor))
+            count += 1
+        if count != len(specs):
+            raise ValueError(f"{path.name}: {count} tensors written, the header lists {len(specs)}")
     except BaseException:
         writer.abort()
         raise
