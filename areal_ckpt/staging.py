@@ -13,6 +13,7 @@ synchronized once; on CPU (no pinned memory) they are plain memory copies.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
@@ -50,10 +51,7 @@ class StagedTensor:
     @property
     def nbytes(self) -> int:
         """Bytes the tensor takes in the arena."""
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)

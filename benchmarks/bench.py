@@ -39,6 +39,16 @@ warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
 
 
+def machine_description() -> str:
+    """Cores and memory of this machine, for the report's first line."""
+    return f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM"
+
+
+def scratch_folder(prefix: str) -> Path:
+    """A new folder to write into: under ./runs (ignored by git) when it exists."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=Path("runs").absolute() if Path("runs").is_dir() else None))
+
+
 def model_of_size(mib: int, dtype: torch.dtype) -> Qwen2ForCausalLM:
     """A Qwen2 whose fp32 state is about ``mib`` MiB (hidden 1024, vocab 8192, as many layers as fit)."""
     hidden, inter, vocab = 1024, 2816, 8192
@@ -385,21 +395,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", default=None, help="where to write (default: a temp folder under ./runs)")
     parser.add_argument("--out", default=None, help="write the Markdown report (and a PNG beside it) here")
     args = parser.parse_args(argv)
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-", dir=Path("runs").absolute() if Path("runs").is_dir() else None))
+    workdir = Path(args.workdir) if args.workdir else scratch_folder("bench-")
     workdir.mkdir(parents=True, exist_ok=True)
     try:
         results = run(args.sizes, args.rounds, [getattr(torch, d) for d in args.dtypes], workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    machine = f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM"
-    text = report(results, machine)
+    text = report(results, machine_description())
     print(text)
     if args.out:
         out = Path(args.out)
         png = out.with_suffix(".png")
         plot(results, png)
         out.write_text(f"# Benchmarks\n\n![throughput against state size]({png.name})\n\n"
-                       f"Rerun: `make bench` (or `python benchmarks/bench.py --help`).\n\n{text}\n")
+                       f"Rerun: `make bench` (or `python benchmarks/bench.py --help`). Asynchronous saves: "
+                       f"[benchmarks-async.md](benchmarks-async.md); two ranks: "
+                       f"[benchmarks-multirank.md](benchmarks-multirank.md).\n\n{text}\n")
     return 0
 
 

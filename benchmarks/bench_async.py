@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import os
 import shutil
 import statistics
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 
 import areal_ckpt as ac
-from bench import model_of_size, state_bytes
+from bench import machine_description, model_of_size, scratch_folder, state_bytes
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
@@ -150,13 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None, help="write the Markdown report here")
     args = parser.parse_args(argv)
-    workdir = Path(tempfile.mkdtemp(prefix="bench-async-", dir=Path("runs").absolute() if Path("runs").is_dir() else None))
+    workdir = scratch_folder("bench-async-")
     try:
         results = run(args.sizes, args.rounds, getattr(torch, args.dtype), workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    machine = f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM"
-    text = report(results, machine, getattr(torch, args.dtype))
+    text = report(results, machine_description(), getattr(torch, args.dtype))
     print(text)
     if args.out:
         Path(args.out).write_text(f"# Benchmarks: asynchronous saves\n\nRerun: `make bench` (or "

@@ -30,7 +30,7 @@ import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
 import areal_ckpt as ac
-from bench import PeakRss, model_of_size, state_bytes
+from bench import PeakRss, machine_description, model_of_size, scratch_folder, state_bytes
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
@@ -144,13 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="alternations of the 1- and 2-rank runs")
     parser.add_argument("--out", default=None, help="write the Markdown report here")
     args = parser.parse_args(argv)
-    workdir = Path(tempfile.mkdtemp(prefix="bench-multirank-", dir=Path("runs").absolute() if Path("runs").is_dir() else None))
+    workdir = scratch_folder("bench-multirank-")
     try:
         result = run(args.size, args.rounds, args.repeats, workdir)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    machine = f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM"
-    text = report(result, machine)
+    text = report(result, machine_description())
     print(text)
     if args.out:
         Path(args.out).write_text(f"# Benchmarks: two ranks, one disk\n\nRerun: `make bench` (or "
