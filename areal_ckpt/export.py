@@ -127,8 +127,9 @@ def begin_export(
 
 
 def stage_export(source: ExportSource, target: ExportTarget, arena: StagingArena) -> StagedLayout:
-    """Copy the tensors of this rank's files of ``target`` into ``arena``; collective when the
-    source is sharded (every tensor is gathered in turn), local otherwise. Blocking."""
+    """Copy the tensors of this rank's files of ``target`` into ``arena``; collective (ranks
+    agree the arena could be allocated; a sharded source gathers every tensor in turn).
+    Blocking."""
     mine = target.plan.files_of_rank(dist.rank(), dist.world_size())
     specs = {spec.name: spec for spec in source.export_specs()}
     names = [name for file_name in mine for name in target.plan.files[file_name]]

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch.distributed.tensor import DeviceMesh, DTensor, Placement
 
+from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
 
 logger = logging.getLogger("areal_ckpt.staging")
@@ -125,11 +126,19 @@ class StagingArena:
     def stage(self, layout: StagedLayout, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy each ``(name, tensor)`` (CPU or CUDA, plain or DTensor) to its place in ``layout``.
 
-        Local, blocking: on return every copy has completed. ``tensors`` may be a generator
-        (e.g. gathering one full tensor at a time), so at most one source tensor needs to be
-        alive besides the arena.
+        Collective: every rank calls it, and all agree that their arenas could be allocated
+        before any copy (or gather, when ``tensors`` is a generator that gathers) starts; if
+        one could not, every rank raises CheckpointError. Blocking: on return every copy has
+        completed. As a generator, ``tensors`` needs at most one source tensor alive besides
+        the arena.
         """
-        self._ensure_capacity(layout.end)
+        problem = None
+        try:
+            self._ensure_capacity(layout.end)
+        except (CheckpointError, RuntimeError) as error:
+            problem = str(error)
+        if not dist.all_true(problem is None):
+            raise CheckpointError(problem or "staging failed on another rank (see its log)")
         for name, tensor in tensors:
             local = _local(tensor).detach()
             view(self.buffer, layout.tensors[name]).copy_(local, non_blocking=local.is_cuda)

@@ -73,8 +73,9 @@ def save_checkpoint(
 
     Collective: every rank calls it. ``tag`` defaults to ``global_step{N}`` (DeepSpeed's
     counter) and must be the same on every rank: a mismatch raises RankMismatchError on every
-    rank before anything is written. ``client_state`` must be JSON-like (dicts, lists, numbers,
-    strings; tensors are not allowed). With ``exclude_frozen_parameters`` parameters that do
+    rank before anything is written. ``client_state`` must be what JSON state can hold (dicts,
+    lists, numbers, strings, small tensors and numpy arrays; no other objects: nothing is
+    pickled). With ``exclude_frozen_parameters`` parameters that do
     not require grad are left out. Durable on return, then ``latest`` names ``tag`` (when
     ``save_latest``). Returns True; on failure raises on every rank, leaving earlier tags and
     ``latest`` as they were.
@@ -93,15 +94,13 @@ def save_checkpoint(
         raise CheckpointError(f"{staging}: cannot prepare the checkpoint folder: {error}")
     records: dict[str, tuple[int, int]] = {}
     local_error = None
-    try:
+    try:  # local work first: every rank must know it went well before the collective write
         tensors, extra = engine.recover_state(include_optimizer=True)
         if exclude_frozen_parameters:
             frozen = {f"model.{name}" for name, p in engine.module.named_parameters() if not p.requires_grad}
             tensors = {name: value for name, value in tensors.items() if name not in frozen}
         record = write_file_durably(staging / _CLIENT / f"rank{dist.rank()}.json", safe_json.dumps(dict(client_state or {})))
         records[f"{_CLIENT}/rank{dist.rank()}.json"] = (record.size, record.crc32)
-        for name, record in save_tensors(tensors, staging / _MODEL).items():
-            records[f"{_MODEL}/{name}"] = (record.size, record.crc32)
         if dist.rank() == 0:
             extra["optimizer_saved"] = not engine.is_frozen
             write_file_durably(staging / _MODEL / ENGINE_STATE_FILE, safe_json.dumps(extra))
@@ -109,6 +108,14 @@ def save_checkpoint(
             write_config(engine, staging / _MODEL / HF_FILES, None)
     except Exception as failure:  # agreed below: every rank raises
         local_error = f"rank {dist.rank()}: {type(failure).__name__}: {failure}"
+    if dist.all_true(local_error is None):
+        try:  # collective: DCP reports a failed write on every rank
+            for name, record in save_tensors(tensors, staging / _MODEL).items():
+                records[f"{_MODEL}/{name}"] = (record.size, record.crc32)
+        except CheckpointError as failure:
+            local_error = f"rank {dist.rank()}: {failure}"
+    elif local_error is None:
+        local_error = f"rank {dist.rank()}: stopped, another rank failed"
     outcomes = dist.all_gather_objects(local_error or records)
     result = _commit(root, tag, staging, final, outcomes, save_latest) if dist.rank() == 0 else None
     result = dist.broadcast_object(result, src=0)

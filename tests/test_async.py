@@ -148,3 +148,24 @@ def test_a_dead_writer_is_reported_and_the_next_dump_starts_a_new_one(fileroot):
     assert info.last_step_info.global_step == 2
     for name, tensor in setup.model.state_dict().items():
         assert torch.equal(tensor, resumed.model.state_dict()[name]), name
+
+
+def staging_agreement_worker(rank: int, world_size: int, report: str) -> None:
+    from areal_ckpt.staging import layout_of_specs, shared_memory_free
+
+    # rank 1 asks for more shared memory than /dev/shm has: a real refusal, before any copy
+    too_big = (shared_memory_free() or 0) + 2**30
+    size = 1024 if rank == 0 else too_big
+    layout = layout_of_specs([("t", torch.uint8, (size,))])
+    try:
+        StagingArena().stage(layout, iter([]))
+        outcome = "staged"
+    except ac.CheckpointError as error:
+        outcome = str(error)
+    Path(f"{report}.{rank}").write_text(outcome)
+
+
+def test_a_rank_that_cannot_stage_stops_every_rank_before_any_copy(tmp_path):
+    run_distributed(staging_agreement_worker, 2, str(tmp_path / "report"))
+    assert "staging failed on another rank" in (tmp_path / "report.0").read_text()
+    assert "/dev/shm: staging an asynchronous save needs" in (tmp_path / "report.1").read_text()

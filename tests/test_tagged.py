@@ -115,3 +115,12 @@ def test_cli_inspects_and_verifies_a_tagged_checkpoint(tmp_path, capsys):
     (tmp_path / "step7/client_state/rank0.json").write_text("{\"forged\": true}")
     assert main(["verify", str(tmp_path)]) == 1
     assert "client_state/rank0.json: size" in capsys.readouterr().out
+
+
+def test_a_client_state_that_cannot_be_stored_safely_is_refused_and_nothing_is_written(tmp_path):
+    setup = make_setup()
+    ac.save_checkpoint(setup.engine, tmp_path, tag="good", client_state={"baseline": torch.zeros(2)})
+    with pytest.raises(ac.CheckpointError, match=r"checkpoint not saved: rank 0: .*client_state|state_dict\(\) values"):
+        ac.save_checkpoint(setup.engine, tmp_path, tag="bad", client_state={"sampler": object()})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good", "latest"]
+    assert (tmp_path / "latest").read_text().strip() == "good"
