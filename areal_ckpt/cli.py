@@ -125,6 +125,13 @@ def cmd_convert_deepspeed(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_output_options(command: argparse.ArgumentParser) -> None:
+    """The HF output folder and how it is written, shared by the converting commands."""
+    command.add_argument("out_dir", help="new folder to create")
+    command.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="exported floating-point dtype")
+    command.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="areal-ckpt", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
@@ -146,20 +153,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = commands.add_parser("export", help="recovery checkpoint (DCP) -> HuggingFace folder")
     export.add_argument("recover_dir", help="trial folder, recover_info, or {name}/recover_checkpoint")
-    export.add_argument("out_dir", help="new folder to create")
+    _add_output_options(export)
     export.add_argument("--name", help="model to export when the checkpoint holds several")
-    export.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="exported floating-point dtype")
-    export.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     export.set_defaults(run=cmd_export)
 
     convert = commands.add_parser("convert-deepspeed", help="DeepSpeed ZeRO checkpoint -> HuggingFace folder")
     convert.add_argument("ds_dir", help="folder holding 'latest' and tag folders (ours or DeepSpeed's own)")
-    convert.add_argument("out_dir", help="new folder to create")
+    _add_output_options(convert)
     convert.add_argument("--tag", help="checkpoint tag (default: what 'latest' names)")
     convert.add_argument("--config", help="folder with the model's config.json, for DeepSpeed's own layout "
                                           "(default: DS_DIR)")
-    convert.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="exported floating-point dtype")
-    convert.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     convert.set_defaults(run=cmd_convert_deepspeed)
     return parser
 
