@@ -17,6 +17,7 @@ half-written one is debris that the next start removes.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import logging
 import multiprocessing
@@ -27,10 +28,11 @@ import socket
 import sys
 import time
 import traceback
+import types
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 
 import torch
 
@@ -119,7 +121,8 @@ class BackgroundWriter:
             name=f"areal_ckpt-writer-{self.label}-rank{dist.rank()}",
             daemon=True,
         )
-        self._process.start()
+        with _without_main_module():
+            self._process.start()
         child_end.close()
         self._conn = parent_end
         self._sent_buffer = None
@@ -207,6 +210,22 @@ class BackgroundWriter:
         except CheckpointError as error:
             logger.error("%s: %s", self.label, error)
         self.stop()
+
+
+@contextlib.contextmanager
+def _without_main_module() -> Iterator[None]:
+    """Start a spawned child without re-running the training script in it.
+
+    A spawned child normally imports the parent's ``__main__`` module again (as ``__mp_main__``),
+    so a writer would pay for every import of the user's script (transformers, datasets, ...)
+    and run its top-level code. The writer needs none of it: its target lives in this package.
+    """
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 def _free_port() -> int:

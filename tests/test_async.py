@@ -5,6 +5,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -81,6 +83,35 @@ def test_async_exports_are_the_sync_exports_and_keep_retention(tmp_path, make_mo
             assert (async_path / name).read_bytes() == (sync_path / name).read_bytes(), name
     assert all(bool((t == 3.0).all()) for t in read_export_tensors(async_path).values())
     assert not [p for p in async_path.parent.iterdir() if p.name.startswith(".")]  # no staging left
+
+
+TRAINING_SCRIPT = """
+import sys
+from pathlib import Path
+
+MARKER = Path(sys.argv[1])
+with MARKER.open("a") as marker:  # top-level code: runs once per import of this script
+    marker.write(__name__ + "\\n")
+
+if __name__ == "__main__":
+    import areal_ckpt as ac
+    from areal_ckpt.demo.tiny import build_model
+
+    saver = ac.Saver(ac.SaverConfig(experiment_name="exp", trial_name="trial", fileroot=sys.argv[2],
+                                    user="tester", mode="async"),
+                     ac.FinetuneSpec(total_train_epochs=1, dataset_size=4, train_batch_size=2))
+    saver.save(ac.TorchEngine(build_model(64)), 0, 1, 1, force=True)
+    saver.finalize()
+"""
+
+
+def test_the_background_writer_does_not_run_the_training_script_again(tmp_path):
+    script, marker = tmp_path / "train.py", tmp_path / "imports.txt"
+    script.write_text(TRAINING_SCRIPT)
+    subprocess.run([sys.executable, str(script), str(marker), str(tmp_path / "root")], check=True, timeout=300)
+    exports = list((tmp_path / "root/checkpoints/tester/exp/trial/default").iterdir())
+    assert [p.name for p in exports] == ["epoch0epochstep1globalstep1"]
+    assert marker.read_text().splitlines() == ["__main__"]  # a spawned child would add "__mp_main__"
 
 
 def async_fsdp2_export_worker(rank: int, world_size: int, fileroot: str) -> None:
