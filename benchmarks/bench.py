@@ -2,11 +2,12 @@
 
 Every method saves the same model-shaped state (a Qwen2 built from a config: many tensors of
 mixed sizes), durably (fsync). Disk speed on these machines swings by +-50%, so each method
-runs right after a raw write (or cold raw read) of the same bytes and is measured against that
-pair (raw, A, raw, B, ...), the order rotating from round to round; medians over rounds.
-Before every cold read the files are evicted from the page cache with
-posix_fadvise(POSIX_FADV_DONTNEED) after an fsync. The raw row paired with itself shows how
-much the disk drifts between two identical writes.
+runs right after a raw write of the same bytes and is measured against that pair (raw, A, raw,
+B, ...), the order rotating from round to round; medians over rounds. Reads are paired the same
+way: the method's files and the raw file written just before them are evicted from the page
+cache (posix_fadvise(POSIX_FADV_DONTNEED) after an fsync) and read back to back, the order
+alternating between rounds. The raw row paired with itself shows how much the disk drifts
+between two identical writes or reads.
 
     python benchmarks/bench.py --sizes 256 1024 --rounds 3 --out docs/benchmarks.md
 """
@@ -277,9 +278,19 @@ def _timed(function: Callable, *args: object) -> float:
     return time.perf_counter() - start
 
 
+def _timed_pair(first: tuple[Callable, Path], second: tuple[Callable, Path], model: torch.nn.Module) -> tuple[float, float]:
+    """Both reads timed, in the order given; both folders are evicted from the page cache first."""
+    for _, folder in (first, second):
+        evict(folder)
+    return _timed(first[0], model, first[1]), _timed(second[0], model, second[1])
+
+
 def run(sizes: list[int], rounds: int, dtypes: list[torch.dtype], workdir: Path) -> list[dict]:
-    """Every method, every size and dtype; each method's time is paired with a raw write (or
-    read) of the same bytes right before it, and its speed is taken relative to that pair."""
+    """Every method, every size and dtype. Each method writes right after a raw write of the same
+    bytes; then both files are evicted and read back, raw first in even rounds and the method
+    first in odd ones. Its speed is taken relative to that raw pair: both files have the same
+    history (written, evicted, read back to back), which matters on a VM whose host caches the
+    disk blocks touched last."""
     results = []
     for dtype in dtypes:
         for mib in sizes:
@@ -291,29 +302,25 @@ def run(sizes: list[int], rounds: int, dtypes: list[torch.dtype], workdir: Path)
             paired: dict[str, list[float]] = {name: [] for name in [*writers, *readers]}  # raw time / method time
             memory: dict[str, int] = {}
             for round_index in range(rounds):
-                raw = Path(tempfile.mkdtemp(dir=workdir))
-                folders = {}
                 for name in _rotated(list(writers), round_index, rounds):
-                    shutil.rmtree(raw)
-                    raw.mkdir()
+                    raw, folder = Path(tempfile.mkdtemp(dir=workdir)), Path(tempfile.mkdtemp(dir=workdir))
                     baseline = _timed(write_raw, model, raw)
                     evict(raw)
-                    folder = Path(tempfile.mkdtemp(dir=workdir))
                     with PeakRss() as rss:
                         seconds = _timed(writers[name], model, folder)
                     memory[name] = max(memory.get(name, 0), rss.extra)
-                    evict(folder)
-                    folders[name] = folder
                     times[name].append(seconds)
                     paired[name].append(baseline / seconds)
-                for name in _rotated(list(readers), round_index, rounds):
-                    evict(raw)
-                    baseline = _timed(read_raw, model, raw)
-                    source, reader = readers[name]
-                    seconds = _timed(reader, model, folders[source])
-                    times[name].append(seconds)
-                    paired[name].append(baseline / seconds)
-                for folder in [raw, *folders.values()]:
+                    for reader_name, (source, reader) in readers.items():
+                        if source != name:
+                            continue
+                        if round_index % 2 == 0:
+                            baseline, seconds = _timed_pair((read_raw, raw), (reader, folder), model)
+                        else:
+                            seconds, baseline = _timed_pair((reader, folder), (read_raw, raw), model)
+                        times[reader_name].append(seconds)
+                        paired[reader_name].append(baseline / seconds)
+                    shutil.rmtree(raw)
                     shutil.rmtree(folder)
                 print(f"  {dtype} {mib} MiB: round {round_index + 1}/{rounds} done", file=sys.stderr, flush=True)
             results.append({
@@ -338,6 +345,8 @@ def report(results: list[dict], machine: str) -> str:
     lines = [f"Measured {time.strftime('%Y-%m-%d')} on {machine}; medians over rounds. Each method runs right "
              "after a raw write (or cold raw read) of the same bytes, and 'x raw' is the median of those paired "
              "ratios, so a disk that drifts during the run cancels out; the order of methods rotates each round. "
+             "A read is paired with a cold read of the raw file written just before the method's files (both "
+             "evicted, read back to back, which one first alternating by round). "
              "GB/s = 10^9 bytes per second of state.", ""]
     for result in results:
         gbps = lambda seconds: result["bytes"] / seconds / 1e9  # noqa: E731

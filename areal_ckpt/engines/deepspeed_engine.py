@@ -26,6 +26,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 
 from areal_ckpt import dist
 from areal_ckpt.engines.torch_engine import MODEL_PREFIX, OPTIM_PREFIX, TorchEngine, unwrap_model
+from areal_ckpt.fsio import crc32
 from areal_ckpt.tensors import TensorSpec
 
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
@@ -279,11 +280,9 @@ class DeepSpeedEngine:
         """CRC-32 of each of this rank's weight tensors (partitions under ZeRO-3); local."""
         if self.stage < 3:
             return self._torch.fingerprint()
-        import zlib
-
         digest = []
         for parameter in self.module.parameters():
             local = parameter.ds_tensor if hasattr(parameter, "ds_tensor") else parameter
             flat = local.detach().cpu().contiguous().reshape(-1)
-            digest.append(zlib.crc32(flat.view(torch.uint8).numpy() if flat.numel() else b""))
+            digest.append(crc32(flat.view(torch.uint8).numpy() if flat.numel() else b""))
         return digest

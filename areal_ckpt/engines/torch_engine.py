@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import zlib
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -18,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from areal_ckpt.fsio import crc32
 from areal_ckpt.tensors import TensorSpec
 
 MODEL_PREFIX = "model."
@@ -252,5 +252,5 @@ class TorchEngine:
             local = value.to_local() if isinstance(value, DTensor) else value
             flat = local.detach().cpu().contiguous().reshape(-1)
             data = flat.view(torch.uint8).numpy() if flat.numel() else b""
-            digest.append(zlib.crc32(data))
+            digest.append(crc32(data))
         return digest
