@@ -79,11 +79,10 @@ class _StateDictSource:
         """Every tensor's name, shape and dtype."""
         return [TensorSpec(name, tuple(t.shape), t.dtype) for name, t in self.tensors.items()]
 
-    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The kept tensors; local, no copy."""
+    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Each name with its tensor (None when not in ``keep``); local, no copy."""
         for name in names:
-            if name in keep:
-                yield name, self.tensors[name]
+            yield name, self.tensors[name] if name in keep else None
 
 
 @contextlib.contextmanager

@@ -66,11 +66,10 @@ class StagedExportSource:
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors
 
-    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield the kept names' tensors; local, no copy."""
+    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Yield each name with its tensor (None when not in ``keep``); local, no copy."""
         for name in names:
-            if name in keep:
-                yield name, self.tensors[name]
+            yield name, self.tensors[name] if name in keep else None
 
 
 def write_export(
@@ -135,7 +134,8 @@ def stage_export(source: ExportSource, target: ExportTarget, arena: StagingArena
     names = [name for file_name in mine for name in target.plan.files[file_name]]
     layout = layout_of_specs((name, specs[name].dtype, specs[name].shape) for name in names)
     ordered = [name for file_name in target.plan.files for name in target.plan.files[file_name]]
-    arena.stage(layout, source.gather_full(ordered, set(names)))
+    gathered = source.gather_full(ordered, set(names))
+    arena.stage(layout, ((name, tensor) for name, tensor in gathered if tensor is not None))
     return layout
 
 

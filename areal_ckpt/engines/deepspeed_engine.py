@@ -103,11 +103,11 @@ class DeepSpeedEngine:
             specs.append(TensorSpec(spec.name, shape, spec.dtype))
         return specs
 
-    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(name, full CPU tensor)`` for each name in ``names`` that is in ``keep``.
+    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Yield ``(name, full CPU tensor)`` for each of ``names``; None for names not in ``keep``.
 
-        Collective under ZeRO-3 (every rank walks the same ``names``; one parameter is gathered
-        at a time); local, and without copies of CPU tensors, under ZeRO 0-2.
+        Collective under ZeRO-3 (every rank walks the same ``names`` in order; one parameter is
+        gathered per item); local, and without copies of CPU tensors, under ZeRO 0-2.
         """
         if self.stage < 3:
             yield from self._torch.gather_full(names, keep)
@@ -119,13 +119,11 @@ class DeepSpeedEngine:
         for name in names:
             parameter = parameters.get(name)
             if parameter is None or not hasattr(parameter, "ds_tensor"):
-                if name in keep:
-                    yield name, state[name].detach().cpu()
+                yield name, state[name].detach().cpu() if name in keep else None
                 continue
             with deepspeed.zero.GatheredParameters([parameter]):
                 full = parameter.data.detach().to("cpu", copy=True) if name in keep else None
-            if full is not None:
-                yield name, full
+            yield name, full
 
     # -- recovery ---------------------------------------------------------------------------
 

@@ -111,20 +111,22 @@ class TorchEngine:
             for name, tensor in self._export_state().items()
         ]
 
-    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(name, full CPU tensor)`` for each name in ``names`` that is in ``keep``.
+    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Yield ``(name, full CPU tensor)`` for each of ``names``; the tensor is None for names
+        not in ``keep``.
 
-        Collective when :attr:`is_sharded`: every rank must iterate the same ``names`` to the
-        end (each DTensor is all-gathered; ranks that do not keep it drop it at once). Local
-        otherwise, and then no tensor is copied unless it lives off the CPU.
+        Collective when :attr:`is_sharded`: every rank must iterate the same ``names`` in the
+        same order (each DTensor is all-gathered, one per item; ranks that do not keep it drop
+        it at once). Local otherwise, and then no tensor is copied unless it lives off the CPU.
         """
         state = self._export_state()
         for name in names:
             tensor = state[name]
             if isinstance(tensor, DTensor):
                 tensor = tensor.full_tensor()
-            if name in keep:
-                yield name, tensor.detach().cpu()
+            kept = tensor.detach().cpu() if name in keep else None
+            del tensor  # a dropped gathered tensor is freed now, not when the caller asks for the next
+            yield name, kept
 
     # -- recovery: full training state through DCP ------------------------------------------
 

@@ -57,17 +57,17 @@ class DcpModelSource:
         """Stored model tensors (full shapes), tied duplicates left out; local, reads metadata only."""
         return [TensorSpec(name, self._shapes[name], self._index[name][0]) for name in self._names]
 
-    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Read the tensors in ``keep`` among ``names`` from the shards (one DCP read); local."""
+    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Each name with its tensor read from the shards (one DCP read for all of ``keep``),
+        None for names not in ``keep``; local."""
         wanted = [name for name in names if name in keep]
-        if not wanted:
-            return
         template = {
             MODEL_PREFIX + name: torch.empty(self._index[name][1], dtype=self._index[name][0]) for name in wanted
         }
-        load_tensors(template, self.folder, optional_prefixes=_SKIP_WHEN_READING)
-        for name in wanted:
-            yield name, template.pop(MODEL_PREFIX + name).reshape(self._shapes[name])
+        if wanted:
+            load_tensors(template, self.folder, optional_prefixes=_SKIP_WHEN_READING)
+        for name in names:
+            yield name, template.pop(MODEL_PREFIX + name).reshape(self._shapes[name]) if name in keep else None
 
 
 def tied_names(config: Any) -> set[str]:

@@ -9,6 +9,7 @@ soon as it is gathered: a rank holds one gathered tensor at a time, whatever the
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +28,15 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 class TensorSource(Protocol):
-    """Full tensors by name, the way shard files are written from them."""
+    """Full tensors by name, the way shard files are written from them.
 
-    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor]]: ...
+    ``gather_full(names, keep)`` yields one ``(name, tensor)`` per name, in order: the full CPU
+    tensor for names in ``keep``, None for the others. One item per name (gathered or not) lets
+    a caller advance several calls in lockstep on every rank: a sharded source's gathers are
+    collective, so every rank must make them in the same order.
+    """
+
+    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor | None]]: ...
 
 
 class ExportSource(TensorSource, Protocol):
@@ -95,34 +102,48 @@ def write_rank_shards(
     ``progress`` wraps the iteration over rounds of files (e.g. a tqdm bar in the CLI).
 
     Collective when the source is sharded: every rank walks the files in rounds of
-    ``world_size`` and takes part in gathering every tensor, so one rank's failed write never
-    leaves the others waiting; the error is returned for the caller to agree on and raise.
-    Each tensor is written as soon as it is gathered: a rank holds one gathered tensor at a
-    time, not a shard file's worth. Each file is fsync'd before this returns.
+    ``world_size`` (one file per rank) and takes part in gathering every tensor, so one rank's
+    failed write never leaves the others waiting; the error is returned for the caller to agree
+    on and raise. Within a round the files advance in lockstep, one tensor of each at a time, so
+    all ranks write at once, each the tensor it has just received: a rank holds one gathered
+    tensor at a time, not a shard file's worth. Each file is fsync'd before this returns.
     """
     records: dict[str, FileRecord] = {}
     error: BaseException | None = None
     file_names = list(plan.files)
     for start in progress(range(0, len(file_names), world_size)):
         round_files = file_names[start : start + world_size]
-        mine = {name for index, name in enumerate(round_files) if (start + index) % world_size == rank}
-        for file_name in round_files:
-            names = plan.files[file_name]
-            writes = file_name in mine and error is None
-            gathered = source.gather_full(names, set(names) if writes else set())
-            if writes:
-                try:
-                    records[file_name] = write_safetensors(
-                        folder / file_name, [plan.specs[name] for name in names],
-                        ((name, _to_dtype(tensor, dtype)) for name, tensor in gathered),
-                    )
-                except CollectiveError:
-                    raise
-                except Exception as exc:  # reported to every rank by the caller
-                    error = exc
-            for _ in gathered:  # the rest of this file's gathers (all of them for others' files)
-                pass
+        mine = rank if rank < len(round_files) else None
+        streams = [
+            source.gather_full(plan.files[name], set(plan.files[name]) if index == mine and error is None else set())
+            for index, name in enumerate(round_files)
+        ]
+        tensors = _in_lockstep(streams, mine)
+        if mine is not None and error is None:
+            file_name = round_files[mine]
+            try:
+                records[file_name] = write_safetensors(
+                    folder / file_name, [plan.specs[name] for name in plan.files[file_name]],
+                    ((name, _to_dtype(tensor, dtype)) for name, tensor in tensors),
+                )
+            except CollectiveError:
+                raise
+            except Exception as exc:  # reported to every rank by the caller
+                error = exc
+        for _ in tensors:  # the rest of the round's gathers (all of them when this rank writes none)
+            pass
     return records, error
+
+
+def _in_lockstep(
+    streams: list[Iterator[tuple[str, torch.Tensor | None]]], mine: int | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Advance every stream by one item per step, in list order (the same on every rank), and
+    yield the items of stream ``mine``; streams that run out early are skipped."""
+    for items in itertools.zip_longest(*streams):
+        item = items[mine] if mine is not None else None
+        if item is not None:
+            yield item
 
 
 def _to_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
