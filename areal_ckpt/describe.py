@@ -16,7 +16,7 @@ from areal_ckpt.tagged import LATEST, TAGGED_FORMAT, read_latest
 _MAX_SAFETENSORS_HEADER = 100 << 20
 
 
-def safetensors_header(path: Path) -> dict[str, Any]:
+def read_safetensors_header(path: Path) -> dict[str, Any]:
     """The JSON header of a safetensors file; CheckpointError on an absurd or malformed header."""
     with open(path, "rb") as handle:
         prefix = handle.read(8)
@@ -84,7 +84,7 @@ def _describe_export(path: Path) -> dict[str, Any]:
     dtypes: dict[str, int] = {}
     parameters = 0
     for shard in sorted(path.glob("*.safetensors")):
-        for name, entry in safetensors_header(shard).items():
+        for name, entry in read_safetensors_header(shard).items():
             if name == "__metadata__":
                 continue
             count = 1

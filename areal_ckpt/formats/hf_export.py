@@ -3,7 +3,8 @@
 The shard plan comes from ``huggingface_hub``'s splitter, so file names and the index are what
 ``save_pretrained`` would write. Files are dealt out to ranks round-robin; each rank writes its
 own files, so a multi-rank export is written in parallel, and each tensor goes to its file as
-soon as it is gathered: a rank holds one gathered tensor at a time, whatever the shard size.
+soon as it is gathered: a rank holds at most two gathered tensors at a time (the one it writes
+and, when sharded, the one being gathered for a peer), whatever the shard size.
 """
 
 from __future__ import annotations
@@ -105,8 +106,8 @@ def write_rank_shards(
     ``world_size`` (one file per rank) and takes part in gathering every tensor, so one rank's
     failed write never leaves the others waiting; the error is returned for the caller to agree
     on and raise. Within a round the files advance in lockstep, one tensor of each at a time, so
-    all ranks write at once, each the tensor it has just received: a rank holds one gathered
-    tensor at a time, not a shard file's worth. Each file is fsync'd before this returns.
+    all ranks write at once, each the tensor it has just received: a rank holds at most two
+    gathered tensors at a time (its own and a peer's being gathered), not a shard file's worth. Each file is fsync'd before this returns.
     """
     records: dict[str, FileRecord] = {}
     error: BaseException | None = None

@@ -25,7 +25,7 @@ if sys.byteorder != "little":
     raise ImportError("areal_ckpt writes safetensors from memory and needs a little-endian host")
 
 
-def safetensors_header(specs: Sequence[TensorSpec], metadata: dict[str, str]) -> bytes:
+def render_safetensors_header(specs: Sequence[TensorSpec], metadata: dict[str, str]) -> bytes:
     """The header (length prefix + padded JSON) for tensors ``specs`` laid out in that order."""
     entries: dict[str, object] = {"__metadata__": metadata}
     offset = 0
@@ -59,7 +59,7 @@ def write_safetensors(
     """
     writer = ChecksummedWriter(path)
     try:
-        writer.write(safetensors_header(specs, metadata or {"format": "pt"}))
+        writer.write(render_safetensors_header(specs, metadata or {"format": "pt"}))
         count = 0
         for (name, tensor), spec in zip(tensors, specs):
             if name != spec.name or tuple(tensor.shape) != tuple(spec.shape) or tensor.dtype != spec.dtype:
