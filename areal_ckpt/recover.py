@@ -20,9 +20,9 @@ from areal_ckpt.background import BackgroundWriter, describe_metrics, resolve_as
 from areal_ckpt.commit import read_manifest
 from areal_ckpt.config import RecoverConfig, check_path_component
 from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError
-from areal_ckpt.formats.hf_export import write_config
-from areal_ckpt.fsio import FileRecord, write_file_durably
-from areal_ckpt.layout import ENGINE_STATE_FILE, HF_FILES, RECOVER_INFO, RECOVER_MANIFEST, default_user, trial_root
+from areal_ckpt.formats.hf_export import HFFiles, hf_files
+from areal_ckpt.fsio import FileRecord
+from areal_ckpt.layout import ENGINE_STATE_FILE, RECOVER_INFO, RECOVER_MANIFEST, default_user, trial_root
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.recover_read import find_committed, load_engine, verify_checkpoint
 from areal_ckpt.recover_store import RecoverStore
@@ -31,7 +31,7 @@ from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.staging import layout_of
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.components import Stateful, capture_components, dataloader_state, restore_components
-from areal_ckpt.state.recover_info import RecoverInfo, read_recover_info, write_global_info, write_rank_state
+from areal_ckpt.state.recover_info import RecoverInfo, encode_global_info, encode_rank_state, read_recover_info
 from areal_ckpt.state.rng import capture_rng_state, restore_rng_state
 from areal_ckpt.step import FinetuneSpec, StepInfo
 
@@ -127,7 +127,7 @@ class RecoverHandler:
 
         Synchronous: blocks until that generation is committed and durable. Asynchronous (mode
         ``async``; ``auto`` / ``on`` when the model is on an accelerator): first waits for the
-        dump in flight, writes the small JSON files, copies the tensors to shared memory and
+        dump in flight, encodes the small JSON files, copies the tensors to shared memory and
         returns; the background writer commits it later (:meth:`wait`, :meth:`close`). A failed
         write is retried ``retries`` times with back-off, then raised on every rank: by this
         call (sync), or by the next due dump, ``wait`` or ``close`` (async). The previous
@@ -249,8 +249,9 @@ class RecoverHandler:
             raise CheckpointError(generation)
         if kind == "failed":
             raise _AttemptFailed(f"cannot create a generation folder: {generation}")
-        folder = self.store.path(generation)
         records: dict[str, FileRecord] = {}
+        files: dict[str, bytes] = {}
+        hf: dict[str, HFFiles] = {}
         tensors: dict[str, torch.Tensor] = {}
         fingerprints: dict[str, list[int]] = {}
         local_error: str | None = None
@@ -259,14 +260,15 @@ class RecoverHandler:
                 if engines[name].is_frozen:
                     fingerprints[name] = engines[name].fingerprint()
                 model_tensors, model_records = self._prepare_engine(
-                    engines[name], name, generation, fingerprints.get(name), tokenizer
+                    engines[name], name, generation, fingerprints.get(name), tokenizer, files, hf
                 )
                 records.update(model_records)
                 tensors.update({f"{name}{MODEL_SEPARATOR}{key}": value for key, value in model_tensors.items()})
             if rank == 0:
-                write_global_info(folder / RECOVER_INFO, step_info, components)
-            file_name, record = write_rank_state(folder / RECOVER_INFO, rank, rank_state)
-            records[f"{RECOVER_INFO}/{file_name}"] = record
+                for file_name, data in encode_global_info(step_info, components).items():
+                    files[f"{RECOVER_INFO}/{file_name}"] = data
+            file_name, data = encode_rank_state(rank, rank_state)
+            files[f"{RECOVER_INFO}/{file_name}"] = data
         except (RankMismatchError, CollectiveError):
             raise
         except Exception as error:  # local failures are agreed below
@@ -287,7 +289,8 @@ class RecoverHandler:
         }
         job = DumpJob(
             trial=self.store.trial, generation=generation, models=names,
-            records={k: (r.size, r.crc32) for k, r in records.items()}, header=header, retries=self.config.retries,
+            records={k: (r.size, r.crc32) for k, r in records.items()}, files=files, hf=hf, header=header,
+            retries=self.config.retries,
         )
         return job, tensors, fingerprints
 
@@ -309,27 +312,23 @@ class RecoverHandler:
             return "failed", str(error)
 
     def _prepare_engine(
-        self, engine: Any, name: str, generation: str, fingerprint: list[int] | None, tokenizer: Any
+        self, engine: Any, name: str, generation: str, fingerprint: list[int] | None, tokenizer: Any,
+        files: dict[str, bytes], hf: dict[str, HFFiles],
     ) -> tuple[dict[str, torch.Tensor], dict[str, FileRecord]]:
         """This rank's tensors of one model (none when an unchanged frozen model is linked) and
-        the records of the files written for it here."""
-        folder = self.store.path(generation) / name
+        the records of the files linked for it; adds the files to write for it to ``files`` and
+        ``hf`` (rank 0)."""
         previous = self._fingerprints.get(name)
         unchanged = fingerprint is not None and previous == fingerprint
         if dist.all_true(unchanged) and self._generation is not None:
             return {}, self.store.link_model(self._generation, generation, name) if dist.rank() == 0 else {}
         include_optimizer = not self.config.no_save_optim
         tensors, extra = engine.recover_state(include_optimizer)
-        records = {}
         if dist.rank() == 0:
             extra["optimizer_saved"] = include_optimizer and not engine.is_frozen
-            records[f"{name}/{ENGINE_STATE_FILE}"] = write_file_durably(folder / ENGINE_STATE_FILE, safe_json.dumps(extra))
-            # what `areal-ckpt export` needs to turn these shards into a loadable HF folder
-            (folder / HF_FILES).mkdir()
-            write_config(engine, folder / HF_FILES, None)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(folder / HF_FILES)
-        return tensors, records
+            files[f"{name}/{ENGINE_STATE_FILE}"] = safe_json.dumps(extra)
+            hf[name] = hf_files(engine, None, tokenizer)  # what `areal-ckpt export` needs besides the shards
+        return tensors, {}
 
     # -- load -------------------------------------------------------------------------------
 

@@ -1,10 +1,10 @@
 """The second half of a recovery dump: tensor shards, agreement, commit.
 
 The first half (:mod:`areal_ckpt.recover`) runs in the training process: it creates the
-generation folder, writes the small JSON files and captures the tensors. This half writes the
-tensors through DCP and commits; it runs either in the training process (sync) or in the
-background writers (async, :mod:`areal_ckpt.background`), collective over whichever group runs
-it. A failed write is retried in place; after the last attempt the generation is discarded, so
+generation folder, encodes the small JSON files and captures the tensors. This half writes the
+tensors through DCP, then the small files, and commits; it runs either in the training process
+(sync) or in the background writers (async, :mod:`areal_ckpt.background`), collective over
+whichever group runs it. A failed write is retried in place; after the last attempt the generation is discarded, so
 the previous checkpoint stays the committed one whatever happens.
 """
 
@@ -19,7 +19,9 @@ from typing import Any
 from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError
 from areal_ckpt.formats.dcp_io import save_tensors
-from areal_ckpt.fsio import FileRecord
+from areal_ckpt.formats.hf_export import HFFiles
+from areal_ckpt.fsio import FileRecord, write_file_durably
+from areal_ckpt.layout import HF_FILES
 from areal_ckpt.recover_store import RecoverStore
 from areal_ckpt.staging import StagedLayout
 
@@ -36,14 +38,18 @@ MODEL_SEPARATOR = "/"
 class DumpJob:
     """Everything the tensor half of one dump needs; plain, picklable data.
 
-    ``records`` are this rank's files written by the first half (JSON state, linked shards);
-    ``header`` is the manifest header; ``layout`` locates the staged tensors (async only).
+    ``records`` are this rank's files already in the generation (an unchanged frozen model's
+    linked shards); ``files`` are this rank's small files to write (path in the generation ->
+    content) and ``hf`` rank 0's HF files per model; ``header`` is the manifest header;
+    ``layout`` locates the staged tensors (async only).
     """
 
     trial: Path
     generation: str
     models: list[str]
     records: dict[str, tuple[int, int]]
+    files: dict[str, bytes]
+    hf: dict[str, HFFiles]
     header: dict[str, Any]
     retries: int
     layout: StagedLayout | None = None
@@ -85,9 +91,15 @@ class DumpJob:
         records = dict(self.records)
         local_error: str | None = None
         try:
-            for model in sorted(by_model):
+            for model in sorted(by_model):  # collective: DCP reports a failed write on every rank
                 for file_name, record in save_tensors(by_model[model], folder / model).items():
                     records[f"{model}/{file_name}"] = (record.size, record.crc32)
+            for relative, data in self.files.items():  # local from here on
+                record = write_file_durably(folder / relative, data)
+                records[relative] = (record.size, record.crc32)
+            for model, hf_files in self.hf.items():  # checksummed and fsync'd by the commit
+                (folder / model / HF_FILES).mkdir(exist_ok=True)
+                hf_files.write(folder / model / HF_FILES)
         except (RankMismatchError, CollectiveError):
             raise
         except Exception as error:  # DCP raises on every rank; local failures are agreed below

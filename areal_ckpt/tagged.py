@@ -28,7 +28,7 @@ from areal_ckpt.commit import publish, write_manifest
 from areal_ckpt.config import check_path_component
 from areal_ckpt.errors import CheckpointError, RankMismatchError
 from areal_ckpt.formats.dcp_io import save_tensors
-from areal_ckpt.formats.hf_export import write_config
+from areal_ckpt.formats.hf_export import hf_files
 from areal_ckpt.fsio import FileRecord, fsync_dir, write_file_durably
 from areal_ckpt.layout import ENGINE_STATE_FILE, HF_FILES, MANIFEST_NAME
 from areal_ckpt.recover_read import load_engine, verify_checkpoint
@@ -105,7 +105,7 @@ def save_checkpoint(
             extra["optimizer_saved"] = not engine.is_frozen
             write_file_durably(staging / _MODEL / ENGINE_STATE_FILE, safe_json.dumps(extra))
             (staging / _MODEL / HF_FILES).mkdir()  # what convert-deepspeed needs for config.json
-            write_config(engine, staging / _MODEL / HF_FILES, None)
+            hf_files(engine, None).write(staging / _MODEL / HF_FILES)
     except Exception as failure:  # agreed below: every rank raises
         local_error = f"rank {dist.rank()}: {type(failure).__name__}: {failure}"
     if dist.all_true(local_error is None):

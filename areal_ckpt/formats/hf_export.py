@@ -151,9 +151,28 @@ def _to_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor.to(export_dtype_for(tensor.dtype, dtype))
 
 
-def write_config(source: ExportSource, folder: Path, dtype: torch.dtype | None) -> None:
-    """Write config.json (with ``architectures`` and the exported ``dtype``) and, for models that
-    generate, generation_config.json into ``folder``; local, not fsync'd (the commit does that)."""
+@dataclass(frozen=True)
+class HFFiles:
+    """The files besides tensors that make a loadable HF folder: config, generation config,
+    tokenizer. Picklable, so a background writer can write them."""
+
+    config: Any
+    generation_config: Any | None
+    tokenizer: Any | None
+
+    def write(self, folder: Path) -> None:
+        """Write config.json, generation_config.json (models that generate) and the tokenizer's
+        files into ``folder``; local, not fsync'd (the commit does that)."""
+        self.config.save_pretrained(folder)
+        if self.generation_config is not None:
+            self.generation_config.save_pretrained(folder)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(folder)
+
+
+def hf_files(source: ExportSource, dtype: torch.dtype | None, tokenizer: Any | None = None) -> HFFiles:
+    """The HF files of ``source``: its config with ``architectures`` and the exported ``dtype``
+    (the stored one when ``dtype`` is None and all floats share one); local."""
     config = copy.deepcopy(source.config)
     config.architectures = [source.architecture]
     if dtype is not None:
@@ -162,9 +181,7 @@ def write_config(source: ExportSource, folder: Path, dtype: torch.dtype | None) 
         float_dtypes = {spec.dtype for spec in source.export_specs() if spec.dtype.is_floating_point}
         if len(float_dtypes) == 1:
             config.dtype = float_dtypes.pop()
-    config.save_pretrained(folder)
-    if source.generation_config is not None:
-        source.generation_config.save_pretrained(folder)
+    return HFFiles(config, source.generation_config, tokenizer)
 
 
 def write_metadata(
@@ -174,9 +191,7 @@ def write_metadata(
 
     Files are fsync'd later, when the commit writes the manifest.
     """
-    write_config(source, folder, dtype)
+    hf_files(source, dtype, tokenizer).write(folder)
     if plan.is_sharded:
         index = {"metadata": {"total_size": plan.total_size}, "weight_map": dict(sorted(plan.weight_map.items()))}
         write_file_durably(folder / INDEX_FILE, json.dumps(index, indent=2).encode())
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)

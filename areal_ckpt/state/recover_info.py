@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.fsio import FileRecord, write_file_durably
 from areal_ckpt.layout import rank_state_file
 from areal_ckpt.state import safe_json
 from areal_ckpt.step import StepInfo
@@ -52,20 +51,21 @@ class RecoverInfo:
     path: str = ""
 
 
-def write_global_info(folder: Path, step_info: StepInfo, states: dict[str, Any]) -> None:
-    """Rank 0: write step_info.json and the ``*_info.json`` files (None for absent components)."""
-    write_file_durably(folder / STEP_FILE, json.dumps(step_info.model_dump(), indent=1).encode())
-    for key, file_name in GLOBAL_FILES.items():
-        write_file_durably(folder / file_name, safe_json.dumps(states.get(key)))
+def encode_global_info(step_info: StepInfo, states: dict[str, Any]) -> dict[str, bytes]:
+    """Rank 0's files: step_info.json and the ``*_info.json`` files (null for absent
+    components), name -> content; pure. Raises ValueError for a value JSON cannot hold."""
+    files = {STEP_FILE: json.dumps(step_info.model_dump(), indent=1).encode()}
+    files.update({file_name: safe_json.dumps(states.get(key)) for key, file_name in GLOBAL_FILES.items()})
+    return files
 
 
-def write_rank_state(folder: Path, rank: int, components: dict[str, Any]) -> tuple[str, FileRecord]:
-    """Every rank: write its own ``rank{r}.json``; returns (file name, record). Durable on return."""
+def encode_rank_state(rank: int, components: dict[str, Any]) -> tuple[str, bytes]:
+    """Every rank's own ``rank{r}.json``: (file name, content); pure. Raises ValueError for an
+    unknown component or a value JSON cannot hold."""
     unknown = set(components) - set(RANK_COMPONENTS)
     if unknown:
         raise ValueError(f"unknown per-rank components {sorted(unknown)}")
-    name = rank_state_file(rank)
-    return name, write_file_durably(folder / name, safe_json.dumps(components))
+    return rank_state_file(rank), safe_json.dumps(components)
 
 
 def _read_json(path: Path) -> Any:
