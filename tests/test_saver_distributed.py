@@ -86,6 +86,36 @@ def test_shard_files_are_dealt_to_both_ranks():
     assert sorted(mine[0] + mine[1]) == sorted(plan.files)
 
 
+def uneven_gather_worker(rank: int, world_size: int) -> None:
+    """FSDP2 shards of uneven rows (47-row embeddings: 24 + 23; a 1-row tensor: 1 + 0) come
+    back whole, in order, only where kept; the gathers run one ahead of the caller."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = build_model(47)
+    model.register_parameter("one_row", torch.nn.Parameter(torch.arange(4.0).reshape(1, 4)))
+    reference = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    engine = ac.TorchEngine(model)
+    names = [spec.name for spec in engine.export_specs()]
+    assert "one_row" in names and "model.embed_tokens.weight" in names
+    keep = set(names[rank::2])
+    seen = []
+    for name, tensor in engine.gather_full(names, keep):
+        seen.append(name)
+        if name in keep:
+            assert torch.equal(tensor, reference[name]), name
+        else:
+            assert tensor is None, name
+    assert seen == names
+
+
+def test_fsdp2_gathers_rebuild_uneven_shards_exactly():
+    run_distributed(uneven_gather_worker, 2)
+
+
 def drifting_clock_worker(rank: int, world_size: int, decisions_file: str) -> None:
     """Rank 1's clock runs 7x faster than rank 0's: only rank 0's clock may decide."""
     ticks = [0.0]
