@@ -88,7 +88,7 @@ def test_shard_files_are_dealt_to_both_ranks():
 
 def uneven_gather_worker(rank: int, world_size: int) -> None:
     """FSDP2 shards of uneven rows (47-row embeddings: 24 + 23; a 1-row tensor: 1 + 0) come
-    back whole, in order, only where kept; the gathers run one ahead of the caller."""
+    back whole, one item per name in order, the tensor only where kept."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)

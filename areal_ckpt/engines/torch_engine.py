@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from areal_ckpt.fsio import crc32
@@ -41,34 +41,6 @@ def original_class(module: nn.Module) -> type:
         if not issubclass(cls, FSDPModule):
             return cls
     return type(module)
-
-
-def _begin_gather(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """Start making ``tensor`` whole; returns a function that waits and returns the full tensor.
-
-    A DTensor sharded along dim 0 of a 1-D mesh (FSDP2's layout) is all-gathered without
-    blocking (collective over the mesh: shards padded to equal rows, as DTensor does); other
-    DTensor layouts are gathered at once with ``full_tensor``; a plain tensor is itself.
-    """
-    if not isinstance(tensor, DTensor):
-        return lambda: tensor
-    mesh = tensor.device_mesh
-    if mesh.ndim != 1 or tuple(tensor.placements) != (Shard(0),):
-        full = tensor.full_tensor()
-        return lambda: full
-    rows, world = tensor.shape[0], mesh.size()
-    per_rank = -(-rows // world)
-    local = tensor.to_local().detach()
-    if local.shape[0] != per_rank:
-        local = torch.cat([local, local.new_zeros((per_rank - local.shape[0], *local.shape[1:]))])
-    gathered = local.new_empty((per_rank * world, *local.shape[1:]))
-    work = torch.distributed.all_gather_into_tensor(gathered, local.contiguous(), group=mesh.get_group(), async_op=True)
-
-    def finish() -> torch.Tensor:
-        work.wait()
-        return gathered[:rows]
-
-    return finish
 
 
 class TorchEngine:
@@ -145,21 +117,16 @@ class TorchEngine:
 
         Collective when :attr:`is_sharded`: every rank must iterate the same ``names`` in the
         same order (each DTensor is all-gathered, one per item; ranks that do not keep it drop
-        it at once). The gather of the next tensor is started before one is yielded, so it runs
-        while the caller writes. Local otherwise, and then no tensor is copied unless it lives
-        off the CPU.
+        it at once). Local otherwise, and then no tensor is copied unless it lives off the CPU.
         """
         state = self._export_state()
-        pending: tuple[str, Callable[[], torch.Tensor]] | None = None
-        for name in [*names, None]:
-            ahead = None if name is None else (name, _begin_gather(state[name]))
-            if pending is not None:
-                done, finish = pending
-                full = finish()
-                kept = full.detach().cpu() if done in keep else None
-                del full, finish, pending  # a dropped gathered tensor is freed now, not at the next item
-                yield done, kept
-            pending = ahead
+        for name in names:
+            tensor = state[name]
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
+            kept = tensor.detach().cpu() if name in keep else None
+            del tensor  # a dropped gathered tensor is freed now, not when the caller asks for the next
+            yield name, kept
 
     # -- recovery: full training state through DCP ------------------------------------------
 

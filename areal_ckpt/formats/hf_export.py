@@ -107,7 +107,8 @@ def write_rank_shards(
     failed write never leaves the others waiting; the error is returned for the caller to agree
     on and raise. Within a round the files advance in lockstep, one tensor of each at a time, so
     all ranks write at once, each the tensor it has just received: a rank holds at most two
-    gathered tensors at a time (its own and a peer's being gathered), not a shard file's worth. Each file is fsync'd before this returns.
+    gathered tensors at a time (its own and a peer's being gathered), not a shard file's worth.
+    Each file is fsync'd before this returns.
     """
     records: dict[str, FileRecord] = {}
     error: BaseException | None = None
