@@ -154,6 +154,25 @@ def test_async_fsdp2_dumps_resume_bit_exactly(reference_run_fsdp2, tmp_path):
     assert_same_run(reference_run_fsdp2, out, world_size=2)
 
 
+def test_an_async_dump_writes_the_files_a_sync_dump_writes(tmp_path, tokenizer):
+    setup = make_setup()
+    train_step(setup, 0)
+    folders = {}
+    for mode in ("sync", "async"):
+        handler = ac.RecoverHandler(recover_config(tmp_path / mode, mode=mode), SPEC)
+        handler.dump(setup.engine, step_info(1), tokenizer=tokenizer, client_state={"kl": 0.5}, force=True)
+        handler.close()
+        folders[mode] = committed_generation(tmp_path / mode)
+    files = {mode: sorted(str(p.relative_to(f)) for p in f.rglob("*") if p.is_file()) for mode, f in folders.items()}
+    assert files["async"] == files["sync"]
+    assert "default/hf/tokenizer.json" in files["async"] and "default/hf/config.json" in files["async"]
+    differ = ("areal_ckpt_manifest.json", "checkpoint_info.json")  # creation and trigger times
+    for relative in files["sync"]:
+        if relative.endswith(".json") and not relative.endswith(differ):
+            assert (folders["async"] / relative).read_bytes() == (folders["sync"] / relative).read_bytes(), relative
+    assert b'"kl": 0.5' in (folders["async"] / "recover_info/rank0.json").read_bytes()
+
+
 def test_a_dead_writer_is_reported_and_the_next_dump_starts_a_new_one(fileroot):
     setup = make_setup()
     handler = ac.RecoverHandler(recover_config(fileroot, mode="async"), SPEC)
