@@ -1,14 +1,14 @@
 """`make bench` (third part): two ranks on one disk against one rank, and export memory per rank.
 
 The same model-shaped state (see bench.py) is dumped (RecoverHandler, model only) and exported
-(Saver) by one process, and by two gloo processes with the model sharded by FSDP2. Aggregate
-throughput is the state's bytes over the slowest rank's time. Configurations alternate
-(1, 2, 1, 2, ...) because disk speed drifts. During the 2-rank export each rank's peak extra
+(Saver) by one process, and by two gloo processes with the model sharded by FSDP2 or
+replicated by DDP. Aggregate throughput is the state's bytes over the slowest rank's time.
+Configurations alternate (1, FSDP2, DDP, 1, ...) because disk speed drifts. During the 2-rank export each rank's peak extra
 resident memory (beyond its own shard, already resident) is compared with one
 ``max_shard_size`` buffer, the issue's budget (the export holds at most two gathered tensors
 at a time: the one it writes and the one being gathered for a peer). The 2-rank run also times
 the export's gathers alone (every tensor all-gathered, nothing written): the floor the
-network (here gloo over loopback) puts under the export.
+network (here gloo over loopback) puts under an FSDP2 export.
 
     python benchmarks/bench_multirank.py --size 1024 --rounds 3 --out docs/benchmarks-multirank.md
 """
@@ -53,17 +53,22 @@ def _step(step: int) -> ac.StepInfo:
     return ac.StepInfo(epoch=0, epoch_step=step, global_step=step, steps_per_epoch=10**6)
 
 
-def _worker(rank: int, world: int, port: int, mib: int, rounds: int, workdir: str, result: str) -> None:
+CONFIGURATIONS = [(1, "plain"), (2, "fsdp2"), (2, "ddp")]  # (ranks, wrapping)
+
+
+def _worker(rank: int, world: int, wrap: str, port: int, mib: int, rounds: int, workdir: str, result: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch_dist.init_process_group("gloo", rank=rank, world_size=world)
     model = model_of_size(mib, torch.float32)
     size = state_bytes(model)
-    if world > 1:
+    if wrap == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
+    elif wrap == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
     engine = ac.TorchEngine(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0))
     names = dict(experiment_name="bench", fileroot=workdir, user="bench", trial_name=f"w{world}")
     handler = ac.RecoverHandler(ac.RecoverConfig(mode="sync", **names), SPEC)
@@ -96,10 +101,10 @@ def _worker(rank: int, world: int, port: int, mib: int, rounds: int, workdir: st
     torch_dist.destroy_process_group()
 
 
-def run_configuration(world: int, mib: int, rounds: int, workdir: Path) -> dict:
+def run_configuration(world: int, wrap: str, mib: int, rounds: int, workdir: Path) -> dict:
     folder = Path(tempfile.mkdtemp(dir=workdir))
     result = folder / "result.json"
-    mp.start_processes(_worker, args=(world, _free_port(), mib, rounds, str(folder), str(result)), nprocs=world,
+    mp.start_processes(_worker, args=(world, wrap, _free_port(), mib, rounds, str(folder), str(result)), nprocs=world,
                        start_method="spawn")
     data = json.loads(result.read_text())
     shutil.rmtree(folder)
@@ -107,37 +112,41 @@ def run_configuration(world: int, mib: int, rounds: int, workdir: Path) -> dict:
 
 
 def run(mib: int, rounds: int, repeats: int, workdir: Path) -> dict:
-    per_world: dict[int, dict[str, list[float]]] = {w: {"dump": [], "export": [], "gather": []} for w in (1, 2)}
+    per_configuration = {wrap: {"dump": [], "export": [], "gather": []} for _, wrap in CONFIGURATIONS}
     peaks: list[int] = []
     size = 0
     for repeat in range(repeats):
-        for world in (1, 2):
-            data = run_configuration(world, mib, rounds, workdir)
+        for world, wrap in CONFIGURATIONS:
+            data = run_configuration(world, wrap, mib, rounds, workdir)
             size = data["bytes"]
             for kind in ("dump", "export", "gather"):
                 per_round = zip(*(rank["timings"][kind] for rank in data["ranks"]))
-                per_world[world][kind] += [max(times) for times in per_round]  # the slowest rank
-            if world == 2:
+                per_configuration[wrap][kind] += [max(times) for times in per_round]  # the slowest rank
+            if wrap == "fsdp2":
                 peaks += [rank["peak_export"] for rank in data["ranks"]]
-            print(f"  repeat {repeat + 1}/{repeats}: {world} rank(s) done", file=sys.stderr, flush=True)
-    return {"bytes": size, "peaks": peaks,
-            "median": {w: {k: statistics.median(v) for k, v in kinds.items()} for w, kinds in per_world.items()}}
+            print(f"  repeat {repeat + 1}/{repeats}: {world} rank(s), {wrap} done", file=sys.stderr, flush=True)
+    return {"bytes": size, "peaks": peaks, "median": {
+        wrap: {k: statistics.median(v) for k, v in kinds.items()} for wrap, kinds in per_configuration.items()}}
 
 
 def report(result: dict, machine: str) -> str:
     size, median = result["bytes"], result["median"]
     lines = [f"Measured {time.strftime('%Y-%m-%d')} on {machine}; fp32 state of {size / 2**20:.0f} MiB, model only; "
-             "2 ranks: FSDP2 on gloo; times are the slowest rank's, medians.", "",
+             "2 ranks on gloo, the model sharded by FSDP2 or replicated by DDP; times are the slowest rank's, "
+             "medians.", "",
              "| operation | 1 rank (s) | 2 ranks (s) | 1 rank GB/s | 2 ranks aggregate GB/s | ratio | verdict |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for kind, label in (("dump", "recovery dump (durable)"), ("export", "HF export (durable)")):
-        one, two = median[1][kind], median[2][kind]
-        ratio = one / two
-        lines.append(f"| {label} | {one:.2f} | {two:.2f} | {size / one / 1e9:.2f} | {size / two / 1e9:.2f} | "
-                     f"{ratio:.2f} | {'PASS' if ratio >= AGGREGATE_TARGET else 'FAIL'} (>= {AGGREGATE_TARGET}) |")
-    gather = median[2]["gather"]
-    lines += ["", f"The 2-rank export gathers every tensor over gloo: the gathers alone (no disk) take {gather:.2f} s "
-              f"({size / gather / 1e9:.2f} GB/s), so the export cannot beat that on this machine, whatever the disk does."]
+        for wrap in ("fsdp2", "ddp"):
+            one, two = median["plain"][kind], median[wrap][kind]
+            ratio = one / two
+            lines.append(f"| {label}, {wrap.upper()} | {one:.2f} | {two:.2f} | {size / one / 1e9:.2f} | "
+                         f"{size / two / 1e9:.2f} | {ratio:.2f} | "
+                         f"{'PASS' if ratio >= AGGREGATE_TARGET else 'FAIL'} (>= {AGGREGATE_TARGET}) |")
+    gather = median["fsdp2"]["gather"]
+    lines += ["", f"An FSDP2 export gathers every tensor over gloo: the gathers alone (no disk) take {gather:.2f} s "
+              f"({size / gather / 1e9:.2f} GB/s), a floor under the FSDP2 export on this machine whatever the "
+              "disk does. DDP exports write straight from each rank's replica, without gathers."]
     budget = SHARD_SIZE
     peak = max(result["peaks"])
     lines += ["", "| export memory per rank (2 ranks), beyond its own resident shard | measured | "
@@ -152,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=int, default=1024, help="state size in MiB (fp32)")
     parser.add_argument("--rounds", type=int, default=3, help="timed saves per configuration run")
-    parser.add_argument("--repeats", type=int, default=2, help="alternations of the 1- and 2-rank runs")
+    parser.add_argument("--repeats", type=int, default=2, help="alternations of the configurations")
     parser.add_argument("--out", default=None, help="write the Markdown report here")
     args = parser.parse_args(argv)
     workdir = scratch_folder("bench-multirank-")
