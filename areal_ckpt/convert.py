@@ -10,6 +10,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
+from areal_ckpt import dist
 from areal_ckpt.commit import check_files, read_manifest
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.export import ExportResult, write_export
@@ -79,10 +80,11 @@ class _StateDictSource:
         """Every tensor's name, shape and dtype."""
         return [TensorSpec(name, tuple(t.shape), t.dtype) for name, t in self.tensors.items()]
 
-    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """Each name with its tensor (None when not in ``keep``); local, no copy."""
+    def gather_full(self, names: Sequence[str], owner: int) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Each name with its tensor on rank ``owner``, None elsewhere; local, no copy."""
+        mine = dist.rank() == owner
         for name in names:
-            yield name, self.tensors[name] if name in keep else None
+            yield name, self.tensors[name] if mine else None
 
 
 @contextlib.contextmanager

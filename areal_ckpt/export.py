@@ -6,6 +6,7 @@ only makes a complete, checksummed, durable folder appear under its final name.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import shutil
 import time
@@ -66,10 +67,11 @@ class StagedExportSource:
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors
 
-    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """Yield each name with its tensor (None when not in ``keep``); local, no copy."""
+    def gather_full(self, names: Sequence[str], owner: int) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Yield each name with its tensor on rank ``owner``, None elsewhere; local, no copy."""
+        mine = dist.rank() == owner
         for name in names:
-            yield name, self.tensors[name] if name in keep else None
+            yield name, self.tensors[name] if mine else None
 
 
 def write_export(
@@ -133,8 +135,10 @@ def stage_export(source: ExportSource, target: ExportTarget, arena: StagingArena
     specs = {spec.name: spec for spec in source.export_specs()}
     names = [name for file_name in mine for name in target.plan.files[file_name]]
     layout = layout_of_specs((name, specs[name].dtype, specs[name].shape) for name in names)
-    ordered = [name for file_name in target.plan.files for name in target.plan.files[file_name]]
-    gathered = source.gather_full(ordered, set(names))
+    files = target.plan.files.values()
+    gathered = itertools.chain.from_iterable(  # every file in plan order, each to the rank that writes it
+        source.gather_full(tensor_names, owner=index % dist.world_size()) for index, tensor_names in enumerate(files)
+    )
     arena.stage(layout, ((name, tensor) for name, tensor in gathered if tensor is not None))
     return layout
 

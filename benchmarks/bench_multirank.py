@@ -89,7 +89,7 @@ def _worker(rank: int, world: int, wrap: str, port: int, mib: int, rounds: int, 
         peak_export = max(peak_export, rss.extra)
         torch_dist.barrier()
         start = time.perf_counter()
-        for _ in engine.gather_full(tensor_names, set()):  # what the export's gathers cost without the disk
+        for _ in engine.gather_full(tensor_names, owner=0):  # what the export's gathers cost without the disk
             pass
         timings["gather"].append(time.perf_counter() - start)
     handler.close()

@@ -103,26 +103,29 @@ class DeepSpeedEngine:
             specs.append(TensorSpec(spec.name, shape, spec.dtype))
         return specs
 
-    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """Yield ``(name, full CPU tensor)`` for each of ``names``; None for names not in ``keep``.
+    def gather_full(self, names: Sequence[str], owner: int) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Yield ``(name, full CPU tensor)`` for each of ``names`` on rank ``owner``; None on
+        the other ranks.
 
         Collective under ZeRO-3 (every rank walks the same ``names`` in order; one parameter is
-        gathered per item); local, and without copies of CPU tensors, under ZeRO 0-2.
+        all-gathered per item, DeepSpeed's way); local, and without copies of CPU tensors,
+        under ZeRO 0-2.
         """
         if self.stage < 3:
-            yield from self._torch.gather_full(names, keep)
+            yield from self._torch.gather_full(names, owner)
             return
         import deepspeed
 
+        mine = dist.rank() == owner
         parameters = self._parameters()
         state = self.module.state_dict()
         for name in names:
             parameter = parameters.get(name)
             if parameter is None or not hasattr(parameter, "ds_tensor"):
-                yield name, state[name].detach().cpu() if name in keep else None
+                yield name, state[name].detach().cpu() if mine else None
                 continue
             with deepspeed.zero.GatheredParameters([parameter]):
-                full = parameter.data.detach().to("cpu", copy=True) if name in keep else None
+                full = parameter.data.detach().to("cpu", copy=True) if mine else None
             yield name, full
 
     # -- recovery ---------------------------------------------------------------------------

@@ -14,9 +14,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
+from areal_ckpt import dist
 from areal_ckpt.fsio import crc32
 from areal_ckpt.tensors import TensorSpec
 
@@ -41,6 +42,29 @@ def original_class(module: nn.Module) -> type:
         if not issubclass(cls, FSDPModule):
             return cls
     return type(module)
+
+
+def _gather_to(tensor: DTensor, owner: int) -> torch.Tensor | None:
+    """The full tensor on global rank ``owner`` (None elsewhere, for the layouts it can send
+    there alone); collective over the tensor's mesh.
+
+    Dim-0 shards over a 1-D mesh that holds ``owner`` (FSDP2) are padded to equal rows, as
+    DTensor does, and gathered into one buffer on the owner; anything else is all-gathered.
+    """
+    mesh = tensor.device_mesh
+    if mesh.ndim != 1 or tuple(tensor.placements) != (Shard(0),) or owner not in mesh.mesh.tolist() or not tensor.numel():
+        return tensor.full_tensor()
+    rows, world = tensor.shape[0], mesh.size()
+    per_rank = -(-rows // world)
+    local = tensor.to_local().detach()
+    if local.shape[0] != per_rank:
+        local = torch.cat([local, local.new_zeros((per_rank - local.shape[0], *local.shape[1:]))])
+    if dist.rank() != owner:
+        torch.distributed.gather(local.contiguous(), None, dst=owner, group=mesh.get_group())
+        return None
+    gathered = local.new_empty((per_rank * world, *local.shape[1:]))
+    torch.distributed.gather(local.contiguous(), list(gathered.chunk(world)), dst=owner, group=mesh.get_group())
+    return gathered[:rows]
 
 
 class TorchEngine:
@@ -111,21 +135,22 @@ class TorchEngine:
             for name, tensor in self._export_state().items()
         ]
 
-    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """Yield ``(name, full CPU tensor)`` for each of ``names``; the tensor is None for names
-        not in ``keep``.
+    def gather_full(self, names: Sequence[str], owner: int) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Yield ``(name, full CPU tensor)`` for each of ``names`` on rank ``owner``; None on
+        the other ranks.
 
         Collective when :attr:`is_sharded`: every rank must iterate the same ``names`` in the
-        same order (each DTensor is all-gathered, one per item; ranks that do not keep it drop
-        it at once). Local otherwise, and then no tensor is copied unless it lives off the CPU.
+        same order, one gather per item. FSDP2's layout (dim-0 shards over one mesh dimension)
+        is gathered to ``owner`` alone; other layouts are all-gathered and dropped where not
+        needed. Local otherwise, and then no tensor is copied unless it lives off the CPU.
         """
+        mine = dist.rank() == owner
         state = self._export_state()
         for name in names:
             tensor = state[name]
-            if isinstance(tensor, DTensor):
-                tensor = tensor.full_tensor()
-            kept = tensor.detach().cpu() if name in keep else None
-            del tensor  # a dropped gathered tensor is freed now, not when the caller asks for the next
+            full = _gather_to(tensor, owner) if isinstance(tensor, DTensor) else tensor
+            kept = full.detach().cpu() if mine else None
+            del tensor, full  # a dropped gathered tensor is freed now, not when the caller asks for the next
             yield name, kept
 
     # -- recovery: full training state through DCP ------------------------------------------

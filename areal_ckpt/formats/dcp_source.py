@@ -14,6 +14,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import load_tensors, read_tensor_index
 from areal_ckpt.layout import ENGINE_STATE_FILE
@@ -57,17 +58,17 @@ class DcpModelSource:
         """Stored model tensors (full shapes), tied duplicates left out; local, reads metadata only."""
         return [TensorSpec(name, self._shapes[name], self._index[name][0]) for name in self._names]
 
-    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """Each name with its tensor read from the shards (one DCP read for all of ``keep``),
-        None for names not in ``keep``; local."""
-        wanted = [name for name in names if name in keep]
+    def gather_full(self, names: Sequence[str], owner: int) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Each name with its tensor read from the shards on rank ``owner`` (one DCP read for
+        all of them), None elsewhere; local."""
+        wanted = list(names) if dist.rank() == owner else []
         template = {
             MODEL_PREFIX + name: torch.empty(self._index[name][1], dtype=self._index[name][0]) for name in wanted
         }
         if wanted:
             load_tensors(template, self.folder, optional_prefixes=_SKIP_WHEN_READING)
         for name in names:
-            yield name, template.pop(MODEL_PREFIX + name).reshape(self._shapes[name]) if name in keep else None
+            yield name, template.pop(MODEL_PREFIX + name).reshape(self._shapes[name]) if wanted else None
 
 
 def tied_names(config: Any) -> set[str]:

@@ -31,13 +31,14 @@ INDEX_FILE = "model.safetensors.index.json"
 class TensorSource(Protocol):
     """Full tensors by name, the way shard files are written from them.
 
-    ``gather_full(names, keep)`` yields one ``(name, tensor)`` per name, in order: the full CPU
-    tensor for names in ``keep``, None for the others. One item per name (gathered or not) lets
-    a caller advance several calls in lockstep on every rank: a sharded source's gathers are
-    collective, so every rank must make them in the same order.
+    ``gather_full(names, owner)`` yields one ``(name, tensor)`` per name, in order: the full CPU
+    tensor on rank ``owner``, None on the other ranks. A sharded source gathers to the owner
+    alone where it can, so the network carries each tensor once, not once per rank. One item
+    per name lets a caller advance several calls in lockstep on every rank: a sharded source's
+    gathers are collective, so every rank must make them in the same order.
     """
 
-    def gather_full(self, names: Sequence[str], keep: set[str]) -> Iterator[tuple[str, torch.Tensor | None]]: ...
+    def gather_full(self, names: Sequence[str], owner: int) -> Iterator[tuple[str, torch.Tensor | None]]: ...
 
 
 class ExportSource(TensorSource, Protocol):
@@ -107,8 +108,9 @@ def write_rank_shards(
     failed write never leaves the others waiting; the error is returned for the caller to agree
     on and raise. Within a round the files advance in lockstep, one tensor of each at a time, so
     all ranks write at once, each the tensor it has just received: a rank holds at most two
-    gathered tensors at a time (its own and a peer's being gathered), not a shard file's worth.
-    Each file is fsync'd before this returns.
+    gathered tensors at a time (its own and a peer's being gathered), not a shard file's worth;
+    a rank that failed to write keeps receiving its file's tensors and drops them. Each file is
+    fsync'd before this returns.
     """
     records: dict[str, FileRecord] = {}
     error: BaseException | None = None
@@ -116,10 +118,7 @@ def write_rank_shards(
     for start in progress(range(0, len(file_names), world_size)):
         round_files = file_names[start : start + world_size]
         mine = rank if rank < len(round_files) else None
-        streams = [
-            source.gather_full(plan.files[name], set(plan.files[name]) if index == mine and error is None else set())
-            for index, name in enumerate(round_files)
-        ]
+        streams = [source.gather_full(plan.files[name], owner=index) for index, name in enumerate(round_files)]
         tensors = _in_lockstep(streams, mine)
         if mine is not None and error is None:
             file_name = round_files[mine]
