@@ -52,7 +52,8 @@ def _gather_to(tensor: DTensor, owner: int) -> torch.Tensor | None:
     DTensor does, and gathered into one buffer on the owner; anything else is all-gathered.
     """
     mesh = tensor.device_mesh
-    if mesh.ndim != 1 or tuple(tensor.placements) != (Shard(0),) or owner not in mesh.mesh.tolist() or not tensor.numel():
+    fsdp_layout = mesh.ndim == 1 and tuple(tensor.placements) == (Shard(0),) and owner in mesh.mesh.tolist()
+    if not fsdp_layout or not tensor.numel():
         return tensor.full_tensor()
     rows, world = tensor.shape[0], mesh.size()
     per_rank = -(-rows // world)
