@@ -4,8 +4,8 @@ The first half (:mod:`areal_ckpt.recover`) runs in the training process: it crea
 generation folder, encodes the small JSON files and captures the tensors. This half writes the
 tensors through DCP, then the small files, and commits; it runs either in the training process
 (sync) or in the background writers (async, :mod:`areal_ckpt.background`), collective over
-whichever group runs it. A failed write is retried in place; after the last attempt the generation is discarded, so
-the previous checkpoint stays the committed one whatever happens.
+whichever group runs it. A failed write is retried in place; after the last attempt the
+generation is discarded, so the previous checkpoint stays the committed one whatever happens.
 """
 
 from __future__ import annotations
