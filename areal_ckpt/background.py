@@ -7,6 +7,9 @@ them. The training process stages tensors into shared memory (:mod:`areal_ckpt.s
 hands the writer a job naming where each tensor sits, and goes on; the writer writes, fsyncs
 and commits, then reports back. At most one job is in flight per writer.
 
+A writer runs at a lower CPU priority (niceness +10) with one torch thread: where it shares
+cores with the training loop, the loop wins them, and the write stretches instead.
+
 A writer never outlives its training process: it asks the kernel to SIGKILL it when its parent
 dies, ignores Ctrl-C (its parent decides), and holds the trial lock's descriptor, so a restarted
 job cannot start while an orphaned write is still running. A kill at any instant therefore has
@@ -44,6 +47,7 @@ from areal_ckpt.staging import StagedLayout, StagedTensors, StagingArena
 logger = logging.getLogger("areal_ckpt.background")
 
 _PR_SET_PDEATHSIG = 1
+_WRITER_NICENESS = 10  # added to the training process's niceness
 _STORE_TIMEOUT = timedelta(minutes=10)
 _LIVENESS_POLL_SECONDS = 0.5
 
@@ -247,6 +251,8 @@ def _serve(
 ) -> None:
     """The writer process: join the writers' group, then run jobs until told to stop."""
     _die_with_parent(parent_pid)
+    os.nice(_WRITER_NICENESS)
+    torch.set_num_threads(1)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(f"%(asctime)s %(name)s [writer rank {rank}] %(levelname)s: %(message)s"))
     package_logger = logging.getLogger("areal_ckpt")

@@ -84,6 +84,7 @@ class RecoverHandler:
         self.store = _store_of(config)
         self._schedule = TriggerSchedule(config.freq_epochs, config.freq_steps, config.freq_secs)
         self._generation: str | None = None  # committed generation this process loaded or wrote
+        self._tidied = False  # rank 0 removed the debris of earlier jobs (at load or first dump)
         self._fingerprints: dict[str, list[int]] = {}
         self.last_metrics: dict[str, float] = {}
         self._writer = BackgroundWriter("recover", self.store.trial)
@@ -306,7 +307,9 @@ class RecoverHandler:
                 "call RecoverHandler.load() first (or use another trial_name) so it is not overwritten"
             )
         try:
-            self.store.remove_debris(keep=committed)
+            if not self._tidied:  # later dumps: each commit removes what it superseded
+                self.store.remove_debris(keep=committed)
+                self._tidied = True
             return "created", self.store.create(global_step, names)
         except OSError as error:
             return "failed", str(error)
@@ -380,6 +383,7 @@ class RecoverHandler:
         for name in sorted(engines):
             if engines[name].is_frozen:
                 self._fingerprints[name] = engines[name].fingerprint()
+        self._tidied = True  # find_committed removed the debris
         if info.rng_state is not None:
             restore_rng_state(info.rng_state)
         logger.info(

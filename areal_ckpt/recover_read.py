@@ -13,7 +13,7 @@ from areal_ckpt import dist
 from areal_ckpt._version import __version__
 from areal_ckpt.commit import check_files, read_manifest
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats.dcp_io import load_tensors, read_tensor_index
+from areal_ckpt.formats.dcp_io import load_tensors, read_metadata, tensor_index
 from areal_ckpt.fsio import FileRecord
 from areal_ckpt.layout import ENGINE_STATE_FILE, RECOVER_MANIFEST
 from areal_ckpt.recover_store import RecoverStore
@@ -97,7 +97,8 @@ def load_engine(
         engine.validate_recover_state(extra, include_optimizer)
     except ValueError as error:
         raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: {error}") from None
-    stored = read_tensor_index(folder)
+    metadata = read_metadata(folder)
+    stored = tensor_index(metadata)
     template = engine.recover_template(include_optimizer and extra.get("optimizer_has_state", True), stored)
     optional: tuple[str, ...] = ()
     if not strict:
@@ -115,7 +116,7 @@ def load_engine(
     # partitions that other ranks own (ZeRO) are theirs to read
     optional += tuple(f"{_OPTIMIZER_PREFIX}rank{r}." for r in range(manifest["world_size"]) if r != dist.rank())
     load_tensors(template, folder, optional_prefixes=optional if include_optimizer else optional + (_OPTIMIZER_PREFIX,),
-                 expected=expected)
+                 expected=expected, metadata=metadata)
     try:
         engine.load_recover_state(template, extra, include_optimizer, strict)
     except (KeyError, ValueError, RuntimeError) as error:

@@ -73,12 +73,14 @@ class RecoverStore:
         return self.root / generation
 
     def create(self, global_step: int, model_names: list[str]) -> str:
-        """Create an empty generation folder with one sub-folder per model; returns its name."""
+        """Create an empty generation folder with one sub-folder per model; returns its name.
+
+        Not durable by itself: :meth:`commit` makes the folder durable before pointing to it.
+        """
         name = generation_name(global_step, secrets.token_hex(4))
         folder = self.path(name)
         for sub in [RECOVER_INFO, *model_names]:
             (folder / sub).mkdir(parents=True)
-        fsync_dir(self.root)
         return name
 
     def link_model(self, source: str, target: str, model: str) -> dict[str, FileRecord]:
@@ -104,6 +106,7 @@ class RecoverStore:
         Durable on return. Until the switch the previous generation stays committed.
         """
         write_manifest(self.path(generation), RECOVER_MANIFEST, records, header)
+        fsync_dir(self.root)  # the generation's own entry, before anything points to it
         switch_symlink(self.pointer, generation)
         try:  # housekeeping: the commit above already holds whatever happens here
             self._ensure_links(models)

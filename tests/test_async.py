@@ -50,9 +50,16 @@ def test_staging_arena_copies_reuses_its_memory_and_frees_it():
     assert not torch.equal(view(buffer, layout.tensors["a"]), tensors["a"])
     arena.stage(layout, tensors.items())
     assert arena.buffer is buffer and torch.equal(view(buffer, layout.tensors["a"]), tensors["a"])
+    swapped = {"b": tensors["b"], "a": tensors["a"].neg(), "c": tensors["c"]}  # same room, other places
+    arena.stage(layout_of(swapped), swapped.items())
+    assert arena.buffer is buffer
+    for name, tensor in swapped.items():
+        assert torch.equal(view(buffer, layout_of(swapped).tensors[name]), tensor), name
     bigger = {**tensors, "d": torch.randn(1000)}
     arena.stage(layout_of(bigger), bigger.items())
     assert arena.buffer is not buffer and arena.capacity >= layout_of(bigger).nbytes
+    for name, tensor in bigger.items():
+        assert torch.equal(view(arena.buffer, layout_of(bigger).tensors[name]), tensor), name
     arena.release()
     assert arena.capacity == 0
 
@@ -112,6 +119,17 @@ def test_the_background_writer_does_not_run_the_training_script_again(tmp_path):
     exports = list((tmp_path / "root/checkpoints/tester/exp/trial/default").iterdir())
     assert [p.name for p in exports] == ["epoch0epochstep1globalstep1"]
     assert marker.read_text().splitlines() == ["__main__"]  # a spawned child would add "__mp_main__"
+
+
+def test_the_background_writer_yields_the_cores_to_training(tmp_path, make_model):
+    model = make_model()
+    saver = ac.Saver(saver_config(tmp_path, mode="async"), SPEC)
+    saver.save(ac.TorchEngine(model), 0, 1, 1, force=True)
+    saver.wait()  # the writer has started and run a job
+    writers = [p for p in multiprocessing.active_children() if p.name.startswith("areal_ckpt")]
+    assert len(writers) == 1
+    assert os.getpriority(os.PRIO_PROCESS, writers[0].pid) == os.getpriority(os.PRIO_PROCESS, 0) + 10
+    saver.finalize()
 
 
 def async_fsdp2_export_worker(rank: int, world_size: int, fileroot: str) -> None:

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -170,7 +169,7 @@ class TorchEngine:
         only its param groups: asking torch for its state dict would first allocate a zero
         gradient for every parameter, a hidden full copy of the model.
         """
-        tensors = {MODEL_PREFIX + name: value for name, value in get_model_state_dict(self.model).items()}
+        tensors = {MODEL_PREFIX + name: value for name, value in self._model_state().items()}
         extra: dict[str, Any] = {}
         if include_optimizer and self.optimizer is not None:
             extra["optimizer_has_state"] = bool(self.optimizer.state)
@@ -191,6 +190,15 @@ class TorchEngine:
         if self.lr_scheduler is not None:
             extra["lr_scheduler"] = self.lr_scheduler.state_dict()
         return tensors, extra
+
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        """The model's live state tensors under their HF names (DTensors under FSDP2); local.
+
+        For the layouts this engine accepts (plain, DDP, torch.compile, FSDP2) this is exactly
+        what ``get_model_state_dict`` returns, same keys and same tensors (tested), without that
+        helper re-verifying its options on every call: ~10 ms per dump for a 500-tensor model.
+        """
+        return self.module.state_dict()
 
     def _param_groups_by_name(self) -> list[dict[str, Any]]:
         names = {id(parameter): name for name, parameter in self.module.named_parameters()}
@@ -231,7 +239,7 @@ class TorchEngine:
         With ``with_optimizer_tensors`` the optimizer's state is initialized first if it is
         empty. ``stored`` (the checkpoint's tensor index) is not needed here.
         """
-        tensors = {MODEL_PREFIX + name: value for name, value in get_model_state_dict(self.model).items()}
+        tensors = {MODEL_PREFIX + name: value for name, value in self._model_state().items()}
         if with_optimizer_tensors and self.optimizer is not None:
             for fqn, entries in get_optimizer_state_dict(self.model, self.optimizer)["state"].items():
                 for key, value in entries.items():
@@ -276,7 +284,7 @@ class TorchEngine:
         Local; one read of this rank's weights, no copy (except of tensors off the CPU).
         """
         digest = []
-        for value in get_model_state_dict(self.model).values():
+        for value in self._model_state().values():
             local = value.to_local() if isinstance(value, DTensor) else value
             flat = local.detach().cpu().contiguous().reshape(-1)
             data = flat.view(torch.uint8).numpy() if flat.numel() else b""

@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats.dcp_io import load_tensors, read_tensor_index
+from areal_ckpt.formats.dcp_io import load_tensors, read_metadata, tensor_index
 from areal_ckpt.layout import ENGINE_STATE_FILE
 from areal_ckpt.state import safe_json
 from areal_ckpt.tensors import TensorSpec
@@ -42,9 +42,10 @@ class DcpModelSource:
         architectures = getattr(self.config, "architectures", None) or []
         self.architecture = architectures[0] if architectures else type(self.config).__name__
         self.on_accelerator = False
+        self._metadata = read_metadata(folder)
         self._index = {
             name[len(MODEL_PREFIX):]: value
-            for name, value in read_tensor_index(folder).items()
+            for name, value in tensor_index(self._metadata).items()
             if name.startswith(MODEL_PREFIX)
         }
         if not self._index:
@@ -66,7 +67,7 @@ class DcpModelSource:
             MODEL_PREFIX + name: torch.empty(self._index[name][1], dtype=self._index[name][0]) for name in wanted
         }
         if wanted:
-            load_tensors(template, self.folder, optional_prefixes=_SKIP_WHEN_READING)
+            load_tensors(template, self.folder, optional_prefixes=_SKIP_WHEN_READING, metadata=self._metadata)
         for name in names:
             yield name, template.pop(MODEL_PREFIX + name).reshape(self._shapes[name]) if wanted else None
 

@@ -212,12 +212,16 @@ class RawStorageReader(StorageReader):
     ``expected`` maps data file names to their manifest records: a file this rank reads whole
     is checked against its CRC-32 while it is read; one read in part is checked with a full
     pass afterwards. Without ``expected`` nothing is checked (the caller verified already).
+    ``metadata``, when given, is the folder's metadata already read by the caller.
     """
 
-    def __init__(self, folder: Path, expected: dict[str, FileRecord] | None = None) -> None:
+    def __init__(
+        self, folder: Path, expected: dict[str, FileRecord] | None = None, metadata: Metadata | None = None
+    ) -> None:
         super().__init__()
         self.folder = Path(folder)
         self.expected = expected
+        self._given = metadata
         self._metadata: Metadata | None = None
         self._chunk_sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
 
@@ -226,7 +230,7 @@ class RawStorageReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The JSON metadata (never a pickle)."""
-        return read_metadata_json(self.folder)
+        return read_metadata_json(self.folder) if self._given is None else self._given
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Index the stored chunks' shapes."""
