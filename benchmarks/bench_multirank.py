@@ -7,8 +7,8 @@ Configurations alternate (1, FSDP2, DDP, 1, ...) because disk speed drifts. Duri
 resident memory (beyond its own shard, already resident) is compared with one
 ``max_shard_size`` buffer, the issue's budget (the export holds at most two gathered tensors
 at a time: the one it writes and the one being gathered for a peer). The 2-rank run also times
-the export's gathers alone (every tensor all-gathered, nothing written): the floor the
-network (here gloo over loopback) puts under an FSDP2 export.
+the export's gathers alone (each tensor gathered to the rank that writes it, nothing written):
+the floor the network (here gloo over loopback) puts under an FSDP2 export.
 
     python benchmarks/bench_multirank.py --size 1024 --rounds 3 --out docs/benchmarks-multirank.md
 """
@@ -60,6 +60,18 @@ CONFIGURATIONS = [(1, "plain"), (2, "fsdp2"), (2, "ddp")]  # (ranks, wrapping)
 def _worker(rank: int, world: int, wrap: str, port: int, mib: int, rounds: int, workdir: str, result: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch_dist.init_process_group("gloo", rank=rank, world_size=world)
+    # the model (a DDP reducer holds the group) is gone when _measure returns: a DDP model
+    # freed after destroy_process_group can deadlock torch's gloo teardown on the GIL
+    size, timings, peak_export = _measure(wrap, mib, rounds, workdir, world)
+    slowest = [None] * world
+    torch_dist.all_gather_object(slowest, {"timings": timings, "peak_export": peak_export})
+    if rank == 0:
+        Path(result).write_text(json.dumps({"bytes": size, "ranks": slowest}))
+    torch_dist.destroy_process_group()
+
+
+def _measure(wrap: str, mib: int, rounds: int, workdir: str, world: int) -> tuple[int, dict[str, list[float]], int]:
+    """(state bytes, this rank's timings per operation, peak extra RSS during exports)."""
     model = model_of_size(mib, torch.float32)
     size = state_bytes(model)
     if wrap == "fsdp2":
@@ -101,11 +113,7 @@ def _worker(rank: int, world: int, wrap: str, port: int, mib: int, rounds: int, 
         timings["all-gather"].append(time.perf_counter() - start)
     handler.close()
     saver.finalize()
-    slowest = [None] * world
-    torch_dist.all_gather_object(slowest, {"timings": timings, "peak_export": peak_export})
-    if rank == 0:
-        Path(result).write_text(json.dumps({"bytes": size, "ranks": slowest}))
-    torch_dist.destroy_process_group()
+    return size, timings, peak_export
 
 
 def run_configuration(world: int, wrap: str, mib: int, rounds: int, workdir: Path) -> dict:
