@@ -33,3 +33,21 @@ def export_names(root: Path) -> list[str]:
 
 def manifest(folder: Path) -> dict:
     return json.loads((folder / "areal_ckpt_manifest.json").read_text())
+
+
+def wrap_model(model: torch.nn.Module, kind: str) -> torch.nn.Module:
+    """``model`` as a training job would hold it: ``fsdp2`` (every decoder layer and the root
+    sharded), ``ddp``, ``compiled`` (torch.compile), or ``none`` (as it is). Needs a process
+    group for fsdp2 and ddp."""
+    if kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        return model
+    if kind == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    if kind == "compiled":
+        return torch.compile(model)
+    return model

@@ -13,7 +13,7 @@ import areal_ckpt as ac
 from areal_ckpt.demo.tiny import build_model
 from areal_ckpt.formats.hf_export import plan_export
 from distributed import run_distributed
-from helpers import manifest, read_export_tensors, saver_config
+from helpers import manifest, read_export_tensors, saver_config, wrap_model
 
 pytestmark = pytest.mark.dist
 
@@ -25,15 +25,7 @@ SHARD = "40KB"
 def trained_model(wrap: str) -> torch.nn.Module:
     """Same weights on every rank and in the single-process run: seed, then one SGD step on fixed data."""
     torch.manual_seed(0)
-    model = build_model(VOCAB)
-    if wrap == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    elif wrap == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
+    model = wrap_model(build_model(VOCAB), wrap)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     tokens = torch.arange(16).reshape(2, 8) % VOCAB
     model(input_ids=tokens, labels=tokens).loss.backward()

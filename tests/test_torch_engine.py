@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor
 import areal_ckpt as ac
 from areal_ckpt.demo.tiny import build_model
 from distributed import run_distributed
+from helpers import wrap_model
 
 pytestmark = pytest.mark.dist
 
@@ -18,17 +19,7 @@ def wrapped(kind: str, tied: bool) -> torch.nn.Module:
     torch.manual_seed(0)
     model = build_model(48, tie_word_embeddings=tied)
     model.model.layers[0].mlp.requires_grad_(False)  # a frozen part must not change the keys
-    if kind == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    elif kind == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
-    elif kind == "compiled":
-        model = torch.compile(model)
-    return model
+    return wrap_model(model, kind)
 
 
 def same_state_worker(rank: int, world_size: int) -> None:
