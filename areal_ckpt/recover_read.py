@@ -13,7 +13,8 @@ from areal_ckpt import dist
 from areal_ckpt._version import __version__
 from areal_ckpt.commit import check_files, read_manifest
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats.dcp_io import load_tensors, read_metadata, tensor_index
+from areal_ckpt.formats.dcp_io import load_tensors, tensor_index
+from areal_ckpt.formats.dcp_storage import read_metadata_json
 from areal_ckpt.fsio import FileRecord
 from areal_ckpt.layout import ENGINE_STATE_FILE, RECOVER_MANIFEST
 from areal_ckpt.recover_store import RecoverStore
@@ -97,7 +98,7 @@ def load_engine(
         engine.validate_recover_state(extra, include_optimizer)
     except ValueError as error:
         raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: {error}") from None
-    metadata = read_metadata(folder)
+    metadata = read_metadata_json(folder)
     stored = tensor_index(metadata)
     template = engine.recover_template(include_optimizer and extra.get("optimizer_has_state", True), stored)
     optional: tuple[str, ...] = ()

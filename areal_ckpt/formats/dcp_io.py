@@ -42,12 +42,6 @@ def save_tensors(tensors: dict[str, torch.Tensor], folder: Path) -> dict[str, Fi
     return {writer.file_name: writer.record}
 
 
-def read_metadata(folder: Path) -> Metadata:
-    """The DCP metadata of ``folder``, from its JSON (never a pickle); local. Raises
-    CheckpointError naming the file when it is missing or malformed."""
-    return read_metadata_json(folder)
-
-
 def tensor_index(metadata: Metadata) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Names, dtypes and full shapes of the tensors ``metadata`` describes; no I/O."""
     return {
@@ -73,7 +67,7 @@ def load_tensors(
     data and must not be used. ``metadata`` is the folder's, when the caller read it already
     (it is parsed once: ~40 ms per GiB of a model-shaped state).
     """
-    metadata = read_metadata(folder) if metadata is None else metadata
+    metadata = read_metadata_json(folder) if metadata is None else metadata
     stored = tensor_index(metadata)
     missing = sorted(set(template) - set(stored))
     unexpected = sorted(name for name in set(stored) - set(template) if not name.startswith(optional_prefixes))

@@ -16,7 +16,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats.dcp_io import load_tensors, read_metadata, tensor_index
+from areal_ckpt.formats.dcp_io import load_tensors, tensor_index
+from areal_ckpt.formats.dcp_storage import read_metadata_json
 from areal_ckpt.layout import ENGINE_STATE_FILE
 from areal_ckpt.state import safe_json
 from areal_ckpt.tensors import TensorSpec
@@ -42,7 +43,7 @@ class DcpModelSource:
         architectures = getattr(self.config, "architectures", None) or []
         self.architecture = architectures[0] if architectures else type(self.config).__name__
         self.on_accelerator = False
-        self._metadata = read_metadata(folder)
+        self._metadata = read_metadata_json(folder)
         self._index = {
             name[len(MODEL_PREFIX):]: value
             for name, value in tensor_index(self._metadata).items()
