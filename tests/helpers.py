@@ -50,4 +50,6 @@ def wrap_model(model: torch.nn.Module, kind: str) -> torch.nn.Module:
         return torch.nn.parallel.DistributedDataParallel(model)
     if kind == "compiled":
         return torch.compile(model)
+    if kind != "none":
+        raise ValueError(f"unknown wrapping {kind!r}")
     return model

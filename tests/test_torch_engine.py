@@ -25,7 +25,7 @@ def wrapped(kind: str, tied: bool) -> torch.nn.Module:
 def same_state_worker(rank: int, world_size: int) -> None:
     """The engine's model tensors are torch's ``get_model_state_dict``: same keys, same order,
     the same live storage (no copies), for every layout the engine accepts."""
-    for kind in ("plain", "ddp", "compiled", "fsdp2"):
+    for kind in ("none", "ddp", "compiled", "fsdp2"):
         for tied in (True, False):
             model = wrapped(kind, tied)
             engine = ac.TorchEngine(model, torch.optim.SGD(model.parameters(), lr=0.1))
