@@ -10,11 +10,11 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from areal_ckpt import dist
 from areal_ckpt.commit import check_files, read_manifest
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.export import ExportResult, write_export
 from areal_ckpt.formats.dcp_source import DcpModelSource, load_tokenizer, tied_names
+from areal_ckpt.formats.hf_export import names_of_rank
 from areal_ckpt.layout import HF_FILES, MANIFEST_NAME, RECOVER_MANIFEST
 from areal_ckpt.recover_store import resolve_recovery
 from areal_ckpt.tagged import TAGGED_FORMAT, read_latest
@@ -80,11 +80,10 @@ class _StateDictSource:
         """Every tensor's name, shape and dtype."""
         return [TensorSpec(name, tuple(t.shape), t.dtype) for name, t in self.tensors.items()]
 
-    def gather_full(self, names: Sequence[str], owner: int) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """Each name with its tensor on rank ``owner``, None elsewhere; local, no copy."""
-        mine = dist.rank() == owner
-        for name in names:
-            yield name, self.tensors[name] if mine else None
+    def gather_round(self, files: Sequence[Sequence[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each name of this rank's entry of ``files`` with its tensor; local, no copy."""
+        for name in names_of_rank(files):
+            yield name, self.tensors[name]
 
 
 @contextlib.contextmanager

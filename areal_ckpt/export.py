@@ -24,6 +24,7 @@ from areal_ckpt.formats.hf_export import (
     ExportPlan,
     ExportSource,
     TensorSource,
+    names_of_rank,
     plan_export,
     write_metadata,
     write_rank_shards,
@@ -67,11 +68,10 @@ class StagedExportSource:
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors
 
-    def gather_full(self, names: Sequence[str], owner: int) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """Yield each name with its tensor on rank ``owner``, None elsewhere; local, no copy."""
-        mine = dist.rank() == owner
-        for name in names:
-            yield name, self.tensors[name] if mine else None
+    def gather_round(self, files: Sequence[Sequence[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield each name of this rank's entry of ``files`` with its tensor; local, no copy."""
+        for name in names_of_rank(files):
+            yield name, self.tensors[name]
 
 
 def write_export(
@@ -135,11 +135,11 @@ def stage_export(source: ExportSource, target: ExportTarget, arena: StagingArena
     specs = {spec.name: spec for spec in source.export_specs()}
     names = [name for file_name in mine for name in target.plan.files[file_name]]
     layout = layout_of_specs((name, specs[name].dtype, specs[name].shape) for name in names)
-    files = target.plan.files.values()
-    gathered = itertools.chain.from_iterable(  # every file in plan order, each to the rank that writes it
-        source.gather_full(tensor_names, owner=index % dist.world_size()) for index, tensor_names in enumerate(files)
+    files, world = list(target.plan.files.values()), dist.world_size()
+    gathered = itertools.chain.from_iterable(  # every round of files in plan order
+        source.gather_round(files[start : start + world]) for start in range(0, len(files), world)
     )
-    arena.stage(layout, ((name, tensor) for name, tensor in gathered if tensor is not None))
+    arena.stage(layout, gathered)
     return layout
 
 

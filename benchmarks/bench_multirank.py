@@ -5,10 +5,10 @@ The same model-shaped state (see bench.py) is dumped (RecoverHandler, model only
 replicated by DDP. Aggregate throughput is the state's bytes over the slowest rank's time.
 Configurations alternate (1, FSDP2, DDP, 1, ...) because disk speed drifts. During the 2-rank export each rank's peak extra
 resident memory (beyond its own shard, already resident) is compared with one
-``max_shard_size`` buffer, the issue's budget (the export holds at most two gathered tensors
-at a time: the one it writes and the one being gathered for a peer). The 2-rank run also times
-the export's gathers alone (each tensor gathered to the rank that writes it, nothing written):
-the floor the network (here gloo over loopback) puts under an FSDP2 export.
+``max_shard_size`` buffer, the issue's budget (the export holds one gathered tensor at a time:
+the one it writes). The 2-rank run also times the export's gathers alone (its rounds of files,
+each tensor made whole on the rank that writes it, nothing written): the floor the network
+(here gloo over loopback) puts under an FSDP2 export.
 
     python benchmarks/bench_multirank.py --size 1024 --rounds 3 --out docs/benchmarks-multirank.md
 """
@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 import areal_ckpt as ac
+from areal_ckpt.formats.hf_export import plan_export
 from bench import PeakRss, machine_description, model_of_size, scratch_folder, state_bytes
 
 warnings.filterwarnings("ignore")
@@ -87,7 +88,7 @@ def _measure(wrap: str, mib: int, rounds: int, workdir: str, world: int) -> tupl
     handler = ac.RecoverHandler(ac.RecoverConfig(mode="sync", **names), SPEC)
     saver = ac.Saver(ac.SaverConfig(mode="sync", keep_last=1, max_shard_size=SHARD_SIZE, **names), SPEC)
     timings: dict[str, list[float]] = {"dump": [], "export": [], "gather": [], "all-gather": []}
-    tensor_names = [spec.name for spec in engine.export_specs()]
+    files = list(plan_export(engine.export_specs(), SHARD_SIZE, None).files.values())
     peak_export = 0
     for index in range(rounds):
         torch_dist.barrier()
@@ -102,8 +103,9 @@ def _measure(wrap: str, mib: int, rounds: int, workdir: str, world: int) -> tupl
         peak_export = max(peak_export, rss.extra)
         torch_dist.barrier()
         start = time.perf_counter()
-        for _ in engine.gather_full(tensor_names, owner=0):  # what the export's gathers cost without the disk
-            pass
+        for first in range(0, len(files), world):  # the export's rounds of gathers, without the disk
+            for _ in engine.gather_round(files[first : first + world]):
+                pass
         timings["gather"].append(time.perf_counter() - start)
         torch_dist.barrier()
         start = time.perf_counter()
@@ -159,8 +161,8 @@ def report(result: dict, machine: str) -> str:
                          f"{size / two / 1e9:.2f} | {ratio:.2f} | "
                          f"{'PASS' if ratio >= AGGREGATE_TARGET else 'FAIL'} (>= {AGGREGATE_TARGET}) |")
     gather, all_gather = median["fsdp2"]["gather"], median["fsdp2"]["all-gather"]
-    lines += ["", f"An FSDP2 export gathers every tensor over gloo, each to the rank that writes it: those gathers "
-              f"alone (no disk) take {gather:.2f} s ({size / gather / 1e9:.2f} GB/s), a floor under the FSDP2 export "
+    lines += ["", f"An FSDP2 export gathers every tensor over gloo, each to the rank that writes it (both ranks "
+              f"send and receive at once): those gathers alone (no disk) take {gather:.2f} s ({size / gather / 1e9:.2f} GB/s), a floor under the FSDP2 export "
               f"on this machine whatever the disk does. Making every tensor whole on every rank instead "
               f"(`DTensor.full_tensor()`) takes {all_gather:.2f} s. DDP exports write straight from each rank's "
               "replica, without gathers."]

@@ -79,9 +79,13 @@ def test_shard_files_are_dealt_to_both_ranks():
 
 
 def uneven_gather_worker(rank: int, world_size: int) -> None:
-    """FSDP2 shards of uneven rows (47-row embeddings: 24 + 23; a 1-row tensor: 1 + 0) come
-    back whole on the owner, one item per name in order, None on the other rank."""
+    """FSDP2 shards of uneven rows (47-row embeddings: 24 + 23; a 1-row tensor: 1 + 0) and a
+    replicated DTensor come back whole on their owners, in order, whether one rank receives
+    while the other only sends, both receive at once (opposite orders, so each step sends one
+    tensor each way), or one rank's file runs out before the other's."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
 
     torch.manual_seed(0)
     model = build_model(47)
@@ -90,18 +94,20 @@ def uneven_gather_worker(rank: int, world_size: int) -> None:
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
+    replicated = torch.arange(6.0).reshape(2, 3)
+    mesh = init_device_mesh("cpu", (world_size,))
+    model.register_parameter("replicated", torch.nn.Parameter(distribute_tensor(replicated, mesh, [Replicate()])))
+    reference["replicated"] = replicated
     engine = ac.TorchEngine(model)
     names = [spec.name for spec in engine.export_specs()]
-    assert "one_row" in names and "model.embed_tokens.weight" in names
-    for owner in range(world_size):
-        seen = []
-        for name, tensor in engine.gather_full(names, owner):
-            seen.append(name)
-            if rank == owner:
-                assert torch.equal(tensor, reference[name]), name
-            else:
-                assert tensor is None, name
-        assert seen == names
+    assert {"one_row", "model.embed_tokens.weight", "replicated"} <= set(names)
+    rounds = [[[], names], [names], [names, names[::-1]], [names[:3], names]]
+    for files in rounds:
+        expected = files[rank] if rank < len(files) else []
+        received = list(engine.gather_round(files))
+        assert [name for name, _ in received] == expected, files
+        for name, tensor in received:
+            assert torch.equal(tensor, reference[name]), name
 
 
 def test_fsdp2_gathers_rebuild_uneven_shards_exactly():

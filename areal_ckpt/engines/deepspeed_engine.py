@@ -19,6 +19,7 @@ Recovery: we store what DeepSpeed's optimizer actually trains, not its pickled s
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -37,7 +38,7 @@ class DeepSpeedEngine:
     """What the Saver, RecoverHandler and :func:`areal_ckpt.save_checkpoint` need from DeepSpeed.
 
     ``ds_engine`` is what ``deepspeed.initialize`` returned first. Construction is local;
-    ``gather_full`` (ZeRO-3), ``recover_state`` and ``load_recover_state`` are collective.
+    ``gather_round`` (ZeRO-3), ``recover_state`` and ``load_recover_state`` are collective.
     """
 
     def __init__(self, ds_engine: Any) -> None:
@@ -103,30 +104,35 @@ class DeepSpeedEngine:
             specs.append(TensorSpec(spec.name, shape, spec.dtype))
         return specs
 
-    def gather_full(self, names: Sequence[str], owner: int) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """Yield ``(name, full CPU tensor)`` for each of ``names`` on rank ``owner``; None on
-        the other ranks.
+    def gather_round(self, files: Sequence[Sequence[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, full CPU tensor)`` for each tensor of ``files[rank]``, in order
+        (nothing when ``files`` has no entry for this rank); ``files[i]`` is what rank ``i`` writes.
 
-        Collective under ZeRO-3 (every rank walks the same ``names`` in order; one parameter is
-        all-gathered per item, DeepSpeed's way); local, and without copies of CPU tensors,
-        under ZeRO 0-2.
+        Collective under ZeRO-3: every rank passes the same ``files`` and exhausts the iterator;
+        each step all-gathers one parameter of every file in turn (DeepSpeed's way) and ranks
+        that do not write it drop it at once. Local, and without copies of CPU tensors, under
+        ZeRO 0-2.
         """
         if self.stage < 3:
-            yield from self._torch.gather_full(names, owner)
+            yield from self._torch.gather_round(files)
             return
         import deepspeed
 
-        mine = dist.rank() == owner
+        me = dist.rank()
         parameters = self._parameters()
         state = self.module.state_dict()
-        for name in names:
-            parameter = parameters.get(name)
-            if parameter is None or not hasattr(parameter, "ds_tensor"):
-                yield name, state[name].detach().cpu() if mine else None
-                continue
-            with deepspeed.zero.GatheredParameters([parameter]):
-                full = parameter.data.detach().to("cpu", copy=True) if mine else None
-            yield name, full
+        for names in itertools.zip_longest(*files):
+            for owner, name in enumerate(names):
+                if name is None:
+                    continue
+                parameter = parameters.get(name)
+                if parameter is None or not hasattr(parameter, "ds_tensor"):
+                    full = state[name].detach().cpu() if owner == me else None
+                else:
+                    with deepspeed.zero.GatheredParameters([parameter]):
+                        full = parameter.data.detach().to("cpu", copy=True) if owner == me else None
+                if full is not None:
+                    yield name, full
 
     # -- recovery ---------------------------------------------------------------------------
 

@@ -13,10 +13,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from areal_ckpt import dist
+from areal_ckpt.engines.gather import round_of_files
 from areal_ckpt.fsio import crc32
 from areal_ckpt.tensors import TensorSpec
 
@@ -43,35 +43,11 @@ def original_class(module: nn.Module) -> type:
     return type(module)
 
 
-def _gather_to(tensor: DTensor, owner: int) -> torch.Tensor | None:
-    """The full tensor on global rank ``owner`` (None elsewhere, for the layouts it can send
-    there alone); collective over the tensor's mesh.
-
-    Dim-0 shards over a 1-D mesh that holds ``owner`` (FSDP2) are padded to equal rows, as
-    DTensor does, and gathered into one buffer on the owner; anything else is all-gathered.
-    """
-    mesh = tensor.device_mesh
-    fsdp_layout = mesh.ndim == 1 and tuple(tensor.placements) == (Shard(0),) and owner in mesh.mesh.tolist()
-    if not fsdp_layout or not tensor.numel():
-        return tensor.full_tensor()
-    rows, world = tensor.shape[0], mesh.size()
-    per_rank = -(-rows // world)
-    local = tensor.to_local().detach()
-    if local.shape[0] != per_rank:
-        local = torch.cat([local, local.new_zeros((per_rank - local.shape[0], *local.shape[1:]))])
-    if dist.rank() != owner:
-        torch.distributed.gather(local.contiguous(), None, dst=owner, group=mesh.get_group())
-        return None
-    gathered = local.new_empty((per_rank * world, *local.shape[1:]))
-    torch.distributed.gather(local.contiguous(), list(gathered.chunk(world)), dst=owner, group=mesh.get_group())
-    return gathered[:rows]
-
-
 class TorchEngine:
     """What the Saver and RecoverHandler need from a torch training setup.
 
     ``model`` is a transformers ``PreTrainedModel``, optionally wrapped in DDP, compiled, or
-    sharded with FSDP2 ``fully_shard``. Construction is local; :meth:`gather_full` is collective
+    sharded with FSDP2 ``fully_shard``. Construction is local; :meth:`gather_round` is collective
     when the model is sharded.
     """
 
@@ -135,23 +111,16 @@ class TorchEngine:
             for name, tensor in self._export_state().items()
         ]
 
-    def gather_full(self, names: Sequence[str], owner: int) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """Yield ``(name, full CPU tensor)`` for each of ``names`` on rank ``owner``; None on
-        the other ranks.
+    def gather_round(self, files: Sequence[Sequence[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(name, full CPU tensor)`` for each tensor of ``files[rank]``, in order
+        (nothing when ``files`` has no entry for this rank); ``files[i]`` is what rank ``i`` writes.
 
-        Collective when :attr:`is_sharded`: every rank must iterate the same ``names`` in the
-        same order, one gather per item. FSDP2's layout (dim-0 shards over one mesh dimension)
-        is gathered to ``owner`` alone; other layouts are all-gathered and dropped where not
-        needed. Local otherwise, and then no tensor is copied unless it lives off the CPU.
+        Collective when :attr:`is_sharded`: every rank passes the same ``files`` and exhausts
+        the iterator; each step makes one tensor of every file whole on its owner alone (see
+        :mod:`areal_ckpt.engines.gather`). Local otherwise, and then no tensor is copied unless
+        it lives off the CPU.
         """
-        mine = dist.rank() == owner
-        state = self._export_state()
-        for name in names:
-            tensor = state[name]
-            full = _gather_to(tensor, owner) if isinstance(tensor, DTensor) else tensor
-            kept = full.detach().cpu() if mine else None
-            del tensor, full  # a dropped gathered tensor is freed now, not when the caller asks for the next
-            yield name, kept
+        return round_of_files(files, self._export_state())
 
     # -- recovery: full training state through DCP ------------------------------------------
 

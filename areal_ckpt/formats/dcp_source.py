@@ -14,10 +14,10 @@ from typing import Any, Iterator, Sequence
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import load_tensors, tensor_index
 from areal_ckpt.formats.dcp_storage import read_metadata_json
+from areal_ckpt.formats.hf_export import names_of_rank
 from areal_ckpt.layout import ENGINE_STATE_FILE
 from areal_ckpt.state import safe_json
 from areal_ckpt.tensors import TensorSpec
@@ -60,17 +60,17 @@ class DcpModelSource:
         """Stored model tensors (full shapes), tied duplicates left out; local, reads metadata only."""
         return [TensorSpec(name, self._shapes[name], self._index[name][0]) for name in self._names]
 
-    def gather_full(self, names: Sequence[str], owner: int) -> Iterator[tuple[str, torch.Tensor | None]]:
-        """Each name with its tensor read from the shards on rank ``owner`` (one DCP read for
-        all of them), None elsewhere; local."""
-        wanted = list(names) if dist.rank() == owner else []
+    def gather_round(self, files: Sequence[Sequence[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each name of this rank's entry of ``files`` with its tensor read from the shards (one
+        DCP read for all of them); local."""
+        wanted = names_of_rank(files)
         template = {
             MODEL_PREFIX + name: torch.empty(self._index[name][1], dtype=self._index[name][0]) for name in wanted
         }
         if wanted:
             load_tensors(template, self.folder, optional_prefixes=_SKIP_WHEN_READING, metadata=self._metadata)
-        for name in names:
-            yield name, template.pop(MODEL_PREFIX + name).reshape(self._shapes[name]) if wanted else None
+        for name in wanted:
+            yield name, template.pop(MODEL_PREFIX + name).reshape(self._shapes[name])
 
 
 def tied_names(config: Any) -> set[str]:

@@ -3,14 +3,12 @@
 The shard plan comes from ``huggingface_hub``'s splitter, so file names and the index are what
 ``save_pretrained`` would write. Files are dealt out to ranks round-robin; each rank writes its
 own files, so a multi-rank export is written in parallel, and each tensor goes to its file as
-soon as it is gathered: a rank holds at most two gathered tensors at a time (the one it writes
-and, when sharded, the one being gathered for a peer), whatever the shard size.
+soon as it is whole: a rank holds one gathered tensor at a time, whatever the shard size.
 """
 
 from __future__ import annotations
 
 import copy
-import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 import torch
 from huggingface_hub.serialization import split_state_dict_into_shards_factory
 
+from areal_ckpt import dist
 from areal_ckpt.errors import CollectiveError
 from areal_ckpt.fsio import FileRecord, write_file_durably
 from areal_ckpt.formats.safetensors_io import write_safetensors
@@ -31,14 +30,14 @@ INDEX_FILE = "model.safetensors.index.json"
 class TensorSource(Protocol):
     """Full tensors by name, the way shard files are written from them.
 
-    ``gather_full(names, owner)`` yields one ``(name, tensor)`` per name, in order: the full CPU
-    tensor on rank ``owner``, None on the other ranks. A sharded source gathers to the owner
-    alone where it can, so the network carries each tensor once, not once per rank. One item
-    per name lets a caller advance several calls in lockstep on every rank: a sharded source's
-    gathers are collective, so every rank must make them in the same order.
+    ``gather_round(files)`` takes one round of files, ``files[i]`` the tensor names rank ``i``
+    writes, and yields ``(name, full CPU tensor)`` for this rank's entry, in order (nothing when
+    the round has none for it). A sharded source makes each tensor whole on its owner alone, so
+    the network carries it once, not once per rank; its steps are collective, so every rank
+    passes the same ``files`` and exhausts the iterator.
     """
 
-    def gather_full(self, names: Sequence[str], owner: int) -> Iterator[tuple[str, torch.Tensor | None]]: ...
+    def gather_round(self, files: Sequence[Sequence[str]]) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
 class ExportSource(TensorSource, Protocol):
@@ -104,24 +103,21 @@ def write_rank_shards(
     ``progress`` wraps the iteration over rounds of files (e.g. a tqdm bar in the CLI).
 
     Collective when the source is sharded: every rank walks the files in rounds of
-    ``world_size`` (one file per rank) and takes part in gathering every tensor, so one rank's
-    failed write never leaves the others waiting; the error is returned for the caller to agree
-    on and raise. Within a round the files advance in lockstep, one tensor of each at a time, so
-    all ranks write at once, each the tensor it has just received: a rank holds at most two
-    gathered tensors at a time (its own and a peer's being gathered), not a shard file's worth;
-    a rank that failed to write keeps receiving its file's tensors and drops them. Each file is
-    fsync'd before this returns.
+    ``world_size`` (one file per rank) and takes part in making every tensor whole, so one
+    rank's failed write never leaves the others waiting; the error is returned for the caller
+    to agree on and raise. Within a round the files advance together, one tensor of each at a
+    time, so all ranks write at once, each the tensor it has just received: a rank holds one
+    gathered tensor at a time, not a shard file's worth; a rank that failed to write keeps
+    receiving its file's tensors and drops them. Each file is fsync'd before this returns.
     """
     records: dict[str, FileRecord] = {}
     error: BaseException | None = None
     file_names = list(plan.files)
     for start in progress(range(0, len(file_names), world_size)):
         round_files = file_names[start : start + world_size]
-        mine = rank if rank < len(round_files) else None
-        streams = [source.gather_full(plan.files[name], owner=index) for index, name in enumerate(round_files)]
-        tensors = _in_lockstep(streams, mine)
-        if mine is not None and error is None:
-            file_name = round_files[mine]
+        tensors = source.gather_round([plan.files[name] for name in round_files])
+        if rank < len(round_files) and error is None:
+            file_name = round_files[rank]
             try:
                 records[file_name] = write_safetensors(
                     folder / file_name, [plan.specs[name] for name in plan.files[file_name]],
@@ -131,20 +127,15 @@ def write_rank_shards(
                 raise
             except Exception as exc:  # reported to every rank by the caller
                 error = exc
-        for _ in tensors:  # the rest of the round's gathers (all of them when this rank writes none)
+        for _ in tensors:  # the rest of the round's steps (all of them when this rank writes none)
             pass
     return records, error
 
 
-def _in_lockstep(
-    streams: list[Iterator[tuple[str, torch.Tensor | None]]], mine: int | None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Advance every stream by one item per step, in list order (the same on every rank), and
-    yield the items of stream ``mine``; streams that run out early are skipped."""
-    for items in itertools.zip_longest(*streams):
-        item = items[mine] if mine is not None else None
-        if item is not None:
-            yield item
+def names_of_rank(files: Sequence[Sequence[str]]) -> Sequence[str]:
+    """This rank's entry of a round's ``files`` (empty when the round has none for it); local."""
+    rank = dist.rank()
+    return files[rank] if rank < len(files) else ()
 
 
 def _to_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
