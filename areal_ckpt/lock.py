@@ -5,7 +5,13 @@ RecoverHandler is created and keeps it until ``Saver.finalize()`` / ``RecoverHan
 or the process exits. The kernel releases it when the
 holder dies however it dies (SIGKILL included), so a crashed job never blocks its restart. Within
 one process the lock is shared (a Saver and a RecoverHandler on one trial, or a handler made
-again after a failed load). ``flock`` is honoured by local filesystems and most network ones;
+again after a failed load).
+
+An asynchronous job's background writers hold the lock too, and the kernel kills them when
+their training process dies; that takes a moment (longer if a writer is inside an fsync). A job
+restarted within that moment finds the lock held although the recorded holder is dead: when the
+holder's pid, on this host, no longer runs, the lock is waited for (up to
+:data:`ORPHAN_WAIT_SECONDS`) instead of refused. A live holder is refused at once. ``flock`` is honoured by local filesystems and most network ones;
 on a filesystem that ignores it the lock is only as good as that filesystem.
 """
 
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import socket
 import time
@@ -20,7 +27,11 @@ from pathlib import Path
 
 from areal_ckpt.errors import CheckpointError
 
+logger = logging.getLogger("areal_ckpt.lock")
+
 LOCK_NAME = ".areal_ckpt.lock"
+ORPHAN_WAIT_SECONDS = 120.0  # how long a dead holder's writers may take to exit
+_POLL_SECONDS = 0.05
 
 _held: dict[Path, list[int]] = {}  # lock path -> [fd, number of holders in this process]
 
@@ -28,8 +39,10 @@ _held: dict[Path, list[int]] = {}  # lock path -> [fd, number of holders in this
 def acquire_trial_lock(trial: Path) -> None:
     """Take the trial's lock until a matching :func:`release_trial_lock` or the process ends.
 
-    Local, non-blocking; counted within the process. Creates the trial folder if needed.
-    Raises CheckpointError naming the holder (pid, host, since when) if another process holds it.
+    Local; counted within the process. Creates the trial folder if needed. Non-blocking when
+    the lock is free or its recorded holder is alive: raises CheckpointError naming the holder
+    (pid, host, since when). Blocks up to :data:`ORPHAN_WAIT_SECONDS` while the recorded
+    holder is a dead process of this host (its background writers are still exiting).
     """
     path = (trial / LOCK_NAME).absolute()
     if path in _held:
@@ -37,19 +50,59 @@ def acquire_trial_lock(trial: Path) -> None:
         return
     trial.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if not _try_lock(fd):
         holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise CheckpointError(
-            f"{trial}: another job is using this trial (lock {path} held by {holder}); two jobs must not "
-            "write one trial: stop the other job or use another trial_name"
-        ) from None
+        dead = _holder_is_dead(holder)
+        if not (dead and _wait_for_orphans(fd, path, holder)):
+            os.close(fd)
+            orphans = f"; its process is gone, its writers did not exit within {ORPHAN_WAIT_SECONDS:.0f} s"
+            raise CheckpointError(
+                f"{trial}: another job is using this trial (lock {path} held by {holder}{orphans if dead else ''}); "
+                "two jobs must not write one trial: stop the other job or use another trial_name"
+            )
     holder = {"pid": os.getpid(), "host": socket.gethostname(), "since_unix": time.time()}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(holder).encode(), 0)
     _held[path] = [fd, 1]
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _holder_is_dead(holder: str) -> bool:
+    """True when ``holder`` (the lock file's JSON) names a process of this host that no longer
+    runs (gone, or a zombie); False when it runs, cannot be read or is on another host."""
+    try:
+        record = json.loads(holder)
+        pid, host = int(record["pid"]), record["host"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    if host != socket.gethostname():
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X")  # the state follows the command name
+
+
+def _wait_for_orphans(fd: int, path: Path, holder: str) -> bool:
+    """Poll for the lock until :data:`ORPHAN_WAIT_SECONDS` pass; True once it is taken."""
+    logger.warning("lock %s is held by the writers of a dead job (%s); waiting up to %.0f s for them to exit",
+                   path, holder, ORPHAN_WAIT_SECONDS)
+    deadline = time.monotonic() + ORPHAN_WAIT_SECONDS
+    while time.monotonic() < deadline:
+        time.sleep(_POLL_SECONDS)
+        if _try_lock(fd):
+            return True
+    return False
 
 
 def release_trial_lock(trial: Path) -> None:
