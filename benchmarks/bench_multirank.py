@@ -5,8 +5,8 @@ The same model-shaped state (see bench.py) is dumped (RecoverHandler, model only
 replicated by DDP. Aggregate throughput is the state's bytes over the slowest rank's time.
 Configurations alternate (1, FSDP2, DDP, 1, ...) because disk speed drifts. During the 2-rank export each rank's peak extra
 resident memory (beyond its own shard, already resident) is compared with one
-``max_shard_size`` buffer, the issue's budget (the export holds one gathered tensor at a time:
-the one it writes). The 2-rank run also times the export's gathers alone (its rounds of files,
+``max_shard_size`` buffer, the issue's budget (the export holds at most two gathered tensors:
+the one it writes and the next, in flight). The 2-rank run also times the export's gathers alone (its rounds of files,
 each tensor made whole on the rank that writes it, nothing written): the floor the network
 (here gloo over loopback) puts under an FSDP2 export.
 

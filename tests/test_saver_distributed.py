@@ -79,13 +79,14 @@ def test_shard_files_are_dealt_to_both_ranks():
 
 
 def uneven_gather_worker(rank: int, world_size: int) -> None:
-    """FSDP2 shards of uneven rows (47-row embeddings: 24 + 23; a 1-row tensor: 1 + 0) and a
-    replicated DTensor come back whole on their owners, in order, whether one rank receives
+    """FSDP2 shards of uneven rows (47-row embeddings: 24 + 23; a 1-row tensor: 1 + 0), a
+    replicated DTensor and one sharded by columns (all-gathered between the point-to-point
+    steps) come back whole on their owners, in order, whether one rank receives
     while the other only sends, both receive at once (opposite orders, so each step sends one
     tensor each way), or one rank's file runs out before the other's."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     torch.manual_seed(0)
     model = build_model(47)
@@ -98,9 +99,12 @@ def uneven_gather_worker(rank: int, world_size: int) -> None:
     mesh = init_device_mesh("cpu", (world_size,))
     model.register_parameter("replicated", torch.nn.Parameter(distribute_tensor(replicated, mesh, [Replicate()])))
     reference["replicated"] = replicated
+    columns = torch.arange(15.0).reshape(3, 5)
+    model.register_parameter("columns", torch.nn.Parameter(distribute_tensor(columns, mesh, [Shard(1)])))
+    reference["columns"] = columns
     engine = ac.TorchEngine(model)
     names = [spec.name for spec in engine.export_specs()]
-    assert {"one_row", "model.embed_tokens.weight", "replicated"} <= set(names)
+    assert {"one_row", "model.embed_tokens.weight", "replicated", "columns"} <= set(names)
     rounds = [[[], names], [names], [names, names[::-1]], [names[:3], names]]
     for files in rounds:
         expected = files[rank] if rank < len(files) else []

@@ -5,12 +5,16 @@ At each such step every rank needs one full tensor, whose rows are spread over a
 under FSDP2 (dim-0 shards over a 1-D mesh) each rank sends each owner its own rows while it
 receives the rows of its own tensor, so the links carry data both ways at once and no rank
 pads, concatenates or receives a tensor it does not write. Other layouts are all-gathered.
+The next step's transfers are started before the current tensor is handed out, so they move
+(on the process group's own threads) while the caller writes; a step that all-gathers first
+waits for the transfers before it, so a collective never runs beside tagged sends.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as torch_dist
@@ -19,46 +23,59 @@ from torch.distributed.tensor import DTensor, Shard
 from areal_ckpt import dist
 
 
-def whole_for_owners(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
-    """The full tensor of this rank's entry of ``tensors`` (None when it has none).
+@dataclass
+class _Step:
+    """One step's transfers in flight and the tensor this rank will hold when they are done."""
 
-    ``tensors[i]`` is what global rank ``i`` writes now (None: nothing); entries past the list
-    are None. Collective over every rank when any entry is a DTensor: all ranks pass the same
-    names (their own DTensors of them) in the same order. Blocking; plain tensors are returned
-    as they are, without a copy.
-    """
+    name: str | None
+    tensor: torch.Tensor | None
+    requests: list[Any] = field(default_factory=list)
+
+    def wait(self) -> None:
+        for request in self.requests:
+            request.wait()
+        self.requests.clear()
+
+
+def _start_step(
+    names: Sequence[str | None], state: dict[str, torch.Tensor], tag: int, previous: _Step | None
+) -> _Step:
+    """Start making ``state[names[i]]`` whole on global rank ``i`` (None: rank ``i`` takes
+    nothing now) while ``previous`` may still be in flight. Collective when any entry is a
+    DTensor: every rank passes the same names in the same order and the same ``tag``. Blocks
+    only for layouts that are all-gathered (after waiting for ``previous``)."""
     me = dist.rank()
-    mine: torch.Tensor | None = None
+    step = _Step(name=names[me] if me < len(names) else None, tensor=None)
     exchanged: list[tuple[int, DTensor]] = []
-    for owner, tensor in enumerate(tensors):
-        if tensor is None:
+    for owner, name in enumerate(names):
+        if name is None:
             continue
+        tensor = state[name]
         if not isinstance(tensor, DTensor):
-            mine = tensor if owner == me else mine
+            step.tensor = tensor if owner == me else step.tensor
         elif _sharded_by_rows(tensor, owner):
             exchanged.append((owner, tensor))
         else:  # collective over the mesh, made by every rank in the same order
+            if previous is not None:
+                previous.wait()
             full = tensor.full_tensor()
-            mine = full if owner == me else mine
-    requests = []
+            step.tensor = full if owner == me else step.tensor
     for owner, tensor in exchanged:
         group = tensor.device_mesh.get_group()
         ranks = tensor.device_mesh.mesh.tolist()
         local = tensor.to_local().detach()
         if owner == me:
-            mine = local.new_empty(tensor.shape)
+            step.tensor = local.new_empty(tensor.shape)
             for index, peer in enumerate(ranks):
                 rows, offset = Shard.local_shard_size_and_offset(tensor.shape[0], len(ranks), index)
-                piece = mine.narrow(0, offset, rows)
+                piece = step.tensor.narrow(0, offset, rows)
                 if peer == me:
                     piece.copy_(local)
                 elif rows:
-                    requests.append(torch_dist.irecv(piece, src=peer, group=group))
+                    step.requests.append(torch_dist.irecv(piece, src=peer, group=group, tag=tag))
         elif me in ranks and local.shape[0]:
-            requests.append(torch_dist.isend(local.contiguous(), dst=owner, group=group))
-    for request in requests:
-        request.wait()
-    return mine
+            step.requests.append(torch_dist.isend(local.contiguous(), dst=owner, group=group, tag=tag))
+    return step
 
 
 def round_of_files(
@@ -69,14 +86,23 @@ def round_of_files(
 
     ``files[i]`` lists the tensors rank ``i`` writes. Collective when ``state`` holds DTensors:
     every rank passes the same ``files`` and exhausts the iterator; step ``k`` makes tensor
-    ``k`` of every file whole on its owner (:func:`whole_for_owners`). Blocking per item.
+    ``k`` of every file whole on its owner, and is started while the caller still holds the
+    tensor of step ``k - 1`` (so a rank holds at most two gathered tensors). Blocking per item.
     """
-    me = dist.rank()
-    for names in itertools.zip_longest(*files):
-        full = whole_for_owners([state[name] if name is not None else None for name in names])
-        if me < len(names) and names[me] is not None:
-            yield names[me], full.detach().cpu()
-        del full  # freed now, not when the caller asks for the next
+    current: _Step | None = None
+    for tag, names in enumerate(itertools.zip_longest(*files)):
+        following = _start_step(names, state, tag, current)
+        if current is not None:
+            yield from _handed_out(current)
+        current = following
+    if current is not None:
+        yield from _handed_out(current)
+
+
+def _handed_out(step: _Step) -> Iterator[tuple[str, torch.Tensor]]:
+    step.wait()
+    if step.name is not None and step.tensor is not None:
+        yield step.name, step.tensor.detach().cpu()
 
 
 def _sharded_by_rows(tensor: DTensor, owner: int) -> bool:

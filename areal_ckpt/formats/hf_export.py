@@ -3,7 +3,8 @@
 The shard plan comes from ``huggingface_hub``'s splitter, so file names and the index are what
 ``save_pretrained`` would write. Files are dealt out to ranks round-robin; each rank writes its
 own files, so a multi-rank export is written in parallel, and each tensor goes to its file as
-soon as it is whole: a rank holds one gathered tensor at a time, whatever the shard size.
+soon as it is whole: a rank holds at most two gathered tensors at a time (the one it writes
+and the next, in flight), whatever the shard size.
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ def write_rank_shards(
     ``world_size`` (one file per rank) and takes part in making every tensor whole, so one
     rank's failed write never leaves the others waiting; the error is returned for the caller
     to agree on and raise. Within a round the files advance together, one tensor of each at a
-    time, so all ranks write at once, each the tensor it has just received: a rank holds one
-    gathered tensor at a time, not a shard file's worth; a rank that failed to write keeps
+    time, so all ranks write at once, each the tensor it has just received while the next one
+    moves: a rank holds at most two gathered tensors, not a shard file's worth; a rank that failed to write keeps
     receiving its file's tensors and drops them. Each file is fsync'd before this returns.
     """
     records: dict[str, FileRecord] = {}
