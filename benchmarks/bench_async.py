@@ -5,11 +5,13 @@ For a model-shaped state (see bench.py) it measures, in interleaved rounds:
 - one in-memory copy of the state into preallocated memory (the unavoidable cost of a snapshot);
 - the blocking time of an async recovery dump and of an async export (`dump` / `save` return
   after staging; the previous save is collected before timing, as a loop with saves far apart
-  would find it), and the synchronous dump for comparison;
+  would find it), and the synchronous dump for comparison. Each is divided by the copy timed
+  in the same round, and the target is checked on the median of those ratios: the copy itself
+  moves by 2x between rounds here;
 - a compute-bound loop (matrix products on torch's default threads) alone and while a
   background dump is being written: the slowdown the loop notices.
 
-    python benchmarks/bench_async.py --sizes 256 1024 --rounds 3 --out docs/benchmarks-async.md
+    python benchmarks/bench_async.py --sizes 256 1024 --rounds 5 --out docs/benchmarks-async.md
 """
 
 from __future__ import annotations
@@ -111,6 +113,8 @@ def run(sizes: list[int], rounds: int, dtype: torch.dtype, workdir: Path) -> lis
         results.append({
             "mib": mib, "bytes": state_bytes(model), "background": background, "steps_during": len(timings["during"]),
             **{name: statistics.median(values) if values else float("nan") for name, values in timings.items()},
+            **{f"{name} / copy": statistics.median(t / c for t, c in zip(timings[name], timings["copy"]))
+               for name in ("dump", "export")},
         })
         del model, engine
     return results
@@ -118,7 +122,8 @@ def run(sizes: list[int], rounds: int, dtype: torch.dtype, workdir: Path) -> lis
 
 def report(results: list[dict], machine: str, dtype: torch.dtype) -> str:
     lines = [f"Measured {time.strftime('%Y-%m-%d')} on {machine}; {str(dtype).removeprefix('torch.')} state, "
-             "model only; medians of interleaved rounds.", ""]
+             "model only; medians of interleaved rounds; a blocking time's ratio is the median over rounds "
+             "of its time over the copy timed in the same round.", ""]
     for r in results:
         lines += [
             f"### {r['bytes'] / 2**20:.0f} MiB of state", "",
@@ -133,8 +138,8 @@ def report(results: list[dict], machine: str, dtype: torch.dtype) -> str:
             "", "| target | measured | verdict |", "| --- | --- | --- |",
         ]
         for label, ratio, limit in (
-            (f"async dump blocks <= {BLOCKING_TARGET}x one copy", r["dump"] / r["copy"], BLOCKING_TARGET),
-            (f"async export blocks <= {BLOCKING_TARGET}x one copy", r["export"] / r["copy"], BLOCKING_TARGET),
+            (f"async dump blocks <= {BLOCKING_TARGET}x one copy", r["dump / copy"], BLOCKING_TARGET),
+            (f"async export blocks <= {BLOCKING_TARGET}x one copy", r["export / copy"], BLOCKING_TARGET),
             (f"compute loop slows <= {SLOWDOWN_TARGET:.1f}x during the write", r["during"] / r["alone"], SLOWDOWN_TARGET),
         ):
             lines.append(f"| {label} | {ratio:.2f}x | {'PASS' if ratio <= limit else 'FAIL'} |")
@@ -146,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024], help="state sizes in MiB (fp32)")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=None, help="write the Markdown report here")
     args = parser.parse_args(argv)
     workdir = scratch_folder("bench-async-")
