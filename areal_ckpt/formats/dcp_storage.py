@@ -16,7 +16,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch.futures import Future
@@ -124,6 +124,8 @@ def _ints(values: Any) -> list[int]:
 
 
 _READ_AHEAD = 64 << 20
+_RUN_BYTES = 64 << 20  # one read fills tensors stored back to back up to this size
+_RUN_ITEMS = 512  # and at most this many of them (the kernel takes up to IOV_MAX = 1024 buffers)
 
 
 def data_file_of(rank: int) -> str:
@@ -209,6 +211,10 @@ def read_metadata_json(folder: Path) -> Metadata:
 class RawStorageReader(StorageReader):
     """Reads what :class:`RawStorageWriter` wrote, straight into the destination tensors.
 
+    Tensors stored back to back are read in runs of up to 64 MiB with one ``preadv`` each, and
+    the kernel is asked to read 64 MiB further ahead: a request per tensor kept the disk less
+    busy than one large sequential read (about 0.83x against 0.94x a raw read at 1.1 GB).
+
     ``expected`` maps data file names to their manifest records: a file this rank reads whole
     is checked against its CRC-32 while it is read; one read in part is checked with a full
     pass afterwards. Without ``expected`` nothing is checked (the caller verified already).
@@ -268,24 +274,22 @@ class RawStorageReader(StorageReader):
         covered = 0  # bytes from the start of the file read so far without a gap
         prefetched = 0  # the kernel has been asked to read ahead up to here
         with open(path, "rb", buffering=0) as handle:
-            for info, item in items:
-                if item.type == LoadItemType.BYTE_IO:
-                    raise CheckpointError(f"{path}: {item.storage_index.fqn} is not a tensor; refusing to read it")
-                buffer, target = self._destination(info, item, planner, path)
-                view = tensor_bytes(buffer)
-                start = max(prefetched, info.offset)
-                if info.offset + info.length + _READ_AHEAD > prefetched + _READ_AHEAD // 2:
-                    # tensors are read one by one; ask for large read-ahead as one big read would
-                    prefetched = info.offset + info.length + _READ_AHEAD
+            for run in _adjacent_runs(items, path):
+                first, last = run[0][0], run[-1][0]
+                if last.offset + last.length + _READ_AHEAD > prefetched + _READ_AHEAD // 2:
+                    start = max(prefetched, first.offset)
+                    prefetched = last.offset + last.length + _READ_AHEAD
                     os.posix_fadvise(handle.fileno(), start, prefetched - start, os.POSIX_FADV_WILLNEED)
-                handle.seek(info.offset)
-                _read_exactly(handle, view, path)
-                if info.offset == covered:
-                    crc.update(view)
-                    covered += info.length
-                if buffer is not target:
-                    target.copy_(_region(buffer, item.storage_offsets, item.lengths))
-                planner.commit_tensor(item, target)
+                destinations = [self._destination(info, item, planner, path) for info, item in run]
+                views = [tensor_bytes(buffer) for buffer, _ in destinations]
+                _read_exactly(handle.fileno(), views, first.offset, path)
+                for (info, item), (buffer, target), view in zip(run, destinations, views):
+                    if info.offset == covered:
+                        crc.update(view)
+                        covered += info.length
+                    if buffer is not target:
+                        target.copy_(_region(buffer, item.storage_offsets, item.lengths))
+                    planner.commit_tensor(item, target)
         self._check(path, file_name, covered, crc)
 
     def _destination(
@@ -333,11 +337,36 @@ def _region(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
     return tensor
 
 
-def _read_exactly(handle: Any, view: memoryview, path: Path) -> None:
-    """Fill ``view`` from ``handle``; a short file is reported as truncated."""
-    view = view.cast("B")
-    while view:
-        count = handle.readinto(view)
+def _adjacent_runs(
+    items: list[tuple[_StorageInfo, ReadItem]], path: Path
+) -> Iterator[list[tuple[_StorageInfo, ReadItem]]]:
+    """``items`` (sorted by offset) in runs stored back to back, each at most :data:`_RUN_BYTES`
+    (or one item) and :data:`_RUN_ITEMS` long: one read fills a whole run."""
+    run: list[tuple[_StorageInfo, ReadItem]] = []
+    size = 0
+    for info, item in items:
+        if item.type == LoadItemType.BYTE_IO:
+            raise CheckpointError(f"{path}: {item.storage_index.fqn} is not a tensor; refusing to read it")
+        follows = bool(run) and run[-1][0].offset + run[-1][0].length == info.offset
+        if run and not (follows and size + info.length <= _RUN_BYTES and len(run) < _RUN_ITEMS):
+            yield run
+            run, size = [], 0
+        run.append((info, item))
+        size += info.length
+    if run:
+        yield run
+
+
+def _read_exactly(fd: int, views: list[memoryview], offset: int, path: Path) -> None:
+    """Fill ``views`` from the bytes of ``fd`` stored back to back from ``offset``, with as few
+    reads as the kernel allows; a short file is reported as truncated."""
+    pending = [view.cast("B") for view in views if len(view)]
+    while pending:
+        count = os.preadv(fd, pending, offset)
         if not count:
             raise CheckpointError(f"{path}: ends early (truncated)")
-        view = view[count:]
+        offset += count
+        while pending and count >= len(pending[0]):
+            count -= len(pending.pop(0))
+        if count:
+            pending[0] = pending[0][count:]
