@@ -11,8 +11,10 @@ An asynchronous job's background writers hold the lock too, and the kernel kills
 their training process dies; that takes a moment (longer if a writer is inside an fsync). A job
 restarted within that moment finds the lock held although the recorded holder is dead: when the
 holder's pid, on this host, no longer runs, the lock is waited for (up to
-:data:`ORPHAN_WAIT_SECONDS`) instead of refused. A live holder is refused at once. ``flock`` is honoured by local filesystems and most network ones;
-on a filesystem that ignores it the lock is only as good as that filesystem.
+:data:`ORPHAN_WAIT_SECONDS`) instead of refused. A live holder is refused at once.
+
+``flock`` is honoured by local filesystems and most network ones; on a filesystem that ignores
+it the lock is only as good as that filesystem.
 """
 
 from __future__ import annotations
