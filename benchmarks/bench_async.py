@@ -7,7 +7,7 @@ For a model-shaped state (see bench.py) it measures, in interleaved rounds:
   after staging; the previous save is collected before timing, as a loop with saves far apart
   would find it), and the synchronous dump for comparison. Each is divided by the copy timed
   in the same round, and the target is checked on the median of those ratios: the copy itself
-  moves by 2x between rounds here;
+  moved by 2x and more between rounds here;
 - a compute-bound loop (matrix products on torch's default threads) alone and while a
   background dump is being written: the slowdown the loop notices.
 

@@ -6,9 +6,9 @@ replicated by DDP. Aggregate throughput is the state's bytes over the slowest ra
 Configurations alternate (1, FSDP2, DDP, 1, ...) because disk speed drifts. During the 2-rank export each rank's peak extra
 resident memory (beyond its own shard, already resident) is compared with one
 ``max_shard_size`` buffer, the issue's budget (the export holds at most two gathered tensors:
-the one it writes and the next, in flight). The 2-rank run also times the export's gathers alone (its rounds of files,
-each tensor made whole on the rank that writes it, nothing written): the floor the network
-(here gloo over loopback) puts under an FSDP2 export.
+the one it writes and the next, in flight). The 2-rank run also times the export's gathers
+alone (its rounds of files, each tensor made whole on the rank that writes it, nothing
+written): the floor the network (here gloo over loopback) puts under an FSDP2 export.
 
     python benchmarks/bench_multirank.py --size 1024 --rounds 3 --out docs/benchmarks-multirank.md
 """
