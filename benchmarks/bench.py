@@ -6,10 +6,11 @@ runs right after a raw write of the same bytes and is measured against that pair
 B, ...), the order rotating from round to round; medians over rounds. Reads are paired the same
 way: the method's files and the raw file written just before them are evicted from the page
 cache (posix_fadvise(POSIX_FADV_DONTNEED) after an fsync) and read back to back, the order
-alternating between rounds. The raw row paired with itself shows how much the disk drifts
-between two identical writes or reads.
+alternating between rounds (so rounds come in pairs, one of each order; see `summary`). The
+raw row paired with itself shows how much the disk drifts between two identical writes or
+reads.
 
-    python benchmarks/bench.py --sizes 256 1024 --rounds 3 --out docs/benchmarks.md
+    python benchmarks/bench.py --sizes 256 1024 --rounds 4 --out docs/benchmarks.md
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import math
 import os
 import shutil
 import socket
@@ -236,13 +238,29 @@ def read_dcp(model, folder: Path) -> None:
     dcp.load(state, checkpoint_id=str(folder), no_dist=True)
 
 
+def touch_parameters(model: torch.nn.Module) -> None:
+    """Read every tensor of ``model``: weights a loader left memory-mapped count as read."""
+    for tensor in model.state_dict().values():
+        tensor.sum()
+
+
 def read_from_pretrained(model, folder: Path) -> None:
-    AutoModelForCausalLM.from_pretrained(folder, dtype=model.dtype)
+    touch_parameters(AutoModelForCausalLM.from_pretrained(folder, dtype=model.dtype))
+
+
+def _saver_export(folder: Path) -> Path:
+    return next(folder.glob("checkpoints/bench/bench/t/default/epoch*"))
 
 
 def read_saver_export(model, folder: Path) -> None:
-    export = next(folder.glob("checkpoints/bench/bench/t/default/epoch*"))
-    AutoModelForCausalLM.from_pretrained(export, dtype=model.dtype)
+    touch_parameters(AutoModelForCausalLM.from_pretrained(_saver_export(folder), dtype=model.dtype))
+
+
+def read_saver_export_shards(model, folder: Path) -> None:
+    """The export's shards read as `read_safetensors` reads one file: the format alone, no model."""
+    for shard in sorted(_saver_export(folder).glob("*.safetensors")):
+        for tensor in load_file(shard).values():
+            tensor.sum()
 
 
 def read_deepspeed(model, folder: Path) -> None:
@@ -263,6 +281,7 @@ READERS: dict[str, tuple[str, Callable]] = {
     "dcp.load": ("dcp.save (FileSystemWriter)", read_dcp),
     "from_pretrained (save_pretrained)": ("save_pretrained", read_from_pretrained),
     "from_pretrained (Saver export)": ("areal_ckpt Saver export", read_saver_export),
+    "safetensors load_file (Saver export)": ("areal_ckpt Saver export", read_saver_export_shards),
     "areal_ckpt recover load": ("areal_ckpt recover dump", read_recover),
     "DeepSpeed load_checkpoint (fp32 only)": ("DeepSpeed save_checkpoint (fp32 only)", read_deepspeed),
 }
@@ -273,7 +292,9 @@ TARGETS = [
     ("HF export >= 0.9x safetensors.save_file", "areal_ckpt Saver export", "safetensors.save_file", 0.9),
     ("HF export faster than save_pretrained", "areal_ckpt Saver export", "save_pretrained", 1.0),
     ("recover load >= 0.9x raw read", "areal_ckpt recover load", "raw read", 0.9),
-    ("export reload >= 0.9x safetensors load", "from_pretrained (Saver export)", "safetensors load_file", 0.9),
+    ("export reload >= 0.9x safetensors load", "safetensors load_file (Saver export)", "safetensors load_file", 0.9),
+    ("from_pretrained of the export >= 0.9x of save_pretrained's", "from_pretrained (Saver export)",
+     "from_pretrained (save_pretrained)", 0.9),
 ]
 
 
@@ -349,19 +370,32 @@ def run(sizes: list[int], rounds: int, dtypes: list[torch.dtype], workdir: Path)
     return results
 
 
+def summary(name: str, ratios: list[float]) -> float:
+    """One figure for a method's per-round ratios. Writes: their median. Reads alternate which
+    file is read first, and on this VM the second of two cold reads can be several times slower
+    than the first whatever the file, so a plain median over rounds would follow the majority
+    order: each pair of rounds (one of each order) gives the geometric mean of its two ratios,
+    in which that effect cancels, and the figure is the median over those pairs."""
+    if name not in READERS:
+        return statistics.median(ratios)
+    return statistics.median(math.sqrt(a * b) for a, b in zip(ratios[0::2], ratios[1::2]))
+
+
 def _target_ratio(paired: dict[str, list[float]], numerator: str, denominator: str) -> float:
-    """Median over rounds of numerator's speed over denominator's, each relative to its raw pair."""
+    """numerator's speed over denominator's, each relative to its raw pair, summarized over rounds."""
     if denominator in (RAW_WRITE, RAW_READ):
-        return statistics.median(paired[numerator])
-    return statistics.median(n / d for n, d in zip(paired[numerator], paired[denominator]))
+        return summary(numerator, paired[numerator])
+    return summary(numerator, [n / d for n, d in zip(paired[numerator], paired[denominator])])
 
 
 def report(results: list[dict], machine: str) -> str:
-    lines = [f"Measured {time.strftime('%Y-%m-%d')} on {machine}; medians over rounds. Each method runs right "
-             "after a raw write (or cold raw read) of the same bytes, and 'x raw' is the median of those paired "
-             "ratios, so a disk that drifts during the run cancels out; the order of methods rotates each round. "
-             "A read is paired with a cold read of the raw file written just before the method's files (both "
-             "evicted, read back to back, which one first alternating by round). "
+    lines = [f"Measured {time.strftime('%Y-%m-%d')} on {machine}; seconds are medians over rounds. Each method "
+             "runs right after a raw write (or cold raw read) of the same bytes, and 'x raw' summarizes those "
+             "paired ratios, so a disk that drifts during the run cancels out; the order of methods rotates each "
+             "round. For writes it is the median over rounds. A read is paired with a cold read of the raw file "
+             "written just before the method's files (both evicted, read back to back, which one first "
+             "alternating by round); its 'x raw' is the median over pairs of rounds of the geometric mean of "
+             "the two orders' ratios, because which read comes second matters more than the file here. "
              "GB/s = 10^9 bytes per second of state.", ""]
     for result in results:
         gbps = lambda seconds: result["bytes"] / seconds / 1e9  # noqa: E731
@@ -370,11 +404,11 @@ def report(results: list[dict], machine: str) -> str:
                   "| write (durable) | seconds | GB/s | x raw write (paired) | peak extra RSS |",
                   "| --- | --- | --- | --- | --- |"]
         for name, seconds in result["write"].items():
-            lines.append(f"| {name} | {seconds:.2f} | {gbps(seconds):.2f} | {statistics.median(paired[name]):.2f} | "
+            lines.append(f"| {name} | {seconds:.2f} | {gbps(seconds):.2f} | {summary(name, paired[name]):.2f} | "
                          f"{result['memory'][name] / 2**20:.0f} MiB |")
         lines += ["", "| read (cold cache) | seconds | GB/s | x raw read (paired) |", "| --- | --- | --- | --- |"]
         for name, seconds in result["read"].items():
-            lines.append(f"| {name} | {seconds:.2f} | {gbps(seconds):.2f} | {statistics.median(paired[name]):.2f} |")
+            lines.append(f"| {name} | {seconds:.2f} | {gbps(seconds):.2f} | {summary(name, paired[name]):.2f} |")
         lines += ["", "| target | ratio | verdict |", "| --- | --- | --- |"]
         for label, numerator, denominator, minimum in TARGETS:
             ratio = _target_ratio(paired, numerator, denominator)
@@ -411,14 +445,31 @@ def plot(results: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=100)
 
 
+NOTES_START = "<!-- notes: written by hand, kept when the tables are regenerated -->"
+NOTES_END = "<!-- notes: end -->"
+
+
+def kept_notes(report_path: Path) -> str:
+    """The hand-written notes of an earlier report at ``report_path`` (between the markers), so a
+    rerun replaces the tables but not their reading; an empty marked block when there are none."""
+    previous = report_path.read_text() if report_path.exists() else ""
+    start, end = previous.find(NOTES_START), previous.find(NOTES_END)
+    if start < 0 or end < start:
+        return f"{NOTES_START}\n{NOTES_END}"
+    return previous[start:end + len(NOTES_END)]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 4096], help="state sizes in MiB (fp32)")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4, help="an even number: reads alternate their order")
     parser.add_argument("--workdir", default=None, help="where to write (default: a temp folder under ./runs)")
     parser.add_argument("--out", default=None, help="write the Markdown report (and a PNG beside it) here")
     args = parser.parse_args(argv)
+    if args.rounds < 2 or args.rounds % 2:
+        parser.error(f"--rounds {args.rounds}: need an even number >= 2, since every pair of rounds reads "
+                     "in both orders")
     workdir = Path(args.workdir) if args.workdir else scratch_folder("bench-")
     workdir.mkdir(parents=True, exist_ok=True)
     try:
@@ -434,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(f"# Benchmarks\n\n![throughput against state size]({png.name})\n\n"
                        f"Rerun: `make bench` (or `python benchmarks/bench.py --help`). Asynchronous saves: "
                        f"[benchmarks-async.md](benchmarks-async.md); two ranks: "
-                       f"[benchmarks-multirank.md](benchmarks-multirank.md).\n\n{text}\n")
+                       f"[benchmarks-multirank.md](benchmarks-multirank.md).\n\n{kept_notes(out)}\n\n{text}\n")
     return 0
 
 

@@ -3,12 +3,14 @@
 The same model-shaped state (see bench.py) is dumped (RecoverHandler, model only) and exported
 (Saver) by one process, and by two gloo processes with the model sharded by FSDP2 or
 replicated by DDP. Aggregate throughput is the state's bytes over the slowest rank's time.
-Configurations alternate (1, FSDP2, DDP, 1, ...) because disk speed drifts. During the 2-rank export each rank's peak extra
-resident memory (beyond its own shard, already resident) is compared with one
-``max_shard_size`` buffer, the issue's budget (the export holds at most two gathered tensors:
-the one it writes and the next, in flight). The 2-rank run also times the export's gathers
-alone (its rounds of files, each tensor made whole on the rank that writes it, nothing
-written): the floor the network (here gloo over loopback) puts under an FSDP2 export.
+Disk speed drifts, so every repeat runs each configuration once (the order rotating between
+repeats) and a 2-rank configuration is compared with the single rank of its own repeat.
+During the 2-rank export each rank's peak extra resident memory (beyond its own shard,
+already resident) is compared with one ``max_shard_size`` buffer, the issue's budget (the
+export holds at most two gathered tensors: the one it writes and the next, in flight). The
+2-rank run also times the export's gathers alone (its rounds of files, each tensor made whole
+on the rank that writes it, nothing written): the floor the network (here gloo over loopback)
+puts under an FSDP2 export.
 
     python benchmarks/bench_multirank.py --size 1024 --rounds 3 --out docs/benchmarks-multirank.md
 """
@@ -16,6 +18,7 @@ written): the floor the network (here gloo over loopback) puts under an FSDP2 ex
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -68,6 +71,10 @@ def _worker(rank: int, world: int, wrap: str, port: int, mib: int, rounds: int, 
     torch_dist.all_gather_object(slowest, {"timings": timings, "peak_export": peak_export})
     if rank == 0:
         Path(result).write_text(json.dumps({"bytes": size, "ranks": slowest}))
+    # FSDP2 modules and DTensors sit in reference cycles; left to interpreter shutdown, the
+    # objects of the timed DTensor.full_tensor() calls made torch 2.13's gloo threads abort
+    # the process (SIGABRT) in about one exit in five here
+    gc.collect()
     torch_dist.destroy_process_group()
 
 
@@ -129,36 +136,51 @@ def run_configuration(world: int, wrap: str, mib: int, rounds: int, workdir: Pat
 
 
 def run(mib: int, rounds: int, repeats: int, workdir: Path) -> dict:
-    per_configuration = {wrap: {"dump": [], "export": [], "gather": [], "all-gather": []} for _, wrap in CONFIGURATIONS}
+    """Every configuration once per repeat, the order rotating between repeats; per repeat, each
+    2-rank configuration's ratio to the single rank of that same repeat (so a drifting disk
+    cancels out), and over all repeats the medians of seconds and of those ratios."""
+    seconds = {wrap: {"dump": [], "export": [], "gather": [], "all-gather": []} for _, wrap in CONFIGURATIONS}
+    ratios: dict[str, dict[str, list[float]]] = {wrap: {"dump": [], "export": []} for _, wrap in CONFIGURATIONS[1:]}
     peaks: list[int] = []
     size = 0
     for repeat in range(repeats):
-        for world, wrap in CONFIGURATIONS:
+        shift = repeat % len(CONFIGURATIONS)
+        this_repeat: dict[str, dict[str, float]] = {}
+        for world, wrap in CONFIGURATIONS[shift:] + CONFIGURATIONS[:shift]:
             data = run_configuration(world, wrap, mib, rounds, workdir)
             size = data["bytes"]
+            this_repeat[wrap] = {}
             for kind in ("dump", "export", "gather", "all-gather"):
-                per_round = zip(*(rank["timings"][kind] for rank in data["ranks"]))
-                per_configuration[wrap][kind] += [max(times) for times in per_round]  # the slowest rank
+                per_round = [max(times) for times in zip(*(rank["timings"][kind] for rank in data["ranks"]))]
+                seconds[wrap][kind] += per_round  # the slowest rank of each round
+                this_repeat[wrap][kind] = statistics.median(per_round)
             if wrap == "fsdp2":
                 peaks += [rank["peak_export"] for rank in data["ranks"]]
             print(f"  repeat {repeat + 1}/{repeats}: {world} rank(s), {wrap} done", file=sys.stderr, flush=True)
-    return {"bytes": size, "peaks": peaks, "median": {
-        wrap: {k: statistics.median(v) for k, v in kinds.items()} for wrap, kinds in per_configuration.items()}}
+        for wrap, kinds in ratios.items():
+            for kind, values in kinds.items():
+                values.append(this_repeat["plain"][kind] / this_repeat[wrap][kind])
+    return {"bytes": size, "peaks": peaks, "ratios": ratios, "median": {
+        wrap: {k: statistics.median(v) for k, v in kinds.items()} for wrap, kinds in seconds.items()}}
 
 
 def report(result: dict, machine: str) -> str:
     size, median = result["bytes"], result["median"]
     lines = [f"Measured {time.strftime('%Y-%m-%d')} on {machine}; fp32 state of {size / 2**20:.0f} MiB, model only; "
              "2 ranks on gloo, the model sharded by FSDP2 or replicated by DDP; times are the slowest rank's, "
-             "medians.", "",
-             "| operation | 1 rank (s) | 2 ranks (s) | 1 rank GB/s | 2 ranks aggregate GB/s | ratio | verdict |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             f"medians over {len(result['ratios']['fsdp2']['dump'])} repeats. The ratio is the median over repeats "
+             "of the single rank's time over the two ranks' time in the same repeat; its range shows how much "
+             "that moved between repeats.", "",
+             "| operation | 1 rank (s) | 2 ranks (s) | 1 rank GB/s | 2 ranks aggregate GB/s | ratio (paired) | "
+             "range over repeats | verdict |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for kind, label in (("dump", "recovery dump (durable)"), ("export", "HF export (durable)")):
         for wrap in ("fsdp2", "ddp"):
             one, two = median["plain"][kind], median[wrap][kind]
-            ratio = one / two
+            paired = result["ratios"][wrap][kind]
+            ratio = statistics.median(paired)
             lines.append(f"| {label}, {wrap.upper()} | {one:.2f} | {two:.2f} | {size / one / 1e9:.2f} | "
-                         f"{size / two / 1e9:.2f} | {ratio:.2f} | "
+                         f"{size / two / 1e9:.2f} | {ratio:.2f} | {min(paired):.2f}-{max(paired):.2f} | "
                          f"{'PASS' if ratio >= AGGREGATE_TARGET else 'FAIL'} (>= {AGGREGATE_TARGET}) |")
     gather, all_gather = median["fsdp2"]["gather"], median["fsdp2"]["all-gather"]
     lines += ["", f"An FSDP2 export gathers every tensor over gloo, each to the rank that writes it (both ranks "
@@ -180,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", type=int, default=1024, help="state size in MiB (fp32)")
     parser.add_argument("--rounds", type=int, default=3, help="timed saves per configuration run")
-    parser.add_argument("--repeats", type=int, default=2, help="alternations of the configurations")
+    parser.add_argument("--repeats", type=int, default=4, help="alternations of the configurations")
     parser.add_argument("--out", default=None, help="write the Markdown report here")
     args = parser.parse_args(argv)
     workdir = scratch_folder("bench-multirank-")
