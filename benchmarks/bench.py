@@ -227,10 +227,13 @@ def read_torch_load(model, folder: Path) -> None:
     torch.load(folder / "model.pt", weights_only=True)
 
 
-def read_safetensors(model, folder: Path) -> None:
-    tensors = load_file(folder / "model.safetensors")
-    for tensor in tensors.values():
+def _load_every_byte(path: Path) -> None:
+    for tensor in load_file(path).values():
         tensor.sum()  # touch every page
+
+
+def read_safetensors(model, folder: Path) -> None:
+    _load_every_byte(folder / "model.safetensors")
 
 
 def read_dcp(model, folder: Path) -> None:
@@ -259,8 +262,7 @@ def read_saver_export(model, folder: Path) -> None:
 def read_saver_export_shards(model, folder: Path) -> None:
     """The export's shards read as `read_safetensors` reads one file: the format alone, no model."""
     for shard in sorted(_saver_export(folder).glob("*.safetensors")):
-        for tensor in load_file(shard).values():
-            tensor.sum()
+        _load_every_byte(shard)
 
 
 def read_deepspeed(model, folder: Path) -> None:
@@ -372,8 +374,8 @@ def run(sizes: list[int], rounds: int, dtypes: list[torch.dtype], workdir: Path)
 
 def summary(name: str, ratios: list[float]) -> float:
     """One figure for a method's per-round ratios. Writes: their median. Reads alternate which
-    file is read first, and on this VM the second of two cold reads can be several times slower
-    than the first whatever the file, so a plain median over rounds would follow the majority
+    file is read first, and on this VM the second of two cold reads is 1.5-3x slower than the
+    first whatever the file (measured), so a plain median over rounds would follow the majority
     order: each pair of rounds (one of each order) gives the geometric mean of its two ratios,
     in which that effect cancels, and the figure is the median over those pairs."""
     if name not in READERS:
