@@ -184,8 +184,9 @@ def report(result: dict, machine: str) -> str:
                          f"{'PASS' if ratio >= AGGREGATE_TARGET else 'FAIL'} (>= {AGGREGATE_TARGET}) |")
     gather, all_gather = median["fsdp2"]["gather"], median["fsdp2"]["all-gather"]
     lines += ["", f"An FSDP2 export gathers every tensor over gloo, each to the rank that writes it (both ranks "
-              f"send and receive at once): those gathers alone (no disk) take {gather:.2f} s ({size / gather / 1e9:.2f} GB/s), a floor under the FSDP2 export "
-              f"on this machine whatever the disk does. Making every tensor whole on every rank instead "
+              f"send and receive at once): those gathers alone (no disk) take {gather:.2f} s "
+              f"({size / gather / 1e9:.2f} GB/s), a floor under the FSDP2 export on this machine whatever the "
+              "disk does. Making every tensor whole on every rank instead "
               f"(`DTensor.full_tensor()`) takes {all_gather:.2f} s. DDP exports write straight from each rank's "
               "replica, without gathers."]
     budget = SHARD_SIZE

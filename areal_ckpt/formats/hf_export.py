@@ -109,7 +109,8 @@ def write_rank_shards(
     to agree on and raise. Within a round the files advance together, one tensor of each at a
     time, so all ranks write at once, each the tensor it has just received while the next one
     moves: a rank holds at most two gathered tensors, not a shard file's worth; a rank that
-    failed to write keeps receiving its file's tensors and drops them. Each file is fsync'd before this returns.
+    failed to write keeps receiving its file's tensors and drops them. Each file is fsync'd
+    before this returns.
     """
     records: dict[str, FileRecord] = {}
     error: BaseException | None = None
