@@ -29,7 +29,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -227,13 +227,14 @@ def read_torch_load(model, folder: Path) -> None:
     torch.load(folder / "model.pt", weights_only=True)
 
 
-def _load_every_byte(path: Path) -> None:
-    for tensor in load_file(path).values():
-        tensor.sum()  # touch every page
+def read_every_byte(tensors: Iterable[torch.Tensor]) -> None:
+    """Touch every page of ``tensors``: weights a loader left memory-mapped count as read."""
+    for tensor in tensors:
+        tensor.sum()
 
 
 def read_safetensors(model, folder: Path) -> None:
-    _load_every_byte(folder / "model.safetensors")
+    read_every_byte(load_file(folder / "model.safetensors").values())
 
 
 def read_dcp(model, folder: Path) -> None:
@@ -241,14 +242,8 @@ def read_dcp(model, folder: Path) -> None:
     dcp.load(state, checkpoint_id=str(folder), no_dist=True)
 
 
-def touch_parameters(model: torch.nn.Module) -> None:
-    """Read every tensor of ``model``: weights a loader left memory-mapped count as read."""
-    for tensor in model.state_dict().values():
-        tensor.sum()
-
-
 def read_from_pretrained(model, folder: Path) -> None:
-    touch_parameters(AutoModelForCausalLM.from_pretrained(folder, dtype=model.dtype))
+    read_every_byte(AutoModelForCausalLM.from_pretrained(folder, dtype=model.dtype).state_dict().values())
 
 
 def _saver_export(folder: Path) -> Path:
@@ -256,13 +251,14 @@ def _saver_export(folder: Path) -> Path:
 
 
 def read_saver_export(model, folder: Path) -> None:
-    touch_parameters(AutoModelForCausalLM.from_pretrained(_saver_export(folder), dtype=model.dtype))
+    loaded = AutoModelForCausalLM.from_pretrained(_saver_export(folder), dtype=model.dtype)
+    read_every_byte(loaded.state_dict().values())
 
 
 def read_saver_export_shards(model, folder: Path) -> None:
     """The export's shards read as `read_safetensors` reads one file: the format alone, no model."""
     for shard in sorted(_saver_export(folder).glob("*.safetensors")):
-        _load_every_byte(shard)
+        read_every_byte(load_file(shard).values())
 
 
 def read_deepspeed(model, folder: Path) -> None:
