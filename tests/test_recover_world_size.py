@@ -1,4 +1,5 @@
-"""Model and optimizer state load on a different number of ranks (FSDP2 and DDP, 2 -> 1, 1 -> 2)."""
+"""Model and optimizer state load on a different number of ranks (FSDP2 and DDP, 2 -> 1, 1 -> 2);
+a shard damaged on one rank fails the load on every rank."""
 
 from __future__ import annotations
 
@@ -104,3 +105,20 @@ def test_per_rank_state_that_differs_is_not_silently_reassigned(tmp_path):
     run_distributed(save_worker, 2, str(tmp_path), "t", "fsdp2", expected, True, group=True)
     run_distributed(rank_state_error_worker, 1, str(tmp_path), "t", "fsdp2", expected, False, group=True)
     run_distributed(load_worker, 1, str(tmp_path), "t", "fsdp2", expected, True, group=True)
+
+
+def damaged_shard_worker(rank: int, world: int, root: str, trial: str, wrap: str, expected: str, drop: bool) -> None:
+    _, _, engine, _ = setup(wrap, seed=1)
+    # rank 1's report reaches rank 0 too: each rank names every rank's failure
+    with pytest.raises(ac.CheckpointError, match=r"rank 1: \S+__1_0\.distcp: checksum mismatch"):
+        ac.RecoverHandler(recover_config(root, trial), SPEC).load(engine)
+
+
+def test_a_shard_damaged_on_one_rank_fails_the_load_on_every_rank(tmp_path):
+    expected = str(tmp_path / "expected.safetensors")
+    run_distributed(save_worker, 2, str(tmp_path), "t", "fsdp2", expected, False, group=True)
+    (shard,) = [path for path in tmp_path.rglob("__1_0.distcp") if path.parent.name == "default"]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    run_distributed(damaged_shard_worker, 2, str(tmp_path), "t", "fsdp2", expected, False, group=True)

@@ -3,6 +3,12 @@
 DCP plans (deduplication, sharded tensors, resharding on load); the bytes go through our own
 storage layer (:mod:`areal_ckpt.formats.dcp_storage`): raw tensor data, JSON metadata, no
 pickle anywhere. Only tensors are stored; non-tensor state goes to JSON elsewhere.
+
+Saves run ``dcp.save`` (its global step deduplicates and writes the metadata). Loads run DCP's
+load protocol with its default planner on each rank alone: a load's global step changes no
+plan (DCP's own documentation of ``create_default_global_load_plan``), so the plans are not
+sent to a coordinator and back, which ``dcp.load`` does with two collectives. One collective
+remains: every rank learns whether any rank failed.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Iterator
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
 from areal_ckpt import dist
@@ -57,8 +64,10 @@ def load_tensors(
     expected: dict[str, FileRecord] | None = None,
     metadata: Metadata | None = None,
 ) -> None:
-    """Collective: fill ``template`` (flat name -> Tensor / DTensor, in place) from ``folder``.
+    """Fill ``template`` (flat name -> Tensor / DTensor, in place) from ``folder``; blocking.
 
+    Collective when torch.distributed is initialized: every rank calls it, and a failure on
+    any rank raises CheckpointError on all of them, naming the rank and its cause.
     Resharding across a different world size is DCP's. Names must match exactly, except that
     stored names starting with ``optional_prefixes`` may be left unread: missing or unexpected
     names, and shape or dtype changes, raise CheckpointError naming them. With ``expected``
@@ -83,11 +92,27 @@ def load_tensors(
             raise CheckpointError(
                 f"{folder}: {name}: checkpoint has {dtype} {list(shape)}, model has {tensor.dtype} {list(tensor.shape)}"
             )
+    failure = None
     try:
-        with _single_process_quiet():
-            dcp.load(template, storage_reader=RawStorageReader(folder, expected, metadata), no_dist=not dist.is_distributed())
-    except CheckpointException as error:
-        raise CheckpointError(f"{folder}: reading DCP shards failed: {_failures(error)}") from None
+        _read_planned(template, RawStorageReader(folder, expected, metadata), metadata)
+    except Exception as error:  # reported to every rank below, so none goes on alone
+        failure = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+    failures = dist.all_gather_objects(failure) if dist.is_distributed() else [failure]
+    named = [f"rank {rank}: {text}" for rank, text in enumerate(failures) if text is not None]
+    if named:
+        raise CheckpointError(f"{folder}: reading DCP shards failed: {'; '.join(named)}")
+
+
+def _read_planned(template: dict[str, torch.Tensor], reader: RawStorageReader, metadata: Metadata) -> None:
+    """DCP's load protocol on this rank alone: the default planner finds the stored chunks that
+    overlap this rank's tensors (resharding included) and ``reader`` fills them. Local, blocking."""
+    planner = DefaultLoadPlanner()
+    coordinator = dist.rank() == 0
+    planner.set_up_planner(template, metadata, coordinator)
+    reader.set_up_storage_reader(metadata, coordinator)
+    plan = reader.prepare_local_plan(planner.create_local_plan())
+    plan = reader.prepare_global_plan(planner.create_global_plan([plan]))[0]
+    reader.read_data(planner.finish_plan(plan), planner).wait()
 
 
 def _failures(error: CheckpointException) -> str:
