@@ -29,7 +29,7 @@ _SYNC_FILE_RANGE_WRITE = 2
 _sync_file_range = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
 if _sync_file_range is not None:
     _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-_crc_pool: tuple[int, ThreadPoolExecutor] | None = None  # (owning pid, pool): a forked child makes its own
+_pools: dict[str, tuple[int, ThreadPoolExecutor]] = {}  # name -> (owning pid, pool)
 
 
 def crc32(data: memoryview | bytes, value: int = 0) -> int:
@@ -37,11 +37,13 @@ def crc32(data: memoryview | bytes, value: int = 0) -> int:
     return _crc32(data, value)
 
 
-def _crc_executor() -> ThreadPoolExecutor:
-    global _crc_pool
-    if _crc_pool is None or _crc_pool[0] != os.getpid():
-        _crc_pool = (os.getpid(), ThreadPoolExecutor(max_workers=1, thread_name_prefix="areal_ckpt-crc"))
-    return _crc_pool[1]
+def helper_threads(name: str, workers: int) -> ThreadPoolExecutor:
+    """This process's pool of helper threads called ``name``, made with ``workers`` threads on
+    first use; a forked child makes its own (threads do not survive a fork)."""
+    owned = _pools.get(name)
+    if owned is None or owned[0] != os.getpid():
+        owned = _pools[name] = (os.getpid(), ThreadPoolExecutor(workers, thread_name_prefix=f"areal_ckpt-{name}"))
+    return owned[1]
 
 
 class RunningCrc:
@@ -63,7 +65,7 @@ class RunningCrc:
         if self._max_pending is not None:
             while len(self._pending) >= self._max_pending:
                 self._pending.popleft().result()
-        self._pending.append(_crc_executor().submit(self._advance, data))
+        self._pending.append(helper_threads("crc", 1).submit(self._advance, data))
 
     def _advance(self, data: memoryview | bytes) -> None:
         self._value = _crc32(data, self._value)

@@ -1,14 +1,16 @@
-"""The raw DCP reader: tensors stored back to back are read in runs, one read per run."""
+"""The raw DCP reader: tensors stored back to back are read in runs, one read per run; a cold
+file is read around the page cache (O_DIRECT), a warm one through it."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats import dcp_storage
+from areal_ckpt.formats import dcp_storage, range_read
 from areal_ckpt.formats.dcp_io import load_tensors, save_tensors
 
 
@@ -50,3 +52,115 @@ def test_a_truncated_file_read_without_a_manifest_is_named(tmp_path: Path):
     data.write_bytes(data.read_bytes()[: data.stat().st_size - 10])
     with pytest.raises(CheckpointError, match=f"{file_name}: ends early \\(truncated\\)"):
         load_tensors(_empty_like(state), tmp_path)
+
+
+def _evict(path: Path) -> None:
+    """Flush ``path`` and drop it from the page cache: the next read is cold."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _big_state() -> dict[str, torch.Tensor]:
+    """~90 KB over tensors that straddle 4 KiB blocks."""
+    generator = torch.Generator().manual_seed(1)
+    state = _state()
+    state.update({f"w{i}": torch.randn(37 + i, 61, generator=generator) for i in range(8)})
+    return state
+
+
+def _record_readers(monkeypatch) -> list[type]:
+    chosen: list[type] = []
+
+    def recording(path: Path, spans: list[tuple[int, int]]) -> range_read.RangeReader:
+        reader = range_read.open_ranges(path, spans)
+        chosen.append(type(reader))
+        return reader
+
+    monkeypatch.setattr(dcp_storage, "open_ranges", recording)
+    return chosen
+
+
+def test_a_cold_file_is_read_around_the_page_cache_and_a_warm_one_through_it(tmp_path: Path):
+    state = _big_state()
+    (file_name,) = save_tensors(state, tmp_path)
+    spans = [(0, 4096)]
+    warm = range_read.open_ranges(tmp_path / file_name, spans)
+    warm.close()
+    _evict(tmp_path / file_name)
+    cold = range_read.open_ranges(tmp_path / file_name, spans)
+    cold.close()
+    assert (type(warm), type(cold)) == (range_read.BufferedRanges, range_read.DirectRanges)
+
+
+@pytest.mark.parametrize("block, in_flight", [(4096, 1), (4096, 3), (range_read.BLOCK, range_read.IN_FLIGHT)])
+def test_cold_reads_in_blocks_fill_every_tensor_exactly(tmp_path: Path, monkeypatch, block: int, in_flight: int):
+    monkeypatch.setattr(range_read, "BLOCK", block)
+    monkeypatch.setattr(range_read, "IN_FLIGHT", in_flight)
+    monkeypatch.setattr(dcp_storage, "_RUN_ITEMS", 3)  # runs end inside blocks too
+    chosen = _record_readers(monkeypatch)
+    state = _big_state()
+    records = save_tensors(state, tmp_path)
+    (file_name,) = records
+    _evict(tmp_path / file_name)
+    template = _empty_like(state)
+    load_tensors(template, tmp_path, expected=records)
+    assert chosen == [range_read.DirectRanges]
+    for name, tensor in state.items():
+        assert torch.equal(template[name], tensor), name
+
+
+def test_a_cold_partial_read_skips_blocks_and_still_checks_the_whole_file(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(range_read, "BLOCK", 4096)
+    chosen = _record_readers(monkeypatch)
+    state = _big_state()
+    records = save_tensors(state, tmp_path)
+    (file_name,) = records
+    path = tmp_path / file_name
+    template = {name: torch.zeros_like(tensor) for name, tensor in state.items() if name not in ("w2", "w3", "w4")}
+    _evict(path)
+    load_tensors(template, tmp_path, optional_prefixes=("w2", "w3", "w4"), expected=records)
+    for name, tensor in template.items():
+        assert torch.equal(tensor, state[name]), name
+    data = bytearray(path.read_bytes())
+    skipped = dcp_storage.read_metadata_json(tmp_path).storage_data
+    offset = next(info.offset for index, info in skipped.items() if index.fqn == "w3")
+    data[offset] ^= 1  # inside a tensor this load does not read
+    path.write_bytes(bytes(data))
+    _evict(path)
+    with pytest.raises(CheckpointError, match=f"{file_name}: checksum mismatch"):
+        load_tensors({name: torch.zeros_like(t) for name, t in template.items()}, tmp_path,
+                     optional_prefixes=("w2", "w3", "w4"), expected=records)
+    assert chosen == [range_read.DirectRanges, range_read.DirectRanges]
+
+
+def test_a_cold_damaged_file_is_named(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(range_read, "BLOCK", 4096)
+    chosen = _record_readers(monkeypatch)
+    state = _big_state()
+    records = save_tensors(state, tmp_path)
+    (file_name,) = records
+    path = tmp_path / file_name
+    data = bytearray(path.read_bytes())
+    data[len(data) - 5] ^= 1
+    path.write_bytes(bytes(data))
+    _evict(path)
+    with pytest.raises(CheckpointError, match=f"{file_name}: checksum mismatch"):
+        load_tensors(_empty_like(state), tmp_path, expected=records)
+    assert chosen == [range_read.DirectRanges]
+
+
+def test_a_cold_truncated_file_is_named(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(range_read, "BLOCK", 4096)
+    chosen = _record_readers(monkeypatch)
+    state = _big_state()
+    (file_name,) = save_tensors(state, tmp_path)
+    path = tmp_path / file_name
+    path.write_bytes(path.read_bytes()[: path.stat().st_size - 5000])
+    _evict(path)
+    with pytest.raises(CheckpointError, match=f"{file_name}: ends early \\(truncated\\)"):
+        load_tensors(_empty_like(state), tmp_path)
+    assert chosen == [range_read.DirectRanges]

@@ -41,7 +41,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.fsio import ChecksummedWriter, FileRecord, RunningCrc, record_of, write_file_durably
+from areal_ckpt.formats.range_read import RangeReader, open_ranges
+from areal_ckpt.fsio import ChecksummedWriter, FileRecord, record_of, write_file_durably
 from areal_ckpt.tensors import tensor_bytes
 
 METADATA_JSON = "dcp_metadata.json"
@@ -123,7 +124,6 @@ def _ints(values: Any) -> list[int]:
     return values
 
 
-_READ_AHEAD = 64 << 20
 _RUN_BYTES = 64 << 20  # one read fills tensors stored back to back up to this size
 _RUN_ITEMS = 512  # and at most this many of them (the kernel takes up to IOV_MAX = 1024 buffers)
 
@@ -211,13 +211,9 @@ def read_metadata_json(folder: Path) -> Metadata:
 class RawStorageReader(StorageReader):
     """Reads what :class:`RawStorageWriter` wrote, straight into the destination tensors.
 
-    Tensors stored back to back are read in runs of up to 64 MiB with one ``preadv`` each, and
-    the kernel is asked to read 64 MiB further ahead. One request per tensor kept the disk less
-    busy than a large sequential read does (cold load of 1.1 GB, alternated with a raw read of
-    the same bytes: 0.83x the raw read per tensor, 0.94x in runs). The read-ahead request trades
-    a little peak speed for steadiness: on the build VM, cold loads of 550 MiB took 0.31-0.42 s
-    or 0.52-0.94 s without it (15 of 32 slow), 0.36-0.46 s with it (32, interleaved); 4 or 8 MiB
-    ahead instead of 64 was no better.
+    Each file is read in file order, in runs of tensors stored back to back (up to 64 MiB and
+    512 tensors), by a reader of :mod:`areal_ckpt.formats.range_read`: around the page cache
+    with ``O_DIRECT`` when the file is cold, through it when it is warm.
 
     ``expected`` maps data file names to their manifest records: a file this rank reads whole
     is checked against its CRC-32 while it is read; one read in part is checked with a full
@@ -274,27 +270,18 @@ class RawStorageReader(StorageReader):
 
     def _read_file(self, file_name: str, items: list[tuple[_StorageInfo, ReadItem]], planner: LoadPlanner) -> None:
         path = self.folder / file_name
-        crc = RunningCrc()
-        covered = 0  # bytes from the start of the file read so far without a gap
-        prefetched = 0  # the kernel has been asked to read ahead up to here
-        with open(path, "rb", buffering=0) as handle:
+        source = open_ranges(path, [(info.offset, info.length) for info, _ in items])
+        try:
             for run in _adjacent_runs(items, path):
-                first, last = run[0][0], run[-1][0]
-                if last.offset + last.length + _READ_AHEAD > prefetched + _READ_AHEAD // 2:
-                    start = max(prefetched, first.offset)
-                    prefetched = last.offset + last.length + _READ_AHEAD
-                    os.posix_fadvise(handle.fileno(), start, prefetched - start, os.POSIX_FADV_WILLNEED)
                 destinations = [self._destination(info, item, planner, path) for info, item in run]
-                views = [tensor_bytes(buffer) for buffer, _ in destinations]
-                _read_exactly(handle.fileno(), views, first.offset, path)
-                for (info, item), (buffer, target), view in zip(run, destinations, views):
-                    if info.offset == covered:
-                        crc.update(view)
-                        covered += info.length
+                source.fill([buffer for buffer, _ in destinations], run[0][0].offset)
+                for (_, item), (buffer, target) in zip(run, destinations):
                     if buffer is not target:
                         target.copy_(_region(buffer, item.storage_offsets, item.lengths))
                     planner.commit_tensor(item, target)
-        self._check(path, file_name, covered, crc)
+            self._check(path, file_name, source)
+        finally:
+            source.close()
 
     def _destination(
         self, info: _StorageInfo, item: ReadItem, planner: LoadPlanner, path: Path
@@ -317,14 +304,13 @@ class RawStorageReader(StorageReader):
             return target, target
         return torch.empty(sizes, dtype=dtype), target
 
-    def _check(self, path: Path, file_name: str, covered: int, crc: RunningCrc) -> None:
+    def _check(self, path: Path, file_name: str, source: RangeReader) -> None:
         if self.expected is None:
-            crc.value()
             return
         expected = self.expected.get(file_name)
         if expected is None:
             raise CheckpointError(f"{path}: not listed in the checkpoint's manifest")
-        actual = crc.value() if covered == expected.size else record_of(path).crc32
+        actual = source.checksum() if source.covered == expected.size else record_of(path).crc32
         if actual != expected.crc32:
             raise CheckpointError(f"{path}: checksum mismatch (file corrupted)")
 
@@ -359,18 +345,3 @@ def _adjacent_runs(
         size += info.length
     if run:
         yield run
-
-
-def _read_exactly(fd: int, views: list[memoryview], offset: int, path: Path) -> None:
-    """Fill ``views`` from the bytes of ``fd`` stored back to back from ``offset``, with as few
-    reads as the kernel allows; a short file is reported as truncated."""
-    pending = [view.cast("B") for view in views if len(view)]
-    while pending:
-        count = os.preadv(fd, pending, offset)
-        if not count:
-            raise CheckpointError(f"{path}: ends early (truncated)")
-        offset += count
-        while pending and count >= len(pending[0]):
-            count -= len(pending.pop(0))
-        if count:
-            pending[0] = pending[0][count:]

@@ -1,0 +1,258 @@
+"""Filling tensors from byte ranges of one file: through the page cache, or around it.
+
+A data file is read in file order, run by run (a run: tensors stored back to back), by one of
+two readers with the same interface:
+
+- :class:`DirectRanges` (file not in the page cache, file system accepts ``O_DIRECT``): aligned
+  2 MiB blocks are read with ``O_DIRECT`` on helper threads, four requests in flight, into six
+  reused buffers (12 MiB), and copied once into the tensors. A cold read through the page cache
+  instead takes a fresh page for every 4 KiB and copies it once more. Fresh memory is dear on
+  the build VM (touching 512 MiB of it takes ~0.25 s, 2 us a page; its balloon device reports
+  freed pages to the host), and cold loads alternated with the buffered reader took 0.36 s
+  against 0.46 s for 595 MB, 4.0 s against 6.0 s for 4.5 GB (medians). Nothing read this way
+  enters the page cache, so a load evicts nothing else from it.
+- :class:`BufferedRanges` (otherwise: a warm cache serves it at memory speed): one ``preadv``
+  per run straight into the tensors, asking the kernel to read 64 MiB ahead.
+
+Both checksum the bytes stored contiguously from the start of the file while they read, so a
+file read whole needs no second pass. Local and blocking; nothing here is collective.
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.fsio import RunningCrc, helper_threads
+from areal_ckpt.tensors import tensor_bytes
+
+BLOCK = 2 << 20  # a multiple of 4096: O_DIRECT offsets, lengths and buffers are aligned to it
+IN_FLIGHT = 4
+_PROBE = 4096
+_READ_AHEAD = 64 << 20
+_CRC_PENDING = 2  # blocks queued for the checksum; a buffer is reused only once its CRC is done
+
+
+class RangeReader(Protocol):
+    """Fills tensors from a file in file order; see the module docstring."""
+
+    covered: int  # bytes from the start of the file checksummed so far, without a gap
+
+    def fill(self, buffers: list[torch.Tensor], offset: int) -> None:
+        """Fill contiguous CPU ``buffers`` with the bytes stored back to back from ``offset``."""
+
+    def checksum(self) -> int:
+        """CRC-32 of the first :attr:`covered` bytes; blocks until computed."""
+
+    def close(self) -> None:
+        """Release the file and any buffers; waits for reads in flight."""
+
+
+def open_ranges(path: Path, spans: list[tuple[int, int]]) -> RangeReader:
+    """A reader for the (offset, length) ``spans`` of ``path`` (sorted, not overlapping), which
+    the calls to ``fill`` will ask for in that order: direct when the first span's start is not
+    in the page cache and the file system accepts O_DIRECT, else buffered. ``spans`` not empty."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if _is_cached(fd, spans[0][0]):
+            return BufferedRanges(fd, path)
+        direct = _open_direct(path, spans[0][0])
+    except BaseException:
+        os.close(fd)
+        raise
+    if direct is None:
+        return BufferedRanges(fd, path)
+    os.close(fd)
+    return DirectRanges(direct, path, spans)
+
+
+def _is_cached(fd: int, offset: int) -> bool:
+    """Whether the page at ``offset`` is in the page cache (a read that may not wait for I/O)."""
+    nowait = getattr(os, "RWF_NOWAIT", None)
+    if nowait is None:
+        return True  # cannot tell: keep the page cache
+    try:
+        os.preadv(fd, [bytearray(1)], offset, nowait)
+    except BlockingIOError:
+        return False
+    except OSError:  # the file system does not take the flag
+        return True
+    return True
+
+
+def _open_direct(path: Path, offset: int) -> int | None:
+    """An O_DIRECT descriptor of ``path`` after one aligned test read, or None when the file
+    system refuses direct I/O."""
+    flag = getattr(os, "O_DIRECT", None)
+    if flag is None:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | flag)
+    except OSError:
+        return None
+    probe = mmap.mmap(-1, _PROBE)
+    try:
+        os.preadv(fd, [probe], offset // _PROBE * _PROBE)
+    except OSError:
+        os.close(fd)
+        return None
+    finally:
+        probe.close()
+    return fd
+
+
+class BufferedRanges:
+    """Reads through the page cache: one ``preadv`` per run into the tensors themselves.
+
+    One read per run rather than per tensor: a cold 1.1 GB load went from 0.83x to 0.94x a raw
+    read of the same bytes. The kernel is asked to read 64 MiB ahead, which trades a little
+    peak speed for steadiness: cold 550 MiB reads took 0.31-0.42 s or 0.52-0.94 s without the
+    request (15 of 32 slow), 0.36-0.46 s with it (32, interleaved); 4 or 8 MiB ahead was no better.
+    """
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self.covered = 0
+        self._fd = fd
+        self._path = path
+        self._crc = RunningCrc()
+        self._prefetched = 0  # the kernel has been asked to read ahead up to here
+
+    def fill(self, buffers: list[torch.Tensor], offset: int) -> None:
+        """See :class:`RangeReader`; the buffers are checksummed in place, so they must not
+        change until :meth:`checksum` returns."""
+        views = [tensor_bytes(buffer) for buffer in buffers]
+        end = offset + sum(len(view) for view in views)
+        if end + _READ_AHEAD > self._prefetched + _READ_AHEAD // 2:
+            start = max(self._prefetched, offset)
+            self._prefetched = end + _READ_AHEAD
+            os.posix_fadvise(self._fd, start, self._prefetched - start, os.POSIX_FADV_WILLNEED)
+        _read_exactly(self._fd, views, offset, self._path)
+        for view in views:
+            if offset == self.covered:
+                self._crc.update(view)
+                self.covered += len(view)
+            offset += len(view)
+
+    def checksum(self) -> int:
+        """See :class:`RangeReader`."""
+        return self._crc.value()
+
+    def close(self) -> None:
+        """See :class:`RangeReader`."""
+        self._crc.value()
+        os.close(self._fd)
+
+
+class DirectRanges:
+    """Reads with O_DIRECT, :data:`IN_FLIGHT` blocks ahead of the copy, around the page cache;
+    only the blocks that hold a byte of ``spans`` are read, in file order."""
+
+    def __init__(self, fd: int, path: Path, spans: list[tuple[int, int]]) -> None:
+        self.covered = 0
+        self._fd = fd
+        self._path = path
+        self._crc = RunningCrc(max_pending=_CRC_PENDING)
+        self._slots = [mmap.mmap(-1, BLOCK) for _ in range(IN_FLIGHT + _CRC_PENDING)]
+        self._slot_tensors = [torch.frombuffer(slot, dtype=torch.uint8) for slot in self._slots]
+        self._blocks: list[int] = []  # offsets of the blocks to read, in file order
+        for offset, length in spans:
+            if not length:
+                continue
+            first = offset // BLOCK * BLOCK
+            if self._blocks and first <= self._blocks[-1]:
+                first = self._blocks[-1] + BLOCK
+            self._blocks.extend(range(first, offset + length, BLOCK))
+        self._submitted = 0
+        self._pending: collections.deque[tuple[int, int, Future[int]]] = collections.deque()
+        self._current: tuple[int, int, int] | None = None  # (offset, slot, bytes) being copied from
+        while self._submitted < min(IN_FLIGHT, len(self._blocks)):
+            self._submit()
+
+    def fill(self, buffers: list[torch.Tensor], offset: int) -> None:
+        """See :class:`RangeReader`."""
+        for buffer in buffers:
+            destination = buffer.reshape(-1).view(torch.uint8)
+            done = 0
+            while done < destination.numel():
+                start, slot, length = self._block_holding(offset + done)
+                inside = offset + done - start
+                take = min(destination.numel() - done, length - inside)
+                destination[done : done + take].copy_(self._slot_tensors[slot][inside : inside + take])
+                done += take
+            offset += destination.numel()
+
+    def checksum(self) -> int:
+        """See :class:`RangeReader`."""
+        return self._crc.value()
+
+    def close(self) -> None:
+        """See :class:`RangeReader`."""
+        try:
+            for _, _, future in self._pending:
+                future.exception()
+            self._crc.value()
+        finally:
+            os.close(self._fd)
+            self._pending.clear()
+            self._slot_tensors.clear()
+
+    def _submit(self) -> None:
+        offset = self._blocks[self._submitted]
+        slot = self._submitted % len(self._slots)
+        future = helper_threads("read", IN_FLIGHT).submit(_read_block, self._fd, self._slots[slot], offset)
+        self._pending.append((offset, slot, future))
+        self._submitted += 1
+
+    def _block_holding(self, position: int) -> tuple[int, int, int]:
+        """(offset, slot, bytes read) of the block holding ``position``, waiting for it."""
+        while self._current is None or not self._current[0] <= position < self._current[0] + BLOCK:
+            if not self._pending:
+                raise CheckpointError(f"{self._path}: read past the announced ranges at byte {position}")
+            offset, slot, future = self._pending.popleft()
+            try:
+                length = future.result()
+            except OSError as error:
+                raise CheckpointError(f"{self._path}: read failed at byte {offset}: {error}") from None
+            self._current = (offset, slot, length)
+            if offset == self.covered:
+                self._crc.update(memoryview(self._slots[slot])[:length])
+                self.covered += length
+            if self._submitted < len(self._blocks):
+                self._submit()
+        if position >= self._current[0] + self._current[2]:
+            raise CheckpointError(f"{self._path}: ends early (truncated)")
+        return self._current
+
+
+def _read_block(fd: int, slot: mmap.mmap, offset: int) -> int:
+    """Read up to one block at ``offset`` into ``slot``; fewer bytes only at the end of the file."""
+    view = memoryview(slot)
+    done = 0
+    while done < BLOCK:
+        count = os.preadv(fd, [view[done:]], offset + done)
+        if not count:
+            break
+        done += count
+    return done
+
+
+def _read_exactly(fd: int, views: list[memoryview], offset: int, path: Path) -> None:
+    """Fill ``views`` from the bytes of ``fd`` stored back to back from ``offset``, with as few
+    reads as the kernel allows; a short file is reported as truncated."""
+    pending = [view.cast("B") for view in views if len(view)]
+    while pending:
+        count = os.preadv(fd, pending, offset)
+        if not count:
+            raise CheckpointError(f"{path}: ends early (truncated)")
+        offset += count
+        while pending and count >= len(pending[0]):
+            count -= len(pending.pop(0))
+        if count:
+            pending[0] = pending[0][count:]
