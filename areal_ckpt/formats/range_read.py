@@ -146,8 +146,10 @@ class BufferedRanges:
 
     def close(self) -> None:
         """See :class:`RangeReader`."""
-        self._crc.value()
-        os.close(self._fd)
+        try:
+            self._crc.value()
+        finally:
+            os.close(self._fd)
 
 
 class DirectRanges:
@@ -224,6 +226,8 @@ class DirectRanges:
             if offset == self.covered:
                 self._crc.update(memoryview(self._slots[slot])[:length])
                 self.covered += length
+            else:  # past a gap the checksum goes unused, but queued pieces must finish before
+                self._crc.value()  # their buffers are read into again
             if self._submitted < len(self._blocks):
                 self._submit()
         if position >= self._current[0] + self._current[2]:
