@@ -113,13 +113,18 @@ def test_cold_reads_in_blocks_fill_every_tensor_exactly(tmp_path: Path, monkeypa
         assert torch.equal(template[name], tensor), name
 
 
-def test_a_cold_partial_read_skips_blocks_and_still_checks_the_whole_file(tmp_path: Path, monkeypatch):
+def _saved_in_small_blocks(tmp_path: Path, monkeypatch) -> tuple[list[type], dict[str, torch.Tensor], dict, Path]:
+    """The big state saved, 4 KiB read blocks (many per file), and the list of readers chosen."""
     monkeypatch.setattr(range_read, "BLOCK", 4096)
     chosen = _record_readers(monkeypatch)
     state = _big_state()
     records = save_tensors(state, tmp_path)
     (file_name,) = records
-    path = tmp_path / file_name
+    return chosen, state, records, tmp_path / file_name
+
+
+def test_a_cold_partial_read_skips_blocks_and_still_checks_the_whole_file(tmp_path: Path, monkeypatch):
+    chosen, state, records, path = _saved_in_small_blocks(tmp_path, monkeypatch)
     template = {name: torch.zeros_like(tensor) for name, tensor in state.items() if name not in ("w2", "w3", "w4")}
     _evict(path)
     load_tensors(template, tmp_path, optional_prefixes=("w2", "w3", "w4"), expected=records)
@@ -131,36 +136,27 @@ def test_a_cold_partial_read_skips_blocks_and_still_checks_the_whole_file(tmp_pa
     data[offset] ^= 1  # inside a tensor this load does not read
     path.write_bytes(bytes(data))
     _evict(path)
-    with pytest.raises(CheckpointError, match=f"{file_name}: checksum mismatch"):
+    with pytest.raises(CheckpointError, match=f"{path.name}: checksum mismatch"):
         load_tensors({name: torch.zeros_like(t) for name, t in template.items()}, tmp_path,
                      optional_prefixes=("w2", "w3", "w4"), expected=records)
     assert chosen == [range_read.DirectRanges, range_read.DirectRanges]
 
 
 def test_a_cold_damaged_file_is_named(tmp_path: Path, monkeypatch):
-    monkeypatch.setattr(range_read, "BLOCK", 4096)
-    chosen = _record_readers(monkeypatch)
-    state = _big_state()
-    records = save_tensors(state, tmp_path)
-    (file_name,) = records
-    path = tmp_path / file_name
+    chosen, state, records, path = _saved_in_small_blocks(tmp_path, monkeypatch)
     data = bytearray(path.read_bytes())
     data[len(data) - 5] ^= 1
     path.write_bytes(bytes(data))
     _evict(path)
-    with pytest.raises(CheckpointError, match=f"{file_name}: checksum mismatch"):
+    with pytest.raises(CheckpointError, match=f"{path.name}: checksum mismatch"):
         load_tensors(_empty_like(state), tmp_path, expected=records)
     assert chosen == [range_read.DirectRanges]
 
 
 def test_a_cold_truncated_file_is_named(tmp_path: Path, monkeypatch):
-    monkeypatch.setattr(range_read, "BLOCK", 4096)
-    chosen = _record_readers(monkeypatch)
-    state = _big_state()
-    (file_name,) = save_tensors(state, tmp_path)
-    path = tmp_path / file_name
+    chosen, state, _, path = _saved_in_small_blocks(tmp_path, monkeypatch)
     path.write_bytes(path.read_bytes()[: path.stat().st_size - 5000])
     _evict(path)
-    with pytest.raises(CheckpointError, match=f"{file_name}: ends early \\(truncated\\)"):
+    with pytest.raises(CheckpointError, match=f"{path.name}: ends early \\(truncated\\)"):
         load_tensors(_empty_like(state), tmp_path)
     assert chosen == [range_read.DirectRanges]
