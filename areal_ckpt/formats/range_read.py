@@ -70,7 +70,11 @@ def open_ranges(path: Path, spans: list[tuple[int, int]]) -> RangeReader:
     if direct is None:
         return BufferedRanges(fd, path)
     os.close(fd)
-    return DirectRanges(direct, path, spans)
+    try:
+        return DirectRanges(direct, path, spans)
+    except BaseException:  # e.g. no memory for the buffers, which come before any read
+        os.close(direct)
+        raise
 
 
 def _is_cached(fd: int, offset: int) -> bool:
