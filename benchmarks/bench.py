@@ -336,8 +336,8 @@ def run(sizes: list[int], rounds: int, dtypes: list[torch.dtype], workdir: Path)
     """Every method, every size and dtype. Each method writes right after a raw write of the same
     bytes; then both files are evicted and read back, raw first in even rounds and the method
     first in odd ones. Its speed is taken relative to that raw pair: both files have the same
-    history (written, evicted, read back to back), which matters on a VM whose host caches the
-    disk blocks touched last."""
+    history (written, evicted, read back to back), which matters on a VM where a read's speed
+    depends on what ran just before it (see the notes in docs/benchmarks.md)."""
     results = []
     for dtype in dtypes:
         for mib in sizes:
