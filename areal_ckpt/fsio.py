@@ -127,11 +127,14 @@ class ChecksummedWriter:
 
 
 def record_of(path: Path) -> FileRecord:
-    """Read ``path`` once and return its size and CRC-32 (blocking, read-only; reading the
-    next piece overlaps with checksumming the last)."""
-    crc = RunningCrc(max_pending=2)
-    size = 0
+    """Read ``path`` once and return its size and CRC-32 (blocking, read-only; in a file of
+    more than one piece, reading the next piece overlaps with checksumming the last)."""
     with open(path, "rb", buffering=0) as handle:
+        if os.fstat(handle.fileno()).st_size <= _CHUNK:  # nothing to overlap: no hop to a helper thread
+            data = handle.read()
+            return FileRecord(size=len(data), crc32=_crc32(data))
+        crc = RunningCrc(max_pending=2)
+        size = 0
         while chunk := handle.read(_CHUNK):
             crc.update(chunk)
             size += len(chunk)

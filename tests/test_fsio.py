@@ -31,3 +31,12 @@ def test_write_file_durably_replaces_the_content(tmp_path):
     write_file_durably(path, b"x" * 100)
     record = write_file_durably(path, b"{}")
     assert path.read_bytes() == b"{}" and record.size == 2 and record.crc32 == zlib.crc32(b"{}")
+
+
+def test_record_of_matches_zlib_for_a_file_of_one_piece_and_of_several(tmp_path, monkeypatch):
+    monkeypatch.setattr("areal_ckpt.fsio._CHUNK", 1 << 20)
+    for name, size in (("one.bin", 1 << 20), ("several.bin", (3 << 20) + 17)):
+        data = os.urandom(size)
+        (tmp_path / name).write_bytes(data)
+        record = record_of(tmp_path / name)
+        assert (record.size, record.crc32) == (size, zlib.crc32(data))
