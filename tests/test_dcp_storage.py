@@ -96,6 +96,34 @@ def test_a_cold_file_is_read_around_the_page_cache_and_a_warm_one_through_it(tmp
     assert (type(warm), type(cold)) == (range_read.BufferedRanges, range_read.DirectRanges)
 
 
+def _mapping_of(address: int) -> dict[str, str]:
+    """The fields /proc/self/smaps gives for the mapping that holds ``address``."""
+    fields: dict[str, str] = {}
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            low, high = (int(bound, 16) for bound in head.split("-"))
+            inside = low <= address < high
+        elif inside:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+def test_cold_read_buffers_start_on_a_huge_page_and_are_offered_to_huge_pages():
+    views, tensors = range_read._huge_page_slots(3)
+    addresses = [tensor.data_ptr() for tensor in tensors]
+    assert addresses[0] % range_read._HUGE_PAGE == 0
+    assert [b - a for a, b in zip(addresses, addresses[1:])] == [range_read.BLOCK] * 2
+    assert [len(view) for view in views] == [range_read.BLOCK] * 3
+    views[1][:4] = b"abcd"  # the views and the tensors are the same bytes
+    assert bytes(tensors[1][:4].numpy()) == b"abcd"
+    switch = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    mode = switch.read_text() if switch.exists() else "[never]"  # a kernel built without them
+    assert _mapping_of(addresses[0])["THPeligible"] == ("0" if "[never]" in mode else "1")
+
+
 @pytest.mark.parametrize("block, in_flight", [(4096, 1), (4096, 3), (range_read.BLOCK, range_read.IN_FLIGHT)])
 def test_cold_reads_in_blocks_fill_every_tensor_exactly(tmp_path: Path, monkeypatch, block: int, in_flight: int):
     monkeypatch.setattr(range_read, "BLOCK", block)
