@@ -48,7 +48,7 @@ logger = logging.getLogger("areal_ckpt.formats")
 
 BLOCK = 2 << 20  # a multiple of 4096: O_DIRECT offsets, lengths and buffers are aligned to it
 IN_FLIGHT = 8  # blocks submitted ahead of the copy
-READ_THREADS = 4  # of them, read at once
+READ_THREADS = 4  # threads reading them: requests at the disk at once
 _PROBE = 4096
 _READ_AHEAD = 64 << 20
 _CRC_PENDING = 2  # blocks queued for the checksum; a buffer is reused only once its CRC is done
