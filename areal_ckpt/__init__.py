@@ -9,7 +9,7 @@ from areal_ckpt.config import CheckpointConfig, RecoverConfig, SaverConfig
 from areal_ckpt.config_loader import load_config
 from areal_ckpt.engines import DeepSpeedEngine, TorchEngine
 from areal_ckpt.errors import CheckpointError, CollectiveError, CommitError, ConfigError, RankMismatchError
-from areal_ckpt.recover import RecoverHandler, check_if_recover
+from areal_ckpt.recover import RecoverHandler, check_if_auto_recover, check_if_recover
 from areal_ckpt.saver import Saver
 from areal_ckpt.state.recover_info import RecoverInfo
 from areal_ckpt.schedule import TriggerSchedule
@@ -34,6 +34,7 @@ __all__ = [
     "TorchEngine",
     "TriggerSchedule",
     "__version__",
+    "check_if_auto_recover",
     "check_if_recover",
     "load_checkpoint",
     "load_config",

@@ -16,9 +16,11 @@ from typing import Any, Sequence
 from tqdm import tqdm
 
 from areal_ckpt.config import parse_size
+from areal_ckpt.config_loader import load_config
 from areal_ckpt.convert import export_deepspeed, export_recovery
 from areal_ckpt.describe import describe, list_trial, verify
-from areal_ckpt.errors import CheckpointError
+from areal_ckpt.errors import CheckpointError, ConfigError
+from areal_ckpt.launch import launch
 from areal_ckpt.tensors import EXPORT_DTYPES
 
 
@@ -125,6 +127,16 @@ def cmd_convert_deepspeed(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_launch(args: argparse.Namespace) -> int:
+    rest = list(args.rest)
+    if "--" not in rest:
+        raise ConfigError("launch: put the job's command after '--', e.g. "
+                          "areal-ckpt launch --config job.yaml -- torchrun --nproc-per-node 2 train.py")
+    split = rest.index("--")
+    config = load_config(args.config, rest[:split])
+    return launch(config.recover, rest[split + 1:])
+
+
 def _add_output_options(command: argparse.ArgumentParser) -> None:
     """The HF output folder and how it is written, shared by the converting commands."""
     command.add_argument("out_dir", help="new folder to create")
@@ -164,6 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--config", help="folder with the model's config.json, for DeepSpeed's own layout "
                                           "(default: DS_DIR)")
     convert.set_defaults(run=cmd_convert_deepspeed)
+
+    relaunch = commands.add_parser(
+        "launch", help="run a training command; relaunch it after a crash, up to recover.retries times",
+        description="Run COMMAND; while recovery is enabled in CONFIG, relaunch it after a failure up to "
+                    "recover.retries times (it resumes from its last recovery dump). Overrides "
+                    "(key.path=value) apply to CONFIG as the job applies them.",
+    )
+    relaunch.add_argument("--config", required=True, help="the job's YAML file (its recover: block is read)")
+    relaunch.add_argument("rest", nargs=argparse.REMAINDER, metavar="[OVERRIDE ...] -- COMMAND ...")
+    relaunch.set_defaults(run=cmd_launch)
     return parser
 
 
@@ -175,6 +197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except (CheckpointError, ValueError, OSError) as error:
         print(f"areal-ckpt {args.command}: error: {error}", file=sys.stderr)
-        print("hint: `areal-ckpt verify PATH` names damaged files; `areal-ckpt list TRIAL` shows what exists",
-              file=sys.stderr)
+        if not isinstance(error, ConfigError):
+            print("hint: `areal-ckpt verify PATH` names damaged files; `areal-ckpt list TRIAL` shows what exists",
+                  file=sys.stderr)
         return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -107,6 +107,9 @@ class SaverConfig(_TimerBlock):
         return parse_size(value)
 
 
+RECOVER_MODES = ("on", "auto", "sync", "async", "off", "disabled")
+
+
 class RecoverConfig(_TimerBlock):
     """``recover:`` block: full-state recovery checkpoints (model, optimizer, loop state)."""
 
@@ -114,20 +117,33 @@ class RecoverConfig(_TimerBlock):
     # off / disabled: no-op. sync blocks until a dump is durable, async writes it in the
     # background; on / auto pick async only for a model on an accelerator (see background.py).
     mode: Literal["on", "auto", "sync", "async", "off", "disabled"] = "disabled"
-    # Attempts after a failed dump write before the error is raised.
+    # As in AReaL: how many times `areal-ckpt launch` relaunches a failed job while recovery
+    # is enabled (the training process itself never reads it).
     retries: NonNegativeInt = 3
+    # Ours: attempts after a failed dump write, inside one dump, before the error is raised.
+    write_retries: NonNegativeInt = 3
     no_save_optim: StrictBool = False
     no_load_optim: StrictBool = False
 
     @field_validator("mode", mode="before")
     @classmethod
-    def _yaml_on_off(cls, value: Any) -> Any:
+    def _known_mode(cls, value: Any) -> Any:
         # YAML 1.1 reads an unquoted `on` / `off` as a boolean: take them as the words meant.
         if value is True:
             return "on"
         if value is False:
             return "off"
+        if value not in RECOVER_MODES:
+            raise ValueError(
+                f"invalid recover mode {value!r}: use one of {', '.join(RECOVER_MODES)} "
+                "(the 'fault' and 'resume' modes were removed, as in AReaL)"
+            )
         return value
+
+    @property
+    def enabled(self) -> bool:
+        """True when recovery dumps and resumes (mode on / auto / sync / async)."""
+        return self.mode in ("on", "auto", "sync", "async")
 
 
 _INHERITED = ("experiment_name", "trial_name", "fileroot", "user")

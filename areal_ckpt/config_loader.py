@@ -2,7 +2,8 @@
 
 Supports ``${a.b}`` interpolation of other keys of the same file (resolved only where the blocks
 we read need it, so unrelated parts of a full training config are left alone) and dotted
-command-line overrides such as ``saver.freq_steps=10``. Every failure is one ConfigError that
+command-line overrides such as ``saver.freq_steps=10`` (also Hydra's ``+key=value`` and
+``++key=value``). Every failure is one ConfigError that
 names the file, the key path and the problem.
 """
 
@@ -78,8 +79,12 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 
 def _apply_override(document: dict[str, Any], override: str, path: Path) -> None:
+    """Apply one Hydra-style override: ``a.b=v`` sets, ``++a.b=v`` adds or sets, ``+a.b=v`` adds
+    a key that must not exist yet (as Hydra does)."""
     key_path, sep, raw_value = override.partition("=")
-    keys = key_path.strip().split(".")
+    key_path = key_path.strip()
+    adding = key_path.startswith("+") and not key_path.startswith("++")
+    keys = key_path.removeprefix("++").removeprefix("+").split(".")
     if not sep or not all(_KEY.match(key) for key in keys):
         raise ConfigError(f"{path}: override {override!r}: expected key.path=value, e.g. saver.freq_steps=10")
     try:
@@ -93,6 +98,11 @@ def _apply_override(document: dict[str, Any], override: str, path: Path) -> None
             where = ".".join(keys[: depth + 1])
             raise ConfigError(f"{path}: override {override!r}: {where} is not a mapping")
         node = child
+    if adding and keys[-1] in node:
+        raise ConfigError(
+            f"{path}: override {override!r}: {'.'.join(keys)} is already set; "
+            f"use ++{'.'.join(keys)}={raw_value} (or {'.'.join(keys)}={raw_value}) to override it"
+        )
     node[keys[-1]] = value
 
 

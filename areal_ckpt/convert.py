@@ -13,7 +13,7 @@ import torch
 from areal_ckpt.commit import check_files, read_manifest
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.export import ExportResult, write_export
-from areal_ckpt.formats.dcp_source import DcpModelSource, load_tokenizer, tied_names
+from areal_ckpt.formats.dcp_source import DcpModelSource, tied_names
 from areal_ckpt.formats.hf_export import names_of_rank
 from areal_ckpt.layout import HF_FILES, MANIFEST_NAME, RECOVER_MANIFEST
 from areal_ckpt.recover_store import resolve_recovery
@@ -51,7 +51,7 @@ def export_recovery(
     logger.info("exporting model %r of %s (global step %s) to %s", model, generation, step.get("global_step"), out_dir)
     return write_export(
         source, out_dir, max_shard_size=max_shard_size, dtype=dtype,
-        tokenizer=load_tokenizer(generation / model / HF_FILES),
+        assets=str(generation / model / HF_FILES),  # config, tokenizer, processor, base model files
         header={"name": model, "step": step, "converted_from": str(generation)}, progress=progress,
     )
 
@@ -143,8 +143,8 @@ def export_deepspeed(
             raise CheckpointError(f"{folder}: damaged: " + "; ".join(problems))
         source: Any = DcpModelSource(folder / "model", folder / "model" / HF_FILES)
         header = {"name": "default", "step": {"tag": tag}, "converted_from": str(folder)}
-        return write_export(source, _new_output(out_dir), max_shard_size=max_shard_size, dtype=dtype, tokenizer=None,
-                            header=header, progress=progress)
+        return write_export(source, _new_output(out_dir), max_shard_size=max_shard_size, dtype=dtype,
+                            assets=str(folder / "model" / HF_FILES), header=header, progress=progress)
     from transformers import AutoConfig
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -158,4 +158,4 @@ def export_deepspeed(
         tensors = get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=tag)
     header = {"name": "default", "step": {"tag": tag}, "converted_from": str(folder)}
     return write_export(_StateDictSource(config, dict(tensors)), _new_output(out_dir), max_shard_size=max_shard_size,
-                        dtype=dtype, tokenizer=None, header=header, progress=progress)
+                        dtype=dtype, header=header, progress=progress)

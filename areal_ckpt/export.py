@@ -23,7 +23,9 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.hf_export import (
     ExportPlan,
     ExportSource,
+    HFFiles,
     TensorSource,
+    hf_files,
     names_of_rank,
     plan_export,
     write_metadata,
@@ -80,8 +82,10 @@ def write_export(
     *,
     max_shard_size: int,
     dtype: torch.dtype | None,
-    tokenizer: Any | None,
     header: dict[str, Any],
+    tokenizer: Any | None = None,
+    processor: Any | None = None,
+    assets: str | None = None,
     progress: Callable[[Iterable[int]], Iterable[int]] = iter,
 ) -> ExportResult:
     """Export ``source`` to the folder ``final``, replacing a folder of that name whole.
@@ -89,10 +93,11 @@ def write_export(
     Collective: every rank calls it; each writes its shard files, rank 0 writes the metadata
     and publishes. Blocking; on return the folder is complete and durable on every rank's view.
     On failure nothing is published, the staging folder is removed and every rank raises.
+    ``tokenizer``, ``processor`` and ``assets`` (a base model folder) are as in :class:`HFFiles`.
     """
     start = time.perf_counter()
-    target = begin_export(source, final, max_shard_size=max_shard_size, dtype=dtype, tokenizer=tokenizer,
-                          header=header)
+    target = begin_export(source, final, max_shard_size=max_shard_size, dtype=dtype, header=header,
+                          tokenizer=tokenizer, processor=processor, assets=assets)
     written = finish_export(source, target, progress)
     return ExportResult(path=final, bytes=written, seconds=time.perf_counter() - start)
 
@@ -103,11 +108,14 @@ def begin_export(
     *,
     max_shard_size: int,
     dtype: torch.dtype | None,
-    tokenizer: Any | None,
     header: dict[str, Any],
+    tokenizer: Any | None = None,
+    processor: Any | None = None,
+    assets: str | None = None,
 ) -> ExportTarget:
-    """Plan the export and have rank 0 create the staging folder with the config, index and
-    tokenizer in it. Collective; blocking; raises on every rank if rank 0 could not."""
+    """Plan the export and have rank 0 create the staging folder with the config, index,
+    tokenizer, processor and base model assets in it (see :class:`HFFiles`). Collective;
+    blocking; raises on every rank if rank 0 could not."""
     target = ExportTarget(
         final=final,
         plan=plan_export(source.export_specs(), max_shard_size, dtype),
@@ -120,7 +128,9 @@ def begin_export(
             **header,
         },
     )
-    error = _prepare_staging(source, target, tokenizer) if dist.rank() == 0 else None
+    error = None
+    if dist.rank() == 0:
+        error = _prepare_staging(target, lambda: hf_files(source, dtype, tokenizer, processor, assets))
     error = dist.broadcast_object(error, src=0)
     if error is not None:
         raise CheckpointError(f"{target.staging}: could not prepare the export: {error}; nothing was published")
@@ -173,13 +183,13 @@ def finish_export(
     return target.plan.total_size
 
 
-def _prepare_staging(source: ExportSource, target: ExportTarget, tokenizer: Any) -> str | None:
+def _prepare_staging(target: ExportTarget, files: Callable[[], HFFiles]) -> str | None:
     """Rank 0: a fresh staging folder holding the metadata files. Returns the error text or None."""
     try:
         if target.staging.exists():
             shutil.rmtree(target.staging)
         target.staging.mkdir(parents=True)
-        write_metadata(source, target.plan, target.staging, target.dtype, tokenizer)
+        write_metadata(target.plan, target.staging, files())
         return None
     except Exception as error:  # reported to every rank, which all raise
         logger.error("cannot prepare staging folder %s: %s", target.staging, error)

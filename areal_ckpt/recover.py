@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -19,13 +20,33 @@ from areal_ckpt._version import __version__
 from areal_ckpt.background import BackgroundWriter, describe_metrics, resolve_async, saving_metrics
 from areal_ckpt.commit import read_manifest
 from areal_ckpt.config import RecoverConfig, check_path_component
-from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError
+from areal_ckpt.engines.contract import (
+    ColocatedRolloutEngine,
+    Engine,
+    EnginesLike,
+    HFAssets,
+    RolloutEngine,
+    WeightSource,
+    WeightUpdateMeta,
+    engines_by_name,
+    named_engines,
+    require,
+)
+from areal_ckpt.errors import CheckpointError, CollectiveError, ConfigError, RankMismatchError
 from areal_ckpt.formats.hf_export import HFFiles, hf_files
 from areal_ckpt.fsio import FileRecord
-from areal_ckpt.layout import ENGINE_STATE_FILE, RECOVER_INFO, RECOVER_MANIFEST, default_user, trial_root
+from areal_ckpt.layout import (
+    ENGINE_STATE_FILE,
+    RECOVER_INFO,
+    RECOVER_MANIFEST,
+    default_user,
+    recover_info_link,
+    trial_root,
+)
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.recover_read import find_committed, load_engine, verify_checkpoint
 from areal_ckpt.recover_store import RecoverStore
+from areal_ckpt.rollout_sync import RolloutSync
 from areal_ckpt.recover_write import MODEL_SEPARATOR, RECOVER_FORMAT, RECOVER_FORMAT_VERSION, DumpJob
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.staging import layout_of
@@ -35,36 +56,34 @@ from areal_ckpt.state.recover_info import RecoverInfo, encode_global_info, encod
 from areal_ckpt.state.rng import capture_rng_state, restore_rng_state
 from areal_ckpt.step import FinetuneSpec, StepInfo
 
-logger = logging.getLogger("areal_ckpt.recover")
-
+logger = logging.getLogger(__name__)
 
 
 class _AttemptFailed(Exception):
     """A dump attempt failed on some rank; every rank raises it (retried by ``dump``)."""
 
 
-def _enabled(config: RecoverConfig) -> bool:
-    return config.mode in ("on", "auto", "sync", "async")
+def check_if_auto_recover(config: RecoverConfig) -> bool:
+    """True when the trial has a committed recovery checkpoint (whatever ``mode`` says); local.
 
-
-def _store_of(config: RecoverConfig) -> RecoverStore:
-    return RecoverStore(trial_root(config.fileroot, config.user or default_user(), config.experiment_name, config.trial_name))
-
-
-def check_if_recover(config: RecoverConfig) -> bool:
-    """True when recovery is enabled (mode on/auto/sync/async) and the trial has a committed recovery checkpoint; local.
-
-    Raises CheckpointError when a commit record exists but is broken, so a launcher never
-    mistakes a damaged checkpoint for a fresh trial. Checksums are verified by ``load``.
+    Raises CheckpointError when a commit record exists but is broken, or when the trial holds
+    AReaL's own recovery folders, so a launcher never mistakes a checkpoint for a fresh trial.
+    Checksums are verified by ``RecoverHandler.load``.
     """
-    if not _enabled(config):
-        return False
-    store = _store_of(config)
+    store = RecoverStore.of(config)
+    store.refuse_foreign_layout()
     generation = store.committed()
     if generation is None:
         return False
     read_manifest(store.path(generation), RECOVER_MANIFEST)
     return True
+
+
+def check_if_recover(config: RecoverConfig, run_id: int = 0) -> bool:
+    """True when recovery is enabled (mode on/auto/sync/async) and the trial has a committed
+    recovery checkpoint (see :func:`check_if_auto_recover`); local. ``run_id`` is unused, as in
+    AReaL (kept so AReaL's two-argument call runs unchanged)."""
+    return config.enabled and check_if_auto_recover(config)
 
 
 class RecoverHandler:
@@ -80,9 +99,11 @@ class RecoverHandler:
     def __init__(self, config: RecoverConfig, ft_spec: FinetuneSpec) -> None:
         self.config = config
         self.ft_spec = ft_spec
-        self.enabled = _enabled(config)
-        self.store = _store_of(config)
+        self.enabled = config.enabled
+        self.store = RecoverStore.of(config)
         self._schedule = TriggerSchedule(config.freq_epochs, config.freq_steps, config.freq_secs)
+        # As AReaL's: the step the last dump (or the loaded checkpoint) was taken after.
+        self.last_step_info = StepInfo(-1, -1, -1, max(ft_spec.steps_per_epoch, 0))
         self._generation: str | None = None  # committed generation this process loaded or wrote
         self._tidied = False  # rank 0 removed the debris of earlier jobs (at load or first dump)
         self._fingerprints: dict[str, list[int]] = {}
@@ -107,41 +128,57 @@ class RecoverHandler:
 
     # -- dump -------------------------------------------------------------------------------
 
+    @staticmethod
+    def recover_info_path(experiment_name: str, trial_name: str, fileroot: str) -> str:
+        """``{trial}/recover_info``: the link to the committed generation's ``recover_info/``
+        folder, for the login user (as AReaL's helper; see docs/layout.md). Pure: creates nothing."""
+        return str(recover_info_link(trial_root(fileroot, default_user(), experiment_name, trial_name)))
+
     def dump(
         self,
-        engine: Any,
+        engine: EnginesLike,
         step_info: StepInfo,
         saver: Stateful | None = None,
-        dataloader: Stateful | None = None,
         evaluator: Stateful | None = None,
         stats_logger: Stateful | None = None,
-        client_state: Mapping[str, Any] | None = None,
+        dataloader: Stateful | None = None,
         tokenizer: Any | None = None,
+        processor: Any | None = None,
+        base_model_path: str | None = None,
+        *,
+        client_state: Mapping[str, Any] | None = None,
         force: bool = False,
     ) -> str | None:
         """Write a recovery checkpoint after ``step_info`` when the schedule says so (or ``force``).
 
-        Collective: every rank calls it after every step, with its own dataloader and client
-        state. The model's HF config (and ``tokenizer``, if given) are recorded so that
-        ``areal-ckpt export`` can turn the checkpoint into a HuggingFace folder. Returns None
-        when no dump was due (or mode is off), else the generation's path.
+        AReaL's call, in AReaL's order; the four components are optional here. ``engine`` is
+        one engine or ``{model name: engine}`` (see :mod:`areal_ckpt.engines.contract`).
+        Collective: every rank calls it after every step, with its own dataloader and
+        ``client_state`` (the loop's own JSON-able state, e.g. a KL coefficient). The model's HF
+        config, ``tokenizer``, ``processor`` and the base model's non-weight files are recorded
+        so that ``areal-ckpt export`` can turn the checkpoint into a complete HuggingFace
+        folder. Returns None when no dump was due (or mode is off), else the generation's path.
 
         Synchronous: blocks until that generation is committed and durable. Asynchronous (mode
         ``async``; ``auto`` / ``on`` when the model is on an accelerator): first waits for the
         dump in flight, encodes the small JSON files, copies the tensors to shared memory and
         returns; the background writer commits it later (:meth:`wait`, :meth:`close`). A failed
-        write is retried ``retries`` times with back-off, then raised on every rank: by this
+        write is retried ``write_retries`` times with back-off, then raised on every rank: by this
         call (sync), or by the next due dump, ``wait`` or ``close`` (async). The previous
         checkpoint survives every failure.
         """
         if not self.enabled:
             return None
+        try:
+            step_info.check_completed()
+        except ValueError as error:
+            raise CheckpointError(f"RecoverHandler.dump: {error}: pass the step just completed") from None
         due = self._schedule.should_fire(self.ft_spec.is_epoch_last_step(step_info.epoch_step))
         if not (due or force):
             return None
-        if force and not due:
-            self._schedule.mark_fired()
-        engines = dict(engine) if isinstance(engine, Mapping) else {"default": engine}
+        engines = engines_by_name(engine, "RecoverHandler.dump")
+        assets = {name: HFAssets.of(original, tokenizer, processor, base_model_path)
+                  for name, original in named_engines(engine).items()}
         components = {
             **capture_components(saver, evaluator, stats_logger),
             "checkpoint_info": self._schedule.state_dict(),
@@ -154,14 +191,14 @@ class RecoverHandler:
         start = time.perf_counter()
         self._collect()
         background = resolve_async(self.config.mode, any(e.on_accelerator for e in engines.values()))
-        for attempt in range(self.config.retries + 1):
+        for attempt in range(self.config.write_retries + 1):
             try:
-                job, tensors, fingerprints = self._prepare(engines, step_info, components, rank_state, tokenizer)
+                job, tensors, fingerprints = self._prepare(engines, step_info, components, rank_state, assets)
                 break
             except CollectiveError as lost:  # retrying without the other ranks cannot succeed
                 raise self._stopped(step_info, lost) from lost
             except _AttemptFailed as failure:
-                if attempt == self.config.retries:
+                if attempt == self.config.write_retries:
                     raise CheckpointError(
                         f"{self.store.root}: recovery dump at global step {step_info.global_step} failed "
                         f"after {attempt + 1} attempts: {failure}; the previous checkpoint is intact"
@@ -186,6 +223,7 @@ class RecoverHandler:
         except CollectiveError as lost:
             raise self._stopped(step_info, lost) from lost
         self._committed(job.generation, fingerprints)
+        self.last_step_info = step_info
         self.last_metrics = saving_metrics(time.perf_counter() - start, result["bytes"], background=0.0)
         logger.info("recovery checkpoint at global step %d: %s (%s)", step_info.global_step, result["path"],
                     describe_metrics(self.last_metrics))
@@ -227,11 +265,11 @@ class RecoverHandler:
 
     def _prepare(
         self,
-        engines: dict[str, Any],
+        engines: dict[str, Engine],
         step_info: StepInfo,
         components: dict[str, Any],
         rank_state: dict[str, Any],
-        tokenizer: Any,
+        assets: dict[str, HFAssets],
     ) -> tuple[DumpJob, dict[str, torch.Tensor], dict[str, list[int]]]:
         """Create the generation, write its JSON files, capture the tensors; collective.
 
@@ -261,7 +299,7 @@ class RecoverHandler:
                 if engines[name].is_frozen:
                     fingerprints[name] = engines[name].fingerprint()
                 model_tensors, model_records = self._prepare_engine(
-                    engines[name], name, generation, fingerprints.get(name), tokenizer, files, hf
+                    engines[name], name, generation, fingerprints.get(name), assets[name], files, hf
                 )
                 records.update(model_records)
                 tensors.update({f"{name}{MODEL_SEPARATOR}{key}": value for key, value in model_tensors.items()})
@@ -286,18 +324,20 @@ class RecoverHandler:
             "torch_version": torch.__version__,
             "world_size": dist.world_size(),
             "models": names,
-            "step": step_info.model_dump(),
+            "step": step_info.to_dict(),
         }
         job = DumpJob(
             trial=self.store.trial, generation=generation, models=names,
             records={k: (r.size, r.crc32) for k, r in records.items()}, files=files, hf=hf, header=header,
-            retries=self.config.retries,
+            retries=self.config.write_retries,
         )
         return job, tensors, fingerprints
 
     def _begin(self, global_step: int, names: list[str]) -> tuple[str, str]:
         """Rank 0: ("created", generation) | ("refused", why) | ("failed", OS error, retried)."""
         try:
+            if not self._tidied:  # the first dump of this job: nothing of AReaL's is overwritten
+                self.store.refuse_foreign_layout()
             committed = self.store.committed()
         except CheckpointError as error:
             return "refused", str(error)
@@ -315,7 +355,7 @@ class RecoverHandler:
             return "failed", str(error)
 
     def _prepare_engine(
-        self, engine: Any, name: str, generation: str, fingerprint: list[int] | None, tokenizer: Any,
+        self, engine: Engine, name: str, generation: str, fingerprint: list[int] | None, assets: HFAssets,
         files: dict[str, bytes], hf: dict[str, HFFiles],
     ) -> tuple[dict[str, torch.Tensor], dict[str, FileRecord]]:
         """This rank's tensors of one model (none when an unchanged frozen model is linked) and
@@ -330,29 +370,47 @@ class RecoverHandler:
         if dist.rank() == 0:
             extra["optimizer_saved"] = include_optimizer and not engine.is_frozen
             files[f"{name}/{ENGINE_STATE_FILE}"] = safe_json.dumps(extra)
-            hf[name] = hf_files(engine, None, tokenizer)  # what `areal-ckpt export` needs besides the shards
+            # what `areal-ckpt export` needs besides the shards
+            hf[name] = hf_files(engine, None, assets.tokenizer, assets.processor, assets.base_model_path)
         return tensors, {}
 
     # -- load -------------------------------------------------------------------------------
 
     def load(
         self,
-        engine: Any,
+        engine: EnginesLike,
         saver: Stateful | None = None,
-        dataloader: Stateful | None = None,
         evaluator: Stateful | None = None,
         stats_logger: Stateful | None = None,
+        dataloader: Stateful | None = None,
+        inference_engine: RolloutEngine | None = None,
+        weight_update_meta: WeightUpdateMeta | None = None,
+        inference_engine_update_from: str = "default",
+        colocated_rollout: bool = False,
+        *,
         drop_rank_state: bool = False,
     ) -> RecoverInfo | None:
         """Restore the committed checkpoint into ``engine`` and the given objects, if there is one.
 
-        Collective: every rank calls it before training. Returns None when mode is off or the
-        trial has no checkpoint. A checkpoint that exists but cannot be loaded raises
-        CheckpointError naming the file and cause; nothing is deleted or overwritten then.
+        AReaL's call, in AReaL's order; the four components are optional here. Collective:
+        every rank calls it before training. Returns None when mode is off or the trial has no
+        checkpoint. A checkpoint that exists but cannot be loaded raises CheckpointError naming
+        the file and cause; nothing is deleted or overwritten then. A trial holding AReaL's own
+        recovery folders is refused, untouched.
+
+        With ``inference_engine`` (an RL trainer's rollout server) the recovered weights are
+        pushed to it as AReaL does, through the objects' own methods: the engine named
+        ``inference_engine_update_from`` connects to it, it is paused, the weights are updated
+        (``weight_update_meta`` at version ``global_step + 1``) and it is resumed even if that
+        failed; both then get that version. ``colocated_rollout`` with an ``awex`` meta first
+        has the rollout engine release its memory, and loads the checkpoint only then.
         RNG streams are restored last, so nothing after ``load`` returns perturbs them.
         """
         if not self.enabled:
             return None
+        originals = named_engines(engine)
+        rollout = self._rollout_sync(originals, inference_engine, weight_update_meta,
+                                     inference_engine_update_from, colocated_rollout)
         found: str | None = None
         if dist.rank() == 0:
             found = find_committed(self.store)
@@ -363,16 +421,18 @@ class RecoverHandler:
             raise CheckpointError(found.removeprefix("error:"))
         folder = self.store.path(found)
         manifest = verify_checkpoint(folder)
-        engines = dict(engine) if isinstance(engine, Mapping) else {"default": engine}
+        engines = engines_by_name(engine, "RecoverHandler.load")
         if sorted(engines) != manifest["models"]:
             raise CheckpointError(
                 f"{folder}: checkpoint holds models {manifest['models']}, load was given {sorted(engines)}"
             )
-        for name in sorted(engines):
-            load_engine(engines[name], folder / name, manifest, self.config.no_load_optim)
         info = read_recover_info(
             folder / RECOVER_INFO, dist.rank(), dist.world_size(), manifest["world_size"], drop_rank_state
         )
+        if rollout is None:
+            self._load_engines(engines, folder, manifest)
+        else:
+            rollout.run(info.last_step_info.global_step + 1, lambda: self._load_engines(engines, folder, manifest))
         restore_components(info.path, {
             "saver": info.saver_info, "evaluator": info.evaluator_info,
             "stats_logger": info.stats_logger_info, "dataloader": info.dataloader_info,
@@ -384,6 +444,7 @@ class RecoverHandler:
             if engines[name].is_frozen:
                 self._fingerprints[name] = engines[name].fingerprint()
         self._tidied = True  # find_committed removed the debris
+        self.last_step_info = info.last_step_info
         if info.rng_state is not None:
             restore_rng_state(info.rng_state)
         logger.info(
@@ -391,3 +452,29 @@ class RecoverHandler:
             info.last_step_info.global_step, info.last_step_info.epoch, info.last_step_info.epoch_step, folder,
         )
         return info
+
+    def _load_engines(self, engines: dict[str, Engine], folder: Path, manifest: dict[str, Any]) -> None:
+        for name in sorted(engines):
+            load_engine(engines[name], folder / name, manifest, self.config.no_load_optim)
+
+    @staticmethod
+    def _rollout_sync(
+        originals: dict[str, Any], inference_engine: Any, meta: Any, update_from: str, colocated: bool
+    ) -> RolloutSync | None:
+        """The weight update a load ends with, checked before anything is loaded (None without
+        an ``inference_engine``). Raises CheckpointError / ConfigError naming what is missing."""
+        if inference_engine is None:
+            return None
+        if meta is None:
+            raise ConfigError("RecoverHandler.load: weight_update_meta is required with inference_engine")
+        if update_from not in originals:
+            raise CheckpointError(
+                f"RecoverHandler.load: inference_engine_update_from={update_from!r} is not one of the "
+                f"engines given ({sorted(originals)})"
+            )
+        require(meta, WeightUpdateMeta, "RecoverHandler.load: weight_update_meta")
+        source = originals[update_from]
+        require(source, WeightSource, f"RecoverHandler.load: engine {update_from!r}")
+        awex = colocated and meta.type == "awex"
+        require(inference_engine, ColocatedRolloutEngine if awex else RolloutEngine, "RecoverHandler.load: inference_engine")
+        return RolloutSync(source, inference_engine, meta, release_memory_first=awex)

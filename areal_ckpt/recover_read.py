@@ -30,8 +30,10 @@ DATA_SUFFIX = ".distcp"
 
 def find_committed(store: RecoverStore) -> str | None:
     """Rank 0 at start: the committed generation (None if none) after deleting the debris of
-    interrupted dumps; ``error:<why>`` when the commit record is broken. Local."""
+    interrupted dumps; ``error:<why>`` when the commit record is broken or the trial holds
+    AReaL's own recovery folders (then nothing is deleted). Local."""
     try:
+        store.refuse_foreign_layout()
         committed = store.committed()
     except CheckpointError as error:
         return f"error:{error}"

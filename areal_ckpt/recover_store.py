@@ -24,20 +24,24 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from areal_ckpt.config import RecoverConfig
 from areal_ckpt.commit import read_manifest, switch_symlink, write_manifest
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import FileRecord, fsync_dir
 from areal_ckpt.layout import (
+    RECOVER_CHECKPOINT,
     RECOVER_CURRENT,
     RECOVER_INFO,
     RECOVER_MANIFEST,
     RECOVER_STORE,
+    default_user,
     generation_name,
     is_generation_name,
     recover_checkpoint_link,
     recover_info_link,
     recover_pointer,
     recover_store,
+    trial_root,
 )
 
 logger = logging.getLogger("areal_ckpt.recover")
@@ -50,6 +54,11 @@ class RecoverStore:
         self.trial = trial
         self.root = recover_store(trial)
         self.pointer = recover_pointer(trial)
+
+    @classmethod
+    def of(cls, config: RecoverConfig) -> RecoverStore:
+        """The store of the trial a ``recover:`` block names (``user`` defaults to the login name)."""
+        return cls(trial_root(config.fileroot, config.user or default_user(), config.experiment_name, config.trial_name))
 
     def committed(self) -> str | None:
         """Name of the committed generation, None when the trial has none.
@@ -140,6 +149,33 @@ class RecoverStore:
         if removed:
             fsync_dir(self.root)
         return removed
+
+    def foreign_recovery_layout(self) -> list[Path]:
+        """AReaL's own recovery folders in this trial: a real ``recover_info/`` folder or a real
+        ``{name}/recover_checkpoint/`` folder where ours are links. Read-only; [] when none."""
+        found = []
+        info = recover_info_link(self.trial)
+        if info.exists() and not info.is_symlink():
+            found.append(info)
+        if self.trial.is_dir():
+            for model in sorted(self.trial.iterdir()):
+                if model.name.startswith(".") or not model.is_dir() or model.is_symlink():
+                    continue
+                checkpoint = model / RECOVER_CHECKPOINT
+                if checkpoint.exists() and not checkpoint.is_symlink():
+                    found.append(checkpoint)
+        return found
+
+    def refuse_foreign_layout(self) -> None:
+        """Raise CheckpointError when :meth:`foreign_recovery_layout` finds anything; read-only."""
+        found = self.foreign_recovery_layout()
+        if found:
+            names = ", ".join(str(path.relative_to(self.trial)) for path in found)
+            raise CheckpointError(
+                f"{self.trial}: holds a recovery checkpoint written by AReaL ({names}); areal_ckpt does "
+                f"not resume from it and leaves it untouched. Move that trial folder away (e.g. "
+                f"mv {self.trial} {self.trial}.areal) or use another trial_name, then start the job again"
+            )
 
     def discard(self, generation: str) -> None:
         """Delete an uncommitted generation after a failed dump (best effort)."""

@@ -21,7 +21,7 @@ from areal_ckpt.commit import remove_folder, remove_stale
 from areal_ckpt.config import SaverConfig
 from areal_ckpt.errors import RankMismatchError
 from areal_ckpt.export import ExportTarget, StagedExportSource, begin_export, finish_export, stage_export
-from areal_ckpt.formats.hf_export import ExportSource
+from areal_ckpt.engines.contract import Engine, EngineLike, HFAssets, as_engine
 from areal_ckpt.layout import (
     EXPORT_STAGING_PREFIX,
     EXPORT_TRASH_PREFIX,
@@ -30,6 +30,7 @@ from areal_ckpt.layout import (
     export_trash,
     model_root,
     parse_export_leaf,
+    recover_checkpoint_link,
     trial_root,
 )
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
@@ -38,7 +39,7 @@ from areal_ckpt.staging import StagedLayout
 from areal_ckpt.step import FinetuneSpec
 from areal_ckpt.tensors import EXPORT_DTYPES
 
-logger = logging.getLogger("areal_ckpt.saver")
+logger = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
 
@@ -69,6 +70,7 @@ class Saver:
         self._finalized = False
         self._writer = BackgroundWriter("saver", self.trial_root)
         self._pending: Path | None = None  # export in flight in the background
+        self._went_async = False  # an export of this Saver was written in the background
         if dist.rank() == 0:
             acquire_trial_lock(self.trial_root)
             remove_stale(
@@ -80,17 +82,56 @@ class Saver:
         """Folder holding every export of model ``name`` (no side effects)."""
         return model_root(self.trial_root, name)
 
+    # -- AReaL's static path helpers: our layout's paths; unlike AReaL's, they create nothing --
+
+    @staticmethod
+    def get_save_root(experiment_name: str, trial_name: str, fileroot: str) -> str:
+        """``{fileroot}/checkpoints/{user}/{experiment_name}/{trial_name}`` for the login user
+        (the config's ``user:`` is not an argument here, as in AReaL); pure."""
+        return str(trial_root(fileroot, default_user(), experiment_name, trial_name))
+
+    @staticmethod
+    def get_model_save_root(experiment_name: str, trial_name: str, fileroot: str, name: str = "default") -> str:
+        """Folder of model ``name``'s exports; pure."""
+        return str(model_root(Path(Saver.get_save_root(experiment_name, trial_name, fileroot)), name))
+
+    @staticmethod
+    def get_model_save_path(
+        experiment_name: str, trial_name: str, fileroot: str, epoch: int, step: int, globalstep: int,
+        name: str = "default",
+    ) -> str:
+        """Folder of one export, ``.../{name}/epoch{E}epochstep{S}globalstep{G}``; pure."""
+        root = Saver.get_model_save_root(experiment_name, trial_name, fileroot, name)
+        return str(Path(root) / export_leaf(epoch, step, globalstep))
+
+    @staticmethod
+    def get_recover_checkpoint_path(experiment_name: str, trial_name: str, fileroot: str, name: str = "default") -> str:
+        """``.../{name}/recover_checkpoint``: the link to model ``name``'s folder of the committed
+        recovery generation (see docs/layout.md); pure."""
+        root = Path(Saver.get_save_root(experiment_name, trial_name, fileroot))
+        return str(recover_checkpoint_link(root, name))
+
     def save(
         self,
-        engine: ExportSource,
+        engine: EngineLike,
         epoch: int,
-        epoch_step: int,
+        step: int,
         global_step: int,
         name: str = "default",
         tokenizer: Any | None = None,
+        processor: Any | None = None,
+        base_model_path: str | None = None,
+        *,
         force: bool = False,
     ) -> str | None:
         """Export ``engine``'s model if the schedule of ``name`` says so (or ``force``).
+
+        AReaL's call: ``step`` is the step within ``epoch`` (both from 0). ``engine`` is any
+        engine :mod:`areal_ckpt.engines.contract` accepts. ``tokenizer`` and ``processor`` are
+        saved into the export with ``save_pretrained``; ``base_model_path`` (default: an
+        AReaL-shaped engine's ``config.path``) is a model folder whose non-weight files
+        (tokenizer and processor files, generation config, remote code) are copied first, so the
+        export loads like the base model did; what this call writes replaces same-named copies.
 
         Collective: every rank calls it with the same arguments after each training step.
         Returns None when no export was due, else the export's folder. Synchronous mode blocks
@@ -102,15 +143,15 @@ class Saver:
         next due ``save``, :meth:`wait` or :meth:`finalize` when asynchronous.
         """
         schedule = self._schedules[name]
-        due = schedule.should_fire(self.ft_spec.is_epoch_last_step(epoch_step))
+        due = schedule.should_fire(self.ft_spec.is_epoch_last_step(step))
         if not (due or force):
             return None
-        if force and not due:
-            schedule.mark_fired()
-        return str(self._export(engine, epoch, epoch_step, global_step, name, tokenizer))
+        exported = as_engine(engine, "Saver.save")
+        assets = HFAssets.of(engine, tokenizer, processor, base_model_path)
+        return str(self._export(exported, epoch, step, global_step, name, assets))
 
     def _export(
-        self, engine: ExportSource, epoch: int, epoch_step: int, global_step: int, name: str, tokenizer: Any
+        self, engine: Engine, epoch: int, epoch_step: int, global_step: int, name: str, assets: HFAssets
     ) -> Path:
         start = time.perf_counter()
         self._collect()
@@ -121,8 +162,10 @@ class Saver:
         final = self.export_root(name) / export_leaf(epoch, epoch_step, global_step)
         header = {"name": name, "step": {"epoch": epoch, "epoch_step": epoch_step, "global_step": global_step}}
         target = begin_export(engine, final, max_shard_size=self.config.max_shard_size, dtype=self._dtype,
-                              tokenizer=tokenizer, header=header)
+                              header=header, tokenizer=assets.tokenizer, processor=assets.processor,
+                              assets=assets.base_model_path)
         if resolve_async(self.config.mode, engine.on_accelerator):
+            self._went_async = True
             try:
                 layout = stage_export(engine, target, self._writer.arena)
             except BaseException:
@@ -140,6 +183,17 @@ class Saver:
         self.last_metrics = saving_metrics(time.perf_counter() - start, written, background=0.0)
         logger.info("exported %s (%s)", final, describe_metrics(self.last_metrics))
         return final
+
+    @property
+    def is_async(self) -> bool:
+        """True when exports are written in the background: mode ``async``, or ``auto`` once an
+        export was (its model is on an accelerator); AReaL's trainers skip a barrier then. Local."""
+        return self.config.mode == "async" or self._went_async
+
+    def maybe_wait_for_staging(self) -> None:
+        """AReaL calls this before a training step changes the weights. Here ``save`` returns
+        only after the tensors it exports are copied (staged) out of the model, so there is
+        nothing to wait for: returns at once; local."""
 
     @property
     def saving_in_background(self) -> bool:

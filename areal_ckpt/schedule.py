@@ -17,11 +17,12 @@ _STATE_VERSION = 1
 class TriggerSchedule:
     """Epoch, step and time triggers combined with OR; a trigger set to None never fires.
 
-    Count triggers are periodic: with ``freq_steps=5`` the 5th, 10th, ... call fires, whatever
-    else fired in between. The time trigger measures seconds (monotonic clock) since the last
-    checkpoint of any cause, including forced ones. Count triggers are deterministic, so every
-    rank computes them alone; only when the time trigger alone could decide is rank 0's clock
-    broadcast (one small collective), so clocks that drift cannot split the ranks.
+    The three triggers are independent, as in AReaL: with ``freq_steps=5`` the 5th, 10th, ...
+    call fires whatever else fired in between, and the time trigger fires once ``freq_secs``
+    seconds (monotonic clock) have passed since the time trigger last fired; a checkpoint taken
+    for another cause, or forced, does not restart its clock. Count triggers are deterministic,
+    so every rank computes them alone; the time trigger uses rank 0's clock, broadcast on every
+    call (one small collective), so clocks that drift cannot split the ranks.
     """
 
     def __init__(
@@ -37,13 +38,13 @@ class TriggerSchedule:
         self._clock = clock
         self._epochs_since = 0
         self._steps_since = 0
-        self._last_fire = clock()
+        self._last_time_fire = clock()
 
     def should_fire(self, epoch_ended: bool) -> bool:
         """Count one step (and an epoch if ``epoch_ended``); True when a checkpoint is due.
 
-        Collective when ``freq_secs`` is set and no count trigger fired: all ranks must call it
-        on the same steps. Otherwise local.
+        Collective when ``freq_secs`` is set: all ranks must call it on the same steps.
+        Otherwise local.
         """
         self._steps_since += 1
         if epoch_ended:
@@ -55,24 +56,20 @@ class TriggerSchedule:
         if self.freq_epochs is not None and epoch_ended and self._epochs_since >= self.freq_epochs:
             self._epochs_since = 0
             fired = True
-        if not fired and self.freq_secs is not None:
-            due = self._clock() - self._last_fire >= self.freq_secs
-            fired = dist.broadcast_flag(due, src=0)
-        if fired:
-            self.mark_fired()
+        if self.freq_secs is not None:
+            now = self._clock()
+            if dist.broadcast_flag(now - self._last_time_fire >= self.freq_secs, src=0):
+                self._last_time_fire = now
+                fired = True
         return fired
 
-    def mark_fired(self) -> None:
-        """Record that a checkpoint happened now (restarts the time trigger; local)."""
-        self._last_fire = self._clock()
-
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serializable counters and the seconds elapsed since the last checkpoint."""
+        """JSON-serializable counters and the seconds elapsed since the time trigger last fired."""
         return {
             "version": _STATE_VERSION,
             "epochs_since": self._epochs_since,
             "steps_since": self._steps_since,
-            "secs_since_last": self._clock() - self._last_fire,
+            "secs_since_last": self._clock() - self._last_time_fire,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -81,7 +78,7 @@ class TriggerSchedule:
             raise ValueError(f"schedule state: unsupported version {state.get('version')!r}")
         self._epochs_since = int(state["epochs_since"])
         self._steps_since = int(state["steps_since"])
-        self._last_fire = self._clock() - float(state["secs_since_last"])
+        self._last_time_fire = self._clock() - float(state["secs_since_last"])
 
 
 class NamedSchedules:

@@ -1,20 +1,40 @@
-"""Step bookkeeping shared by the Saver, the RecoverHandler and training loops (pure data)."""
+"""Step bookkeeping shared by the Saver, the RecoverHandler and training loops (pure data).
+
+Both classes are dataclasses with AReaL's fields, field order and arithmetic, so AReaL code that
+builds them by position or keyword, or reads them with ``dataclasses.asdict``, runs unchanged.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
 
 
-class FinetuneSpec(BaseModel):
-    """Run length: epochs, dataset size and batch size, from which steps per epoch follow."""
+def _check_int(owner: str, name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{owner}.{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value}")
 
-    model_config = ConfigDict(frozen=True)
 
-    total_train_epochs: int = Field(gt=0)
-    dataset_size: int = Field(gt=0)
-    train_batch_size: int = Field(gt=0)
-    # Match the dataloader: with drop_last an incomplete final batch is not a step.
-    drop_last: bool = False
+@dataclass
+class FinetuneSpec:
+    """Run length: epochs, dataset size and batch size, from which steps per epoch follow.
+
+    As in AReaL, an incomplete final batch is not a step (``dataset_size // train_batch_size``,
+    the dataloader's ``drop_last``). ``drop_last=False`` (keyword only, ours) counts it.
+    """
+
+    total_train_epochs: int
+    dataset_size: int
+    train_batch_size: int
+    drop_last: bool = field(default=True, kw_only=True)
+
+    def __post_init__(self) -> None:
+        _check_int("FinetuneSpec", "total_train_epochs", self.total_train_epochs, 1)
+        _check_int("FinetuneSpec", "dataset_size", self.dataset_size, 0)
+        _check_int("FinetuneSpec", "train_batch_size", self.train_batch_size, 1)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -33,22 +53,50 @@ class FinetuneSpec(BaseModel):
         return epoch_step == self.steps_per_epoch - 1
 
 
-class StepInfo(BaseModel):
-    """Position of a completed step: epoch, step within the epoch, global step (all from 0)."""
+@dataclass
+class StepInfo:
+    """Position of a completed step: epoch, step within the epoch, global step (all from 0).
 
-    model_config = ConfigDict(frozen=True)
+    Values of -1 are accepted, as AReaL uses them for "no step yet"; a dump requires a real step
+    (see :meth:`check_completed`).
+    """
 
-    epoch: int = Field(ge=0)
-    epoch_step: int = Field(ge=0)
-    global_step: int = Field(ge=0)
-    steps_per_epoch: int = Field(gt=0)
+    epoch: int
+    epoch_step: int
+    global_step: int
+    steps_per_epoch: int
 
-    def next(self) -> "StepInfo":
+    def __post_init__(self) -> None:
+        for name in ("epoch", "epoch_step", "global_step"):
+            _check_int("StepInfo", name, getattr(self, name), -1)
+        _check_int("StepInfo", "steps_per_epoch", self.steps_per_epoch, 0)
+
+    def next(self) -> StepInfo:
         """The step after this one, rolling over to the next epoch after its last step."""
-        if self.epoch_step + 1 >= self.steps_per_epoch:
-            return self.model_copy(
-                update={"epoch": self.epoch + 1, "epoch_step": 0, "global_step": self.global_step + 1}
-            )
-        return self.model_copy(
-            update={"epoch_step": self.epoch_step + 1, "global_step": self.global_step + 1}
+        last = self.epoch_step == self.steps_per_epoch - 1
+        return StepInfo(
+            epoch=self.epoch + int(last),
+            epoch_step=0 if last else self.epoch_step + 1,
+            global_step=self.global_step + 1,
+            steps_per_epoch=self.steps_per_epoch,
         )
+
+    def check_completed(self) -> None:
+        """Raise ValueError unless this names a completed step (counters >= 0, steps_per_epoch > 0)."""
+        for name in ("epoch", "epoch_step", "global_step"):
+            _check_int("StepInfo", name, getattr(self, name), 0)
+        _check_int("StepInfo", "steps_per_epoch", self.steps_per_epoch, 1)
+
+    def to_dict(self) -> dict[str, int]:
+        """The four fields as a JSON-ready dict (as ``dataclasses.asdict``)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StepInfo:
+        """Build from :meth:`to_dict`'s output; ValueError names a missing, extra or invalid field."""
+        if not isinstance(data, dict):
+            raise ValueError(f"expected an object with the StepInfo fields, got {type(data).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        if set(data) != names:
+            raise ValueError(f"expected the fields {sorted(names)}, got {sorted(map(str, data))}")
+        return cls(**data)

@@ -26,6 +26,7 @@ from areal_ckpt import dist
 from areal_ckpt._version import __version__
 from areal_ckpt.commit import publish, write_manifest
 from areal_ckpt.config import check_path_component
+from areal_ckpt.engines.contract import as_engine
 from areal_ckpt.errors import CheckpointError, RankMismatchError
 from areal_ckpt.formats.dcp_io import save_tensors
 from areal_ckpt.formats.hf_export import hf_files
@@ -41,17 +42,6 @@ TAGGED_FORMAT_VERSION = 1
 LATEST = "latest"
 _MODEL = "model"
 _CLIENT = "client_state"
-
-
-def _engine_of(engine: Any) -> Any:
-    """Our engine for ``engine``: a TorchEngine / DeepSpeedEngine as is, a DeepSpeed engine wrapped."""
-    if hasattr(engine, "recover_state"):
-        return engine
-    if hasattr(engine, "zero_optimization_stage"):
-        from areal_ckpt.engines.deepspeed_engine import DeepSpeedEngine
-
-        return DeepSpeedEngine(engine)
-    raise TypeError(f"{type(engine).__name__} is not an engine: pass areal_ckpt.TorchEngine(...) or a DeepSpeed engine")
 
 
 def _default_tag(engine: Any) -> str:
@@ -80,7 +70,7 @@ def save_checkpoint(
     ``save_latest``). Returns True; on failure raises on every rank, leaving earlier tags and
     ``latest`` as they were.
     """
-    engine = _engine_of(engine)
+    engine = as_engine(engine, "save_checkpoint")
     tag = tag if tag is not None else _default_tag(engine)
     check_path_component(tag, "tag")
     tags = dist.all_gather_objects(tag)
@@ -200,7 +190,7 @@ def load_checkpoint(
     file. ``load_module_only`` skips optimizer and scheduler; ``load_module_strict`` False
     loads the model tensors present on both sides and logs the rest.
     """
-    engine = _engine_of(engine)
+    engine = as_engine(engine, "load_checkpoint")
     root = Path(load_dir)
     if tag is None:
         found = None

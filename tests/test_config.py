@@ -134,3 +134,32 @@ def test_bad_override_value_is_validated_like_the_file(tmp_path):
 def test_unquoted_on_and_off_mean_the_modes(tmp_path, written, mode):
     cfg = ac.load_config(write(tmp_path, BASE + f"recover:\n  mode: {written}\n"))
     assert cfg.recover.mode == mode
+
+
+@pytest.mark.parametrize("mode", ["fault", "resume"])
+def test_removed_areal_modes_raise_a_value_error_that_says_so(mode):
+    with pytest.raises(ValueError, match=f"invalid recover mode '{mode}'.*'fault' and 'resume' modes were removed"):
+        ac.RecoverConfig(experiment_name="e", trial_name="t", fileroot="/r", mode=mode)
+
+
+def test_defaults_equal_areals():
+    # AReaL's RecoverConfig: mode "disabled", retries 3, no_save_optim / no_load_optim False,
+    # no frequency; its SaverConfig: mode "auto".
+    recover = ac.RecoverConfig(experiment_name="e", trial_name="t", fileroot="/r")
+    assert (recover.mode, recover.retries, recover.no_save_optim, recover.no_load_optim) == ("disabled", 3, False, False)
+    assert (recover.freq_epochs, recover.freq_steps, recover.freq_secs) == (None, None, None)
+    assert ac.SaverConfig(experiment_name="e", trial_name="t", fileroot="/r").mode == "auto"
+
+
+def test_hydra_append_and_force_overrides(tmp_path):
+    path = write(tmp_path, BASE + "saver:\n  freq_steps: 3\n")
+    cfg = ac.load_config(path, ["+saver.keep_last=2", "++saver.freq_steps=7", "++recover.retries=5"])
+    assert (cfg.saver.keep_last, cfg.saver.freq_steps, cfg.recover.retries) == (2, 7, 5)
+
+
+def test_hydra_append_of_a_set_key_is_refused_and_its_hint_works(tmp_path):
+    path = write(tmp_path, BASE + "saver:\n  freq_steps: 3\n")
+    with pytest.raises(ac.ConfigError, match=r"saver.freq_steps is already set; use \+\+saver.freq_steps=9") as caught:
+        ac.load_config(path, ["+saver.freq_steps=9"])
+    hint = str(caught.value).split("use ", 1)[1].split(" ", 1)[0]
+    assert ac.load_config(path, [hint]).saver.freq_steps == 9

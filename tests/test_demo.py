@@ -19,7 +19,7 @@ def test_demo_is_killed_resumes_by_itself_and_replays_identical_losses(tmp_path)
     output = done.stdout
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "simulating a crash: SIGKILL at global step 13" in output
-    assert "the training process was killed (SIGKILL); restarting it" in output
+    assert "areal-ckpt launch: attempt 1 failed with exit status 137; relaunch 1 of recover.retries=3" in done.stderr
     assert "resuming from global step 10 (last dump after step 9; kl_coef" in output
     losses: dict[int, set[str]] = {}
     for step, loss in re.findall(r"global +(\d+) loss (\S+)", output):

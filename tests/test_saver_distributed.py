@@ -138,6 +138,7 @@ def test_ranks_agree_on_time_triggers_despite_clock_drift(tmp_path):
     rank0 = json.loads((tmp_path / "decisions.0").read_text())
     rank1 = json.loads((tmp_path / "decisions.1").read_text())
     assert rank0 == rank1
-    # rank 0's clock gives 3 s per step: time fires at step 4 (12 s), count at step 5, and so on;
-    # rank 1's own clock would have fired at step 2 already
-    assert rank0 == [False, False, False, True, True, False, False, False, True, True, False, False]
+    # rank 0's clock gives 3 s per step: time fires at steps 4, 8, 12 (every 12 s, its own clock
+    # untouched by the count trigger), count at steps 5 and 10; rank 1's own clock would have
+    # fired at step 2 already
+    assert rank0 == [False, False, False, True, True, False, False, True, False, True, False, True]

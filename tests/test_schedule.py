@@ -47,8 +47,10 @@ def test_count_triggers_match_their_definition(freq_epochs, freq_steps):
 
 def test_spec_arithmetic_and_step_info_rollover():
     assert SPEC.steps_per_epoch == 10 and SPEC.total_train_steps == 20
-    assert ac.FinetuneSpec(total_train_epochs=1, dataset_size=41, train_batch_size=4).steps_per_epoch == 11
-    assert ac.FinetuneSpec(total_train_epochs=1, dataset_size=41, train_batch_size=4, drop_last=True).steps_per_epoch == 10
+    # AReaL's arithmetic (drop_last): an incomplete final batch is not a step; positional as in AReaL.
+    assert ac.FinetuneSpec(1, 10, 4).steps_per_epoch == 2
+    assert ac.FinetuneSpec(total_train_epochs=3, dataset_size=41, train_batch_size=4).total_train_steps == 30
+    assert ac.FinetuneSpec(total_train_epochs=1, dataset_size=41, train_batch_size=4, drop_last=False).steps_per_epoch == 11
     step = ac.StepInfo(epoch=0, epoch_step=8, global_step=8, steps_per_epoch=10)
     assert step.next() == ac.StepInfo(epoch=0, epoch_step=9, global_step=9, steps_per_epoch=10)
     assert step.next().next() == ac.StepInfo(epoch=1, epoch_step=0, global_step=10, steps_per_epoch=10)
@@ -67,16 +69,19 @@ def test_time_trigger_uses_elapsed_seconds_since_last_checkpoint():
     assert schedule.should_fire(False)
 
 
-def test_any_checkpoint_restarts_the_timer_but_not_the_step_cadence():
+def test_time_trigger_keeps_its_own_clock_as_in_areal():
+    # The case measured against AReaL's EpochStepTimeFreqCtl: freq_steps=2, freq_secs=5 and
+    # 2 s per step fire at calls [1, 2, 3, 5, 7, 8, 9, 11] (0-based) there. Steps fire every 2nd
+    # call; time fires at t=6, 12, 18, 24 s, each 5+ s after the previous time firing, whatever
+    # the step trigger did in between.
     clock = ManualClock()
-    schedule = ac.TriggerSchedule(None, 4, 60, clock=clock)
-    results = []
-    for _ in range(8):
-        clock.now += 20
-        results.append(schedule.should_fire(False))
-    # steps 1..8 at t=20..160: time fires at call 3 (60 s), steps at 4 and 8; the step firing at
-    # call 4 restarts the timer, so call 7 (60 s after call 4) fires by time as well.
-    assert results == [False, False, True, True, False, False, True, True]
+    schedule = ac.TriggerSchedule(None, 2, 5, clock=clock)
+    fired = []
+    for call in range(12):
+        clock.now += 2
+        if schedule.should_fire(False):
+            fired.append(call)
+    assert fired == [1, 2, 3, 5, 7, 8, 9, 11]
 
 
 def test_disabled_schedule_never_fires():
@@ -108,3 +113,19 @@ def test_time_trigger_fires_with_a_real_clock():
     assert not schedule.should_fire(False)
     time.sleep(1.05)
     assert schedule.should_fire(False)
+
+
+def test_step_info_is_areal_shaped_and_rejects_what_is_not_a_step():
+    import dataclasses
+
+    # AReaL builds "no step yet" as -1 everywhere, positionally or by keyword, and reads it back
+    # with dataclasses.asdict.
+    none_yet = ac.StepInfo(-1, -1, -1, 10)
+    assert dataclasses.asdict(none_yet) == {"epoch": -1, "epoch_step": -1, "global_step": -1, "steps_per_epoch": 10}
+    assert none_yet.next() == ac.StepInfo(epoch=-1, epoch_step=0, global_step=0, steps_per_epoch=10)
+    with pytest.raises(ValueError, match="StepInfo.epoch must be >= 0, got -1"):
+        none_yet.check_completed()
+    with pytest.raises(ValueError, match="StepInfo.epoch must be an int"):
+        ac.StepInfo(epoch="1", epoch_step=0, global_step=0, steps_per_epoch=10)
+    with pytest.raises(ValueError, match="FinetuneSpec.train_batch_size must be >= 1"):
+        ac.FinetuneSpec(1, 10, 0)

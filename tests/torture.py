@@ -73,7 +73,7 @@ def dump_job(rank: int, world: int, root: str, trial: str, kind: str, mode: str)
     """Step s sets every weight to s, then dumps (recover) or exports (saver), forever."""
     setup = make_setup(**BIG)
     if kind == "recover":
-        config = recover_config(Path(root), retries=0, mode="on" if mode == "sync" else mode)
+        config = recover_config(Path(root), write_retries=0, mode="on" if mode == "sync" else mode)
         handler = ac.RecoverHandler(config.model_copy(update={"trial_name": trial}), SPEC)
     else:
         handler = ac.Saver(ac.SaverConfig(experiment_name="exp", trial_name=trial, fileroot=root, user="tester",
@@ -209,7 +209,7 @@ def scenario_kill_one_rank(trials: int, rng: random.Random, work: Path, bound: f
 def disk_full_job(rank: int, world: int, root: str, report: str) -> None:
     setup = make_setup()
     train_step(setup, 0)  # AdamW now has state: a dump holds model + moments, about 1.0 MiB
-    config = recover_config(Path(root), retries=2)
+    config = recover_config(Path(root), write_retries=2)
     handler = ac.RecoverHandler(config, SPEC)
     _fill(setup.model, 1.0)
     handler.dump(setup.engine, step_info(1), force=True)

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import areal_ckpt as ac
+from areal_ckpt.launch import ATTEMPT_VARIABLE
 from areal_ckpt.demo.report import checkpoint_table, plot, read_metrics, replay_check
 from areal_ckpt.demo.rl import adapt_kl, grpo_loss, make_prompts, sample
 from areal_ckpt.demo.tiny import build_model, build_tokenizer, warmup_cosine
@@ -37,7 +38,9 @@ from areal_ckpt.demo.tiny import build_model, build_tokenizer, warmup_cosine
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m areal_ckpt.demo.train", description=__doc__)
     parser.add_argument("--config", default="configs/demo.yaml")
-    parser.add_argument("--kill-at-step", type=int, default=-1, help="SIGKILL this process after global step K")
+    parser.add_argument("--kill-at-step", type=int, default=None,
+                        help="SIGKILL this process after global step K (default: demo.kill_at_step); only in "
+                             "the first attempt under `areal-ckpt launch`, so the relaunched job finishes")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. saver.freq_steps=5")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
@@ -45,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = ac.load_config(args.config, args.overrides)
     demo = (yaml.safe_load(Path(args.config).read_text()) or {}).get("demo", {})
+    kill_at_step = args.kill_at_step if args.kill_at_step is not None else demo.get("kill_at_step", -1)
+    if os.environ.get(ATTEMPT_VARIABLE, "0") != "0":
+        kill_at_step = -1
     seed = demo["seed"]
     random.seed(seed)
     np.random.seed(seed)
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             if bar.disable:
                 print(f"epoch {epoch} step {epoch_step:2d} global {global_step:2d} loss {loss.item():.6f} "
                       f"reward {record['reward']:.3f} kl {kl:.5f}{events}", flush=True)
-            if global_step == args.kill_at_step:
+            if global_step == kill_at_step:
                 bar.close()
                 print(f"simulating a crash: SIGKILL at global step {global_step}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)

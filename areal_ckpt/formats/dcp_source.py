@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import load_tensors, tensor_index
@@ -93,10 +93,3 @@ def _flat_shapes(folder: Path) -> dict[str, list[int]]:
     except ValueError as error:
         raise CheckpointError(str(error)) from None
     return (extra.get("deepspeed") or {}).get("flat_shapes") or {}
-
-
-def load_tokenizer(hf_folder: Path) -> Any | None:
-    """The tokenizer recorded beside a checkpoint, or None when none was recorded."""
-    if not any((hf_folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    return AutoTokenizer.from_pretrained(hf_folder, local_files_only=True)

@@ -144,28 +144,73 @@ def _to_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor.to(export_dtype_for(tensor.dtype, dtype))
 
 
+GENERATION_CONFIG_FILE = "generation_config.json"
+#: Files of a base model folder that are weights, not assets (never copied into an export).
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+
+
 @dataclass(frozen=True)
 class HFFiles:
     """The files besides tensors that make a loadable HF folder: config, generation config,
-    tokenizer. Picklable, so a background writer can write them."""
+    tokenizer, processor, and the non-weight files of a base model folder (``assets``).
+    Picklable, so a background writer can write them."""
 
     config: Any
     generation_config: Any | None
     tokenizer: Any | None
+    processor: Any | None = None
+    assets: str | None = None
 
     def write(self, folder: Path) -> None:
-        """Write config.json, generation_config.json (models that generate) and the tokenizer's
-        files into ``folder``; local, not fsync'd (the commit does that)."""
+        """Write into ``folder``: first the base model's non-weight files (tokenizer and
+        processor files, generation config, remote code...) when ``assets`` names a folder,
+        then config.json (always the trained model's), generation_config.json (the model's, for
+        models that generate, unless the base folder had one: a model built from a config
+        carries only defaults), the tokenizer's and the processor's files, which replace
+        same-named copies. Local, not fsync'd (the commit does that). Only regular files are
+        created, each by us; nothing is written through a link."""
+        copied = copy_base_model_assets(Path(self.assets), folder) if self.assets is not None else []
         self.config.save_pretrained(folder)
-        if self.generation_config is not None:
+        if self.generation_config is not None and GENERATION_CONFIG_FILE not in copied:
             self.generation_config.save_pretrained(folder)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(folder)
+        if self.processor is not None:
+            self.processor.save_pretrained(folder)
 
 
-def hf_files(source: ExportSource, dtype: torch.dtype | None, tokenizer: Any | None = None) -> HFFiles:
+def copy_base_model_assets(base: Path, folder: Path) -> list[str]:
+    """Copy the regular top-level files of ``base`` that are not weights (nor a weight index,
+    nor another checkpoint's manifest) into ``folder``; returns their names. Local. Links in
+    ``base`` are read through (an HF cache snapshot is made of them); files in ``folder`` are
+    created fresh, never opened through a link."""
+    copied = []
+    for source in sorted(base.iterdir()):
+        name = source.name
+        if name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json") or name == "areal_ckpt_manifest.json":
+            continue
+        if name.startswith(".") or not source.is_file():
+            continue
+        target = folder / name
+        if target.is_symlink():
+            target.unlink()
+        with open(source, "rb") as reader, open(target, "xb") as writer:
+            while chunk := reader.read(1 << 20):
+                writer.write(chunk)
+        copied.append(name)
+    return copied
+
+
+def hf_files(
+    source: ExportSource,
+    dtype: torch.dtype | None,
+    tokenizer: Any | None = None,
+    processor: Any | None = None,
+    assets: str | None = None,
+) -> HFFiles:
     """The HF files of ``source``: its config with ``architectures`` and the exported ``dtype``
-    (the stored one when ``dtype`` is None and all floats share one); local."""
+    (the stored one when ``dtype`` is None and all floats share one), plus ``tokenizer``,
+    ``processor`` and the base model folder ``assets`` (see :class:`HFFiles`); local."""
     config = copy.deepcopy(source.config)
     config.architectures = [source.architecture]
     if dtype is not None:
@@ -174,17 +219,15 @@ def hf_files(source: ExportSource, dtype: torch.dtype | None, tokenizer: Any | N
         float_dtypes = {spec.dtype for spec in source.export_specs() if spec.dtype.is_floating_point}
         if len(float_dtypes) == 1:
             config.dtype = float_dtypes.pop()
-    return HFFiles(config, source.generation_config, tokenizer)
+    return HFFiles(config, source.generation_config, tokenizer, processor, assets)
 
 
-def write_metadata(
-    source: ExportSource, plan: ExportPlan, folder: Path, dtype: torch.dtype | None, tokenizer: Any | None
-) -> None:
-    """Write config files, the shard index (when sharded) and the tokenizer; local.
+def write_metadata(plan: ExportPlan, folder: Path, files: HFFiles) -> None:
+    """Write ``files`` (config, tokenizer, ...) and the shard index (when sharded); local.
 
     Files are fsync'd later, when the commit writes the manifest.
     """
-    hf_files(source, dtype, tokenizer).write(folder)
+    files.write(folder)
     if plan.is_sharded:
         index = {"metadata": {"total_size": plan.total_size}, "weight_map": dict(sorted(plan.weight_map.items()))}
         write_file_durably(folder / INDEX_FILE, json.dumps(index, indent=2).encode())

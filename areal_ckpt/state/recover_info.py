@@ -36,15 +36,16 @@ class RecoverInfo:
     """What a resumed loop needs besides the restored objects: where to continue, and its state.
 
     ``last_step_info`` is the step the dump was taken after: continue at ``.next()``.
-    ``dataloader_info`` and ``client_state`` are this rank's.
+    ``dataloader_info`` and ``client_state`` are this rank's. The first six fields are AReaL's,
+    in AReaL's order.
     """
 
     last_step_info: StepInfo
     saver_info: dict[str, Any] | None = None
     evaluator_info: dict[str, Any] | None = None
     stats_logger_info: dict[str, Any] | None = None
-    checkpoint_info: dict[str, Any] | None = None
     dataloader_info: Any = None
+    checkpoint_info: dict[str, Any] | None = None
     client_state: dict[str, Any] = field(default_factory=dict)
     rng_state: Any = None
     world_size: int = 1
@@ -54,7 +55,7 @@ class RecoverInfo:
 def encode_global_info(step_info: StepInfo, states: dict[str, Any]) -> dict[str, bytes]:
     """Rank 0's files: step_info.json and the ``*_info.json`` files (null for absent
     components), name -> content; pure. Raises ValueError for a value JSON cannot hold."""
-    files = {STEP_FILE: json.dumps(step_info.model_dump(), indent=1).encode()}
+    files = {STEP_FILE: json.dumps(step_info.to_dict(), indent=1).encode()}
     files.update({file_name: safe_json.dumps(states.get(key)) for key, file_name in GLOBAL_FILES.items()})
     return files
 
@@ -87,7 +88,8 @@ def read_recover_info(
     ``drop_rank_state`` is set, in which case that component is left out (None).
     """
     try:
-        step_info = StepInfo.model_validate(_read_json(folder / STEP_FILE))
+        step_info = StepInfo.from_dict(_read_json(folder / STEP_FILE))
+        step_info.check_completed()
     except ValueError as error:
         raise CheckpointError(f"{folder / STEP_FILE}: invalid step info: {error}") from None
     info = RecoverInfo(last_step_info=step_info, world_size=saved_world_size, path=str(folder.parent))

@@ -1,0 +1,147 @@
+"""`areal-ckpt launch`: relaunch a crashed training job, as many times as ``recover.retries`` says.
+
+What AReaL's launchers do with ``recover.retries``, as a command a user puts in front of their
+own (``torchrun ...``, ``python train.py ...``). Policy:
+
+- exit 0: done, the launcher exits 0;
+- a failure (non-zero exit, or death by a signal) while recovery is enabled: relaunched, at most
+  ``recover.retries`` times; the job resumes by itself from its last recovery dump;
+- a failure before the job's first dump (no new recovery checkpoint was committed during the
+  attempt) with the same error as the attempt before, which also made no dump: not relaunched,
+  since a third try would fail the same way (a bad config, a missing file);
+- Ctrl-C or SIGTERM to the launcher: forwarded to the job once (a second one kills it); no
+  relaunch;
+- recovery disabled: the job runs once.
+
+The launcher exits with the last attempt's status (128 + N for death by signal N, as a shell
+reports it). Each attempt sees ``AREAL_CKPT_LAUNCH_ATTEMPT`` (0 for the first). Messages go
+to stderr, prefixed ``areal-ckpt launch:``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from typing import IO, Sequence
+
+from areal_ckpt.config import RecoverConfig
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.recover_store import RecoverStore
+
+#: Environment variable telling each attempt its number (0 for the first).
+ATTEMPT_VARIABLE = "AREAL_CKPT_LAUNCH_ATTEMPT"
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure)\b(: .*)?$")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one attempt ended: its exit status (shell convention), the first exception line it
+    printed on stderr (None if none), and whether a new recovery checkpoint was committed."""
+
+    status: int
+    error: str | None
+    made_progress: bool
+
+    @property
+    def signature(self) -> tuple[int, str | None]:
+        """What "the same error" compares."""
+        return self.status, self.error
+
+
+def launch(recover: RecoverConfig, command: Sequence[str], err: IO[str] = sys.stderr) -> int:
+    """Run ``command`` until it succeeds or the policy above stops it; returns the exit status.
+
+    Blocking; forwards SIGINT / SIGTERM to the job while it runs (installs handlers on the
+    main thread and restores them on return).
+    """
+    if not command:
+        raise ValueError("areal-ckpt launch: no command given after '--'")
+    retries = recover.retries if recover.enabled else 0
+    store = RecoverStore.of(recover)
+    previous: Outcome | None = None
+    attempt = 0
+    while True:
+        _say(err, f"attempt {attempt + 1}: {' '.join(command)}")
+        before = _committed(store)
+        status, error, interrupted = _run_once(command, attempt, err)
+        outcome = Outcome(status, error, made_progress=_committed(store) != before)
+        if status == 0:
+            return 0
+        why = f"attempt {attempt + 1} failed with exit status {status}" + (f" ({error})" if error else "")
+        if interrupted:
+            _say(err, f"{why}; interrupted, not relaunching")
+            return status
+        if not recover.enabled:
+            _say(err, f"{why}; recovery is disabled (recover.mode={recover.mode}), not relaunching")
+            return status
+        if previous is not None and not previous.made_progress and not outcome.made_progress \
+                and previous.signature == outcome.signature:
+            _say(err, f"{why}; it failed the same way twice in a row before its first recovery dump, "
+                      "not relaunching")
+            return status
+        if attempt >= retries:
+            _say(err, f"{why}; recover.retries={recover.retries} relaunches used, giving up")
+            return status
+        attempt += 1
+        _say(err, f"{why}; relaunch {attempt} of recover.retries={recover.retries}")
+        previous = outcome
+
+
+def _committed(store: RecoverStore) -> str | None:
+    """The committed generation's name, or a description of why it cannot be read."""
+    try:
+        return store.committed()
+    except CheckpointError as error:
+        return f"unreadable: {error}"
+
+
+def _run_once(command: Sequence[str], attempt: int, err: IO[str]) -> tuple[int, str | None, bool]:
+    """Run one attempt in its own process group; returns (status, first exception line,
+    interrupted by a signal to the launcher)."""
+    env = {**os.environ, ATTEMPT_VARIABLE: str(attempt)}
+    child = subprocess.Popen(list(command), env=env, stderr=subprocess.PIPE, text=True, errors="replace",
+                             process_group=0)
+    received: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        received.append(signum)
+        try:
+            if len(received) == 1:
+                child.send_signal(signum)
+            else:
+                os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    first_error: list[str] = []
+    reader = threading.Thread(target=_tee, args=(child.stderr, err, first_error), daemon=True)
+    reader.start()
+    try:
+        code = child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    reader.join()
+    status = 128 - code if code < 0 else code
+    return status, (first_error[0] if first_error else None), bool(received)
+
+
+def _tee(source: IO[str] | None, sink: IO[str], first_error: list[str]) -> None:
+    """Copy the job's stderr through, remembering the first line that names an exception."""
+    assert source is not None
+    for line in source:
+        sink.write(line)
+        sink.flush()
+        if not first_error and _EXCEPTION_LINE.match(line.strip()):
+            first_error.append(line.strip())
+
+
+def _say(err: IO[str], message: str) -> None:
+    err.write(f"areal-ckpt launch: {message}\n")
+    err.flush()
