@@ -19,17 +19,19 @@ it the lock is only as good as that filesystem.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 
 from areal_ckpt.errors import CheckpointError
 
-logger = logging.getLogger("areal_ckpt.lock")
+logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".areal_ckpt.lock"
 ORPHAN_WAIT_SECONDS = 120.0  # how long a dead holder's writers may take to exit
@@ -38,33 +40,57 @@ _POLL_SECONDS = 0.05
 _held: dict[Path, list[int]] = {}  # lock path -> [fd, number of holders in this process]
 
 
+def _lock_path(trial: Path) -> Path:
+    """The lock file of ``trial``, with the trial's own path resolved: two spellings of one trial
+    (a symlinked ``fileroot``) share one lock. The lock file itself is never followed."""
+    return Path(os.path.realpath(trial)) / LOCK_NAME
+
+
 def acquire_trial_lock(trial: Path) -> None:
     """Take the trial's lock until a matching :func:`release_trial_lock` or the process ends.
 
     Local; counted within the process. Creates the trial folder if needed. Non-blocking when
     the lock is free or its recorded holder is alive: raises CheckpointError naming the holder
     (pid, host, since when). Blocks up to :data:`ORPHAN_WAIT_SECONDS` while the recorded
-    holder is a dead process of this host (its background writers are still exiting).
+    holder is a dead process of this host (its background writers are still exiting). The lock
+    file is opened without following a link and must be a regular file: a link or anything
+    else planted under its name is refused by name, never written through. Any OS error
+    (read-only or full disk) raises CheckpointError naming the path, and leaves nothing held.
     """
-    path = (trial / LOCK_NAME).absolute()
+    path = _lock_path(trial)
     if path in _held:
         _held[path][1] += 1
         return
-    trial.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    if not _try_lock(fd):
-        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
-        dead = _holder_is_dead(holder)
-        if not (dead and _wait_for_orphans(fd, path, holder)):
-            os.close(fd)
-            orphans = f"; its process is gone, its writers did not exit within {ORPHAN_WAIT_SECONDS:.0f} s"
-            raise CheckpointError(
-                f"{trial}: another job is using this trial (lock {path} held by {holder}{orphans if dead else ''}); "
-                "two jobs must not write one trial: stop the other job or use another trial_name"
-            )
-    holder = {"pid": os.getpid(), "host": socket.gethostname(), "since_unix": time.time()}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(holder).encode(), 0)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise CheckpointError(f"{path}: the trial lock is a symbolic link; refusing to write through it "
+                                  "(remove the link; areal_ckpt creates the lock as a regular file)") from None
+        raise CheckpointError(f"{path}: cannot create the trial lock: {error.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{path}: the trial lock is not a regular file; refusing to use it (remove it)")
+        if not _try_lock(fd):
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            dead = _holder_is_dead(holder)
+            if not (dead and _wait_for_orphans(fd, path, holder)):
+                orphans = f"; its process is gone, its writers did not exit within {ORPHAN_WAIT_SECONDS:.0f} s"
+                raise CheckpointError(
+                    f"{trial}: another job is using this trial (lock {path} held by {holder}"
+                    f"{orphans if dead else ''}); two jobs must not write one trial: stop the other job or use "
+                    "another trial_name"
+                )
+        holder_record = {"pid": os.getpid(), "host": socket.gethostname(), "since_unix": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder_record).encode(), 0)
+    except OSError as error:
+        os.close(fd)
+        raise CheckpointError(f"{path}: cannot record the trial lock's holder: {error.strerror}") from None
+    except BaseException:
+        os.close(fd)
+        raise
     _held[path] = [fd, 1]
 
 
@@ -109,7 +135,7 @@ def _wait_for_orphans(fd: int, path: Path, holder: str) -> bool:
 
 def release_trial_lock(trial: Path) -> None:
     """Give back one hold on the trial's lock; the last one unlocks it. Local; no-op if not held."""
-    path = (trial / LOCK_NAME).absolute()
+    path = _lock_path(trial)
     if path not in _held:
         return
     _held[path][1] -= 1
@@ -123,5 +149,5 @@ def held_lock_descriptor(trial: Path) -> int | None:
     A child process given a duplicate of it keeps the lock alive as long as it runs (flock
     belongs to the open file, not to a process).
     """
-    entry = _held.get((trial / LOCK_NAME).absolute())
+    entry = _held.get(_lock_path(trial))
     return None if entry is None else entry[0]

@@ -21,18 +21,15 @@ from areal_ckpt.background import BackgroundWriter, describe_metrics, resolve_as
 from areal_ckpt.commit import read_manifest
 from areal_ckpt.config import RecoverConfig, check_path_component
 from areal_ckpt.engines.contract import (
-    ColocatedRolloutEngine,
     Engine,
     EnginesLike,
     HFAssets,
     RolloutEngine,
-    WeightSource,
     WeightUpdateMeta,
     engines_by_name,
     named_engines,
-    require,
 )
-from areal_ckpt.errors import CheckpointError, CollectiveError, ConfigError, RankMismatchError
+from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError
 from areal_ckpt.formats.hf_export import HFFiles, hf_files
 from areal_ckpt.fsio import FileRecord
 from areal_ckpt.layout import (
@@ -46,8 +43,8 @@ from areal_ckpt.layout import (
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.recover_read import find_committed, load_engine, verify_checkpoint
 from areal_ckpt.recover_store import RecoverStore
-from areal_ckpt.rollout_sync import RolloutSync
 from areal_ckpt.recover_write import MODEL_SEPARATOR, RECOVER_FORMAT, RECOVER_FORMAT_VERSION, DumpJob
+from areal_ckpt.rollout_sync import RolloutSync
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.staging import layout_of
 from areal_ckpt.state import safe_json
@@ -409,8 +406,8 @@ class RecoverHandler:
         if not self.enabled:
             return None
         originals = named_engines(engine)
-        rollout = self._rollout_sync(originals, inference_engine, weight_update_meta,
-                                     inference_engine_update_from, colocated_rollout)
+        rollout = RolloutSync.checked(originals, inference_engine, weight_update_meta,
+                                      inference_engine_update_from, colocated_rollout)
         found: str | None = None
         if dist.rank() == 0:
             found = find_committed(self.store)
@@ -456,25 +453,3 @@ class RecoverHandler:
     def _load_engines(self, engines: dict[str, Engine], folder: Path, manifest: dict[str, Any]) -> None:
         for name in sorted(engines):
             load_engine(engines[name], folder / name, manifest, self.config.no_load_optim)
-
-    @staticmethod
-    def _rollout_sync(
-        originals: dict[str, Any], inference_engine: Any, meta: Any, update_from: str, colocated: bool
-    ) -> RolloutSync | None:
-        """The weight update a load ends with, checked before anything is loaded (None without
-        an ``inference_engine``). Raises CheckpointError / ConfigError naming what is missing."""
-        if inference_engine is None:
-            return None
-        if meta is None:
-            raise ConfigError("RecoverHandler.load: weight_update_meta is required with inference_engine")
-        if update_from not in originals:
-            raise CheckpointError(
-                f"RecoverHandler.load: inference_engine_update_from={update_from!r} is not one of the "
-                f"engines given ({sorted(originals)})"
-            )
-        require(meta, WeightUpdateMeta, "RecoverHandler.load: weight_update_meta")
-        source = originals[update_from]
-        require(source, WeightSource, f"RecoverHandler.load: engine {update_from!r}")
-        awex = colocated and meta.type == "awex"
-        require(inference_engine, ColocatedRolloutEngine if awex else RolloutEngine, "RecoverHandler.load: inference_engine")
-        return RolloutSync(source, inference_engine, meta, release_memory_first=awex)

@@ -7,9 +7,16 @@ Only the objects' own methods are called (see the Protocols in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Mapping
 
-from areal_ckpt.engines.contract import ColocatedRolloutEngine, RolloutEngine, WeightSource, WeightUpdateMeta
+from areal_ckpt.engines.contract import (
+    ColocatedRolloutEngine,
+    RolloutEngine,
+    WeightSource,
+    WeightUpdateMeta,
+    require,
+)
+from areal_ckpt.errors import CheckpointError, ConfigError
 
 
 @dataclass(frozen=True)
@@ -21,6 +28,31 @@ class RolloutSync:
     meta: WeightUpdateMeta
     #: AWEX colocation: the rollout engine frees its memory before the checkpoint is loaded.
     release_memory_first: bool
+
+    @classmethod
+    def checked(
+        cls, engines: Mapping[str, Any], inference_engine: Any, meta: Any, update_from: str, colocated: bool
+    ) -> RolloutSync | None:
+        """The weight update a load ends with (None without an ``inference_engine``), its
+        arguments checked before anything is loaded; ``engines`` are the load's engines as the
+        caller gave them, by model name. Raises ConfigError for a missing ``meta`` (AReaL's
+        ValueError) and CheckpointError naming what else is missing. Pure."""
+        if inference_engine is None:
+            return None
+        if meta is None:
+            raise ConfigError("RecoverHandler.load: weight_update_meta is required with inference_engine")
+        if update_from not in engines:
+            raise CheckpointError(
+                f"RecoverHandler.load: inference_engine_update_from={update_from!r} is not one of the "
+                f"engines given ({sorted(engines)})"
+            )
+        require(meta, WeightUpdateMeta, "RecoverHandler.load: weight_update_meta")
+        source = engines[update_from]
+        require(source, WeightSource, f"RecoverHandler.load: engine {update_from!r}")
+        awex = colocated and meta.type == "awex"
+        require(inference_engine, ColocatedRolloutEngine if awex else RolloutEngine,
+                "RecoverHandler.load: inference_engine")
+        return cls(source, inference_engine, meta, release_memory_first=awex)
 
     def run(self, version: int, load: Callable[[], None]) -> None:
         """Call ``load`` (the checkpoint into the training engines) and update the rollout
