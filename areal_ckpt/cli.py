@@ -21,6 +21,8 @@ from areal_ckpt.convert import export_deepspeed, export_recovery
 from areal_ckpt.describe import describe, list_trial, verify
 from areal_ckpt.errors import CheckpointError, ConfigError
 from areal_ckpt.launch import launch
+from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
+from areal_ckpt.recover_store import RecoverStore
 from areal_ckpt.tensors import EXPORT_DTYPES
 
 
@@ -127,6 +129,27 @@ def cmd_convert_deepspeed(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_recover_pointer(args: argparse.Namespace) -> int:
+    store = RecoverStore(Path(args.trial))
+    try:
+        committed = store.committed()
+    except CheckpointError:
+        committed = None
+    else:
+        if committed is not None:
+            print(f"{store.pointer} already names {committed}; nothing changed")
+            return 0
+    acquire_trial_lock(store.trial)
+    try:
+        generation, skipped = store.repoint_newest_verified()
+    finally:
+        release_trial_lock(store.trial)
+    for name, problems in skipped.items():
+        print(f"SKIP {name}: {'; '.join(problems)}")
+    print(f"OK   {store.pointer} -> {generation}: every file matches its manifest; the next start resumes from it")
+    return 0
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     rest = list(args.rest)
     if "--" not in rest:
@@ -176,6 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--config", help="folder with the model's config.json, for DeepSpeed's own layout "
                                           "(default: DS_DIR)")
     convert.set_defaults(run=cmd_convert_deepspeed)
+
+    pointer = commands.add_parser(
+        "recover-pointer", help="re-point a trial's lost or broken commit record at its newest intact generation")
+    pointer.add_argument("trial", help="the trial folder ({fileroot}/checkpoints/{user}/{experiment}/{trial})")
+    pointer.set_defaults(run=cmd_recover_pointer)
 
     relaunch = commands.add_parser(
         "launch", help="run a training command; relaunch it after a crash, up to recover.retries times",

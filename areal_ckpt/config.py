@@ -11,12 +11,11 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PositiveInt = Annotated[int, Field(gt=0, strict=True)]
-NonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
 StrictBool = Annotated[bool, Field(strict=True)]
 
 # A name becomes one folder level: no separators, no "." / "..", no leading dot (dot-names are
 # reserved for staging and trash folders).
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9_+=@-][A-Za-z0-9_.+=@-]*$")
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_+=@-][A-Za-z0-9_.+=@-]*")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
     "B": 1,
@@ -31,13 +30,21 @@ _SIZE_UNITS = {
 }
 
 
+#: Longest folder name most filesystems take (bytes).
+MAX_NAME_BYTES = 255
+#: Longest fileroot: PATH_MAX (4096) less room for user / experiment / trial / model / file names.
+MAX_ROOT_BYTES = 2048
+
+
 def check_path_component(value: str, what: str) -> str:
     """Return ``value`` if it is safe as one folder name, else raise ValueError naming ``what``."""
-    if not _SAFE_NAME.match(value) or value in {".", ".."}:
+    if not _SAFE_NAME.fullmatch(value) or value in {".", ".."}:
         raise ValueError(
             f"{what} {value!r} cannot be used as a folder name: use letters, digits and _ . + = @ -, "
             "not starting with '.'"
         )
+    if len(value.encode()) > MAX_NAME_BYTES:
+        raise ValueError(f"{what} is {len(value.encode())} bytes long; a folder name may have at most {MAX_NAME_BYTES}")
     return value
 
 
@@ -80,9 +87,14 @@ class _TimerBlock(BaseModel):
 
     @field_validator("fileroot")
     @classmethod
-    def _non_empty_root(cls, value: str) -> str:
+    def _usable_root(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("fileroot must not be empty")
+        if "\x00" in value:
+            raise ValueError("fileroot must not contain a NUL character")
+        if len(value.encode()) > MAX_ROOT_BYTES:
+            raise ValueError(f"fileroot is {len(value.encode())} bytes long; at most {MAX_ROOT_BYTES} leave room for "
+                             "the folders below it")
         return value
 
 
@@ -119,9 +131,10 @@ class RecoverConfig(_TimerBlock):
     mode: Literal["on", "auto", "sync", "async", "off", "disabled"] = "disabled"
     # As in AReaL: how many times `areal-ckpt launch` relaunches a failed job while recovery
     # is enabled (the training process itself never reads it).
-    retries: NonNegativeInt = 3
-    # Ours: attempts after a failed dump write, inside one dump, before the error is raised.
-    write_retries: NonNegativeInt = 3
+    retries: Annotated[int, Field(ge=0, le=1000, strict=True)] = 3
+    # Ours: attempts after a failed dump write, inside one dump, before the error is raised
+    # (with back-off up to 10 s each, so 100 already means a quarter of an hour).
+    write_retries: Annotated[int, Field(ge=0, le=100, strict=True)] = 3
     no_save_optim: StrictBool = False
     no_load_optim: StrictBool = False
 

@@ -9,6 +9,7 @@ names the file, the key path and the problem.
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 from typing import Any, Sequence
@@ -55,15 +56,40 @@ def load_config(path: str | Path, overrides: Sequence[str] | None = None) -> Che
         raise ConfigError(_describe(error, path)) from None
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key written twice in one mapping (YAML forbids it;
+    PyYAML would keep the last silently). Merge keys (``<<``) may still be overridden."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, yaml.Mark] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: let the base class report it
+                continue
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {first.line + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
     except OSError as error:
         raise ConfigError(f"{path}: cannot read config file: {error.strerror}") from None
     try:
-        document = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {error.start}: {raw[error.start:error.start + 1]!r})") from None
+    try:
+        document = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as error:
         where = ""
         mark = getattr(error, "problem_mark", None)
@@ -71,11 +97,26 @@ def _read_yaml(path: Path) -> dict[str, Any]:
             where = f" (line {mark.line + 1}, column {mark.column + 1})"
         problem = getattr(error, "problem", None) or str(error)
         raise ConfigError(f"{path}: invalid YAML{where}: {problem}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid YAML: nested too deeply") from None
     if document is None:
         return {}
     if not isinstance(document, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(document).__name__}")
+    _refuse_misspelled_blocks(document, path)
     return document
+
+
+def _refuse_misspelled_blocks(document: dict[str, Any], path: Path) -> None:
+    """A top-level key one typo away from ``saver`` / ``recover`` (``recovr``, ``savers``) while
+    the real block is absent: the block would be ignored and, for ``recover``, recovery would
+    silently stay off."""
+    for block in ("saver", "recover"):
+        if block in document:
+            continue
+        close = difflib.get_close_matches(block, [str(key) for key in document], n=1, cutoff=0.8)
+        if close:
+            raise ConfigError(f"{path}: {close[0]}: unknown top-level block; did you mean {block}?")
 
 
 def _apply_override(document: dict[str, Any], override: str, path: Path) -> None:
@@ -106,21 +147,32 @@ def _apply_override(document: dict[str, Any], override: str, path: Path) -> None
     node[keys[-1]] = value
 
 
+#: Values a resolved block may hold at most: YAML aliases that fan out (an "alias bomb") are
+#: refused before they are expanded, instead of filling memory.
+MAX_VALUES = 100_000
+#: Nesting a resolved block may have at most.
+MAX_DEPTH = 64
+
+
 class _Resolver:
-    """Resolves ``${a.b}`` references against the whole document, detecting cycles."""
+    """Resolves ``${a.b}`` references against the whole document, detecting cycles and
+    bounding the expansion of aliases (count and depth)."""
 
     def __init__(self, document: dict[str, Any], path: Path) -> None:
         self._document = document
         self._path = path
         self._active: list[tuple[str, ...]] = []
+        self._values = 0
 
     def resolve_at(self, key_path: tuple[str, ...]) -> Any:
         if key_path in self._active:
             chain = " -> ".join(".".join(keys) for keys in [*self._active, key_path])
             raise ConfigError(f"{self._path}: circular interpolation: {chain}")
+        if len(self._active) >= MAX_DEPTH:
+            raise ConfigError(f"{self._path}: {'.'.join(key_path)}: interpolations chained more than {MAX_DEPTH} deep")
         self._active.append(key_path)
         try:
-            return self._resolve(self._lookup(key_path), key_path)
+            return self._resolve(self._lookup(key_path), key_path, ())
         finally:
             self._active.pop()
 
@@ -132,11 +184,21 @@ class _Resolver:
             node = node[key]
         return node
 
-    def _resolve(self, value: Any, where: tuple[str, ...]) -> Any:
-        if isinstance(value, dict):
-            return {key: self._resolve(item, (*where, str(key))) for key, item in value.items()}
-        if isinstance(value, list):
-            return [self._resolve(item, (*where, str(index))) for index, item in enumerate(value)]
+    def _resolve(self, value: Any, where: tuple[str, ...], containers: tuple[int, ...]) -> Any:
+        self._values += 1
+        location = ".".join(where)
+        if self._values > MAX_VALUES:
+            raise ConfigError(f"{self._path}: {location}: expands to more than {MAX_VALUES} values "
+                              "(YAML aliases that fan out?)")
+        if isinstance(value, (dict, list)):
+            if id(value) in containers:
+                raise ConfigError(f"{self._path}: {location}: a YAML alias refers to itself")
+            if len(containers) >= MAX_DEPTH:
+                raise ConfigError(f"{self._path}: {location}: nested more than {MAX_DEPTH} levels deep")
+            inner = (*containers, id(value))
+            if isinstance(value, dict):
+                return {key: self._resolve(item, (*where, str(key)), inner) for key, item in value.items()}
+            return [self._resolve(item, (*where, str(index)), inner) for index, item in enumerate(value)]
         if not isinstance(value, str) or "${" not in value:
             return value
         whole = _REFERENCE.fullmatch(value)

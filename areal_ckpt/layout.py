@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from areal_ckpt.config import check_path_component
+from areal_ckpt.errors import ConfigError
 
 #: Prefix of an export being written; never loaded, removed by the next Saver.
 EXPORT_STAGING_PREFIX = ".export-staging."
@@ -20,14 +21,26 @@ _EXPORT_LEAF = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)$")
 
 
 def default_user() -> str:
-    """The ``{user}`` folder level when the config sets none: the login name, else ``unknown``."""
+    """The ``{user}`` folder level when the config sets none: the login name, else ``unknown``.
+
+    Validated exactly as a ``user:`` field is: a login name taken from ``$USER`` /
+    ``$LOGNAME`` that is not one safe folder name (``/abs/path``, ``../x``) raises ConfigError,
+    so it can never place checkpoints outside ``fileroot``.
+    """
+    name, source = "unknown", "the default"
     for variable in ("USER", "LOGNAME"):
         if os.environ.get(variable):
-            return os.environ[variable]
+            name, source = os.environ[variable], f"${variable}"
+            break
+    else:
+        try:
+            name, source = getpass.getuser(), "the login name"
+        except (KeyError, OSError):
+            pass
     try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return "unknown"
+        return check_path_component(name, f"user (from {source})")
+    except ValueError as error:
+        raise ConfigError(f"{error}; set `user:` in the config to choose the folder level") from None
 
 
 def trial_root(fileroot: str | Path, user: str, experiment_name: str, trial_name: str) -> Path:
@@ -93,6 +106,14 @@ def recover_pointer(trial: Path) -> Path:
 def generation_name(global_step: int, token: str) -> str:
     """Folder name of one recovery generation."""
     return f"gen-{global_step:08d}-{token}"
+
+
+def generation_step(name: str) -> int:
+    """The global step in a name made by :func:`generation_name` (ValueError for another name)."""
+    match = _GENERATION.match(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not a generation name")
+    return int(match.group(1))
 
 
 def is_generation_name(name: str) -> bool:

@@ -68,6 +68,8 @@ def acquire_trial_lock(trial: Path) -> None:
         if error.errno == errno.ELOOP:
             raise CheckpointError(f"{path}: the trial lock is a symbolic link; refusing to write through it "
                                   "(remove the link; areal_ckpt creates the lock as a regular file)") from None
+        if error.errno == errno.EISDIR:
+            raise CheckpointError(f"{path}: the trial lock is not a regular file; refusing to use it (remove it)") from None
         raise CheckpointError(f"{path}: cannot create the trial lock: {error.strerror}") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -84,7 +86,9 @@ def acquire_trial_lock(trial: Path) -> None:
                 )
         holder_record = {"pid": os.getpid(), "host": socket.gethostname(), "since_unix": time.time()}
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(holder_record).encode(), 0)
+        record = json.dumps(holder_record).encode()
+        if os.pwrite(fd, record, 0) != len(record):
+            raise OSError(errno.EFBIG, "short write (file size limit?)")
     except OSError as error:
         os.close(fd)
         raise CheckpointError(f"{path}: cannot record the trial lock's holder: {error.strerror}") from None

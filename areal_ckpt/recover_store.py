@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_ckpt.config import RecoverConfig
-from areal_ckpt.commit import read_manifest, switch_symlink, write_manifest
+from areal_ckpt.commit import check_files, read_manifest, switch_symlink, write_manifest
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import FileRecord, fsync_dir
 from areal_ckpt.layout import (
@@ -36,6 +36,7 @@ from areal_ckpt.layout import (
     RECOVER_STORE,
     default_user,
     generation_name,
+    generation_step,
     is_generation_name,
     recover_checkpoint_link,
     recover_info_link,
@@ -63,19 +64,68 @@ class RecoverStore:
     def committed(self) -> str | None:
         """Name of the committed generation, None when the trial has none.
 
-        Raises CheckpointError when a commit record exists but does not name a generation
-        folder of this store (dangling, tampered, pointing elsewhere): never a silent None.
+        Raises CheckpointError (never a silent None) when the store is not a real folder (a
+        regular file, a link), when a commit record exists but does not name a generation
+        folder of this store (dangling, tampered, pointing elsewhere), and when the record is
+        missing although complete generations are there (e.g. a copy that dropped symlinks).
+        Read-only.
         """
+        self._check_root()
         if not self.pointer.is_symlink():
             if self.pointer.exists():
                 raise CheckpointError(f"{self.pointer}: expected a symlink to a generation, found a regular entry")
+            complete = self.complete_generations()
+            if complete:
+                raise CheckpointError(
+                    f"{self.pointer}: the commit record is missing, but {self.root} holds complete recovery "
+                    f"generations {complete}; nothing was deleted. Run `areal-ckpt recover-pointer {self.trial}` to "
+                    "point it at the newest one whose files all verify"
+                )
             return None
         target = os.readlink(self.pointer)
         if not is_generation_name(target):
             raise CheckpointError(f"{self.pointer}: points to {target!r}, which is not a generation of this store")
         if not (self.root / target).is_dir() or (self.root / target).is_symlink():
-            raise CheckpointError(f"{self.pointer}: committed generation {target} is missing")
+            raise CheckpointError(
+                f"{self.pointer}: committed generation {target} is missing; run `areal-ckpt recover-pointer "
+                f"{self.trial}` to point it at the newest generation whose files all verify"
+            )
         return target
+
+    def _check_root(self) -> None:
+        """Raise CheckpointError unless the store is absent or a real folder."""
+        if self.root.is_symlink():
+            where = os.readlink(self.root)
+            state = "" if self.root.exists() else ", which does not exist (an unmounted volume?)"
+            raise CheckpointError(
+                f"{self.root}: is a symbolic link to {where}{state}; areal_ckpt keeps recovery generations only "
+                "in a real folder and never writes through a link it did not create: move the link away "
+                "(mv it) and put the folder itself there"
+            )
+        if self.root.exists() and not self.root.is_dir():
+            raise CheckpointError(
+                f"{self.root}: expected the folder of recovery generations, found a file; nothing was deleted: "
+                "move it away (mv it) to start this trial fresh"
+            )
+
+    def generations(self) -> list[str]:
+        """Generation folders in the store, oldest step first (committed or not); read-only."""
+        if not self.root.is_dir() or self.root.is_symlink():
+            return []
+        names = [e.name for e in self.root.iterdir() if is_generation_name(e.name) and e.is_dir() and not e.is_symlink()]
+        return sorted(names, key=lambda name: (generation_step(name), name))
+
+    def is_complete(self, generation: str) -> bool:
+        """True when ``generation`` holds a readable manifest (its files are not checked); read-only."""
+        try:
+            read_manifest(self.path(generation), RECOVER_MANIFEST)
+        except CheckpointError:
+            return False
+        return True
+
+    def complete_generations(self) -> list[str]:
+        """Generations holding a readable manifest, oldest step first; read-only."""
+        return [name for name in self.generations() if self.is_complete(name)]
 
     def path(self, generation: str) -> Path:
         """Folder of ``generation`` (no side effects)."""
@@ -134,21 +184,50 @@ class RecoverStore:
             switch_symlink(link, target)
 
     def remove_debris(self, keep: str | None) -> list[str]:
-        """Delete every generation except ``keep`` (uncommitted or superseded ones); returns them."""
-        if not self.root.is_dir():
+        """Delete generations other than ``keep`` that are incomplete, or complete but older
+        than ``keep``; returns them. A complete generation at or after ``keep``'s step (a dump
+        interrupted between its manifest and the switch) is kept, with a warning: a checkpoint
+        is never deleted unless a newer committed one exists."""
+        if not self.root.is_dir() or self.root.is_symlink():
             return []
         removed = []
-        for entry in sorted(self.root.iterdir()):
-            if entry.name == keep or entry.name == RECOVER_CURRENT:
+        for name in self.generations():
+            if name == keep:
                 continue
-            if is_generation_name(entry.name) and entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-                removed.append(entry.name)
-            elif entry.name.startswith(f".{RECOVER_CURRENT}."):
+            if self.is_complete(name) and (keep is None or generation_step(name) >= generation_step(keep)):
+                logger.warning("%s: keeping %s: it is complete and not older than the committed %s",
+                               self.root, name, keep)
+                continue
+            shutil.rmtree(self.path(name))
+            removed.append(name)
+        for entry in self.root.iterdir():
+            if entry.name.startswith(f".{RECOVER_CURRENT}.") and entry.is_symlink():
                 entry.unlink()
         if removed:
             fsync_dir(self.root)
         return removed
+
+    def repoint_newest_verified(self) -> tuple[str, dict[str, list[str]]]:
+        """Point ``current`` at the newest generation whose every file matches its manifest
+        (sizes and CRC-32, all read); returns it and the problems of the newer ones skipped.
+        Durable on return. One process only, with the trial lock held. Raises CheckpointError
+        when the store is not a real folder or no generation verifies; then nothing changes."""
+        self._check_root()
+        skipped: dict[str, list[str]] = {}
+        for name in reversed(self.generations()):
+            try:
+                manifest = read_manifest(self.path(name), RECOVER_MANIFEST)
+            except CheckpointError as error:
+                skipped[name] = [str(error)]
+                continue
+            problems = check_files(self.path(name), manifest["files"], manifest["files"])
+            if problems:
+                skipped[name] = problems
+                continue
+            switch_symlink(self.pointer, name)
+            self._ensure_links(list(manifest.get("models") or []))
+            return name, skipped
+        raise CheckpointError(f"{self.root}: no recovery generation verifies: {skipped or 'there is none'}")
 
     def foreign_recovery_layout(self) -> list[Path]:
         """AReaL's own recovery folders in this trial: a real ``recover_info/`` folder or a real

@@ -45,6 +45,9 @@ def save_tensors(tensors: dict[str, torch.Tensor], folder: Path) -> dict[str, Fi
         with _single_process_quiet():
             dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_distributed())
     except CheckpointException as error:  # a BaseException in DCP: make it an ordinary error
+        interruption = _interruption(error)
+        if interruption is not None:  # Ctrl-C / SystemExit: never converted, never retried
+            raise interruption from None
         raise CheckpointError(f"{folder}: writing DCP shards failed: {_failures(error)}") from None
     return {writer.file_name: writer.record}
 
@@ -113,6 +116,22 @@ def _read_planned(template: dict[str, torch.Tensor], reader: RawStorageReader, m
     plan = reader.prepare_local_plan(planner.create_local_plan())
     plan = reader.prepare_global_plan(planner.create_global_plan([plan]))[0]
     reader.read_data(planner.finish_plan(plan), planner).wait()
+
+
+def _interruption(error: CheckpointException) -> BaseException | None:
+    """The KeyboardInterrupt / SystemExit DCP wrapped, if any: this rank's own, else a new one of
+    the same type naming the rank it hit, so every rank stops the same way."""
+    interrupted = {}
+    for rank, failure in error.failures.items():
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            interrupted[rank] = exc
+    if not interrupted:
+        return None
+    if dist.rank() in interrupted:
+        return interrupted[dist.rank()]
+    rank, exc = min(interrupted.items())
+    return type(exc)(f"rank {rank} was interrupted while writing DCP shards")
 
 
 def _failures(error: CheckpointException) -> str:
