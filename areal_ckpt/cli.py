@@ -18,7 +18,7 @@ from tqdm import tqdm
 from areal_ckpt.config import parse_size
 from areal_ckpt.config_loader import load_config
 from areal_ckpt.convert import export_deepspeed, export_recovery
-from areal_ckpt.describe import describe, list_trial, verify
+from areal_ckpt.describe import describe, list_trial, verify_each
 from areal_ckpt.errors import CheckpointError, ConfigError
 from areal_ckpt.launch import launch
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
@@ -86,13 +86,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    problems = verify(Path(args.path), progress=_progress("file"))
-    for problem in problems:
-        print(f"BAD  {problem}")
-    if problems:
-        print(f"{args.path}: {len(problems)} problem(s); do not load this checkpoint", file=sys.stderr)
+    results = verify_each(Path(args.path), progress=_progress("file"))
+    bad = 0
+    for checkpoint, problems in results:
+        if problems:
+            bad += 1
+            print(f"BAD  {checkpoint}: " + "; ".join(problems))
+        else:
+            print(f"OK   {checkpoint}: every file matches its manifest")
+    if bad:
+        print(f"{args.path}: {bad} of {len(results)} checkpoint(s) damaged; do not load those", file=sys.stderr)
         return 1
-    print(f"OK   {args.path}: every file matches its manifest")
     return 0
 
 
@@ -177,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(run=cmd_inspect)
 
-    check = commands.add_parser("verify", help="check every file against the manifest; exit 0 only if intact")
+    check = commands.add_parser("verify", help="check every file of a checkpoint (or of every checkpoint of a trial) "
+                                               "against its manifest; one line each; exit 0 only if all are intact")
     check.add_argument("path")
     check.set_defaults(run=cmd_verify)
 

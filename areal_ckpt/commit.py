@@ -12,6 +12,7 @@ given folder, after the others have finished writing (see the Saver).
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import ctypes.util
 import errno
@@ -113,11 +114,52 @@ def publish(staging: Path, final: Path, trash: Path) -> None:
 
 def remove_folder(folder: Path, trash: Path) -> None:
     """Delete ``folder`` so that it disappears at once: rename to ``trash``, fsync, then delete."""
-    if trash.exists():  # left by a crash during an earlier deletion
+    hide_folder(folder, trash)
+    shutil.rmtree(trash)
+
+
+def hide_folder(folder: Path, trash: Path) -> None:
+    """Make ``folder`` disappear at once by renaming it to ``trash`` (durable on return); the
+    caller deletes ``trash`` later (a crash leaves it for :func:`remove_stale`). Never follows
+    a link: a link named ``folder`` or ``trash`` is refused with OSError."""
+    if folder.is_symlink():
+        raise OSError(errno.ELOOP, f"{folder} is a symbolic link; not deleting through it")
+    if trash.is_symlink():
+        trash.unlink()
+    elif trash.exists():  # left by a crash during an earlier deletion
         shutil.rmtree(trash)
     os.rename(folder, trash)
     fsync_dir(folder.parent)
-    shutil.rmtree(trash)
+
+
+class TrashCollector:
+    """Deletes hidden folders (see :func:`hide_folder`) on one helper thread, off the caller's
+    path; errors are logged, never raised (what is deleted was already superseded)."""
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="areal_ckpt-trash")
+        self._pending: list[concurrent.futures.Future[None]] = []
+
+    def delete(self, folders: Iterable[Path]) -> None:
+        """Queue ``folders`` for deletion; returns at once."""
+        self._pending += [self._pool.submit(_delete_logged, folder) for folder in folders]
+
+    def wait(self) -> None:
+        """Block until every queued deletion has finished."""
+        pending, self._pending = self._pending, []
+        concurrent.futures.wait(pending)
+
+    def close(self) -> None:
+        """Finish the queued deletions and stop the thread."""
+        self.wait()
+        self._pool.shutdown(wait=True)
+
+
+def _delete_logged(folder: Path) -> None:
+    try:
+        shutil.rmtree(folder)
+    except OSError as error:
+        logger.warning("could not delete %s: %s (it is removed at the next start)", folder, error)
 
 
 def remove_stale(parents: Iterable[Path], prefixes: tuple[str, ...]) -> list[Path]:
@@ -167,6 +209,8 @@ def read_manifest(folder: Path, manifest_name: str) -> dict[str, Any]:
         raise CheckpointError(f"{path}: manifest missing: the checkpoint is incomplete") from None
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{path}: manifest unreadable: {error}") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: manifest unreadable: nested too deeply") from None
     if not isinstance(manifest, dict) or render_manifest(manifest) != raw:
         raise CheckpointError(f"{path}: checksum mismatch (manifest corrupted or edited)")
     files = manifest.get("files") if isinstance(manifest, dict) else None

@@ -9,8 +9,9 @@ from typing import Any, Callable, Iterable
 
 from areal_ckpt.commit import check_files, read_manifest
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.layout import MANIFEST_NAME, RECOVER_MANIFEST, parse_export_leaf, recover_pointer
-from areal_ckpt.recover_store import resolve_recovery
+from areal_ckpt.formats.dcp_storage import read_metadata_json
+from areal_ckpt.layout import MANIFEST_NAME, RECOVER_MANIFEST, RECOVER_STORE, parse_export_leaf, recover_pointer
+from areal_ckpt.recover_store import RecoverStore, resolve_recovery
 from areal_ckpt.tagged import LATEST, TAGGED_FORMAT, read_latest
 
 _MAX_SAFETENSORS_HEADER = 100 << 20
@@ -29,8 +30,18 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
             header = json.loads(handle.read(length))
         except ValueError as error:
             raise CheckpointError(f"{path}: malformed safetensors header: {error}") from None
+        except RecursionError:
+            raise CheckpointError(f"{path}: malformed safetensors header: nested too deeply") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: malformed safetensors header")
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+                and isinstance(entry.get("dtype"), str)):
+            raise CheckpointError(f"{path}: malformed safetensors header entry {str(name)[:100]!r}: "
+                                  "expected a dtype and a shape of non-negative integers")
     return header
 
 
@@ -110,19 +121,18 @@ def _describe_export(path: Path) -> dict[str, Any]:
 
 
 def _model_facts(folder: Path, manifest: dict[str, Any], model: str) -> dict[str, Any]:
-    """Parameters, dtypes, optimizer presence and bytes of one DCP model folder."""
-    metadata = json.loads((folder / model / "dcp_metadata.json").read_text())
+    """Parameters, dtypes, optimizer presence and bytes of one DCP model folder; CheckpointError
+    naming the metadata file when it is damaged or forged."""
+    metadata = read_metadata_json(folder / model)
     dtypes: dict[str, int] = {}
-    for name, entry in metadata["tensors"].items():
+    for name, entry in metadata.state_dict_metadata.items():
         if name.startswith("model."):
-            count = 1
-            for dim in entry["size"]:
-                count *= dim
-            dtypes[entry["dtype"]] = dtypes.get(entry["dtype"], 0) + count
+            dtype = str(entry.properties.dtype).removeprefix("torch.")
+            dtypes[dtype] = dtypes.get(dtype, 0) + entry.size.numel()
     return {
         "parameters": sum(dtypes.values()),
         "dtypes": dtypes,
-        "optimizer": any(k.startswith("optim.") for k in metadata["tensors"]),
+        "optimizer": any(k.startswith("optim.") for k in metadata.state_dict_metadata),
         "bytes": sum(e["size"] for f, e in manifest["files"].items() if f.startswith(f"{model}/")),
     }
 
@@ -183,6 +193,47 @@ def verify(path: Path, progress: Callable[[Iterable[str]], Iterable[str]] = iter
     for extra in sorted(on_disk - set(files) - {manifest_name}):
         problems.append(f"{folder / extra}: not listed in the manifest (added after the checkpoint was written)")
     return problems
+
+
+def checkpoints_in(path: Path) -> list[Path]:
+    """What ``verify`` checks for ``path``: a trial folder's every export (by model name, then
+    global step) and its recovery checkpoint (the trial folder itself); any other folder as it
+    is. Read-only."""
+    path = Path(path)
+    exports = sorted(
+        (export for model in _model_folders(path) for export in model.iterdir()
+         if export.is_dir() and not export.is_symlink() and parse_export_leaf(export.name) is not None),
+        key=lambda export: (export.parent.name, parse_export_leaf(export.name)),
+    )
+    has_recovery = recover_pointer(path).is_symlink() or (path / RECOVER_STORE).exists()
+    if not exports and not has_recovery:
+        return [path]
+    return [*exports, *([path] if has_recovery else [])]
+
+
+def verify_each(path: Path, progress: Callable[[Iterable[str]], Iterable[str]] = iter) -> list[tuple[Path, list[str]]]:
+    """(checkpoint, problems) for each checkpoint :func:`checkpoints_in` finds under ``path``;
+    a trial's recovery checkpoint is found through its commit record, whose problems (missing,
+    broken) are reported as such. Read-only."""
+    results = []
+    for checkpoint in checkpoints_in(path):
+        if checkpoint == Path(path) and (checkpoint / RECOVER_STORE).exists():
+            try:
+                if RecoverStore(checkpoint).committed() is None:
+                    results.append((checkpoint, [f"{checkpoint / RECOVER_STORE}: no committed recovery checkpoint"]))
+                    continue
+            except CheckpointError as error:
+                results.append((checkpoint, [str(error)]))
+                continue
+        results.append((checkpoint, verify(checkpoint, progress)))
+    return results
+
+
+def _model_folders(trial: Path) -> list[Path]:
+    """A trial's model folders: real folders (a link is not walked) not starting with '.'."""
+    if not trial.is_dir():
+        return []
+    return sorted(p for p in trial.iterdir() if p.is_dir() and not p.is_symlink() and not p.name.startswith("."))
 
 
 def list_trial(trial: Path) -> list[dict[str, Any]]:

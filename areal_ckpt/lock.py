@@ -112,7 +112,7 @@ def _holder_is_dead(holder: str) -> bool:
     try:
         record = json.loads(holder)
         pid, host = int(record["pid"]), record["host"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return False
     if host != socket.gethostname():
         return False

@@ -50,7 +50,7 @@ from areal_ckpt.staging import layout_of
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.components import Stateful, capture_components, dataloader_state, restore_components
 from areal_ckpt.state.recover_info import RecoverInfo, encode_global_info, encode_rank_state, read_recover_info
-from areal_ckpt.state.rng import capture_rng_state, restore_rng_state
+from areal_ckpt.state.rng import capture_rng_state, check_rng_state, restore_rng_state
 from areal_ckpt.step import FinetuneSpec, StepInfo
 
 logger = logging.getLogger(__name__)
@@ -426,6 +426,7 @@ class RecoverHandler:
         info = read_recover_info(
             folder / RECOVER_INFO, dist.rank(), dist.world_size(), manifest["world_size"], drop_rank_state
         )
+        self._check_state(info)  # before any weight is loaded: a failed load changes nothing
         if rollout is None:
             self._load_engines(engines, folder, manifest)
         else:
@@ -449,6 +450,24 @@ class RecoverHandler:
             info.last_step_info.global_step, info.last_step_info.epoch, info.last_step_info.epoch_step, folder,
         )
         return info
+
+    def _check_state(self, info: RecoverInfo) -> None:
+        """Raise CheckpointError (on every rank) unless this rank's RNG state and the trigger
+        state can be restored; checked on scratch objects, so nothing changes here."""
+        problem = None
+        try:
+            if info.rng_state is not None:
+                check_rng_state(info.rng_state)
+        except ValueError as error:
+            problem = f"{info.path}/{RECOVER_INFO}/rank{dist.rank()}.json: {error}"
+        if info.checkpoint_info is not None and problem is None:
+            try:
+                TriggerSchedule(None, None, None).load_state_dict(info.checkpoint_info)
+            except (KeyError, TypeError, ValueError, AttributeError) as error:
+                problem = f"{info.path}/{RECOVER_INFO}/checkpoint_info.json: malformed: {type(error).__name__}: {error}"
+        problems = [p for p in dist.all_gather_objects(problem) if p is not None]
+        if problems:
+            raise CheckpointError("; ".join(problems))
 
     def _load_engines(self, engines: dict[str, Engine], folder: Path, manifest: dict[str, Any]) -> None:
         for name in sorted(engines):

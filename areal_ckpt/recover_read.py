@@ -43,6 +43,22 @@ def find_committed(store: RecoverStore) -> str | None:
     return committed
 
 
+def _check_header(path: Path, manifest: dict[str, Any], recovery: bool) -> None:
+    """Raise CheckpointError naming ``path`` unless the manifest's world size (and, for a
+    recovery generation, models and step) have the types a load relies on."""
+    world = manifest.get("world_size")
+    models = manifest.get("models")
+    step = manifest.get("step")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise CheckpointError(f"{path}: world_size must be a positive integer, got {world!r}")
+    if not recovery:
+        return
+    if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
+        raise CheckpointError(f"{path}: models must be a list of names, got {str(models)[:100]}")
+    if not isinstance(step, dict):
+        raise CheckpointError(f"{path}: step must be an object, got {str(step)[:100]}")
+
+
 def verify_checkpoint(
     folder: Path, manifest_name: str = RECOVER_MANIFEST, fmt: str = RECOVER_FORMAT, version: int = RECOVER_FORMAT_VERSION
 ) -> dict[str, Any]:
@@ -54,6 +70,7 @@ def verify_checkpoint(
     Raises CheckpointError naming every damaged file.
     """
     manifest = read_manifest(folder, manifest_name)
+    _check_header(folder / manifest_name, manifest, recovery=fmt == RECOVER_FORMAT)
     if manifest.get("format") != fmt or manifest.get("format_version") != version:
         raise CheckpointError(
             f"{folder / manifest_name}: format {manifest.get('format')!r} version "
@@ -122,5 +139,6 @@ def load_engine(
                  expected=expected, metadata=metadata)
     try:
         engine.load_recover_state(template, extra, include_optimizer, strict)
-    except (KeyError, ValueError, RuntimeError) as error:
-        raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: cannot restore model / optimizer / scheduler: {error}") from None
+    except (KeyError, ValueError, RuntimeError, TypeError, AttributeError, IndexError) as error:
+        raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: cannot restore model / optimizer / scheduler: "
+                              f"{type(error).__name__}: {error}") from None

@@ -17,7 +17,7 @@ from typing import Any
 
 from areal_ckpt import dist
 from areal_ckpt.background import BackgroundWriter, describe_metrics, resolve_async, saving_metrics
-from areal_ckpt.commit import remove_folder, remove_stale
+from areal_ckpt.commit import TrashCollector, hide_folder, remove_stale
 from areal_ckpt.config import SaverConfig
 from areal_ckpt.errors import RankMismatchError
 from areal_ckpt.export import ExportTarget, StagedExportSource, begin_export, finish_export, stage_export
@@ -71,6 +71,7 @@ class Saver:
         self._writer = BackgroundWriter("saver", self.trial_root)
         self._pending: Path | None = None  # export in flight in the background
         self._went_async = False  # an export of this Saver was written in the background
+        self._trash = TrashCollector()  # deletes exports that retention removed, on a helper thread
         if dist.rank() == 0:
             acquire_trial_lock(self.trial_root)
             remove_stale(
@@ -177,8 +178,8 @@ class Saver:
             self.last_metrics = saving_metrics(time.perf_counter() - start, target.plan.total_size)
             return final
         written = finish_export(engine, target)
-        if dist.rank() == 0 and self.config.keep_last is not None:
-            apply_retention(final, self.config.keep_last)
+        if dist.rank() == 0 and self.config.keep_last is not None:  # deleted after the commit, off this path
+            self._trash.delete(apply_retention(final, self.config.keep_last))
         dist.barrier()
         self.last_metrics = saving_metrics(time.perf_counter() - start, written, background=0.0)
         logger.info("exported %s (%s)", final, describe_metrics(self.last_metrics))
@@ -234,6 +235,7 @@ class Saver:
             self._collect()
         finally:
             self._writer.close()
+            self._trash.close()
             if dist.rank() == 0 and not self._finalized:
                 release_trial_lock(self.trial_root)
             self._finalized = True
@@ -250,29 +252,39 @@ class _ExportJob:
     def run(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """Collective over the writers: write, publish, apply retention (rank 0)."""
         written = finish_export(StagedExportSource(tensors), self.target)
-        if dist.rank() == 0 and self.keep_last is not None:
-            apply_retention(self.target.final, self.keep_last)
+        if dist.rank() == 0 and self.keep_last is not None:  # the writer is off the loop's path already
+            for trash in apply_retention(self.target.final, self.keep_last):
+                shutil.rmtree(trash, ignore_errors=True)
         dist.barrier()
         return {"path": str(self.target.final), "bytes": written}
 
 
-def apply_retention(newest: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` exports beside ``newest`` (by global step); local.
+def apply_retention(newest: Path, keep_last: int) -> list[Path]:
+    """Hide all but the newest ``keep_last`` exports beside ``newest`` (by global step); local.
 
-    Only folders named like exports are touched; ``newest`` is never removed. Failures are
-    logged, not raised: the export they follow is already committed.
+    Only real folders named like exports are touched, each renamed to a trash name so it
+    vanishes at once; ``newest`` is never removed. Returns the trash folders, for the caller to
+    delete (off the training loop's path). A model folder that is a link is not walked: nothing
+    is deleted through a link. Failures are logged, not raised: the export they follow is
+    already committed.
     """
+    if newest.parent.is_symlink():
+        logger.warning("retention: %s is a symbolic link; not deleting old exports through it", newest.parent)
+        return []
     exports = sorted(
         (parsed[2], parsed[0], parsed[1], path)
         for path in newest.parent.iterdir()
-        if path.is_dir() and (parsed := parse_export_leaf(path.name)) is not None
+        if path.is_dir() and not path.is_symlink() and (parsed := parse_export_leaf(path.name)) is not None
     )
     surplus = len(exports) - keep_last
+    hidden = []
     for _, _, _, path in exports[: max(surplus, 0)]:
         if path == newest:
             continue
         try:
-            remove_folder(path, export_trash(path))
+            hide_folder(path, export_trash(path))
+            hidden.append(export_trash(path))
             logger.info("retention (keep_last=%d): removed %s", keep_last, path)
         except OSError as error:
             logger.warning("retention: could not remove %s: %s", path, error)
+    return hidden

@@ -86,7 +86,14 @@ def test_verify_names_every_bad_file_and_sets_the_exit_code(trial, capsys):
     assert code == 1
     assert f"{shard}: checksum mismatch" in stdout
     assert "pytorch_model.bin: not listed in the manifest" in stdout
-    assert "2 problem(s)" in err
+    assert "1 of 1 checkpoint(s) damaged" in err
+    # the whole trial: every export and the recovery checkpoint, one line each
+    code, stdout, err = run(capsys, "verify", str(root))
+    lines = stdout.splitlines()
+    assert code == 1 and len(lines) == 3 and "1 of 3 checkpoint(s) damaged" in err
+    assert lines[0] == f"OK   {root / 'default/epoch0epochstep0globalstep0'}: every file matches its manifest"
+    assert lines[1].startswith(f"BAD  {export}: ") and "checksum mismatch" in lines[1]
+    assert lines[2] == f"OK   {root}: every file matches its manifest"
     rank_file = root / "recover_info/rank0.json"
     rank_file.write_text(rank_file.read_text()[:-5])
     code, stdout, _ = run(capsys, "verify", str(root / "recover_info"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import zlib
 from pathlib import Path
 
@@ -145,6 +146,9 @@ def test_retention_keeps_newest_n_per_name_and_touches_nothing_else(fileroot, ma
     saver.save(engine, 0, 0, 0, name="critic")
     for global_step in range(5):
         saver.save(engine, 0, global_step, global_step)
+    visible = sorted(p.name for p in saver.export_root().iterdir() if not p.name.startswith("."))
+    assert visible == ["epoch0epochstep3globalstep3", "epoch0epochstep4globalstep4", "notes"]
+    saver.finalize()  # waits for the deletions handed to the helper thread
     remaining = sorted(p.name for p in saver.export_root().iterdir())
     assert remaining == ["epoch0epochstep3globalstep3", "epoch0epochstep4globalstep4", "notes"]
     assert export_names(saver.export_root("critic")) == ["epoch0epochstep0globalstep0"]
@@ -194,3 +198,37 @@ def test_new_saver_removes_staging_left_by_a_crash(fileroot, make_model):
     ac.Saver(saver_config(fileroot), SPEC)
     assert not leftover.exists()
     assert committed.is_dir()
+
+
+def test_retention_deletes_off_the_callers_thread_and_never_before_the_commit(fileroot, make_model, monkeypatch):
+    from areal_ckpt import commit
+
+    deleted_by: list[tuple[str, str]] = []
+    real_rmtree = commit.shutil.rmtree
+
+    def recording_rmtree(path, *args, **kwargs):
+        deleted_by.append((Path(path).name, threading.current_thread().name))
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(commit.shutil, "rmtree", recording_rmtree)
+    saver = ac.Saver(saver_config(fileroot, freq_steps=1, keep_last=1), SPEC)
+    engine = ac.TorchEngine(make_model())
+    saver.save(engine, 0, 0, 0)
+    newest = Path(saver.save(engine, 0, 1, 1))
+    assert newest.is_dir() and export_names(saver.export_root()) == [newest.name]  # committed, then hidden
+    saver.finalize()
+    assert deleted_by == [(".export-trash.epoch0epochstep0globalstep0", deleted_by[0][1])]
+    assert deleted_by[0][1].startswith("areal_ckpt-trash") and deleted_by[0][1] != threading.current_thread().name
+
+
+def test_retention_never_deletes_through_a_linked_model_folder(fileroot, tmp_path, make_model):
+    elsewhere = tmp_path / "elsewhere"
+    for step in range(3):
+        (elsewhere / f"epoch0epochstep{step}globalstep{step}").mkdir(parents=True)
+    saver = ac.Saver(saver_config(fileroot, freq_steps=1, keep_last=1), SPEC)
+    saver.trial_root.joinpath("critic").symlink_to(elsewhere)
+    saver.save(ac.TorchEngine(make_model()), 0, 3, 3, name="critic")
+    saver.finalize()
+    assert sorted(p.name for p in elsewhere.iterdir()) == [
+        "epoch0epochstep0globalstep0", "epoch0epochstep1globalstep1", "epoch0epochstep2globalstep2",
+        "epoch0epochstep3globalstep3"]

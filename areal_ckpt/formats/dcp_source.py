@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import load_tensors, tensor_index
-from areal_ckpt.formats.dcp_storage import read_metadata_json
+from areal_ckpt.formats.dcp_storage import check_within_files, read_metadata_json
 from areal_ckpt.formats.hf_export import names_of_rank
 from areal_ckpt.layout import ENGINE_STATE_FILE
 from areal_ckpt.state import safe_json
@@ -44,6 +44,7 @@ class DcpModelSource:
         self.architecture = architectures[0] if architectures else type(self.config).__name__
         self.on_accelerator = False
         self._metadata = read_metadata_json(folder)
+        check_within_files(self._metadata, folder)  # before any tensor is allocated from it
         self._index = {
             name[len(MODEL_PREFIX):]: value
             for name, value in tensor_index(self._metadata).items()

@@ -107,6 +107,7 @@ def metadata_from_json(data: dict[str, Any], source: Path) -> Metadata:
             storage[index] = _StorageInfo(
                 relative_path=item["file"], offset=_ints([item["byte_offset"]])[0], length=_ints([item["length"]])[0]
             )
+        _check_consistent(tensors, storage)
         return Metadata(
             state_dict_metadata=tensors,
             planner_data={fqn: (fqn,) for fqn in tensors},
@@ -114,14 +115,55 @@ def metadata_from_json(data: dict[str, Any], source: Path) -> Metadata:
             storage_meta=StorageMeta(),
             version=data.get("version"),
         )
-    except (KeyError, TypeError, ValueError) as error:
-        raise CheckpointError(f"{source}: malformed DCP metadata: {error}") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        raise CheckpointError(f"{source}: malformed DCP metadata: {type(error).__name__}: {error}") from None
+
+
+#: Largest dimension, element count or byte count a checkpoint may claim (2**48: 256 TiB).
+_LARGEST = 1 << 48
 
 
 def _ints(values: Any) -> list[int]:
-    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        raise ValueError(f"expected non-negative integers, got {values!r}")
+    if not isinstance(values, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _LARGEST for v in values
+    ):
+        raise ValueError(f"expected non-negative integers up to 2**48, got {str(values)[:200]}")
     return values
+
+
+def _numel(sizes: Any) -> int:
+    count = 1
+    for size in sizes:
+        count *= size
+    return count
+
+
+def _check_consistent(tensors: dict[str, TensorStorageMetadata], storage: dict[MetadataIndex, _StorageInfo]) -> None:
+    """Raise ValueError unless every chunk lies inside its tensor, the chunks of a tensor hold
+    exactly its elements, and each stored chunk's byte length matches its shape and dtype. With
+    the data files' sizes checked against the manifest, a forged shape can then never make a
+    reader allocate more than the checkpoint holds."""
+    chunk_sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
+    for fqn, entry in tensors.items():
+        if _numel(entry.size) > _LARGEST:
+            raise ValueError(f"{fqn}: shape {list(entry.size)} has more than 2**48 elements")
+        covered = 0
+        for chunk in entry.chunks:
+            if len(chunk.offsets) != len(entry.size) or len(chunk.sizes) != len(entry.size):
+                raise ValueError(f"{fqn}: chunk {list(chunk.offsets)} / {list(chunk.sizes)} has the wrong rank")
+            if any(o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, entry.size)):
+                raise ValueError(f"{fqn}: chunk at {list(chunk.offsets)} of {list(chunk.sizes)} exceeds {list(entry.size)}")
+            covered += _numel(chunk.sizes)
+            chunk_sizes[(fqn, tuple(chunk.offsets))] = tuple(chunk.sizes)
+        if covered != _numel(entry.size):
+            raise ValueError(f"{fqn}: chunks hold {covered} elements, the tensor {_numel(entry.size)}")
+    for index, info in storage.items():
+        sizes = chunk_sizes.get((index.fqn, tuple(index.offset or ())))
+        if sizes is None:
+            raise ValueError(f"{index.fqn}: stored chunk at {index.offset} is not a chunk of a known tensor")
+        expected = _numel(sizes) * tensors[index.fqn].properties.dtype.itemsize
+        if info.length != expected:
+            raise ValueError(f"{index.fqn}: {info.length} stored bytes for a {list(sizes)} chunk ({expected} bytes)")
 
 
 _RUN_BYTES = 64 << 20  # one read fills tensors stored back to back up to this size
@@ -205,7 +247,29 @@ def read_metadata_json(folder: Path) -> Metadata:
         raise CheckpointError(f"{source}: missing (DCP metadata)") from None
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{source}: unreadable DCP metadata: {error}") from None
+    except RecursionError:
+        raise CheckpointError(f"{source}: unreadable DCP metadata: nested too deeply") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{source}: malformed DCP metadata: expected an object, got {type(data).__name__}")
     return metadata_from_json(data, source)
+
+
+def check_within_files(metadata: Metadata, folder: Path) -> None:
+    """Raise CheckpointError unless every stored chunk lies inside its data file; reads only the
+    files' sizes. With :func:`metadata_from_json`'s checks this bounds every tensor a reader
+    allocates by the bytes actually on disk."""
+    sizes: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        if info.relative_path not in sizes:
+            try:
+                sizes[info.relative_path] = (folder / info.relative_path).stat().st_size
+            except OSError as error:
+                raise CheckpointError(f"{folder / info.relative_path}: cannot read: {error.strerror}") from None
+        if info.offset + info.length > sizes[info.relative_path]:
+            raise CheckpointError(
+                f"{folder / METADATA_JSON}: places {index.fqn} at bytes {info.offset}-{info.offset + info.length} of "
+                f"{info.relative_path}, which holds {sizes[info.relative_path]} bytes"
+            )
 
 
 class RawStorageReader(StorageReader):
@@ -270,6 +334,14 @@ class RawStorageReader(StorageReader):
 
     def _read_file(self, file_name: str, items: list[tuple[_StorageInfo, ReadItem]], planner: LoadPlanner) -> None:
         path = self.folder / file_name
+        try:
+            size = path.stat().st_size
+        except OSError as error:
+            raise CheckpointError(f"{path}: cannot read: {error.strerror}") from None
+        beyond = [info for info, _ in items if info.offset + info.length > size]
+        if beyond:  # before any buffer is allocated for them
+            raise CheckpointError(f"{path}: the metadata places {len(beyond)} chunk(s) past the file's end "
+                                  f"({beyond[0].offset} + {beyond[0].length} > {size} bytes)")
         source = open_ranges(path, [(info.offset, info.length) for info, _ in items])
         try:
             for run in _adjacent_runs(items, path):

@@ -8,7 +8,9 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-logger = logging.getLogger("areal_ckpt.recover")
+from areal_ckpt.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
 
 #: Recorded instead of a dataloader's state when a dump follows an epoch's last step.
 EPOCH_COMPLETE = "areal_ckpt_epoch_complete"
@@ -56,4 +58,9 @@ def restore_components(source: str, states: dict[str, Any], targets: dict[str, S
             continue
         if label == "dataloader" and isinstance(state, dict) and state.get(EPOCH_COMPLETE):
             continue
-        target.load_state_dict(state)
+        try:
+            target.load_state_dict(state)
+        except Exception as error:  # a forged or mismatched state: name where it came from
+            raise CheckpointError(
+                f"{source}: the {label} could not load its saved state: {type(error).__name__}: {error}"
+            ) from None

@@ -76,6 +76,24 @@ def _read_json(path: Path) -> Any:
         raise CheckpointError(f"{path}: missing") from None
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{path}: unreadable: {error}") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: unreadable: nested too deeply") from None
+
+
+def _decode(value: Any, source: str) -> Any:
+    """:func:`safe_json.decode`, its errors (deep nesting included) as CheckpointError."""
+    try:
+        return safe_json.decode(value, source)
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
+    except RecursionError:
+        raise CheckpointError(f"{source}: nested too deeply") from None
+
+
+def _rank_object(state: Any, path: Path) -> dict[str, Any]:
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: expected an object with {list(RANK_COMPONENTS)}, got {type(state).__name__}")
+    return state
 
 
 def read_recover_info(
@@ -94,10 +112,9 @@ def read_recover_info(
         raise CheckpointError(f"{folder / STEP_FILE}: invalid step info: {error}") from None
     info = RecoverInfo(last_step_info=step_info, world_size=saved_world_size, path=str(folder.parent))
     for key, file_name in GLOBAL_FILES.items():
-        try:
-            setattr(info, key, safe_json.decode(_read_json(folder / file_name), str(folder / file_name)))
-        except ValueError as error:
-            raise CheckpointError(str(error)) from None
+        setattr(info, key, _decode(_read_json(folder / file_name), str(folder / file_name)))
+    if info.checkpoint_info is not None and not isinstance(info.checkpoint_info, dict):
+        raise CheckpointError(f"{folder / GLOBAL_FILES['checkpoint_info']}: expected an object")
     components = _rank_components(folder, rank, world_size, saved_world_size, drop_rank_state)
     info.dataloader_info = components.get("dataloader")
     info.rng_state = components.get("rng")
@@ -110,16 +127,14 @@ def _rank_components(
 ) -> dict[str, Any]:
     if saved_world_size == world_size:
         path = folder / rank_state_file(rank)
-        try:
-            return safe_json.decode(_read_json(path), str(path))
-        except ValueError as error:
-            raise CheckpointError(str(error)) from None
-    saved = [_read_json(folder / rank_state_file(r)) for r in range(saved_world_size)]
+        return _rank_object(_decode(_read_json(path), str(path)), path)
+    saved = [_rank_object(_read_json(folder / rank_state_file(r)), folder / rank_state_file(r))
+             for r in range(saved_world_size)]
     components: dict[str, Any] = {}
     for component in RANK_COMPONENTS:
         values = [state.get(component) for state in saved]
         if all(value == values[0] for value in values):
-            components[component] = safe_json.decode(values[0], f"{folder}/rank*.json:{component}")
+            components[component] = _decode(values[0], f"{folder}/rank*.json:{component}")
         elif drop_rank_state:
             logger.warning(
                 "world size changed (%d -> %d): per-rank %s state differs between saved ranks; "

@@ -21,6 +21,22 @@ def capture_rng_state() -> dict[str, Any]:
     return state
 
 
+def check_rng_state(state: Any) -> None:
+    """Raise ValueError unless :func:`restore_rng_state` would take ``state``; changes no stream
+    of this process (each part is tried on a scratch generator)."""
+    try:
+        if not isinstance(state, dict):
+            raise TypeError(f"expected an object, got {type(state).__name__}")
+        random.Random().setstate(state["python"])
+        np.random.RandomState().set_state(state["numpy"])
+        torch.Generator().set_state(state["torch_cpu"])
+        cuda = state.get("torch_cuda")
+        if cuda is not None and not (isinstance(cuda, list) and all(isinstance(t, torch.Tensor) for t in cuda)):
+            raise TypeError("torch_cuda must be a list of tensors")
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError) as error:
+        raise ValueError(f"RNG state is malformed: {type(error).__name__}: {error}") from None
+
+
 def restore_rng_state(state: dict[str, Any]) -> None:
     """Restore what :func:`capture_rng_state` returned; local. Raises ValueError on a bad state."""
     try:

@@ -127,4 +127,9 @@ def loads(data: bytes | str, source: str = "state") -> Any:
         parsed = json.loads(data)
     except json.JSONDecodeError as error:
         raise ValueError(f"{source}: not valid JSON: {error}") from None
-    return decode(parsed, source)
+    except RecursionError:
+        raise ValueError(f"{source}: JSON nested too deeply") from None
+    try:
+        return decode(parsed, source)
+    except RecursionError:
+        raise ValueError(f"{source}: JSON nested too deeply") from None
