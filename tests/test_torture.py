@@ -52,3 +52,12 @@ def test_two_jobs_one_trial(tmp_path):
 def test_bad_configuration(tmp_path):
     row = torture.scenario_bad_config(tmp_path)
     assert row.trials >= 15 and row.lost == 0 and row.wrong == 0, "\n".join(row.notes)
+
+
+def test_ctrl_c_during_dumps_stops_the_job_and_leaves_a_whole_checkpoint(tmp_path):
+    assert_clean(torture.scenario_ctrl_c(2, random.Random(5), tmp_path, torture._check_recover), 2)
+
+
+def test_operator_faults(tmp_path):
+    row = torture.scenario_operator(tmp_path, lambda root, trial: torture._check_recover(root, trial, model={}))
+    assert_clean(row, 4)

@@ -34,6 +34,7 @@ import areal_ckpt as ac  # noqa: E402
 from areal_ckpt.describe import verify  # noqa: E402
 from distributed import start_processes  # noqa: E402
 from recover_fixtures import SPEC, make_setup, recover_config, step_info, train_step  # noqa: E402
+from torture_operator import scenario_ctrl_c, scenario_operator  # noqa: E402
 
 BIG = dict(hidden_size=192, intermediate_size=384, num_hidden_layers=3)  # ~2 MB of weights: dumps take a while
 
@@ -451,6 +452,8 @@ def run_all(trials: int, seed: int = 0, select: str | None = None) -> list[Row]:
             ("hostile", lambda: scenario_hostile(work)),
             ("two-jobs", lambda: scenario_two_jobs(max(1, trials // 50), work)),
             ("bad-config", lambda: scenario_bad_config(work)),
+            ("ctrl-c", lambda: scenario_ctrl_c(max(2, trials // 10), rng, work, _check_recover)),
+            ("operator", lambda: scenario_operator(work, functools.partial(_check_recover, model={}))),
         ]
         rows = [run() for name, run in scenarios if select is None or select in name]
     finally:
@@ -465,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="also write the results table (Markdown) here")
     parser.add_argument("--select", default=None,
                         help="run only scenarios whose id contains this (ids: kill-{recover,saver}-{1,2}-{sync,async}, "
-                             "kill-one-rank, disk-full, corruption, hostile, two-jobs, bad-config)")
+                             "kill-one-rank, disk-full, corruption, hostile, two-jobs, bad-config, ctrl-c, operator)")
     args = parser.parse_args(argv)
     started = time.time()
     rows = run_all(args.trials, args.seed, args.select)

@@ -334,14 +334,6 @@ class RawStorageReader(StorageReader):
 
     def _read_file(self, file_name: str, items: list[tuple[_StorageInfo, ReadItem]], planner: LoadPlanner) -> None:
         path = self.folder / file_name
-        try:
-            size = path.stat().st_size
-        except OSError as error:
-            raise CheckpointError(f"{path}: cannot read: {error.strerror}") from None
-        beyond = [info for info, _ in items if info.offset + info.length > size]
-        if beyond:  # before any buffer is allocated for them
-            raise CheckpointError(f"{path}: the metadata places {len(beyond)} chunk(s) past the file's end "
-                                  f"({beyond[0].offset} + {beyond[0].length} > {size} bytes)")
         source = open_ranges(path, [(info.offset, info.length) for info, _ in items])
         try:
             for run in _adjacent_runs(items, path):
