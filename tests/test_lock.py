@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Iterator
 
@@ -17,14 +19,15 @@ from areal_ckpt import lock
 from areal_ckpt.errors import CheckpointError
 
 # A job that takes the lock, hands its descriptor to a child (as an async job's writer holds
-# it), prints the child's pid and dies; the child keeps the lock for the given seconds.
+# it), prints the child's pid and dies; the child keeps the lock until it exits: `sleep 60`,
+# or `cat FIFO`, which exits when the test opens and closes the FIFO (an event, not a delay).
 _DYING_JOB = """
 import subprocess, sys
 from pathlib import Path
 from areal_ckpt.lock import acquire_trial_lock, held_lock_descriptor
 trial = Path(sys.argv[1])
 acquire_trial_lock(trial)
-writer = subprocess.Popen(["sleep", sys.argv[2]], pass_fds=[held_lock_descriptor(trial)],
+writer = subprocess.Popen(sys.argv[2:], pass_fds=[held_lock_descriptor(trial)],
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 print(writer.pid)
 """
@@ -35,9 +38,10 @@ def orphaned_lock(tmp_path: Path) -> Iterator:
     """Make a trial whose lock outlives its (dead) job in a child for ``seconds``."""
     children: list[int] = []
 
-    def make(seconds: float) -> Path:
+    def make(seconds: float | None = None, fifo: Path | None = None) -> Path:
         trial = tmp_path / "trial"
-        done = subprocess.run([sys.executable, "-c", _DYING_JOB, str(trial), str(seconds)],
+        writer = ["sleep", str(seconds)] if fifo is None else ["cat", str(fifo)]
+        done = subprocess.run([sys.executable, "-c", _DYING_JOB, str(trial), *writer],
                               capture_output=True, text=True, check=True)
         children.append(int(done.stdout))
         return trial
@@ -61,10 +65,25 @@ def _is_locked(trial: Path) -> bool:
     return False
 
 
-def test_restart_waits_for_the_writers_of_a_dead_job(orphaned_lock):
-    trial = orphaned_lock(1.5)
+def test_restart_waits_for_the_writers_of_a_dead_job(orphaned_lock, tmp_path):
+    fifo = tmp_path / "release"
+    os.mkfifo(fifo)
+    trial = orphaned_lock(fifo=fifo)
     assert _is_locked(trial)  # the dead job's child still holds it
-    lock.acquire_trial_lock(trial)
+
+    class ReleaseWhenWaiting(logging.Handler):
+        """Lets the writer exit once the restart has started waiting for it."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waiting up to" in record.getMessage():
+                threading.Thread(target=lambda: os.close(os.open(fifo, os.O_WRONLY))).start()
+
+    handler = ReleaseWhenWaiting()
+    logging.getLogger("areal_ckpt.lock").addHandler(handler)
+    try:
+        lock.acquire_trial_lock(trial)
+    finally:
+        logging.getLogger("areal_ckpt.lock").removeHandler(handler)
     try:
         holder = json.loads((trial / lock.LOCK_NAME).read_text())
         assert holder["pid"] == os.getpid()
