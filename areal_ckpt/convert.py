@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import pickle
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -103,7 +104,13 @@ def _weights_only_deepspeed_loads() -> Iterator[None]:
 
     def weights_only_load(*args: Any, **kwargs: Any) -> Any:
         kwargs["weights_only"] = True
-        return original(*args, **kwargs)
+        try:
+            return original(*args, **kwargs)
+        except (pickle.UnpicklingError, RuntimeError) as error:  # refused by the weights-only unpickler
+            source = args[0] if args else kwargs.get("f", "a DeepSpeed file")
+            cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise CheckpointError(f"{source}: refused: it holds objects the weights-only unpickler does not "
+                                  f"build, so nothing in it was run ({cause})") from None
 
     torch.load = weights_only_load
     try:
@@ -111,6 +118,23 @@ def _weights_only_deepspeed_loads() -> Iterator[None]:
             yield
     finally:
         torch.load = original
+
+
+def _zero0_module_states(folder: Path) -> dict[str, torch.Tensor] | None:
+    """The weights of a DeepSpeed ZeRO-0 checkpoint (its ``mp_rank_00_model_states.pt['module']``,
+    where ``zero_to_fp32`` cannot look: that tool handles ZeRO 1-3 only); None for ZeRO 1-3.
+    Read with the weights-only unpickler (the caller's context)."""
+    model_states = folder / "mp_rank_00_model_states.pt"
+    if not model_states.is_file():
+        return None
+    state = torch.load(model_states, map_location="cpu", weights_only=True)
+    if not isinstance(state, dict) or state.get("param_shapes") is not None:  # ZeRO 1-3 record their partitions
+        return None
+    module = state.get("module")
+    if not isinstance(module, dict) or not all(isinstance(t, torch.Tensor) for t in module.values()):
+        raise CheckpointError(f"{model_states}: holds no 'module' state dict of tensors")
+    logger.info("reading the weights of ZeRO-0 checkpoint %s from %s", folder, model_states.name)
+    return dict(module)
 
 
 def export_deepspeed(
@@ -153,9 +177,11 @@ def export_deepspeed(
         raise CheckpointError(f"{config_dir / 'config.json'}: missing; DeepSpeed checkpoints hold no model "
                               "config: pass --config with the model's HF folder")
     config = AutoConfig.from_pretrained(config_dir, local_files_only=True)
-    logger.info("rebuilding full fp32 weights of %s with DeepSpeed's zero_to_fp32", folder)
     with _weights_only_deepspeed_loads():
-        tensors = get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=tag)
+        tensors = _zero0_module_states(folder)
+        if tensors is None:
+            logger.info("rebuilding full fp32 weights of %s with DeepSpeed's zero_to_fp32", folder)
+            tensors = get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=tag)
     header = {"name": "default", "step": {"tag": tag}, "converted_from": str(folder)}
     return write_export(_StateDictSource(config, dict(tensors)), _new_output(out_dir), max_shard_size=max_shard_size,
                         dtype=dtype, header=header, progress=progress)

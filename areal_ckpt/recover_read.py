@@ -94,9 +94,11 @@ def load_engine(
     no_load_optim: bool,
     load_scheduler: bool = True,
     strict: bool = True,
+    load_counters: bool = True,
 ) -> None:
     """Load one model's weights (and optimizer unless ``no_load_optim`` or not saved; LR
-    scheduler when ``load_scheduler``) from its folder of a checkpoint checked by
+    scheduler when ``load_scheduler``; an engine's step counters when ``load_counters``) from
+    its folder of a checkpoint checked by
     :func:`verify_checkpoint`, checking the data files' CRC-32 as they are read. ``strict``
     False loads the model tensors both sides have and logs the others. Collective (DCP;
     FSDP2 / DDP / DeepSpeed state-dict helpers)."""
@@ -108,6 +110,8 @@ def load_engine(
     if engine.optimizer is not None and not include_optimizer:
         logger.warning("%s: optimizer state not restored (%s)", folder,
                        "not requested: no_load_optim / load_optimizer_states=False" if no_load_optim else "it was not saved")
+    if not load_counters and isinstance(extra.get("deepspeed"), dict):
+        extra["deepspeed"].pop("counters", None)
     if not load_scheduler:
         extra.pop("lr_scheduler", None)
     elif engine.lr_scheduler is not None and "lr_scheduler" not in extra:

@@ -35,7 +35,7 @@ from areal_ckpt.layout import ENGINE_STATE_FILE, HF_FILES, MANIFEST_NAME
 from areal_ckpt.recover_read import load_engine, verify_checkpoint
 from areal_ckpt.state import safe_json
 
-logger = logging.getLogger("areal_ckpt.tagged")
+logger = logging.getLogger(__name__)
 
 TAGGED_FORMAT = "areal_ckpt.tagged"
 TAGGED_FORMAT_VERSION = 1
@@ -185,7 +185,10 @@ def load_checkpoint(
 
     Collective: every rank calls it. Returns ``(tag folder, this rank's client_state)``, or
     ``(None, None)`` when no tag is given and there is no ``latest``. Each rank gets the
-    client_state it saved (the checkpoint must then have been written by as many ranks).
+    client_state it saved; on more ranks than saved, the new ranks get rank 0's (with a
+    warning), as DeepSpeed gives every rank. ``load_module_only`` leaves the engine's step
+    counters alone, as DeepSpeed does. Every check that can fail on one rank is agreed: all
+    ranks load, or all raise the same error.
     Every file is checked against the manifest; damage raises CheckpointError naming the
     file. ``load_module_only`` skips optimizer and scheduler; ``load_module_strict`` False
     loads the model tensors present on both sides and logs the rest.
@@ -210,14 +213,31 @@ def load_checkpoint(
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such checkpoint tag")
     manifest = verify_checkpoint(folder, MANIFEST_NAME, TAGGED_FORMAT, TAGGED_FORMAT_VERSION)
+    client_state = _client_state(folder, manifest)  # agreed by every rank before any weight is loaded
     load_engine(engine, folder / _MODEL, manifest, no_load_optim=load_module_only or not load_optimizer_states,
-                load_scheduler=load_lr_scheduler_states and not load_module_only, strict=load_module_strict)
-    client_file = folder / _CLIENT / f"rank{dist.rank()}.json"
-    if f"{_CLIENT}/{client_file.name}" not in manifest["files"]:
-        raise CheckpointError(f"{client_file}: missing; the checkpoint was written by {manifest['world_size']} "
-                              f"ranks, this job has {dist.world_size()}")
-    try:
-        client_state = safe_json.loads(client_file.read_bytes(), str(client_file))
-    except ValueError as error:
-        raise CheckpointError(str(error)) from None
+                load_scheduler=load_lr_scheduler_states and not load_module_only, strict=load_module_strict,
+                load_counters=not load_module_only)
     return str(folder), client_state
+
+
+def _client_state(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """This rank's client_state; collective: every rank reads its own (a rank the checkpoint has
+    none for, when loading on more ranks than saved, gets rank 0's, as DeepSpeed gives every
+    rank), and all raise the same error, naming each failed rank, if any rank cannot."""
+    rank = dist.rank()
+    own = f"{_CLIENT}/rank{rank}.json"
+    source = folder / (own if own in manifest["files"] else f"{_CLIENT}/rank0.json")
+    client_state, error = None, None
+    try:
+        client_state = safe_json.loads(source.read_bytes(), str(source))
+        if not isinstance(client_state, dict):
+            raise ValueError(f"{source}: expected an object, got {type(client_state).__name__}")
+    except (OSError, ValueError) as failure:
+        error = f"rank {rank}: {failure}"
+    errors = [e for e in dist.all_gather_objects(error) if e is not None]
+    if errors:
+        raise CheckpointError(f"{folder}: client_state cannot be loaded: " + "; ".join(errors))
+    if source.name != f"rank{rank}.json":
+        logger.warning("%s: written by %d ranks; rank %d gets rank 0's client_state (as DeepSpeed does)",
+                       folder, manifest["world_size"], rank)
+    return client_state

@@ -218,36 +218,71 @@ class DeepSpeedEngine:
 
         With ``with_optimizer_tensors``, state tensors the wrapped optimizer does not have yet
         (it has not stepped) are allocated as ``stored`` (the checkpoint's index) describes them.
+        Under ZeRO 0-2, parameters ``stored`` holds flattened (a ZeRO-3 dump) are given as 1-D
+        views of the live parameters.
         """
         if self.stage == 0:
-            return self._torch.recover_template(with_optimizer_tensors)
-        tensors = self._model_tensors()
-        if with_optimizer_tensors and self.optimizer is not None:
-            inner, prefix = self.optimizer.optimizer, f"{OPTIM_PREFIX}rank{dist.rank()}.state."
-            masters = self._masters()
-            for name, (dtype, shape) in (stored or {}).items():
-                if name.startswith(prefix):
-                    index, _, key = name[len(prefix):].partition(".")
-                    entry = inner.state.setdefault(masters[int(index)], {})
-                    if key not in entry:
-                        entry[key] = torch.empty(shape, dtype=dtype, device=masters[int(index)].device)
-            self._optimizer_state(tensors)
+            tensors = self._torch.recover_template(with_optimizer_tensors)
+        else:
+            tensors = self._model_tensors()
+            if with_optimizer_tensors and self.optimizer is not None:
+                inner, prefix = self.optimizer.optimizer, f"{OPTIM_PREFIX}rank{dist.rank()}.state."
+                masters = self._masters()
+                for name, (dtype, shape) in (stored or {}).items():
+                    if name.startswith(prefix):
+                        index, _, key = name[len(prefix):].partition(".")
+                        entry = inner.state.setdefault(masters[int(index)], {})
+                        if key not in entry:
+                            entry[key] = torch.empty(shape, dtype=dtype, device=masters[int(index)].device)
+                self._optimizer_state(tensors)
+        if self.stage < 3 and stored is not None:
+            tensors.update(self._flat_views(tensors, stored))  # a ZeRO-3 dump holds flattened parameters
         return tensors
 
+    @staticmethod
+    def _flat_views(
+        tensors: dict[str, torch.Tensor], stored: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    ) -> dict[str, torch.Tensor]:
+        """1-D views of the model tensors that ``stored`` holds flattened (a ZeRO-3 dump), so
+        DCP fills the live parameters in place."""
+        views = {}
+        for name, tensor in tensors.items():
+            shape = stored.get(name, (None, None))[1]
+            if name.startswith(MODEL_PREFIX) and shape is not None and len(shape) == 1 and tensor.dim() != 1 \
+                    and shape[0] == tensor.numel():
+                views[name] = tensor.view(-1)
+        return views
+
+    def _unflattened(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``tensors`` with flat views (see :meth:`_flat_views`) shaped as the module's tensors again."""
+        shapes = {MODEL_PREFIX + name: value.shape for name, value in self.module.state_dict().items()}
+        return {name: value.view(shapes[name]) if name in shapes and value.shape != shapes[name] else value
+                for name, value in tensors.items()}
+
     def validate_recover_state(self, extra: dict[str, Any], include_optimizer: bool) -> None:
-        """Raise ValueError when the dump was written with another ZeRO stage, or (optimizer
-        included) another world size: ZeRO partitions belong to one data-parallel layout."""
+        """Raise ValueError (its message says how to proceed) unless this engine can take the
+        dump: the model loads across ZeRO stages 0-2 and world sizes (the files hold whole
+        tensors), and a ZeRO-3 dump into ZeRO 0-2 (its flattened parameters are reshaped); the
+        optimizer needs the same world size, and stages whose partitions match (0 with 0; 1
+        and 2 with each other; 3 with 3)."""
         saved = extra.get("deepspeed")
         if saved is None:
             raise ValueError("not written by a DeepSpeed engine; load it with areal_ckpt.TorchEngine")
-        if saved["zero_stage"] != self.stage:
-            raise ValueError(f"written with ZeRO stage {saved['zero_stage']}, this engine runs stage {self.stage}")
-        if self.stage > 0 and include_optimizer and saved["world_size"] != dist.world_size():
-            raise ValueError(f"ZeRO optimizer partitions were written by {saved['world_size']} ranks and cannot be "
-                             f"loaded by {dist.world_size()}; set no_load_optim to load the model only")
-        if self.stage == 3 and saved["world_size"] != dist.world_size():
-            raise ValueError(f"ZeRO-3 partitions were written by {saved['world_size']} ranks and cannot be loaded by "
-                             f"{dist.world_size()}; export the checkpoint (areal-ckpt export) and start from that")
+        stage, world = saved["zero_stage"], saved["world_size"]
+        to_hf = ("convert it to a HuggingFace folder and start from that (areal-ckpt export TRIAL OUT for a "
+                 "recovery checkpoint, areal-ckpt convert-deepspeed DIR OUT for a save_checkpoint one)")
+        if self.stage == 3 and (stage != 3 or world != dist.world_size()):
+            raise ValueError(f"ZeRO-3 partitions are loaded only from a ZeRO-3 dump of as many ranks (this one: stage "
+                             f"{stage}, {world} ranks; this job: {dist.world_size()}); {to_hf}")
+        if not include_optimizer:
+            return
+        module_only = ("load the model only (RecoverHandler: recover.no_load_optim; load_checkpoint: "
+                       "load_module_only=True)")
+        if world != dist.world_size() and stage > 0:
+            raise ValueError(f"ZeRO optimizer partitions were written by {world} ranks and cannot be loaded by "
+                             f"{dist.world_size()}; {module_only}")
+        if (stage == 0) != (self.stage == 0) or (stage == 3) != (self.stage == 3):
+            raise ValueError(f"the optimizer state of ZeRO stage {stage} does not fit stage {self.stage}; {module_only}")
 
     def load_recover_state(
         self, tensors: dict[str, torch.Tensor], extra: dict[str, Any], include_optimizer: bool, strict: bool = True
@@ -257,8 +292,10 @@ class DeepSpeedEngine:
         were not loaded. Collective under ZeRO-3 (persistent parameters re-gather on next use).
         """
         saved = extra["deepspeed"]
-        for name, value in saved["counters"].items():
+        for name, value in saved.get("counters", {}).items():  # absent: a module-only load
             setattr(self.ds_engine, name, value)
+        if self.stage < 3:
+            tensors = self._unflattened(tensors)
         if self.stage == 0:
             self._torch.load_recover_state(tensors, extra, include_optimizer, strict)
             return

@@ -1,0 +1,201 @@
+"""DeepSpeed against its own behaviour: world-size changes reach one outcome on every rank,
+module-only loads cross stages and world sizes, hints work, ZeRO-0 converts, pickles are refused
+with one line."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+import areal_ckpt as ac
+from areal_ckpt.cli import main as cli_main
+from distributed import run_distributed
+from test_deepspeed import deepspeed_engine
+
+pytestmark = pytest.mark.dist
+
+VOCAB = 48
+
+
+def _model(seed: int):
+    from areal_ckpt.demo.tiny import build_model
+
+    torch.manual_seed(seed)
+    return build_model(VOCAB)
+
+
+def _train(engine, steps: int) -> None:
+    for step in range(steps):
+        tokens = (torch.arange(16).reshape(2, 8) * (step + 1)) % VOCAB
+        engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+        engine.step()
+
+
+def _full_weights(engine) -> dict[str, torch.Tensor]:
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        return {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+
+
+def save_worker(rank: int, world: int, root: str, stage: int, tag: str) -> None:
+    from safetensors.torch import save_file
+
+    engine = deepspeed_engine(_model(0), stage=stage)
+    _train(engine, 3)
+    ac.save_checkpoint(engine, root, tag=tag, client_state={"saved_by": rank, "world": world})
+    weights = _full_weights(engine)
+    if rank == 0:
+        save_file(weights, f"{root}/{tag}.expected.safetensors")
+        engine.module.config.save_pretrained(root)
+
+
+def load_worker(rank: int, world: int, root: str, stage: int, tag: str, options: dict, report: str) -> None:
+    engine = deepspeed_engine(_model(7), stage=stage)
+    outcome: dict = {"rank": rank}
+    try:
+        path, client_state = ac.load_checkpoint(engine, root, tag=tag, **options)
+        outcome.update(loaded=True, client_state=client_state, global_steps=int(engine.global_steps))
+        from safetensors.torch import load_file
+
+        expected = load_file(f"{root}/{tag}.expected.safetensors")
+        weights = _full_weights(engine)
+        outcome["same_weights"] = all(torch.equal(weights[name], expected[name]) for name in expected)
+        _train(engine, 1)  # and it trains on
+        outcome["trains"] = True
+    except ac.CheckpointError as error:
+        outcome.update(loaded=False, error=str(error))
+    Path(f"{report}.{rank}").write_text(json.dumps(outcome))
+
+
+def _reports(report: Path, world: int) -> list[dict]:
+    return [json.loads(Path(f"{report}.{rank}").read_text()) for rank in range(world)]
+
+
+def _save(root: Path, stage: int, world: int, tag: str) -> None:
+    run_distributed(save_worker, world, str(root), stage, tag, group=True)
+
+
+def _load(root: Path, stage: int, world: int, tag: str, report: Path, **options) -> list[dict]:
+    run_distributed(load_worker, world, str(root), stage, tag, options, str(report), group=True)
+    return _reports(report, world)
+
+
+def test_more_ranks_than_saved_load_on_every_rank_and_new_ranks_get_rank_0s_client_state(tmp_path):
+    root = tmp_path / "ckpt"
+    _save(root, 0, 1, "zero0")
+    _save(root, 2, 1, "zero2")
+    for rank, entry in enumerate(_load(root, 0, 2, "zero0", tmp_path / "full")):  # ZeRO 0, full state
+        assert entry["loaded"] and entry["same_weights"] and entry["trains"], entry
+        assert entry["client_state"] == {"saved_by": 0, "world": 1} and entry["global_steps"] == 3
+    for entry in _load(root, 2, 2, "zero2", tmp_path / "module", load_module_only=True):
+        assert entry["loaded"] and entry["same_weights"] and entry["trains"], entry
+        assert entry["global_steps"] == 0  # module only: the counters stay as DeepSpeed leaves them
+
+
+def test_a_forged_client_state_fails_every_rank_with_the_same_error(tmp_path):
+    root = tmp_path / "ckpt"
+    _save(root, 2, 2, "zero2")
+    forged = root / "zero2/client_state/rank0.json"
+    forged.write_text("[1, 2]")
+    manifest_path = root / "zero2/areal_ckpt_manifest.json"
+    from areal_ckpt.commit import render_manifest
+    import zlib
+
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"]["client_state/rank0.json"] = {"size": forged.stat().st_size, "crc32": zlib.crc32(forged.read_bytes())}
+    manifest_path.write_bytes(render_manifest(manifest))
+    entries = _load(root, 2, 2, "zero2", tmp_path / "forged")
+    assert not entries[0]["loaded"] and not entries[1]["loaded"]
+    assert entries[0]["error"] == entries[1]["error"] and "rank 0:" in entries[0]["error"]
+    assert "rank0.json: expected an object" in entries[0]["error"]
+
+
+def test_fewer_ranks_refuse_the_optimizer_on_every_rank_and_the_hint_loads_the_model(tmp_path):
+    root = tmp_path / "ckpt"
+    _save(root, 2, 2, "zero2")
+    (entry,) = _load(root, 2, 1, "zero2", tmp_path / "full")
+    assert not entry["loaded"] and "written by 2 ranks and cannot be loaded by 1" in entry["error"]
+    assert "load_checkpoint: load_module_only=True" in entry["error"]
+    (entry,) = _load(root, 2, 1, "zero2", tmp_path / "hint", load_module_only=True)  # the hint
+    assert entry["loaded"] and entry["same_weights"] and entry["trains"]
+    assert entry["client_state"] == {"saved_by": 0, "world": 2}
+
+
+def test_module_only_loads_cross_zero_stages_and_optimizer_loads_where_partitions_match(tmp_path):
+    root = tmp_path / "ckpt"
+    _save(root, 0, 2, "zero0")
+    _save(root, 1, 2, "zero1")
+    _save(root, 3, 2, "zero3")
+    for entry in _load(root, 1, 2, "zero0", tmp_path / "0to1", load_module_only=True):
+        assert entry["loaded"] and entry["same_weights"] and entry["trains"], entry
+    for entry in _load(root, 2, 2, "zero1", tmp_path / "1to2"):  # the same partitions: optimizer too
+        assert entry["loaded"] and entry["same_weights"] and entry["trains"] and entry["global_steps"] == 3, entry
+    for entry in _load(root, 2, 2, "zero3", tmp_path / "3to2", load_module_only=True):  # flattened -> full
+        assert entry["loaded"] and entry["same_weights"] and entry["trains"], entry
+    for entry in _load(root, 2, 2, "zero0", tmp_path / "0to2"):
+        assert not entry["loaded"] and "does not fit stage 2" in entry["error"], entry
+
+
+def test_zero3_on_another_world_size_is_refused_and_the_hint_converts_it(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path / "ckpt"
+    _save(root, 3, 2, "zero3")
+    (entry,) = _load(root, 3, 1, "zero3", tmp_path / "one")
+    assert not entry["loaded"] and "areal-ckpt convert-deepspeed DIR OUT" in entry["error"]
+    out = tmp_path / "hf"
+    (root / "latest").write_text("zero3\n")
+    assert cli_main(["convert-deepspeed", str(root), str(out)]) == 0  # the hint
+    loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    expected = load_file(root / "zero3.expected.safetensors")
+    assert all(torch.equal(p, expected[name]) for name, p in loaded.named_parameters())
+
+
+def native_zero0_worker(rank: int, world: int, root: str) -> None:
+    from safetensors.torch import save_file
+
+    engine = deepspeed_engine(_model(0), stage=0)
+    _train(engine, 2)
+    engine.save_checkpoint(f"{root}/native")
+    if rank == 0:
+        save_file(_full_weights(engine), f"{root}/expected.safetensors")
+        engine.module.config.save_pretrained(f"{root}/native")
+
+
+def test_deepspeeds_own_zero0_checkpoint_converts_from_its_module_states(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    run_distributed(native_zero0_worker, 2, str(tmp_path))
+    out = tmp_path / "hf"
+    assert cli_main(["convert-deepspeed", str(tmp_path / "native"), str(out)]) == 0
+    expected = load_file(tmp_path / "expected.safetensors")
+    loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert all(torch.equal(p, expected[name]) for name, p in loaded.named_parameters())
+
+
+class _RunsCode:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_a_planted_pickle_gets_the_clis_one_line_error(tmp_path, capsys):
+    tag = tmp_path / "ds/global_step1"
+    tag.mkdir(parents=True)
+    (tmp_path / "ds/latest").write_text("global_step1")
+    _model(0).config.save_pretrained(tmp_path / "ds")
+    marker = tmp_path / "code-ran"
+    (tag / "mp_rank_00_model_states.pt").write_bytes(pickle.dumps(_RunsCode(str(marker))))
+    assert cli_main(["convert-deepspeed", str(tmp_path / "ds"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"areal-ckpt convert-deepspeed: error: {tag / 'mp_rank_00_model_states.pt'}: refused")
+    assert "Traceback" not in err and not marker.exists()
