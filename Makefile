@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench.py --out docs/benchmarks.md
 	$(BIN)/python benchmarks/bench_async.py --out docs/benchmarks-async.md
 	$(BIN)/python benchmarks/bench_multirank.py --out docs/benchmarks-multirank.md
+	cd benchmarks && ../$(BIN)/python bench_deepspeed.py --out ../docs/benchmarks-deepspeed.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -199,3 +199,60 @@ def test_a_planted_pickle_gets_the_clis_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"areal-ckpt convert-deepspeed: error: {tag / 'mp_rank_00_model_states.pt'}: refused")
     assert "Traceback" not in err and not marker.exists()
+
+
+def bf16_worker(rank: int, world: int, root: str, stage: int) -> None:
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = _model(0)
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                      config=config)
+    _train(engine, 2)
+    engine.save_checkpoint(f"{root}/native")
+    ac.save_checkpoint(engine, f"{root}/ours")
+    if rank == 0:
+        engine.module.config.save_pretrained(f"{root}/native")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_checkpoints_convert_to_their_fp32_masters_as_zero_to_fp32_does(tmp_path, stage):
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    from areal_ckpt.convert import _weights_only_deepspeed_loads
+
+    run_distributed(bf16_worker, 2, str(tmp_path), stage)
+    with _weights_only_deepspeed_loads():
+        oracle = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "native"))
+    assert cli_main(["convert-deepspeed", str(tmp_path / "ours"), str(tmp_path / "hf")]) == 0
+    exported = {}
+    for shard in (tmp_path / "hf").glob("*.safetensors"):
+        exported.update(load_file(shard))
+    assert exported and all(t.dtype == torch.float32 for t in exported.values())
+    differing = [name for name, tensor in exported.items() if not torch.equal(tensor, oracle[name])]
+    assert differing == []
+    assert any(not torch.equal(t, t.to(torch.bfloat16).float()) for t in exported.values())  # not bf16 values
+    assert cli_main(["convert-deepspeed", str(tmp_path / "ours"), str(tmp_path / "hf16"), "--dtype", "bfloat16"]) == 0
+    cast = load_file(next((tmp_path / "hf16").glob("*.safetensors")))
+    assert all(t.dtype == torch.bfloat16 for t in cast.values())
+
+
+def test_zero3_fp32_checkpoints_store_the_weights_once(tmp_path):
+    from test_deepspeed import deepspeed_checkpoints_worker
+
+    from areal_ckpt.formats.dcp_storage import read_metadata_json
+
+    run_distributed(deepspeed_checkpoints_worker, 2, str(tmp_path), 3)
+    ours = next((tmp_path / "ours").glob("global_step*"))
+    stored = read_metadata_json(ours / "model").state_dict_metadata
+    assert any(name.startswith("optim.rank0.state.") for name in stored)
+    assert not any(".master." in name for name in stored)  # the fp32 weights are the masters
+
+    def size(folder: Path) -> int:
+        return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+    native = next(p for p in (tmp_path / "native").iterdir() if p.is_dir())
+    assert size(ours) <= 1.05 * size(native), (size(ours), size(native))

@@ -161,7 +161,32 @@ class DeepSpeedEngine:
                 name: list(parameter.ds_shape) for name, parameter in self._parameters().items()
                 if hasattr(parameter, "ds_shape")
             }
+        if self.stage > 0 and include_optimizer and self.optimizer is not None:
+            extra["deepspeed"]["masters"] = self._master_layout()
         return tensors, extra
+
+    def _master_layout(self) -> list[list[dict[str, Any]]]:
+        """Where each trained parameter lies in the fp32 master groups, so that an export can
+        rebuild full fp32 weights from the masters (as ``zero_to_fp32`` does): per group, each
+        parameter's name, shape and offset; ZeRO 1 / 2 in the group's flat buffer (which the
+        ranks' partitions tile, in rank order); ZeRO 3 in every rank's partition, with the
+        parameter's partition size. Identical on every rank."""
+        names = {id(parameter): name for name, parameter in self.module.named_parameters()}
+        layout = []
+        if self.stage == 3:
+            for group in self.optimizer.fp16_groups:
+                entries, offset = [], 0
+                for parameter in group:
+                    part = parameter.ds_tensor.numel()
+                    entries.append({"name": names[id(parameter)], "shape": list(parameter.ds_shape),
+                                    "offset": offset, "partition": part})
+                    offset += part
+                layout.append(entries)
+            return layout
+        for group, offsets in zip(self.optimizer.round_robin_bit16_groups, self.optimizer.round_robin_bit16_offsets):
+            layout.append([{"name": names[id(parameter)], "shape": list(parameter.shape), "offset": int(offset)}
+                           for parameter, offset in zip(group, offsets)])
+        return layout
 
     def _model_tensors(self) -> dict[str, torch.Tensor]:
         if self.stage < 3:
@@ -191,13 +216,16 @@ class DeepSpeedEngine:
         return list(optimizer.fp32_partitioned_groups_flat if self.stage == 3
                     else optimizer.single_partition_of_fp32_groups)
 
-    def _optimizer_state(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Add this rank's fp32 master partitions and optimizer state tensors to ``tensors``;
-        return the JSON-able rest (hyper-parameters, scalar state, loss scaler)."""
+    def _optimizer_state(self, tensors: dict[str, torch.Tensor], masters: bool | None = None) -> dict[str, Any]:
+        """Add this rank's fp32 master partitions (unless ``masters`` is False; None: unless they
+        are stored as the weights, see :meth:`_masters_in_model`) and optimizer state tensors to
+        ``tensors``; return the JSON-able rest (hyper-parameters, scalar state, loss scaler)."""
         rank, inner = dist.rank(), self.optimizer.optimizer
         scalars: dict[str, dict[str, Any]] = {}
+        in_model = self._masters_in_model()
         for index, master in enumerate(self._masters()):
-            tensors[f"{OPTIM_PREFIX}rank{rank}.master.{index}"] = master
+            if masters or (masters is None and not in_model):
+                tensors[f"{OPTIM_PREFIX}rank{rank}.master.{index}"] = master
             scalars[str(index)] = {}
             for key, value in inner.state.get(master, {}).items():
                 if isinstance(value, torch.Tensor):
@@ -209,7 +237,15 @@ class DeepSpeedEngine:
             "optimizer_param_groups": [{k: v for k, v in group.items() if k != "params"} for group in inner.param_groups],
             "optimizer_scalars": scalars,
             "loss_scaler": {field: getattr(scaler, field) for field in _SCALER_FIELDS if hasattr(scaler, field)},
+            "masters_in_model": in_model,
         }
+
+    def _masters_in_model(self) -> bool:
+        """True under ZeRO-3 when the parameter partitions are fp32 too: the fp32 masters then
+        equal them bit for bit (DeepSpeed copies each step's masters into them), so a dump stores
+        the weights once, as DeepSpeed's own checkpoints do, and a load copies them back."""
+        return self.stage == 3 and all(master.dtype == torch.float32 for master in self._masters()) and all(
+            group.dtype == torch.float32 for group in self.optimizer.fp16_partitioned_groups_flat)
 
     def recover_template(
         self, with_optimizer_tensors: bool, stored: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None
@@ -234,7 +270,10 @@ class DeepSpeedEngine:
                         entry = inner.state.setdefault(masters[int(index)], {})
                         if key not in entry:
                             entry[key] = torch.empty(shape, dtype=dtype, device=masters[int(index)].device)
-                self._optimizer_state(tensors)
+                self._optimizer_state(tensors, masters=True if stored is not None else None)
+                if stored is not None:  # masters stored or not (see _masters_in_model): as the dump did
+                    master = f"{OPTIM_PREFIX}rank{dist.rank()}.master."
+                    tensors = {k: v for k, v in tensors.items() if not k.startswith(master) or k in stored}
         if self.stage < 3 and stored is not None:
             tensors.update(self._flat_views(tensors, stored))  # a ZeRO-3 dump holds flattened parameters
         return tensors
@@ -305,6 +344,8 @@ class DeepSpeedEngine:
                 self.module.load_state_dict(model_state, strict=strict)
         if include_optimizer and self.optimizer is not None:
             inner = self.optimizer.optimizer
+            if extra.get("masters_in_model"):
+                self.optimizer._restore_from_bit16_weights()  # the masters were stored once, as the weights
             for group, stored in zip(inner.param_groups, extra["optimizer_param_groups"], strict=True):
                 group.update(stored)
             for index, master in enumerate(self._masters()):

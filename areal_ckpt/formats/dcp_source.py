@@ -23,6 +23,7 @@ from areal_ckpt.state import safe_json
 from areal_ckpt.tensors import TensorSpec
 
 MODEL_PREFIX = "model."
+OPTIM_PREFIX = "optim."
 _SKIP_WHEN_READING = ("model.", "optim.")
 
 
@@ -52,26 +53,100 @@ class DcpModelSource:
         }
         if not self._index:
             raise CheckpointError(f"{folder}: holds no model tensors")
+        deepspeed = _engine_state(folder).get("deepspeed") or {}
         self._shapes = {name: shape for name, (_, shape) in self._index.items()}
-        self._shapes.update({name: tuple(shape) for name, shape in _flat_shapes(folder).items() if name in self._index})
+        self._shapes.update({name: tuple(shape) for name, shape in (deepspeed.get("flat_shapes") or {}).items()
+                             if name in self._index})
         tied = tied_names(self.config)
         self._names = [name for name in self._index if name not in tied]
+        self._masters = _MasterLayout.of(deepspeed, self._metadata, folder)
+        self._from_masters: dict[str, torch.Tensor] | None = None
 
     def export_specs(self) -> list[TensorSpec]:
-        """Stored model tensors (full shapes), tied duplicates left out; local, reads metadata only."""
-        return [TensorSpec(name, self._shapes[name], self._index[name][0]) for name in self._names]
+        """Stored model tensors (full shapes), tied duplicates left out; local, reads metadata only.
+        Parameters a DeepSpeed checkpoint also holds as fp32 masters are exported from those, in
+        float32 (as ``zero_to_fp32`` does): the module's copy may be bf16 / fp16."""
+        return [TensorSpec(name, self._shapes[name], self._dtype(name)) for name in self._names]
+
+    def _dtype(self, name: str) -> torch.dtype:
+        return torch.float32 if self._masters is not None and name in self._masters.names else self._index[name][0]
 
     def gather_round(self, files: Sequence[Sequence[str]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Each name of this rank's entry of ``files`` with its tensor read from the shards (one
-        DCP read for all of them); local."""
+        DCP read for all of them; the fp32 masters, when there are some, are read once, whole,
+        at the first call); local."""
         wanted = names_of_rank(files)
+        if self._masters is not None and self._from_masters is None and wanted:
+            self._from_masters = self._masters.rebuild(self.folder, self._metadata)
+        from_masters = self._from_masters or {}
+        stored = [name for name in wanted if name not in from_masters]
         template = {
-            MODEL_PREFIX + name: torch.empty(self._index[name][1], dtype=self._index[name][0]) for name in wanted
+            MODEL_PREFIX + name: torch.empty(self._index[name][1], dtype=self._index[name][0]) for name in stored
         }
-        if wanted:
+        if stored:
             load_tensors(template, self.folder, optional_prefixes=_SKIP_WHEN_READING, metadata=self._metadata)
         for name in wanted:
-            yield name, template.pop(MODEL_PREFIX + name).reshape(self._shapes[name])
+            if name in from_masters:
+                yield name, from_masters.pop(name)
+            else:
+                yield name, template.pop(MODEL_PREFIX + name).reshape(self._shapes[name])
+
+
+class _MasterLayout:
+    """A DeepSpeed ZeRO 1-3 checkpoint's fp32 master partitions and where each parameter lies in
+    them (recorded at save time by DeepSpeedEngine)."""
+
+    def __init__(self, layout: list[list[dict[str, Any]]], world: int, stage: int) -> None:
+        self.layout, self.world, self.stage = layout, world, stage
+        self.names = {entry["name"] for group in layout for entry in group}
+
+    @classmethod
+    def of(cls, deepspeed: dict[str, Any], metadata: Any, folder: Path) -> _MasterLayout | None:
+        """The layout when the checkpoint records one and holds every rank's masters, else None."""
+        layout = deepspeed.get("masters")
+        if not layout:
+            return None
+        try:
+            world, stage = int(deepspeed["world_size"]), int(deepspeed["zero_stage"])
+            stored = metadata.state_dict_metadata
+            if not all(f"{OPTIM_PREFIX}rank{r}.master.{g}" in stored for r in range(world) for g in range(len(layout))):
+                return None
+            return cls(layout, world, stage)
+        except (KeyError, TypeError, ValueError) as error:
+            raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: malformed master layout: {error}") from None
+
+    def rebuild(self, folder: Path, metadata: Any) -> dict[str, torch.Tensor]:
+        """Full fp32 parameters from every rank's master partitions; reads them all (local)."""
+        keys = {(r, g): f"{OPTIM_PREFIX}rank{r}.master.{g}" for r in range(self.world) for g in range(len(self.layout))}
+        index = tensor_index(metadata)
+        template = {key: torch.empty(index[key][1], dtype=index[key][0]) for key in keys.values()}
+        load_tensors(template, folder, optional_prefixes=_SKIP_WHEN_READING, metadata=metadata)
+        full: dict[str, torch.Tensor] = {}
+        try:
+            for g, entries in enumerate(self.layout):
+                partitions = [template[keys[(r, g)]] for r in range(self.world)]
+                flat = torch.cat(partitions) if self.stage < 3 else None
+                for entry in entries:
+                    shape, offset = tuple(entry["shape"]), int(entry["offset"])
+                    numel = _numel(shape)
+                    if flat is not None:
+                        piece = flat[offset:offset + numel]
+                    else:
+                        part = int(entry["partition"])
+                        piece = torch.cat([p[offset:offset + part] for p in partitions])[:numel]
+                    if piece.numel() != numel:
+                        raise ValueError(f"{entry['name']}: the masters hold {piece.numel()} of {numel} elements")
+                    full[entry["name"]] = piece.reshape(shape).to(torch.float32).clone()
+        except (KeyError, TypeError, ValueError) as error:
+            raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: master layout does not match the masters: {error}") from None
+        return full
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
 
 
 def tied_names(config: Any) -> set[str]:
@@ -84,8 +159,8 @@ def tied_names(config: Any) -> set[str]:
     return set(getattr(model, "all_tied_weights_keys", None) or {})
 
 
-def _flat_shapes(folder: Path) -> dict[str, list[int]]:
-    """Real shapes of parameters stored flattened (DeepSpeed ZeRO-3 partitions), if any."""
+def _engine_state(folder: Path) -> dict[str, Any]:
+    """The folder's engine_state.json ({} when there is none); CheckpointError naming it."""
     path = folder / ENGINE_STATE_FILE
     if not path.is_file():
         return {}
@@ -93,4 +168,6 @@ def _flat_shapes(folder: Path) -> dict[str, list[int]]:
         extra = safe_json.loads(path.read_bytes(), str(path))
     except ValueError as error:
         raise CheckpointError(str(error)) from None
-    return (extra.get("deepspeed") or {}).get("flat_shapes") or {}
+    if not isinstance(extra, dict) or not isinstance(extra.get("deepspeed") or {}, dict):
+        raise CheckpointError(f"{path}: expected an object")
+    return extra
