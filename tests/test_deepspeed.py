@@ -82,7 +82,7 @@ def deepspeed_checkpoints_worker(rank: int, world_size: int, root: str, stage: i
         engine.module.config.save_pretrained(f"{root}/native")  # as an HF training script keeps it
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_convert_deepspeed_checkpoints_to_loadable_hf_folders(tmp_path, stage):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

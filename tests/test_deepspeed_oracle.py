@@ -256,3 +256,59 @@ def test_zero3_fp32_checkpoints_store_the_weights_once(tmp_path):
 
     native = next(p for p in (tmp_path / "native").iterdir() if p.is_dir())
     assert size(ours) <= 1.05 * size(native), (size(ours), size(native))
+
+
+def recover_dump_worker(rank: int, world: int, root: str, stage: int) -> None:
+    from recover_fixtures import SPEC, recover_config, step_info
+    from safetensors.torch import save_file
+
+    engine = deepspeed_engine(_model(0), stage=stage)
+    _train(engine, 2)
+    ac.RecoverHandler(recover_config(Path(root)), SPEC).dump(engine, step_info(1), force=True)
+    weights = _full_weights(engine)
+    if rank == 0:
+        save_file(weights, f"{root}/expected.safetensors")
+
+
+def recover_load_worker(rank: int, world: int, root: str, stage: int, no_load_optim: bool, report: str) -> None:
+    from recover_fixtures import SPEC, recover_config
+
+    engine = deepspeed_engine(_model(7), stage=stage)
+    outcome: dict = {}
+    try:
+        handler = ac.RecoverHandler(recover_config(Path(root), no_load_optim=no_load_optim), SPEC)
+        handler.load(engine, drop_rank_state=True)  # another world size: per-rank RNG cannot carry over
+        from safetensors.torch import load_file
+
+        expected = load_file(f"{root}/expected.safetensors")
+        weights = _full_weights(engine)
+        outcome.update(loaded=True, same_weights=all(torch.equal(weights[k], expected[k]) for k in expected))
+    except ac.CheckpointError as error:
+        outcome.update(loaded=False, error=str(error))
+    Path(f"{report}.{rank}").write_text(json.dumps(outcome))
+
+
+def test_recovery_hints_on_a_world_size_change_work(tmp_path):
+    from transformers import AutoModelForCausalLM
+    from safetensors.torch import load_file
+
+    from recover_fixtures import trial_dir
+
+    for stage in (2, 3):
+        root = tmp_path / f"zero{stage}"
+        run_distributed(recover_dump_worker, 2, str(root), stage)
+        run_distributed(recover_load_worker, 1, str(root), stage, False, str(tmp_path / "r"), group=True)
+        (entry,) = _reports(tmp_path / "r", 1)
+        assert not entry["loaded"]
+        if stage == 2:
+            assert "RecoverHandler: recover.no_load_optim" in entry["error"]
+            run_distributed(recover_load_worker, 1, str(root), stage, True, str(tmp_path / "r"), group=True)
+            (entry,) = _reports(tmp_path / "r", 1)
+            assert entry["loaded"] and entry["same_weights"]
+        else:
+            assert "areal-ckpt export TRIAL OUT" in entry["error"]
+            out = tmp_path / "hf3"
+            assert cli_main(["export", str(trial_dir(root)), str(out)]) == 0  # the hint
+            loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+            expected = load_file(root / "expected.safetensors")
+            assert all(torch.equal(p, expected[name]) for name, p in loaded.named_parameters())
