@@ -12,6 +12,7 @@ from areal_ckpt.errors import CheckpointError, CollectiveError, CommitError, Con
 from areal_ckpt.recover import RecoverHandler, check_if_auto_recover, check_if_recover
 from areal_ckpt.saver import Saver
 from areal_ckpt.state.recover_info import RecoverInfo
+from areal_ckpt.state.sampler import ResumableDistributedSampler
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.step import FinetuneSpec, StepInfo
 from areal_ckpt.tagged import load_checkpoint, save_checkpoint
@@ -28,6 +29,7 @@ __all__ = [
     "RecoverConfig",
     "RecoverHandler",
     "RecoverInfo",
+    "ResumableDistributedSampler",
     "Saver",
     "SaverConfig",
     "StepInfo",

@@ -9,11 +9,17 @@ import logging
 from typing import Any, Protocol
 
 from areal_ckpt.errors import CheckpointError
+from areal_ckpt.state.sampler import ResumableDistributedSampler
 
 logger = logging.getLogger(__name__)
 
 #: Recorded instead of a dataloader's state when a dump follows an epoch's last step.
 EPOCH_COMPLETE = "areal_ckpt_epoch_complete"
+#: Keys of a dataloader state over a ResumableDistributedSampler: its position and the loader's state.
+RESUMABLE_POSITION = "areal_ckpt_resumable_position"
+LOADER_STATE = "loader"
+#: A global position handed to a rank of a job on another number of ranks.
+RESHARDED = "areal_ckpt_resharded_position"
 
 
 class Stateful(Protocol):
@@ -37,13 +43,28 @@ def dataloader_state(dataloader: Stateful | None, epoch_ended: bool) -> Any:
 
     After its last batch a stateful loader's state still says "inside this epoch", and
     restoring it would yield an empty epoch; the resumed loop starts the next epoch instead,
-    so the marker tells :func:`restore_components` to leave the loader fresh.
+    so the marker tells :func:`restore_components` to leave the loader fresh. A loader over a
+    :class:`ResumableDistributedSampler` also records the sampler's position (samples consumed:
+    batches yielded times the batch size), which any number of ranks can resume.
     """
     if dataloader is None:
         return None
     if epoch_ended:
         return {EPOCH_COMPLETE: True}
-    return dataloader.state_dict()
+    state = dataloader.state_dict()
+    sampler = getattr(dataloader, "sampler", None)
+    if isinstance(sampler, ResumableDistributedSampler):
+        yielded = state.get("_num_yielded") if isinstance(state, dict) else None
+        batch_size = getattr(dataloader, "batch_size", None)
+        consumed = yielded * batch_size if isinstance(yielded, int) and isinstance(batch_size, int) else None
+        return {RESUMABLE_POSITION: sampler.position(consumed), LOADER_STATE: state}
+    return state
+
+
+def resharded_dataloader_state(epoch: int, start: int) -> dict[str, Any]:
+    """The dataloader state a rank of a job on another number of ranks restores: the global
+    position only (see :func:`restore_components`)."""
+    return {RESHARDED: {"epoch": epoch, "start": start}}
 
 
 def restore_components(source: str, states: dict[str, Any], targets: dict[str, Stateful | None]) -> None:
@@ -58,9 +79,34 @@ def restore_components(source: str, states: dict[str, Any], targets: dict[str, S
             continue
         if label == "dataloader" and isinstance(state, dict) and state.get(EPOCH_COMPLETE):
             continue
+        if label == "dataloader" and isinstance(state, dict) and (RESHARDED in state or RESUMABLE_POSITION in state):
+            _restore_resumable(source, target, state)
+            continue
         try:
             target.load_state_dict(state)
         except Exception as error:  # a forged or mismatched state: name where it came from
             raise CheckpointError(
                 f"{source}: the {label} could not load its saved state: {type(error).__name__}: {error}"
             ) from None
+
+
+def _restore_resumable(source: str, dataloader: Any, state: dict[str, Any]) -> None:
+    """Same world size: the sampler's position, then the loader's own state (they agree). Another
+    world size: the sampler resumes the epoch at the global position; the loader starts fresh."""
+    sampler = getattr(dataloader, "sampler", None)
+    if not isinstance(sampler, ResumableDistributedSampler):
+        raise CheckpointError(f"{source}: the dataloader was saved over a ResumableDistributedSampler; give it one "
+                              f"again (this one has {type(sampler).__name__})")
+    if RESHARDED in state:
+        position = state[RESHARDED]
+        sampler.resume_at(int(position["epoch"]), int(position["start"]))
+        logger.info("%s: data resumes at sample %d of epoch %d's order, across %d ranks",
+                    source, position["start"], position["epoch"], sampler.num_replicas)
+        return
+    position = state[RESUMABLE_POSITION]
+    sampler.resume_at(int(position["epoch"]), int(position["start"]))
+    try:
+        dataloader.load_state_dict(state[LOADER_STATE])
+    except Exception as error:
+        raise CheckpointError(f"{source}: the dataloader could not load its saved state: {type(error).__name__}: "
+                              f"{error}") from None

@@ -17,9 +17,15 @@ from typing import Any
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.layout import rank_state_file
 from areal_ckpt.state import safe_json
+from areal_ckpt.state.components import (
+    EPOCH_COMPLETE,
+    RESUMABLE_POSITION,
+    resharded_dataloader_state,
+)
+from areal_ckpt.state.sampler import global_position
 from areal_ckpt.step import StepInfo
 
-logger = logging.getLogger("areal_ckpt.recover")
+logger = logging.getLogger(__name__)
 
 GLOBAL_FILES = {
     "saver_info": "saver_info.json",
@@ -101,9 +107,11 @@ def read_recover_info(
 ) -> RecoverInfo:
     """Read ``recover_info/`` for ``rank`` of a job of ``world_size`` ranks; local, read-only.
 
-    When the world size changed, each per-rank component is re-assigned only if every saved
-    rank had the same value; otherwise CheckpointError explains how to proceed, unless
-    ``drop_rank_state`` is set, in which case that component is left out (None).
+    When the world size changed, the dataloader position carries over only as a
+    ResumableDistributedSampler's global position (see :func:`_resharded_data`); each other
+    per-rank component is re-assigned only if every saved rank had the same value. Otherwise
+    CheckpointError explains how to proceed, unless ``drop_rank_state`` is set, in which case
+    that component is left out (None), with a warning naming it.
     """
     try:
         step_info = StepInfo.from_dict(_read_json(folder / STEP_FILE))
@@ -122,6 +130,40 @@ def read_recover_info(
     return info
 
 
+def _resharded_data(
+    folder: Path, values: list[Any], saved_world_size: int, world_size: int, drop_rank_state: bool
+) -> Any:
+    """The dataloader state a rank restores after the world size changed. A position over a
+    ResumableDistributedSampler carries over exactly (as a global position); "epoch complete"
+    markers carry over as they are; any other per-rank position cannot (its sampler's order
+    depends on the number of ranks): CheckpointError saying what to do, or, with
+    ``drop_rank_state``, nothing (the loop restarts the saved epoch's data), logged."""
+    if all(value is None for value in values):
+        return None
+    if all(isinstance(value, dict) and value.get(EPOCH_COMPLETE) for value in values):
+        return _decode(values[0], f"{folder}/rank0.json:dataloader")
+    if all(isinstance(value, dict) and RESUMABLE_POSITION in value for value in values):
+        try:
+            epoch, start = global_position([value[RESUMABLE_POSITION] for value in values], f"{folder}/rank*.json")
+        except ValueError as error:
+            raise CheckpointError(str(error)) from None
+        logger.info("world size changed (%d -> %d): the data resumes at sample %d of epoch %d's order",
+                    saved_world_size, world_size, start, epoch)
+        return resharded_dataloader_state(epoch, start)
+    if drop_rank_state:
+        logger.warning(
+            "world size changed (%d -> %d): the dataloader position was not restored (drop_rank_state=True): "
+            "the saved epoch's data restarts from its first batch", saved_world_size, world_size)
+        return None
+    raise CheckpointError(
+        f"{folder}: saved by {saved_world_size} ranks, loading on {world_size}: the dataloader position is per "
+        "rank and its sampler's order depends on the number of ranks, so it cannot carry over without "
+        "skipping or repeating samples. Use areal_ckpt.ResumableDistributedSampler (its position carries to any "
+        "number of ranks), or pass drop_rank_state=True to RecoverHandler.load to restart the saved epoch's data "
+        "from its first batch."
+    )
+
+
 def _rank_components(
     folder: Path, rank: int, world_size: int, saved_world_size: int, drop_rank_state: bool
 ) -> dict[str, Any]:
@@ -133,6 +175,9 @@ def _rank_components(
     components: dict[str, Any] = {}
     for component in RANK_COMPONENTS:
         values = [state.get(component) for state in saved]
+        if component == "dataloader":
+            components[component] = _resharded_data(folder, values, saved_world_size, world_size, drop_rank_state)
+            continue
         if all(value == values[0] for value in values):
             components[component] = _decode(values[0], f"{folder}/rank*.json:{component}")
         elif drop_rank_state:

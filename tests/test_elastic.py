@@ -1,0 +1,160 @@
+"""Elastic resume of the data stream: a ResumableDistributedSampler's position carries to any
+number of ranks, every sample of the epoch is seen exactly once (plus padding); any other
+per-rank position is refused on a world-size change, on every rank, unless explicitly dropped."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from torch.utils.data import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import areal_ckpt as ac
+from distributed import run_distributed
+from recover_fixtures import make_setup, recover_config
+
+DATASET = list(range(96))
+BATCH = 2
+SPEC = ac.FinetuneSpec(total_train_epochs=1, dataset_size=96, train_batch_size=BATCH)
+
+
+@pytest.mark.parametrize("size, replicas, shuffle, drop_last",
+                         list(itertools.product([96, 97, 5], [1, 2, 3, 4], [True, False], [False, True])))
+def test_same_order_as_distributed_sampler(size, replicas, shuffle, drop_last):
+    data = list(range(size))
+    for rank in range(replicas):
+        ours = ac.ResumableDistributedSampler(data, replicas, rank, shuffle=shuffle, seed=7, drop_last=drop_last)
+        torchs = DistributedSampler(data, replicas, rank, shuffle=shuffle, seed=7, drop_last=drop_last)
+        for epoch in (0, 3):
+            ours.set_epoch(epoch)
+            torchs.set_epoch(epoch)
+            assert list(ours) == list(torchs) and len(ours) == len(torchs)
+
+
+def _consume(replicas: int, batches: int, epoch: int = 0) -> tuple[list[int], list[dict]]:
+    """Ranks 0..replicas-1 each take ``batches`` batches of the epoch; returns what they saw
+    and their positions."""
+    seen, positions = [], []
+    for rank in range(replicas):
+        sampler = ac.ResumableDistributedSampler(DATASET, replicas, rank, seed=3)
+        sampler.set_epoch(epoch)
+        iterator = iter(sampler)
+        seen += [next(iterator) for _ in range(batches * BATCH)]
+        positions.append(sampler.position())
+    return seen, positions
+
+
+RESHARDS = [(old, new, batches) for old, new in [(4, 2), (4, 3), (4, 1), (2, 4), (1, 3), (3, 4)]
+            for batches in (0, 5, 15, 24) if batches * BATCH * old < len(DATASET)]  # mid-epoch, within it
+
+
+@pytest.mark.parametrize("old, new, batches", RESHARDS)
+def test_the_global_position_carries_to_any_number_of_ranks_exactly_once(old, new, batches):
+    from areal_ckpt.state.sampler import global_position
+
+    before, positions = _consume(old, batches)
+    epoch, start = global_position(positions, "test")
+    after = []
+    for rank in range(new):
+        sampler = ac.ResumableDistributedSampler(DATASET, new, rank, seed=3)
+        sampler.resume_at(epoch, start)
+        after += list(sampler)
+    counts = Counter(before + after)
+    assert set(counts) == set(DATASET)  # never skipped
+    remaining = len(DATASET) - start
+    padding = -remaining % new
+    assert sum(counts.values()) - len(DATASET) == padding  # seen twice: only the padding
+
+
+# -- through RecoverHandler, real ranks --------------------------------------------------------
+
+
+def _loader(world: int, rank: int, kind: str) -> StatefulDataLoader:
+    sampler = (ac.ResumableDistributedSampler(DATASET, world, rank, seed=3) if kind == "resumable"
+               else DistributedSampler(DATASET, world, rank, seed=3))
+    sampler.set_epoch(0)
+    return StatefulDataLoader(DATASET, batch_size=BATCH, sampler=sampler)
+
+
+def elastic_dump(rank: int, world: int, root: str, kind: str, batches: int, report: str) -> None:
+    setup = make_setup()
+    loader = _loader(world, rank, kind)
+    iterator = iter(loader)
+    seen = [value for _ in range(batches) for value in next(iterator).tolist()]
+    handler = ac.RecoverHandler(recover_config(Path(root)), SPEC)
+    handler.dump(setup.engine, ac.StepInfo(0, batches - 1, batches - 1, SPEC.steps_per_epoch), dataloader=loader,
+                 force=True)
+    handler.close()
+    Path(f"{report}.{rank}").write_text(json.dumps(seen))
+
+
+def elastic_load(rank: int, world: int, root: str, kind: str, drop: bool, report: str) -> None:
+    setup = make_setup(seed=1)
+    loader = _loader(world, rank, kind)
+    try:
+        ac.RecoverHandler(recover_config(Path(root)), SPEC).load(setup.engine, dataloader=loader,
+                                                                 drop_rank_state=drop)
+        loader.sampler.set_epoch(0)  # as the loop does at the top of the epoch
+        outcome = {"seen": [value for batch in loader for value in batch.tolist()]}
+    except ac.CheckpointError as error:
+        outcome = {"error": str(error)}
+    Path(f"{report}.{rank}").write_text(json.dumps(outcome))
+
+
+def _run(tmp_path: Path, old: int, new: int, kind: str, batches: int, drop: bool) -> tuple[list[int], list[dict]]:
+    root = tmp_path / f"root-{old}-{new}-{kind}-{drop}"
+    run_distributed(elastic_dump, old, str(root), kind, batches, str(tmp_path / "before"), group=True)
+    run_distributed(elastic_load, new, str(root), kind, drop, str(tmp_path / "after"), group=True)
+    before = [v for r in range(old) for v in json.loads(Path(f"{tmp_path / 'before'}.{r}").read_text())]
+    after = [json.loads(Path(f"{tmp_path / 'after'}.{r}").read_text()) for r in range(new)]
+    return before, after
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("old, new, batches", [(4, 3, 5), (2, 4, 15)])
+def test_a_resumable_sampler_resumes_on_another_world_size_exactly_once(tmp_path, old, new, batches):
+    before, after = _run(tmp_path, old, new, "resumable", batches, drop=True)  # RNG is per rank: dropped
+    assert all("seen" in entry for entry in after), after
+    counts = Counter(before + [v for entry in after for v in entry["seen"]])
+    assert set(counts) == set(DATASET)
+    remaining = len(DATASET) - old * batches * BATCH
+    assert sum(counts.values()) - len(DATASET) == -remaining % new
+    assert len({len(entry["seen"]) for entry in after}) == 1  # every rank as many samples
+
+
+@pytest.mark.dist
+def test_another_sampler_is_refused_on_every_rank_and_both_ways_forward_work(tmp_path):
+    before, after = _run(tmp_path, 4, 2, "distributed", 5, drop=False)
+    errors = {entry.get("error") for entry in after}
+    assert len(errors) == 1 and None not in errors
+    error = errors.pop()
+    assert "saved by 4 ranks, loading on 2" in error and "ResumableDistributedSampler" in error
+    assert "drop_rank_state=True" in error
+    # way forward 1: drop the position explicitly: the saved epoch restarts from its first batch
+    _, after = _run(tmp_path, 4, 2, "distributed", 5, drop=True)
+    assert all(len(entry["seen"]) == len(DATASET) // 2 for entry in after)
+    # way forward 2: the resumable sampler (test above)
+
+
+def test_a_resumable_sampler_on_the_same_world_size_resumes_bit_exactly(fileroot):
+    setup = make_setup()
+    loader = _loader(1, 0, "resumable")
+    iterator = iter(loader)
+    for _ in range(7):
+        next(iterator)
+    expected = [batch.tolist() for batch in iterator]
+    loader = _loader(1, 0, "resumable")
+    iterator = iter(loader)
+    for _ in range(7):
+        next(iterator)
+    handler = ac.RecoverHandler(recover_config(fileroot), SPEC)
+    handler.dump(setup.engine, ac.StepInfo(0, 6, 6, SPEC.steps_per_epoch), dataloader=loader, force=True)
+    handler.close()
+    fresh = _loader(1, 0, "resumable")
+    ac.RecoverHandler(recover_config(fileroot), SPEC).load(make_setup(seed=1).engine, dataloader=fresh)
+    fresh.sampler.set_epoch(0)
+    assert [batch.tolist() for batch in fresh] == expected
