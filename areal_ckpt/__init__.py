@@ -9,7 +9,8 @@ from areal_ckpt.config import CheckpointConfig, RecoverConfig, SaverConfig
 from areal_ckpt.config_loader import load_config
 from areal_ckpt.engines import DeepSpeedEngine, TorchEngine
 from areal_ckpt.errors import CheckpointError, CollectiveError, CommitError, ConfigError, RankMismatchError
-from areal_ckpt.recover import RecoverHandler, check_if_auto_recover, check_if_recover
+from areal_ckpt.recover import RecoverHandler
+from areal_ckpt.recover_read import check_if_auto_recover, check_if_recover
 from areal_ckpt.saver import Saver
 from areal_ckpt.state.recover_info import RecoverInfo
 from areal_ckpt.state.sampler import ResumableDistributedSampler

@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterable
 
 from areal_ckpt.commit import check_files, read_manifest
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats.dcp_storage import read_metadata_json
+from areal_ckpt.formats.dcp_metadata import read_metadata_json
 from areal_ckpt.layout import MANIFEST_NAME, RECOVER_MANIFEST, RECOVER_STORE, parse_export_leaf, recover_pointer
 from areal_ckpt.recover_store import RecoverStore, resolve_recovery
 from areal_ckpt.tagged import LATEST, TAGGED_FORMAT, read_latest

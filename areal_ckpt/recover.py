@@ -18,7 +18,6 @@ import torch
 from areal_ckpt import dist
 from areal_ckpt._version import __version__
 from areal_ckpt.background import BackgroundWriter, describe_metrics, resolve_async, saving_metrics
-from areal_ckpt.commit import read_manifest
 from areal_ckpt.config import RecoverConfig, check_path_component
 from areal_ckpt.engines.contract import (
     Engine,
@@ -35,13 +34,17 @@ from areal_ckpt.fsio import FileRecord
 from areal_ckpt.layout import (
     ENGINE_STATE_FILE,
     RECOVER_INFO,
-    RECOVER_MANIFEST,
     default_user,
     recover_info_link,
     trial_root,
 )
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
-from areal_ckpt.recover_read import find_committed, load_engine, verify_checkpoint
+from areal_ckpt.recover_read import (
+    check_restorable,
+    find_committed,
+    load_engine,
+    verify_checkpoint,
+)
 from areal_ckpt.recover_store import RecoverStore
 from areal_ckpt.recover_write import MODEL_SEPARATOR, RECOVER_FORMAT, RECOVER_FORMAT_VERSION, DumpJob
 from areal_ckpt.rollout_sync import RolloutSync
@@ -50,7 +53,7 @@ from areal_ckpt.staging import layout_of
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.components import Stateful, capture_components, dataloader_state, restore_components
 from areal_ckpt.state.recover_info import RecoverInfo, encode_global_info, encode_rank_state, read_recover_info
-from areal_ckpt.state.rng import capture_rng_state, check_rng_state, restore_rng_state
+from areal_ckpt.state.rng import capture_rng_state, restore_rng_state
 from areal_ckpt.step import FinetuneSpec, StepInfo
 
 logger = logging.getLogger(__name__)
@@ -58,29 +61,6 @@ logger = logging.getLogger(__name__)
 
 class _AttemptFailed(Exception):
     """A dump attempt failed on some rank; every rank raises it (retried by ``dump``)."""
-
-
-def check_if_auto_recover(config: RecoverConfig) -> bool:
-    """True when the trial has a committed recovery checkpoint (whatever ``mode`` says); local.
-
-    Raises CheckpointError when a commit record exists but is broken, or when the trial holds
-    AReaL's own recovery folders, so a launcher never mistakes a checkpoint for a fresh trial.
-    Checksums are verified by ``RecoverHandler.load``.
-    """
-    store = RecoverStore.of(config)
-    store.refuse_foreign_layout()
-    generation = store.committed()
-    if generation is None:
-        return False
-    read_manifest(store.path(generation), RECOVER_MANIFEST)
-    return True
-
-
-def check_if_recover(config: RecoverConfig, run_id: int = 0) -> bool:
-    """True when recovery is enabled (mode on/auto/sync/async) and the trial has a committed
-    recovery checkpoint (see :func:`check_if_auto_recover`); local. ``run_id`` is unused, as in
-    AReaL (kept so AReaL's two-argument call runs unchanged)."""
-    return config.enabled and check_if_auto_recover(config)
 
 
 class RecoverHandler:
@@ -426,7 +406,7 @@ class RecoverHandler:
         info = read_recover_info(
             folder / RECOVER_INFO, dist.rank(), dist.world_size(), manifest["world_size"], drop_rank_state
         )
-        self._check_state(info)  # before any weight is loaded: a failed load changes nothing
+        check_restorable(info)  # before any weight is loaded: a failed load changes nothing
         if rollout is None:
             self._load_engines(engines, folder, manifest)
         else:
@@ -450,24 +430,6 @@ class RecoverHandler:
             info.last_step_info.global_step, info.last_step_info.epoch, info.last_step_info.epoch_step, folder,
         )
         return info
-
-    def _check_state(self, info: RecoverInfo) -> None:
-        """Raise CheckpointError (on every rank) unless this rank's RNG state and the trigger
-        state can be restored; checked on scratch objects, so nothing changes here."""
-        problem = None
-        try:
-            if info.rng_state is not None:
-                check_rng_state(info.rng_state)
-        except ValueError as error:
-            problem = f"{info.path}/{RECOVER_INFO}/rank{dist.rank()}.json: {error}"
-        if info.checkpoint_info is not None and problem is None:
-            try:
-                TriggerSchedule(None, None, None).load_state_dict(info.checkpoint_info)
-            except (KeyError, TypeError, ValueError, AttributeError) as error:
-                problem = f"{info.path}/{RECOVER_INFO}/checkpoint_info.json: malformed: {type(error).__name__}: {error}"
-        problems = [p for p in dist.all_gather_objects(problem) if p is not None]
-        if problems:
-            raise CheckpointError("; ".join(problems))
 
     def _load_engines(self, engines: dict[str, Engine], folder: Path, manifest: dict[str, Any]) -> None:
         for name in sorted(engines):

@@ -14,12 +14,16 @@ from areal_ckpt._version import __version__
 from areal_ckpt.commit import check_files, read_manifest
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import load_tensors, tensor_index
-from areal_ckpt.formats.dcp_storage import read_metadata_json
+from areal_ckpt.formats.dcp_metadata import read_metadata_json
 from areal_ckpt.fsio import FileRecord
-from areal_ckpt.layout import ENGINE_STATE_FILE, RECOVER_MANIFEST
+from areal_ckpt.config import RecoverConfig
+from areal_ckpt.layout import ENGINE_STATE_FILE, RECOVER_INFO, RECOVER_MANIFEST
 from areal_ckpt.recover_store import RecoverStore
 from areal_ckpt.recover_write import RECOVER_FORMAT, RECOVER_FORMAT_VERSION
+from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state import safe_json
+from areal_ckpt.state.recover_info import RecoverInfo
+from areal_ckpt.state.rng import check_rng_state
 
 logger = logging.getLogger("areal_ckpt.recover")
 
@@ -146,3 +150,45 @@ def load_engine(
     except (KeyError, ValueError, RuntimeError, TypeError, AttributeError, IndexError) as error:
         raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: cannot restore model / optimizer / scheduler: "
                               f"{type(error).__name__}: {error}") from None
+
+
+def check_if_auto_recover(config: RecoverConfig) -> bool:
+    """True when the trial has a committed recovery checkpoint (whatever ``mode`` says); local.
+
+    Raises CheckpointError when a commit record exists but is broken, or when the trial holds
+    AReaL's own recovery folders, so a launcher never mistakes a checkpoint for a fresh trial.
+    Checksums are verified by ``RecoverHandler.load``.
+    """
+    store = RecoverStore.of(config)
+    store.refuse_foreign_layout()
+    generation = store.committed()
+    if generation is None:
+        return False
+    read_manifest(store.path(generation), RECOVER_MANIFEST)
+    return True
+
+
+def check_if_recover(config: RecoverConfig, run_id: int = 0) -> bool:
+    """True when recovery is enabled (mode on/auto/sync/async) and the trial has a committed
+    recovery checkpoint (see :func:`check_if_auto_recover`); local. ``run_id`` is unused, as in
+    AReaL (kept so AReaL's two-argument call runs unchanged)."""
+    return config.enabled and check_if_auto_recover(config)
+
+
+def check_restorable(info: RecoverInfo) -> None:
+    """Raise CheckpointError (on every rank) unless this rank's RNG state and the trigger state
+    of ``info`` can be restored; checked on scratch objects, so nothing changes. Collective."""
+    problem = None
+    try:
+        if info.rng_state is not None:
+            check_rng_state(info.rng_state)
+    except ValueError as error:
+        problem = f"{info.path}/{RECOVER_INFO}/rank{dist.rank()}.json: {error}"
+    if info.checkpoint_info is not None and problem is None:
+        try:
+            TriggerSchedule(None, None, None).load_state_dict(info.checkpoint_info)
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            problem = f"{info.path}/{RECOVER_INFO}/checkpoint_info.json: malformed: {type(error).__name__}: {error}"
+    problems = [p for p in dist.all_gather_objects(problem) if p is not None]
+    if problems:
+        raise CheckpointError("; ".join(problems))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats import dcp_storage, range_read
+from areal_ckpt.formats import dcp_metadata, dcp_storage, range_read
 from areal_ckpt.formats.dcp_io import load_tensors, save_tensors
 
 
@@ -159,7 +159,7 @@ def test_a_cold_partial_read_skips_blocks_and_still_checks_the_whole_file(tmp_pa
     for name, tensor in template.items():
         assert torch.equal(tensor, state[name]), name
     data = bytearray(path.read_bytes())
-    skipped = dcp_storage.read_metadata_json(tmp_path).storage_data
+    skipped = dcp_metadata.read_metadata_json(tmp_path).storage_data
     offset = next(info.offset for index, info in skipped.items() if index.fqn == "w3")
     data[offset] ^= 1  # inside a tensor this load does not read
     path.write_bytes(bytes(data))

@@ -15,6 +15,7 @@ import areal_ckpt as ac
 from areal_ckpt.cli import main as cli_main
 from distributed import run_distributed
 from test_deepspeed import deepspeed_engine
+from test_recover_failures import _RunsCode
 
 pytestmark = pytest.mark.dist
 
@@ -180,14 +181,6 @@ def test_deepspeeds_own_zero0_checkpoint_converts_from_its_module_states(tmp_pat
     assert all(torch.equal(p, expected[name]) for name, p in loaded.named_parameters())
 
 
-class _RunsCode:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (Path.touch, (Path(self.marker),))
-
-
 def test_a_planted_pickle_gets_the_clis_one_line_error(tmp_path, capsys):
     tag = tmp_path / "ds/global_step1"
     tag.mkdir(parents=True)
@@ -243,7 +236,7 @@ def test_bf16_checkpoints_convert_to_their_fp32_masters_as_zero_to_fp32_does(tmp
 def test_zero3_fp32_checkpoints_store_the_weights_once(tmp_path):
     from test_deepspeed import deepspeed_checkpoints_worker
 
-    from areal_ckpt.formats.dcp_storage import read_metadata_json
+    from areal_ckpt.formats.dcp_metadata import read_metadata_json
 
     run_distributed(deepspeed_checkpoints_worker, 2, str(tmp_path), 3)
     ours = next((tmp_path / "ours").glob("global_step*"))

@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats.dcp_storage import RawStorageReader, RawStorageWriter, read_metadata_json
+from areal_ckpt.formats.dcp_metadata import read_metadata_json
+from areal_ckpt.formats.dcp_storage import RawStorageReader, RawStorageWriter
 from areal_ckpt.fsio import FileRecord
 
 

@@ -14,21 +14,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from torch.futures import Future
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -41,130 +33,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from areal_ckpt.errors import CheckpointError
+from areal_ckpt.formats.dcp_metadata import METADATA_JSON, metadata_to_json, read_metadata_json
 from areal_ckpt.formats.range_read import RangeReader, open_ranges
 from areal_ckpt.fsio import ChecksummedWriter, FileRecord, record_of, write_file_durably
 from areal_ckpt.tensors import tensor_bytes
-
-METADATA_JSON = "dcp_metadata.json"
-_DTYPES = {
-    str(dtype).removeprefix("torch."): dtype
-    for dtype in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-        torch.int16, torch.int8, torch.uint8, torch.bool,
-    )
-}
-_DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
-
-
-def metadata_to_json(metadata: Metadata) -> dict[str, Any]:
-    """A JSON rendering of DCP ``Metadata`` for tensor-only checkpoints."""
-    tensors = {}
-    for fqn, entry in metadata.state_dict_metadata.items():
-        if not isinstance(entry, TensorStorageMetadata):
-            raise CheckpointError(f"DCP entry {fqn!r} is not a tensor; only tensors are stored through DCP")
-        tensors[fqn] = {
-            "dtype": str(entry.properties.dtype).removeprefix("torch."),
-            "requires_grad": entry.properties.requires_grad,
-            "size": list(entry.size),
-            "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in entry.chunks],
-        }
-    storage = [
-        {
-            "fqn": index.fqn,
-            "offset": None if index.offset is None else list(index.offset),
-            "index": index.index,
-            "file": info.relative_path,
-            "byte_offset": info.offset,
-            "length": info.length,
-            "transforms": list(info.transform_descriptors or []),
-        }
-        for index, info in metadata.storage_data.items()
-    ]
-    return {"version": metadata.version, "tensors": tensors, "storage": storage}
-
-
-def metadata_from_json(data: dict[str, Any], source: Path) -> Metadata:
-    """Rebuild DCP ``Metadata`` from :func:`metadata_to_json`; raises CheckpointError naming ``source``."""
-    try:
-        tensors = {}
-        for fqn, entry in data["tensors"].items():
-            tensors[fqn] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=_DTYPES[entry["dtype"]], requires_grad=bool(entry["requires_grad"])),
-                size=torch.Size(_ints(entry["size"])),
-                chunks=[
-                    ChunkStorageMetadata(offsets=torch.Size(_ints(c["offsets"])), sizes=torch.Size(_ints(c["sizes"])))
-                    for c in entry["chunks"]
-                ],
-            )
-        storage = {}
-        for item in data["storage"]:
-            if not isinstance(item["file"], str) or not _DATA_FILE.match(item["file"]):
-                raise ValueError(f"data file name {item['file']!r} is not a DCP shard in this folder")
-            if item["transforms"]:
-                raise ValueError(f"transforms {item['transforms']!r} are not supported")
-            offset = None if item["offset"] is None else torch.Size(_ints(item["offset"]))
-            index = MetadataIndex(fqn=item["fqn"], offset=offset, index=item["index"])
-            storage[index] = _StorageInfo(
-                relative_path=item["file"], offset=_ints([item["byte_offset"]])[0], length=_ints([item["length"]])[0]
-            )
-        _check_consistent(tensors, storage)
-        return Metadata(
-            state_dict_metadata=tensors,
-            planner_data={fqn: (fqn,) for fqn in tensors},
-            storage_data=storage,
-            storage_meta=StorageMeta(),
-            version=data.get("version"),
-        )
-    except (KeyError, TypeError, ValueError, AttributeError) as error:
-        raise CheckpointError(f"{source}: malformed DCP metadata: {type(error).__name__}: {error}") from None
-
-
-#: Largest dimension, element count or byte count a checkpoint may claim (2**48: 256 TiB).
-_LARGEST = 1 << 48
-
-
-def _ints(values: Any) -> list[int]:
-    if not isinstance(values, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _LARGEST for v in values
-    ):
-        raise ValueError(f"expected non-negative integers up to 2**48, got {str(values)[:200]}")
-    return values
-
-
-def _numel(sizes: Any) -> int:
-    count = 1
-    for size in sizes:
-        count *= size
-    return count
-
-
-def _check_consistent(tensors: dict[str, TensorStorageMetadata], storage: dict[MetadataIndex, _StorageInfo]) -> None:
-    """Raise ValueError unless every chunk lies inside its tensor, the chunks of a tensor hold
-    exactly its elements, and each stored chunk's byte length matches its shape and dtype. With
-    the data files' sizes checked against the manifest, a forged shape can then never make a
-    reader allocate more than the checkpoint holds."""
-    chunk_sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
-    for fqn, entry in tensors.items():
-        if _numel(entry.size) > _LARGEST:
-            raise ValueError(f"{fqn}: shape {list(entry.size)} has more than 2**48 elements")
-        covered = 0
-        for chunk in entry.chunks:
-            if len(chunk.offsets) != len(entry.size) or len(chunk.sizes) != len(entry.size):
-                raise ValueError(f"{fqn}: chunk {list(chunk.offsets)} / {list(chunk.sizes)} has the wrong rank")
-            if any(o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, entry.size)):
-                raise ValueError(f"{fqn}: chunk at {list(chunk.offsets)} of {list(chunk.sizes)} exceeds {list(entry.size)}")
-            covered += _numel(chunk.sizes)
-            chunk_sizes[(fqn, tuple(chunk.offsets))] = tuple(chunk.sizes)
-        if covered != _numel(entry.size):
-            raise ValueError(f"{fqn}: chunks hold {covered} elements, the tensor {_numel(entry.size)}")
-    for index, info in storage.items():
-        sizes = chunk_sizes.get((index.fqn, tuple(index.offset or ())))
-        if sizes is None:
-            raise ValueError(f"{index.fqn}: stored chunk at {index.offset} is not a chunk of a known tensor")
-        expected = _numel(sizes) * tensors[index.fqn].properties.dtype.itemsize
-        if info.length != expected:
-            raise ValueError(f"{index.fqn}: {info.length} stored bytes for a {list(sizes)} chunk ({expected} bytes)")
-
 
 _RUN_BYTES = 64 << 20  # one read fills tensors stored back to back up to this size
 _RUN_ITEMS = 512  # and at most this many of them (the kernel takes up to IOV_MAX = 1024 buffers)
@@ -236,40 +108,6 @@ class RawStorageWriter(StorageWriter):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         """Any folder path."""
         return True
-
-
-def read_metadata_json(folder: Path) -> Metadata:
-    """DCP ``Metadata`` from ``folder``'s JSON; raises CheckpointError naming the file."""
-    source = Path(folder) / METADATA_JSON
-    try:
-        data = json.loads(source.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{source}: missing (DCP metadata)") from None
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{source}: unreadable DCP metadata: {error}") from None
-    except RecursionError:
-        raise CheckpointError(f"{source}: unreadable DCP metadata: nested too deeply") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{source}: malformed DCP metadata: expected an object, got {type(data).__name__}")
-    return metadata_from_json(data, source)
-
-
-def check_within_files(metadata: Metadata, folder: Path) -> None:
-    """Raise CheckpointError unless every stored chunk lies inside its data file; reads only the
-    files' sizes. With :func:`metadata_from_json`'s checks this bounds every tensor a reader
-    allocates by the bytes actually on disk."""
-    sizes: dict[str, int] = {}
-    for index, info in metadata.storage_data.items():
-        if info.relative_path not in sizes:
-            try:
-                sizes[info.relative_path] = (folder / info.relative_path).stat().st_size
-            except OSError as error:
-                raise CheckpointError(f"{folder / info.relative_path}: cannot read: {error.strerror}") from None
-        if info.offset + info.length > sizes[info.relative_path]:
-            raise CheckpointError(
-                f"{folder / METADATA_JSON}: places {index.fqn} at bytes {info.offset}-{info.offset + info.length} of "
-                f"{info.relative_path}, which holds {sizes[info.relative_path]} bytes"
-            )
 
 
 class RawStorageReader(StorageReader):
