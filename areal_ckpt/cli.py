@@ -17,9 +17,10 @@ from tqdm import tqdm
 
 from areal_ckpt.config import parse_size
 from areal_ckpt.config_loader import load_config
-from areal_ckpt.convert import export_deepspeed, export_recovery
+from areal_ckpt.convert import export_deepspeed, export_recovery, export_stock_dcp
 from areal_ckpt.describe import describe, list_trial, verify_each
 from areal_ckpt.errors import CheckpointError, ConfigError
+from areal_ckpt.formats.stock_dcp import is_stock_dcp
 from areal_ckpt.launch import launch
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.recover_store import RecoverStore
@@ -76,6 +77,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if facts["kind"] == "export":
         rows.insert(3, ["parameters", f"{facts['parameters']:,}"])
         rows.insert(4, ["dtypes", ", ".join(f"{k} ({v:,})" for k, v in facts["dtypes"].items())])
+    elif facts["kind"] == "dcp":
+        rows[-1] = ["complete", "unknown (stock DCP keeps no checksums)"]
+        for group, info in facts["groups"].items():
+            rows.append([f"keys {group}.*", f"{info['tensors']:,} tensors, {info['elements']:,} elements "
+                                            f"({', '.join(info['dtypes']) or 'no tensors'})"])
     else:
         for model, info in facts["models"].items():
             dtypes = ", ".join(info["dtypes"])
@@ -118,8 +124,14 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     dtype = EXPORT_DTYPES[args.dtype] if args.dtype else None
-    result = export_recovery(Path(args.recover_dir), Path(args.out_dir), name=args.name, dtype=dtype,
-                             max_shard_size=parse_size(args.max_shard_size), progress=_progress("shard"))
+    source = Path(args.recover_dir)
+    if is_stock_dcp(source):
+        result = export_stock_dcp(source, Path(args.out_dir), Path(args.config_from) if args.config_from else None,
+                                  dtype=dtype, max_shard_size=parse_size(args.max_shard_size),
+                                  progress=_progress("shard"))
+    else:
+        result = export_recovery(source, Path(args.out_dir), name=args.name, dtype=dtype,
+                                 max_shard_size=parse_size(args.max_shard_size), progress=_progress("shard"))
     print(f"exported {_size(result.bytes)} in {result.seconds:.2f} s to {result.path}")
     return 0
 
@@ -192,9 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     listing.set_defaults(run=cmd_list)
 
     export = commands.add_parser("export", help="recovery checkpoint (DCP) -> HuggingFace folder")
-    export.add_argument("recover_dir", help="trial folder, recover_info, or {name}/recover_checkpoint")
+    export.add_argument("recover_dir", help="trial folder, recover_info, or {name}/recover_checkpoint; or a stock "
+                                            "DCP folder (dcp.save's own format)")
     _add_output_options(export)
     export.add_argument("--name", help="model to export when the checkpoint holds several")
+    export.add_argument("--config-from", help="for a stock DCP folder: the model's HF folder (config, tokenizer), "
+                                              "e.g. the base model")
     export.set_defaults(run=cmd_export)
 
     convert = commands.add_parser("convert-deepspeed", help="DeepSpeed ZeRO checkpoint -> HuggingFace folder")

@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from areal_ckpt.commit import check_files, read_manifest
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.export import ExportResult, write_export
 from areal_ckpt.formats.dcp_source import DcpModelSource, tied_names
 from areal_ckpt.formats.hf_export import names_of_rank
+from areal_ckpt.formats.stock_dcp import StockDcpModelSource
 from areal_ckpt.layout import HF_FILES, MANIFEST_NAME, RECOVER_MANIFEST
 from areal_ckpt.recover_store import resolve_recovery
 from areal_ckpt.tagged import TAGGED_FORMAT, read_latest
@@ -55,6 +57,33 @@ def export_recovery(
         assets=str(generation / model / HF_FILES),  # config, tokenizer, processor, base model files
         header={"name": model, "step": step, "converted_from": str(generation)}, progress=progress,
     )
+
+
+def export_stock_dcp(
+    folder: Path, out_dir: Path, config_from: Path | None, dtype: torch.dtype | None = None,
+    max_shard_size: int = 5 * 10**9, progress: Callable[[Iterable[int]], Iterable[int]] = iter,
+) -> ExportResult:
+    """Write the model held by a stock DCP folder (``dcp.save``'s own format: AReaL's
+    ``recover_checkpoint``, a torchtitan step) as an HF folder ``out_dir``; local, single
+    process, blocking. Its config, tokenizer and other non-weight files come from
+    ``config_from`` (e.g. the base model folder), which stock DCP does not record. The model's
+    tensors are found under whatever key prefix holds all of them (``model.``, ``app.model.``...).
+    Nothing in the folder can run code (see :mod:`areal_ckpt.formats.stock_dcp`)."""
+    from transformers import AutoConfig
+
+    if config_from is None or not (Path(config_from) / "config.json").is_file():
+        raise CheckpointError(f"{folder}: a stock DCP checkpoint records no model config: pass --config-from with "
+                              "the model's HF folder (e.g. the base model)")
+    config = AutoConfig.from_pretrained(config_from, local_files_only=True)
+    with torch.device("meta"):
+        names = list(AutoModelForCausalLM.from_config(config).state_dict())
+    tied = tied_names(config)
+    architectures = getattr(config, "architectures", None) or []
+    source = StockDcpModelSource(folder, config, [n for n in names if n not in tied],
+                                 architectures[0] if architectures else type(config).__name__)
+    header = {"name": "default", "step": None, "converted_from": str(folder)}
+    return write_export(source, _new_output(out_dir), max_shard_size=max_shard_size, dtype=dtype,
+                        assets=str(config_from), header=header, progress=progress)
 
 
 def _new_output(out_dir: Path) -> Path:

@@ -7,9 +7,12 @@ import struct
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
 from areal_ckpt.commit import check_files, read_manifest
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_metadata import read_metadata_json
+from areal_ckpt.formats.stock_dcp import is_stock_dcp, read_stock_metadata
 from areal_ckpt.layout import MANIFEST_NAME, RECOVER_MANIFEST, RECOVER_STORE, parse_export_leaf, recover_pointer
 from areal_ckpt.recover_store import RecoverStore, resolve_recovery
 from areal_ckpt.tagged import LATEST, TAGGED_FORMAT, read_latest
@@ -59,12 +62,14 @@ def deepspeed_folder(path: Path) -> Path | None:
 
 
 def kind_of(path: Path) -> str:
-    """``export``, ``recover``, ``deepspeed`` or ``unknown`` for a folder; read-only."""
+    """``export``, ``recover``, ``dcp`` (stock DCP), ``deepspeed`` or ``unknown`` for a folder; read-only."""
     try:
         resolve_recovery(path)
         return "recover"
     except CheckpointError:
         pass
+    if is_stock_dcp(path):
+        return "dcp"
     if deepspeed_folder(path) is not None:
         return "deepspeed"
     if (path / MANIFEST_NAME).is_file() or any(path.glob("*.safetensors")):
@@ -85,6 +90,8 @@ def describe(path: Path) -> dict[str, Any]:
         return _describe_recovery(path)
     if kind == "deepspeed":
         return _describe_deepspeed(deepspeed_folder(path))
+    if kind == "dcp":
+        return _describe_stock_dcp(path)
     raise CheckpointError(f"{path}: neither an HF export, a recovery checkpoint nor a DeepSpeed checkpoint")
 
 
@@ -137,6 +144,25 @@ def _model_facts(folder: Path, manifest: dict[str, Any], model: str) -> dict[str
     }
 
 
+def _describe_stock_dcp(path: Path) -> dict[str, Any]:
+    """A folder written by stock DCP: its tensors by top-level key, read from ``.metadata``
+    with the allow-listed unpickler (nothing in it runs); no manifest, so completeness is unknown."""
+    metadata = read_stock_metadata(path)
+    groups: dict[str, dict[str, Any]] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        group = groups.setdefault(key.split(".", 1)[0], {"tensors": 0, "elements": 0, "dtypes": set()})
+        if isinstance(entry, TensorStorageMetadata):
+            group["tensors"] += 1
+            group["elements"] += entry.size.numel()
+            group["dtypes"].add(str(entry.properties.dtype).removeprefix("torch."))
+    files = {p.name: p.stat().st_size for p in path.iterdir() if p.is_file()}
+    return {
+        "kind": "dcp", "path": str(path), "step": None, "world_size": None, "created_unix": None,
+        "groups": {name: {**group, "dtypes": sorted(group["dtypes"])} for name, group in sorted(groups.items())},
+        "bytes": sum(files.values()), "files": len(files), "complete": None,
+    }
+
+
 def _describe_deepspeed(folder: Path) -> dict[str, Any]:
     files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
     facts: dict[str, Any] = {"kind": "deepspeed", "path": str(folder), "step": {"tag": folder.name},
@@ -177,6 +203,8 @@ def verify(path: Path, progress: Callable[[Iterable[str]], Iterable[str]] = iter
         folder, manifest_name = path, MANIFEST_NAME
     elif kind == "recover":
         folder, manifest_name = resolve_recovery(path)[0], RECOVER_MANIFEST
+    elif kind == "dcp":
+        return [f"{path}: stock DCP carries no checksums; nothing to verify it against"]
     elif kind == "deepspeed":
         folder, manifest_name = deepspeed_folder(path), MANIFEST_NAME
         if not (folder / manifest_name).is_file():

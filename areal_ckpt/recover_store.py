@@ -250,10 +250,14 @@ class RecoverStore:
         found = self.foreign_recovery_layout()
         if found:
             names = ", ".join(str(path.relative_to(self.trial)) for path in found)
+            checkpoints = [path for path in found if path.name == RECOVER_CHECKPOINT]
+            salvage = (f"; its weights export to an HF folder with `areal-ckpt export {checkpoints[0]} OUT "
+                       f"--config-from BASE_MODEL`" if checkpoints else "")
             raise CheckpointError(
                 f"{self.trial}: holds a recovery checkpoint written by AReaL ({names}); areal_ckpt does "
                 f"not resume from it and leaves it untouched. Move that trial folder away (e.g. "
                 f"mv {self.trial} {self.trial}.areal) or use another trial_name, then start the job again"
+                f"{salvage}"
             )
 
     def discard(self, generation: str) -> None:

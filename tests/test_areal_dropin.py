@@ -163,7 +163,16 @@ def test_an_areal_trial_is_refused_untouched_and_the_hint_works(fileroot):
     after.pop(".areal_ckpt.lock")  # ours: the one-job-per-trial lock
     assert after == before
 
-    # the hint: move that trial folder away; the job then starts fresh and AReaL's files survive
+    # the second hint: AReaL's weights export to an HF folder
+    export = str(caught.value).split("`areal-ckpt ", 1)[1].split("`", 1)[0].split()
+    base = trial.parent / "base"
+    setup.model.config.save_pretrained(base)
+    out = trial.parent / "salvaged"
+    assert cli_main([arg.replace("OUT", str(out)).replace("BASE_MODEL", str(base)) for arg in export]) == 0
+    salvaged = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert all(torch.equal(salvaged.state_dict()[k], v) for k, v in setup.model.state_dict().items())
+    assert _snapshot(trial) == {**before, ".areal_ckpt.lock": _snapshot(trial)[".areal_ckpt.lock"]}
+    # the first hint: move that trial folder away; the job then starts fresh and AReaL's files survive
     hint = str(caught.value).split("(e.g. ", 1)[1].split(")", 1)[0]
     assert hint == f"mv {trial} {trial}.areal"
     subprocess.run(hint.split(), check=True)

@@ -46,7 +46,7 @@ def save_tensors(tensors: dict[str, torch.Tensor], folder: Path) -> dict[str, Fi
         with _single_process_quiet():
             dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_distributed())
     except CheckpointException as error:  # a BaseException in DCP: make it an ordinary error
-        interruption = _interruption(error)
+        interruption = interruption_in(error)
         if interruption is not None:  # Ctrl-C / SystemExit: never converted, never retried
             raise interruption from None
         raise CheckpointError(f"{folder}: writing DCP shards failed: {_failures(error)}") from None
@@ -119,11 +119,14 @@ def _read_planned(template: dict[str, torch.Tensor], reader: RawStorageReader, m
     reader.read_data(planner.finish_plan(plan), planner).wait()
 
 
-def _interruption(error: CheckpointException) -> BaseException | None:
-    """The KeyboardInterrupt / SystemExit DCP wrapped, if any: this rank's own, else a new one of
-    the same type naming the rank it hit, so every rank stops the same way."""
+def interruption_in(error: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt / SystemExit in ``error`` (itself, or one DCP wrapped into its
+    CheckpointException), if any: this rank's own, else a new one of the same type naming the
+    rank it hit, so every rank stops the same way."""
+    if isinstance(error, (KeyboardInterrupt, SystemExit)):
+        return error
     interrupted = {}
-    for rank, failure in error.failures.items():
+    for rank, failure in getattr(error, "failures", {}).items():
         exc = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             interrupted[rank] = exc

@@ -1,0 +1,186 @@
+"""Reading checkpoints written by stock ``torch.distributed.checkpoint`` without running code.
+
+A stock DCP folder (``dcp.save`` with its default ``FileSystemWriter``: AReaL's
+``recover_checkpoint/``, a torchtitan step folder) holds a pickled ``.metadata`` and
+``__{rank}_{i}.distcp`` files of ``torch.save`` records. ``.metadata`` is read here with an
+unpickler that builds only DCP's metadata classes and the torch values they hold (sizes, dtypes,
+layouts), refusing any other global by name; records are read by torch's own reader with
+``torch.load(weights_only=True)``. A planted ``__reduce__`` payload never runs.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.formats.dcp_io import interruption_in
+from areal_ckpt.formats.dcp_metadata import METADATA_JSON
+from areal_ckpt.formats.hf_export import names_of_rank
+from areal_ckpt.tensors import TensorSpec
+
+STOCK_METADATA = ".metadata"
+
+_ALLOWED = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP metadata and nothing else: every global outside the allow-list (and torch's
+    dtypes and memory formats, inert values) is refused by name."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refused global {module}.{name}: not part of DCP's metadata")
+
+
+def is_stock_dcp(folder: Path) -> bool:
+    """True for a folder written by stock DCP (a ``.metadata`` pickle, none of our JSON)."""
+    return (Path(folder) / STOCK_METADATA).is_file() and not (Path(folder) / METADATA_JSON).is_file()
+
+
+def read_stock_metadata(folder: Path) -> Metadata:
+    """``folder``'s DCP ``Metadata``, unpickled with the allow-list above; CheckpointError
+    naming ``.metadata`` and the refused global (or other cause). Local, read-only."""
+    path = Path(folder) / STOCK_METADATA
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (stock DCP metadata)") from None
+    except (pickle.UnpicklingError, AttributeError, EOFError, ImportError, IndexError, KeyError, TypeError,
+            ValueError) as error:
+        raise CheckpointError(f"{path}: refused: {error}; nothing in it was run") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: refused: nested too deeply") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict) \
+            or not isinstance(metadata.storage_data, dict):
+        raise CheckpointError(f"{path}: refused: not DCP metadata (got {type(metadata).__name__})")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """torch's ``FileSystemReader`` with the metadata read by :func:`read_stock_metadata`
+    (its records are read with ``torch.load(weights_only=True)`` already)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The folder's metadata, unpickled with the allow-list."""
+        metadata = read_stock_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def model_prefix(metadata: Metadata, names: Sequence[str], source: Path) -> str:
+    """The key prefix under which ``names`` (a model's state-dict keys) are stored: ``""``,
+    ``model.``, ``app.model.``, ``dcp.model.``...; CheckpointError listing what is there when
+    no prefix holds them all."""
+    tensors = {key for key, entry in metadata.state_dict_metadata.items() if isinstance(entry, TensorStorageMetadata)}
+    if not names:
+        raise CheckpointError(f"{source}: the model config names no tensors")
+    first = names[0]
+    candidates = sorted({key[: len(key) - len(first)] for key in tensors if key.endswith(first)}, key=len)
+    for prefix in candidates:
+        if prefix and not prefix.endswith("."):
+            continue
+        if all(prefix + name in tensors for name in names):
+            return prefix
+    sample = sorted(tensors)[:5]
+    raise CheckpointError(f"{source}: holds no complete set of the model's tensors under one prefix "
+                          f"(looked for {first!r}; stored keys start {sample})")
+
+
+class StockDcpModelSource:
+    """A model stored in a stock DCP folder, as an export source (see ``formats.hf_export``);
+    its HF config comes from elsewhere (``config``, e.g. the base model's)."""
+
+    def __init__(self, folder: Path, config: Any, names: Sequence[str], architecture: str) -> None:
+        self.folder = Path(folder)
+        self.config = config
+        self.generation_config = None
+        self.architecture = architecture
+        self.on_accelerator = False
+        self._metadata = read_stock_metadata(self.folder)
+        self._prefix = model_prefix(self._metadata, names, self.folder)
+        self._names = list(names)
+        _check_sizes(self._metadata, self.folder, [self._prefix + name for name in self._names])
+
+    def export_specs(self) -> list[TensorSpec]:
+        """Every model tensor's name, shape and dtype, from the metadata alone; local."""
+        specs = []
+        for name in self._names:
+            entry = self._metadata.state_dict_metadata[self._prefix + name]
+            specs.append(TensorSpec(name, tuple(entry.size), entry.properties.dtype))
+        return specs
+
+    def gather_round(self, files: Sequence[Sequence[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each name of this rank's entry of ``files`` with its tensor, read by torch's reader
+        (weights-only records) in one load; local."""
+        wanted = names_of_rank(files)
+        if not wanted:
+            return
+        template = {}
+        for name in wanted:
+            entry = self._metadata.state_dict_metadata[self._prefix + name]
+            template[self._prefix + name] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+                dcp.load(template, storage_reader=SafeFileSystemReader(str(self.folder)), no_dist=True)
+        except CheckpointError:
+            raise
+        except BaseException as error:  # DCP wraps the reader's failures in a BaseException
+            interruption = interruption_in(error)
+            if interruption is not None:  # Ctrl-C / SystemExit: never converted
+                raise interruption from None
+            raise CheckpointError(f"{self.folder}: reading stock DCP records failed: {error}") from None
+        for name in wanted:
+            yield name, template.pop(self._prefix + name)
+
+
+def _check_sizes(metadata: Metadata, folder: Path, keys: Sequence[str]) -> None:
+    """Raise CheckpointError unless each of ``keys`` has at least its bytes in records that lie
+    inside their files: a forged shape can then never make a reader allocate more than is on
+    disk. Reads only file sizes."""
+    sizes: dict[str, int] = {}
+    stored: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        relative = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not isinstance(relative, str) or "/" in relative or not all(isinstance(v, int) for v in (offset, length)):
+            raise CheckpointError(f"{folder / STOCK_METADATA}: malformed storage entry for {index.fqn}")
+        if relative not in sizes:
+            try:
+                sizes[relative] = (folder / relative).stat().st_size
+            except OSError as error:
+                raise CheckpointError(f"{folder / relative}: cannot read: {error.strerror}") from None
+        if offset < 0 or length < 0 or offset + length > sizes[relative]:
+            raise CheckpointError(f"{folder / STOCK_METADATA}: places {index.fqn} past the end of {relative}")
+        stored[index.fqn] = stored.get(index.fqn, 0) + length
+    for key in keys:
+        entry = metadata.state_dict_metadata[key]
+        needed = entry.size.numel() * entry.properties.dtype.itemsize
+        if needed > stored.get(key, 0):
+            raise CheckpointError(f"{folder / STOCK_METADATA}: {key} claims {needed} bytes, its records hold "
+                                  f"{stored.get(key, 0)}")
