@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from areal_ckpt.errors import CheckpointError, CommitError
-from areal_ckpt.fsio import FileRecord, fsync_dir, fsync_file, record_of, write_file_durably
+from areal_ckpt.fsio import FileRecord, fsync_dir, fsync_file, read_json_file, record_of, write_file_durably
 
 logger = logging.getLogger("areal_ckpt.commit")
 
@@ -202,15 +202,7 @@ def switch_symlink(pointer: Path, target: str) -> None:
 def read_manifest(folder: Path, manifest_name: str) -> dict[str, Any]:
     """Parse a checkpoint manifest; raises CheckpointError naming the file when it is unusable."""
     path = folder / manifest_name
-    try:
-        raw = path.read_bytes()
-        manifest = json.loads(raw)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: manifest missing: the checkpoint is incomplete") from None
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{path}: manifest unreadable: {error}") from None
-    except RecursionError:
-        raise CheckpointError(f"{path}: manifest unreadable: nested too deeply") from None
+    raw, manifest = read_json_file(path, "manifest", "missing: the checkpoint is incomplete")
     if not isinstance(manifest, dict) or render_manifest(manifest) != raw:
         raise CheckpointError(f"{path}: checksum mismatch (manifest corrupted or edited)")
     files = manifest.get("files") if isinstance(manifest, dict) else None

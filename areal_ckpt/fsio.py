@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import json
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from areal_ckpt.errors import CheckpointError
 
 try:
     from isal.isal_zlib import crc32 as _crc32
@@ -175,3 +179,18 @@ def write_file_durably(path: Path, data: bytes) -> FileRecord:
         writer.abort()
         raise
     return writer.close()
+
+
+def read_json_file(path: Path, what: str, missing: str = "missing") -> tuple[bytes, Any]:
+    """``path``'s bytes and their JSON value; CheckpointError naming ``path`` and ``what`` it
+    is when the file is missing (``missing`` says what that means), unreadable, not JSON, or
+    nested too deeply to parse. Local, read-only."""
+    try:
+        raw = path.read_bytes()
+        return raw, json.loads(raw)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {what} {missing}") from None
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: {what} unreadable: {error}") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: {what} unreadable: nested too deeply") from None

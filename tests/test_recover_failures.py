@@ -123,7 +123,7 @@ def test_tampered_pickles_never_run(fileroot, tmp_path):
         (generation / relative).write_bytes(payload)
         manifest["files"][relative] = {"size": len(payload), "crc32": zlib.crc32(payload)}
     manifest_path.write_bytes(render_manifest(manifest))
-    with pytest.raises(ac.CheckpointError, match="checkpoint_info.json: unreadable"):
+    with pytest.raises(ac.CheckpointError, match="checkpoint_info.json: state file unreadable"):
         load_fresh(fileroot)
     assert not marker.exists()
     # with only a .metadata pickle planted the checkpoint still loads: no such file is ever read

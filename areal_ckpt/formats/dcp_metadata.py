@@ -7,7 +7,6 @@ and file sizes; local.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from areal_ckpt.errors import CheckpointError
+from areal_ckpt.fsio import read_json_file
 
 METADATA_JSON = "dcp_metadata.json"
 _DTYPES = {
@@ -149,14 +149,7 @@ def _check_consistent(tensors: dict[str, TensorStorageMetadata], storage: dict[M
 def read_metadata_json(folder: Path) -> Metadata:
     """DCP ``Metadata`` from ``folder``'s JSON; raises CheckpointError naming the file."""
     source = Path(folder) / METADATA_JSON
-    try:
-        data = json.loads(source.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{source}: missing (DCP metadata)") from None
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{source}: unreadable DCP metadata: {error}") from None
-    except RecursionError:
-        raise CheckpointError(f"{source}: unreadable DCP metadata: nested too deeply") from None
+    _, data = read_json_file(source, "DCP metadata")
     if not isinstance(data, dict):
         raise CheckpointError(f"{source}: malformed DCP metadata: expected an object, got {type(data).__name__}")
     return metadata_from_json(data, source)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_ckpt.errors import CheckpointError
+from areal_ckpt.fsio import read_json_file
 from areal_ckpt.layout import rank_state_file
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.components import (
@@ -76,14 +77,7 @@ def encode_rank_state(rank: int, components: dict[str, Any]) -> tuple[str, bytes
 
 
 def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing") from None
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{path}: unreadable: {error}") from None
-    except RecursionError:
-        raise CheckpointError(f"{path}: unreadable: nested too deeply") from None
+    return read_json_file(path, "state file")[1]
 
 
 def _decode(value: Any, source: str) -> Any:
