@@ -140,19 +140,28 @@ def test_module_only_loads_cross_zero_stages_and_optimizer_loads_where_partition
         assert entry["loaded"] and entry["same_weights"] and entry["trains"], entry
     for entry in _load(root, 2, 2, "zero0", tmp_path / "0to2"):
         assert not entry["loaded"] and "does not fit stage 2" in entry["error"], entry
+    for entry in _load(root, 3, 2, "zero1", tmp_path / "1to3"):  # other partitions: refused, with the way out
+        assert not entry["loaded"] and "does not fit stage 3" in entry["error"], entry
+        assert "load_module_only=True" in entry["error"]
 
 
-def test_zero3_on_another_world_size_is_refused_and_the_hint_converts_it(tmp_path):
+def test_zero3_loads_the_model_from_any_stage_and_world_size_and_converts(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     root = tmp_path / "ckpt"
     _save(root, 3, 2, "zero3")
+    _save(root, 0, 2, "zero0")
     (entry,) = _load(root, 3, 1, "zero3", tmp_path / "one")
-    assert not entry["loaded"] and "areal-ckpt convert-deepspeed DIR OUT" in entry["error"]
+    assert not entry["loaded"] and "written by 2 ranks and cannot be loaded by 1" in entry["error"]
+    assert "load_checkpoint: load_module_only=True" in entry["error"]
+    (entry,) = _load(root, 3, 1, "zero3", tmp_path / "hint", load_module_only=True)  # the hint: resharded
+    assert entry["loaded"] and entry["same_weights"] and entry["trains"], entry
+    for entry in _load(root, 3, 2, "zero0", tmp_path / "0to3", load_module_only=True):  # whole -> partitions
+        assert entry["loaded"] and entry["same_weights"] and entry["trains"], entry
     out = tmp_path / "hf"
     (root / "latest").write_text("zero3\n")
-    assert cli_main(["convert-deepspeed", str(root), str(out)]) == 0  # the hint
+    assert cli_main(["convert-deepspeed", str(root), str(out)]) == 0
     loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
     expected = load_file(root / "zero3.expected.safetensors")
     assert all(torch.equal(p, expected[name]) for name, p in loaded.named_parameters())
@@ -293,15 +302,13 @@ def test_recovery_hints_on_a_world_size_change_work(tmp_path):
         run_distributed(recover_load_worker, 1, str(root), stage, False, str(tmp_path / "r"), group=True)
         (entry,) = _reports(tmp_path / "r", 1)
         assert not entry["loaded"]
-        if stage == 2:
-            assert "RecoverHandler: recover.no_load_optim" in entry["error"]
-            run_distributed(recover_load_worker, 1, str(root), stage, True, str(tmp_path / "r"), group=True)
-            (entry,) = _reports(tmp_path / "r", 1)
-            assert entry["loaded"] and entry["same_weights"]
-        else:
-            assert "areal-ckpt export TRIAL OUT" in entry["error"]
+        assert "RecoverHandler: recover.no_load_optim" in entry["error"]
+        run_distributed(recover_load_worker, 1, str(root), stage, True, str(tmp_path / "r"), group=True)  # the hint
+        (entry,) = _reports(tmp_path / "r", 1)
+        assert entry["loaded"] and entry["same_weights"]
+        if stage == 3:  # and the dump exports to an HF folder
             out = tmp_path / "hf3"
-            assert cli_main(["export", str(trial_dir(root)), str(out)]) == 0  # the hint
+            assert cli_main(["export", str(trial_dir(root)), str(out)]) == 0
             loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
             expected = load_file(root / "expected.safetensors")
             assert all(torch.equal(p, expected[name]) for name, p in loaded.named_parameters())

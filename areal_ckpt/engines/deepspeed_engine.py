@@ -261,6 +261,8 @@ class DeepSpeedEngine:
             tensors = self._torch.recover_template(with_optimizer_tensors)
         else:
             tensors = self._model_tensors()
+            if self.stage == 3 and stored is not None:  # whole tensors of a ZeRO 0-2 dump
+                tensors.update(self._whole_templates(tensors, stored))
             if with_optimizer_tensors and self.optimizer is not None:
                 inner, prefix = self.optimizer.optimizer, f"{OPTIM_PREFIX}rank{dist.rank()}.state."
                 masters = self._masters()
@@ -277,6 +279,32 @@ class DeepSpeedEngine:
         if self.stage < 3 and stored is not None:
             tensors.update(self._flat_views(tensors, stored))  # a ZeRO-3 dump holds flattened parameters
         return tensors
+
+    def _whole_templates(
+        self, tensors: dict[str, torch.Tensor], stored: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    ) -> dict[str, torch.Tensor]:
+        """Under ZeRO-3: full-shaped buffers for the partitioned parameters ``stored`` holds whole
+        (a ZeRO 0-2 dump); :meth:`load_recover_state` scatters them into the partitions."""
+        whole = {}
+        for name, parameter in self._parameters().items():
+            key = MODEL_PREFIX + name
+            if key in tensors and key in stored and hasattr(parameter, "ds_shape") \
+                    and tuple(stored[key][1]) == tuple(parameter.ds_shape) and len(parameter.ds_shape) != 1:
+                whole[key] = torch.empty(tuple(parameter.ds_shape), dtype=stored[key][0])
+        return whole
+
+    def _scatter_whole(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy full-shaped loaded parameters (see :meth:`_whole_templates`) into their ZeRO-3
+        partitions; collective (each parameter is gathered, set on every rank, re-partitioned)."""
+        import deepspeed
+
+        for name, parameter in self._parameters().items():
+            value = tensors.get(MODEL_PREFIX + name)
+            if value is None or isinstance(value, DTensor) or not hasattr(parameter, "ds_shape"):
+                continue
+            with deepspeed.zero.GatheredParameters([parameter], modifier_rank=0):
+                if dist.rank() == 0:
+                    parameter.data.copy_(value.view(parameter.ds_shape))
 
     @staticmethod
     def _flat_views(
@@ -300,19 +328,14 @@ class DeepSpeedEngine:
 
     def validate_recover_state(self, extra: dict[str, Any], include_optimizer: bool) -> None:
         """Raise ValueError (its message says how to proceed) unless this engine can take the
-        dump: the model loads across ZeRO stages 0-2 and world sizes (the files hold whole
-        tensors), and a ZeRO-3 dump into ZeRO 0-2 (its flattened parameters are reshaped); the
-        optimizer needs the same world size, and stages whose partitions match (0 with 0; 1
-        and 2 with each other; 3 with 3)."""
+        dump. The model loads across every ZeRO stage and world size (the files hold whole
+        parameters: a ZeRO-3 dump's flattened ones are reshaped or resharded, whole tensors are
+        scattered into ZeRO-3 partitions); the optimizer needs the same world size, and stages
+        whose partitions match (0 with 0; 1 and 2 with each other; 3 with 3)."""
         saved = extra.get("deepspeed")
         if saved is None:
             raise ValueError("not written by a DeepSpeed engine; load it with areal_ckpt.TorchEngine")
         stage, world = saved["zero_stage"], saved["world_size"]
-        to_hf = ("convert it to a HuggingFace folder and start from that (areal-ckpt export TRIAL OUT for a "
-                 "recovery checkpoint, areal-ckpt convert-deepspeed DIR OUT for a save_checkpoint one)")
-        if self.stage == 3 and (stage != 3 or world != dist.world_size()):
-            raise ValueError(f"ZeRO-3 partitions are loaded only from a ZeRO-3 dump of as many ranks (this one: stage "
-                             f"{stage}, {world} ranks; this job: {dist.world_size()}); {to_hf}")
         if not include_optimizer:
             return
         module_only = ("load the model only (RecoverHandler: recover.no_load_optim; load_checkpoint: "
@@ -355,6 +378,9 @@ class DeepSpeedEngine:
         elif self.optimizer is not None and self.stage < 3:
             self.optimizer.refresh_fp32_params()  # masters from the loaded weights (module only)
         if self.stage == 3:
+            self._scatter_whole(tensors)
+            if not include_optimizer and self.optimizer is not None:
+                self.optimizer._restore_from_bit16_weights()  # masters from the loaded weights (module only)
             persistent = getattr(self.optimizer, "persistent_parameters", [])
             if persistent:
                 persistent[0].partition(persistent)
