@@ -57,8 +57,18 @@ def load_config(path: str | Path, overrides: Sequence[str] | None = None) -> Che
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a key written twice in one mapping (YAML forbids it;
-    PyYAML would keep the last silently). Merge keys (``<<``) may still be overridden."""
+    """PyYAML's safe loader (it builds only plain YAML values, never Python objects), refusing a
+    key written twice in one mapping (YAML forbids it; PyYAML would keep the last silently).
+    Merge keys (``<<``) may still be overridden."""
+
+    @classmethod
+    def parse(cls, text: str) -> Any:
+        """The one document in ``text``, as ``yaml.safe_load`` returns it."""
+        loader = cls(text)
+        try:
+            return loader.get_single_data()
+        finally:
+            loader.dispose()
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, yaml.Mark] = {}
@@ -89,7 +99,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except UnicodeDecodeError as error:
         raise ConfigError(f"{path}: not UTF-8 text (byte {error.start}: {raw[error.start:error.start + 1]!r})") from None
     try:
-        document = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+        document = _StrictLoader.parse(text)
     except yaml.YAMLError as error:
         where = ""
         mark = getattr(error, "problem_mark", None)

@@ -16,7 +16,6 @@ from typing import Any, Mapping
 import torch
 
 from areal_ckpt import dist
-from areal_ckpt._version import __version__
 from areal_ckpt.background import BackgroundWriter, describe_metrics, resolve_async, saving_metrics
 from areal_ckpt.config import RecoverConfig, check_path_component
 from areal_ckpt.engines.contract import (
@@ -46,7 +45,7 @@ from areal_ckpt.recover_read import (
     verify_checkpoint,
 )
 from areal_ckpt.recover_store import RecoverStore
-from areal_ckpt.recover_write import MODEL_SEPARATOR, RECOVER_FORMAT, RECOVER_FORMAT_VERSION, DumpJob
+from areal_ckpt.recover_write import MODEL_SEPARATOR, DumpJob, dump_header
 from areal_ckpt.rollout_sync import RolloutSync
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.staging import layout_of
@@ -259,7 +258,10 @@ class RecoverHandler:
         tags = dist.all_gather_objects([step_info.global_step, names])
         if any(tag != tags[0] for tag in tags):
             raise RankMismatchError(f"RecoverHandler.dump: ranks disagree on (global_step, models): {tags}")
-        begun = self._begin(step_info.global_step, names) if rank == 0 else None
+        begun = None
+        if rank == 0:
+            begun = self.store.begin(step_info.global_step, names, loaded=self._generation, first=not self._tidied)
+            self._tidied = self._tidied or begun[0] == "created"
         kind, generation = dist.broadcast_object(begun, src=0)
         if kind == "refused":
             raise CheckpointError(generation)
@@ -294,42 +296,12 @@ class RecoverHandler:
             if rank == 0:
                 self.store.discard(generation)
             raise _AttemptFailed("; ".join(errors))
-        header = {
-            "format": RECOVER_FORMAT,
-            "format_version": RECOVER_FORMAT_VERSION,
-            "areal_ckpt_version": __version__,
-            "torch_version": torch.__version__,
-            "world_size": dist.world_size(),
-            "models": names,
-            "step": step_info.to_dict(),
-        }
         job = DumpJob(
             trial=self.store.trial, generation=generation, models=names,
-            records={k: (r.size, r.crc32) for k, r in records.items()}, files=files, hf=hf, header=header,
-            retries=self.config.write_retries,
+            records={k: (r.size, r.crc32) for k, r in records.items()}, files=files, hf=hf,
+            header=dump_header(step_info.to_dict(), names), retries=self.config.write_retries,
         )
         return job, tensors, fingerprints
-
-    def _begin(self, global_step: int, names: list[str]) -> tuple[str, str]:
-        """Rank 0: ("created", generation) | ("refused", why) | ("failed", OS error, retried)."""
-        try:
-            if not self._tidied:  # the first dump of this job: nothing of AReaL's is overwritten
-                self.store.refuse_foreign_layout()
-            committed = self.store.committed()
-        except CheckpointError as error:
-            return "refused", str(error)
-        if committed is not None and committed != self._generation:
-            return "refused", (
-                f"{self.store.path(committed)} is a recovery checkpoint this job has not loaded; "
-                "call RecoverHandler.load() first (or use another trial_name) so it is not overwritten"
-            )
-        try:
-            if not self._tidied:  # later dumps: each commit removes what it superseded
-                self.store.remove_debris(keep=committed)
-                self._tidied = True
-            return "created", self.store.create(global_step, names)
-        except OSError as error:
-            return "failed", str(error)
 
     def _prepare_engine(
         self, engine: Engine, name: str, generation: str, fingerprint: list[int] | None, assets: HFAssets,

@@ -142,6 +142,30 @@ class RecoverStore:
             (folder / sub).mkdir(parents=True)
         return name
 
+    def begin(self, global_step: int, names: list[str], loaded: str | None, first: bool) -> tuple[str, str]:
+        """Rank 0 at the start of a dump: ``("created", generation)``, ``("refused", why)`` when
+        a committed generation exists that this job did not load or write (``loaded``), or the
+        store is broken, or (``first`` dump of the job) the trial holds AReaL's own folders; or
+        ``("failed", OS error)``, which the caller retries. On a first dump the debris of
+        earlier jobs is removed before the new generation is created."""
+        try:
+            if first:
+                self.refuse_foreign_layout()
+            committed = self.committed()
+        except CheckpointError as error:
+            return "refused", str(error)
+        if committed is not None and committed != loaded:
+            return "refused", (
+                f"{self.path(committed)} is a recovery checkpoint this job has not loaded; "
+                "call RecoverHandler.load() first (or use another trial_name) so it is not overwritten"
+            )
+        try:
+            if first:  # later dumps: each commit removes what it superseded
+                self.remove_debris(keep=committed)
+            return "created", self.create(global_step, names)
+        except OSError as error:
+            return "failed", str(error)
+
     def link_model(self, source: str, target: str, model: str) -> dict[str, FileRecord]:
         """Hard-link ``model``'s files from generation ``source`` into ``target`` (unchanged model).
 

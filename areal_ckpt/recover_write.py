@@ -16,7 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from areal_ckpt import dist
+from areal_ckpt._version import __version__
 from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError
 from areal_ckpt.formats.dcp_io import save_tensors
 from areal_ckpt.formats.hf_export import HFFiles
@@ -32,6 +35,19 @@ RECOVER_FORMAT_VERSION = 2  # 2: raw DCP data files (formats/dcp_storage.py)
 
 #: Separates the model name from the tensor name in a dump's flat tensor dict.
 MODEL_SEPARATOR = "/"
+
+
+def dump_header(step: dict[str, int], models: list[str]) -> dict[str, Any]:
+    """The manifest header of a dump after ``step`` of ``models`` by this job; local."""
+    return {
+        "format": RECOVER_FORMAT,
+        "format_version": RECOVER_FORMAT_VERSION,
+        "areal_ckpt_version": __version__,
+        "torch_version": torch.__version__,
+        "world_size": dist.world_size(),
+        "models": models,
+        "step": step,
+    }
 
 
 @dataclass(frozen=True)
