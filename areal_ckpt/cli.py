@@ -21,6 +21,7 @@ from areal_ckpt.convert import export_deepspeed, export_recovery, export_stock_d
 from areal_ckpt.describe import describe, list_trial, verify_each
 from areal_ckpt.errors import CheckpointError, ConfigError
 from areal_ckpt.formats.stock_dcp import is_stock_dcp
+from areal_ckpt.import_areal import import_areal_trial
 from areal_ckpt.launch import launch
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.recover_store import RecoverStore
@@ -166,6 +167,20 @@ def cmd_recover_pointer(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import_areal(args: argparse.Namespace) -> int:
+    imported = import_areal_trial(Path(args.trial), None if args.config_from is None else Path(args.config_from),
+                                  remove_original=args.remove_original)
+    step = imported.step_info
+    print(f"OK   {args.trial}: AReaL's checkpoint after global step {step.global_step} (epoch {step.epoch}, step "
+          f"{step.epoch_step}) of {', '.join(imported.models)} on {imported.world_size} rank(s) is now "
+          f"{imported.generation.name}; the next start of the job resumes from it")
+    print("note: AReaL's recovery checkpoints hold no LR scheduler state and no RNG streams; a load restores "
+          "neither (see docs/migrating.md)")
+    if imported.originals is not None:
+        print(f"AReaL's own folders are kept in {imported.originals}; delete it once the job has resumed")
+    return 0
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     rest = list(args.rest)
     if "--" not in rest:
@@ -224,6 +239,18 @@ def build_parser() -> argparse.ArgumentParser:
         "recover-pointer", help="re-point a trial's lost or broken commit record at its newest intact generation")
     pointer.add_argument("trial", help="the trial folder ({fileroot}/checkpoints/{user}/{experiment}/{trial})")
     pointer.set_defaults(run=cmd_recover_pointer)
+
+    importer = commands.add_parser(
+        "import-areal", help="convert a trial written by AReaL's RecoverHandler into areal_ckpt's layout, in place",
+        description="Convert the recovery checkpoint AReaL wrote in TRIAL (recover_info/, {name}/recover_checkpoint/) "
+                    "into areal_ckpt's layout, atomically; the next start of the job resumes from AReaL's step. "
+                    "AReaL's folders are kept under TRIAL/areal_original/ unless --remove-original.",
+    )
+    importer.add_argument("trial", help="the trial folder ({fileroot}/checkpoints/{user}/{experiment}/{trial})")
+    importer.add_argument("--config-from", help="the model's HF folder (e.g. the base model): its config and "
+                                                "tokenizer are kept with the checkpoint for `areal-ckpt export`")
+    importer.add_argument("--remove-original", action="store_true", help="delete AReaL's folders once imported")
+    importer.set_defaults(run=cmd_import_areal)
 
     relaunch = commands.add_parser(
         "launch", help="run a training command; relaunch it after a crash, up to recover.retries times",

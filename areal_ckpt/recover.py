@@ -270,6 +270,7 @@ class RecoverHandler:
         records: dict[str, FileRecord] = {}
         files: dict[str, bytes] = {}
         hf: dict[str, HFFiles] = {}
+        param_groups: dict[str, list[dict[str, Any]]] = {}
         tensors: dict[str, torch.Tensor] = {}
         fingerprints: dict[str, list[int]] = {}
         local_error: str | None = None
@@ -278,7 +279,7 @@ class RecoverHandler:
                 if engines[name].is_frozen:
                     fingerprints[name] = engines[name].fingerprint()
                 model_tensors, model_records = self._prepare_engine(
-                    engines[name], name, generation, fingerprints.get(name), assets[name], files, hf
+                    engines[name], name, generation, fingerprints.get(name), assets[name], files, hf, param_groups
                 )
                 records.update(model_records)
                 tensors.update({f"{name}{MODEL_SEPARATOR}{key}": value for key, value in model_tensors.items()})
@@ -298,24 +299,26 @@ class RecoverHandler:
             raise _AttemptFailed("; ".join(errors))
         job = DumpJob(
             trial=self.store.trial, generation=generation, models=names,
-            records={k: (r.size, r.crc32) for k, r in records.items()}, files=files, hf=hf,
+            records={k: (r.size, r.crc32) for k, r in records.items()}, files=files, hf=hf, param_groups=param_groups,
             header=dump_header(step_info.to_dict(), names), retries=self.config.write_retries,
         )
         return job, tensors, fingerprints
 
     def _prepare_engine(
         self, engine: Engine, name: str, generation: str, fingerprint: list[int] | None, assets: HFAssets,
-        files: dict[str, bytes], hf: dict[str, HFFiles],
+        files: dict[str, bytes], hf: dict[str, HFFiles], param_groups: dict[str, list[dict[str, Any]]],
     ) -> tuple[dict[str, torch.Tensor], dict[str, FileRecord]]:
         """This rank's tensors of one model (none when an unchanged frozen model is linked) and
         the records of the files linked for it; adds the files to write for it to ``files`` and
-        ``hf`` (rank 0)."""
+        ``hf`` (rank 0), and its optimizer's param groups (for stock readers) to ``param_groups``."""
         previous = self._fingerprints.get(name)
         unchanged = fingerprint is not None and previous == fingerprint
         if dist.all_true(unchanged) and self._generation is not None:
             return {}, self.store.link_model(self._generation, generation, name) if dist.rank() == 0 else {}
         include_optimizer = not self.config.no_save_optim
         tensors, extra = engine.recover_state(include_optimizer)
+        if extra.get("optimizer_param_groups"):
+            param_groups[name] = extra["optimizer_param_groups"]
         if dist.rank() == 0:
             extra["optimizer_saved"] = include_optimizer and not engine.is_frozen
             files[f"{name}/{ENGINE_STATE_FILE}"] = safe_json.dumps(extra)

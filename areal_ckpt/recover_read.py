@@ -19,7 +19,7 @@ from areal_ckpt.fsio import FileRecord
 from areal_ckpt.config import RecoverConfig
 from areal_ckpt.layout import ENGINE_STATE_FILE, RECOVER_INFO, RECOVER_MANIFEST
 from areal_ckpt.recover_store import RecoverStore
-from areal_ckpt.recover_write import RECOVER_FORMAT, RECOVER_FORMAT_VERSION
+from areal_ckpt.recover_write import READABLE_RECOVER_VERSIONS, RECOVER_FORMAT
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.recover_info import RecoverInfo
@@ -64,7 +64,10 @@ def _check_header(path: Path, manifest: dict[str, Any], recovery: bool) -> None:
 
 
 def verify_checkpoint(
-    folder: Path, manifest_name: str = RECOVER_MANIFEST, fmt: str = RECOVER_FORMAT, version: int = RECOVER_FORMAT_VERSION
+    folder: Path,
+    manifest_name: str = RECOVER_MANIFEST,
+    fmt: str = RECOVER_FORMAT,
+    versions: tuple[int, ...] = READABLE_RECOVER_VERSIONS,
 ) -> dict[str, Any]:
     """Check the manifest's format, every file's presence and size, and the CRC-32 of every
     file but the tensor data files (those are checked while :func:`load_engine` reads them,
@@ -75,11 +78,11 @@ def verify_checkpoint(
     """
     manifest = read_manifest(folder, manifest_name)
     _check_header(folder / manifest_name, manifest, recovery=fmt == RECOVER_FORMAT)
-    if manifest.get("format") != fmt or manifest.get("format_version") != version:
+    if manifest.get("format") != fmt or manifest.get("format_version") not in versions:
         raise CheckpointError(
             f"{folder / manifest_name}: format {manifest.get('format')!r} version "
             f"{manifest.get('format_version')!r} cannot be read by areal_ckpt {__version__} "
-            f"(reads {fmt!r} version {version})"
+            f"(reads {fmt!r} versions {', '.join(map(str, versions))})"
         )
     files = manifest["files"]
     mine = [name for index, name in enumerate(sorted(files)) if index % dist.world_size() == dist.rank()]
@@ -118,6 +121,9 @@ def load_engine(
         extra["deepspeed"].pop("counters", None)
     if not load_scheduler:
         extra.pop("lr_scheduler", None)
+    elif engine.lr_scheduler is not None and "lr_scheduler" not in extra and extra.get("imported_from") == "areal":
+        logger.warning("%s: imported from AReaL, which saves no LR scheduler state: the scheduler is left as "
+                       "constructed; step it once per completed step to continue its schedule", folder)
     elif engine.lr_scheduler is not None and "lr_scheduler" not in extra:
         raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: no LR scheduler state was saved, "
                               "but this engine has a scheduler")

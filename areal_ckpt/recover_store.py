@@ -192,12 +192,15 @@ class RecoverStore:
         fsync_dir(self.root)  # the generation's own entry, before anything points to it
         switch_symlink(self.pointer, generation)
         try:  # housekeeping: the commit above already holds whatever happens here
-            self._ensure_links(models)
+            self.ensure_links(models)
             self.remove_debris(keep=generation)
         except OSError as error:
             logger.warning("%s: committed %s, but tidying up failed: %s", self.root, generation, error)
 
-    def _ensure_links(self, models: list[str]) -> None:
+    def ensure_links(self, models: list[str]) -> None:
+        """Point ``recover_info`` and each model's ``recover_checkpoint`` at the committed
+        generation, replacing what is there atomically (a link, never a real folder: rename
+        refuses one). Local; durable on return."""
         wanted = {recover_info_link(self.trial): f"{RECOVER_STORE}/{RECOVER_CURRENT}/{RECOVER_INFO}"}
         for model in models:
             wanted[recover_checkpoint_link(self.trial, model)] = f"../{RECOVER_STORE}/{RECOVER_CURRENT}/{model}"
@@ -249,7 +252,7 @@ class RecoverStore:
                 skipped[name] = problems
                 continue
             switch_symlink(self.pointer, name)
-            self._ensure_links(list(manifest.get("models") or []))
+            self.ensure_links(list(manifest.get("models") or []))
             return name, skipped
         raise CheckpointError(f"{self.root}: no recovery generation verifies: {skipped or 'there is none'}")
 
@@ -279,9 +282,10 @@ class RecoverStore:
                        f"--config-from BASE_MODEL`" if checkpoints else "")
             raise CheckpointError(
                 f"{self.trial}: holds a recovery checkpoint written by AReaL ({names}); areal_ckpt does "
-                f"not resume from it and leaves it untouched. Move that trial folder away (e.g. "
-                f"mv {self.trial} {self.trial}.areal) or use another trial_name, then start the job again"
-                f"{salvage}"
+                f"not resume from it as it is and leaves it untouched. To resume from AReaL's step, convert it "
+                f"in place with `areal-ckpt import-areal {self.trial}`, then start the job again; to start "
+                f"afresh, move that trial folder away (e.g. mv {self.trial} {self.trial}.areal) or use another "
+                f"trial_name{salvage}"
             )
 
     def discard(self, generation: str) -> None:

@@ -31,7 +31,9 @@ from areal_ckpt.staging import StagedLayout
 logger = logging.getLogger("areal_ckpt.recover")
 
 RECOVER_FORMAT = "areal_ckpt.recover"
-RECOVER_FORMAT_VERSION = 2  # 2: raw DCP data files (formats/dcp_storage.py)
+RECOVER_FORMAT_VERSION = 3  # 2: raw DCP data files; 3: torch.save records + .metadata around them
+#: Versions this release reads: 2 differs only in the data files, which the same reader reads.
+READABLE_RECOVER_VERSIONS = (2, 3)
 
 #: Separates the model name from the tensor name in a dump's flat tensor dict.
 MODEL_SEPARATOR = "/"
@@ -66,6 +68,7 @@ class DumpJob:
     records: dict[str, tuple[int, int]]
     files: dict[str, bytes]
     hf: dict[str, HFFiles]
+    param_groups: dict[str, list[dict[str, Any]]]
     header: dict[str, Any]
     retries: int
     layout: StagedLayout | None = None
@@ -108,7 +111,7 @@ class DumpJob:
         local_error: str | None = None
         try:
             for model in sorted(by_model):  # collective: DCP reports a failed write on every rank
-                for file_name, record in save_tensors(by_model[model], folder / model).items():
+                for file_name, record in save_tensors(by_model[model], folder / model, self.param_groups.get(model)).items():
                     records[f"{model}/{file_name}"] = (record.size, record.crc32)
             for relative, data in self.files.items():  # local from here on
                 record = write_file_durably(folder / relative, data)

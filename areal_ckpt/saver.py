@@ -219,7 +219,7 @@ class Saver:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serializable schedule state of every model name (for the RecoverHandler)."""
-        return {"version": _STATE_VERSION, "schedules": self._schedules.state_dict()}
+        return saver_state(self._schedules.state_dict())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the schedules saved by :meth:`state_dict` so a resumed run keeps its cadence."""
@@ -288,3 +288,8 @@ def apply_retention(newest: Path, keep_last: int) -> list[Path]:
         except OSError as error:
             logger.warning("retention: could not remove %s: %s", path, error)
     return hidden
+
+
+def saver_state(schedules: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The state :meth:`Saver.load_state_dict` takes: each model name's schedule state; pure."""
+    return {"version": _STATE_VERSION, "schedules": schedules}

@@ -65,12 +65,7 @@ class TriggerSchedule:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serializable counters and the seconds elapsed since the time trigger last fired."""
-        return {
-            "version": _STATE_VERSION,
-            "epochs_since": self._epochs_since,
-            "steps_since": self._steps_since,
-            "secs_since_last": self._clock() - self._last_time_fire,
-        }
+        return schedule_state(self._epochs_since, self._steps_since, self._clock() - self._last_time_fire)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore counters and the time trigger's elapsed seconds from :meth:`state_dict`."""
@@ -79,6 +74,13 @@ class TriggerSchedule:
         self._epochs_since = int(state["epochs_since"])
         self._steps_since = int(state["steps_since"])
         self._last_time_fire = self._clock() - float(state["secs_since_last"])
+
+
+def schedule_state(epochs_since: int, steps_since: int, secs_since_last: float) -> dict[str, Any]:
+    """The state a :class:`TriggerSchedule` loads: epochs and steps since each trigger last
+    fired and the seconds since the time trigger did; pure."""
+    return {"version": _STATE_VERSION, "epochs_since": epochs_since, "steps_since": steps_since,
+            "secs_since_last": secs_since_last}
 
 
 class NamedSchedules:

@@ -38,7 +38,8 @@ from areal_ckpt.state import safe_json
 logger = logging.getLogger(__name__)
 
 TAGGED_FORMAT = "areal_ckpt.tagged"
-TAGGED_FORMAT_VERSION = 1
+TAGGED_FORMAT_VERSION = 2  # 2: data files of torch.save records (readable by stock DCP)
+_READABLE_TAGGED_VERSIONS = (1, 2)
 LATEST = "latest"
 _MODEL = "model"
 _CLIENT = "client_state"
@@ -100,7 +101,7 @@ def save_checkpoint(
         local_error = f"rank {dist.rank()}: {type(failure).__name__}: {failure}"
     if dist.all_true(local_error is None):
         try:  # collective: DCP reports a failed write on every rank
-            for name, record in save_tensors(tensors, staging / _MODEL).items():
+            for name, record in save_tensors(tensors, staging / _MODEL, extra.get("optimizer_param_groups")).items():
                 records[f"{_MODEL}/{name}"] = (record.size, record.crc32)
         except CheckpointError as failure:
             local_error = f"rank {dist.rank()}: {failure}"
@@ -212,7 +213,7 @@ def load_checkpoint(
     folder = root / tag
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such checkpoint tag")
-    manifest = verify_checkpoint(folder, MANIFEST_NAME, TAGGED_FORMAT, TAGGED_FORMAT_VERSION)
+    manifest = verify_checkpoint(folder, MANIFEST_NAME, TAGGED_FORMAT, _READABLE_TAGGED_VERSIONS)
     client_state = _client_state(folder, manifest)  # agreed by every rank before any weight is loaded
     load_engine(engine, folder / _MODEL, manifest, no_load_optim=load_module_only or not load_optimizer_states,
                 load_scheduler=load_lr_scheduler_states and not load_module_only, strict=load_module_strict,

@@ -164,7 +164,7 @@ def test_an_areal_trial_is_refused_untouched_and_the_hint_works(fileroot):
     assert after == before
 
     # the second hint: AReaL's weights export to an HF folder
-    export = str(caught.value).split("`areal-ckpt ", 1)[1].split("`", 1)[0].split()
+    export = ("export" + str(caught.value).split("`areal-ckpt export", 1)[1].split("`", 1)[0]).split()
     base = trial.parent / "base"
     setup.model.config.save_pretrained(base)
     out = trial.parent / "salvaged"

@@ -257,7 +257,9 @@ def test_zero3_fp32_checkpoints_store_the_weights_once(tmp_path):
         return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
     native = next(p for p in (tmp_path / "native").iterdir() if p.is_dir())
-    assert size(ours) <= 1.05 * size(native), (size(ours), size(native))
+    # ours adds a torch.save frame per tensor and the stock .metadata (tens of KiB on this tiny
+    # model); a second copy of the fp32 weights would add about a third
+    assert size(ours) <= 1.10 * size(native), (size(ours), size(native))
 
 
 def recover_dump_worker(rank: int, world: int, root: str, stage: int) -> None:

@@ -62,15 +62,15 @@ def _set(path: list, value):
 FORGERIES = [
     ("tensors is a list", "default/dcp_metadata.json", _set(["tensors"], []), "dcp_metadata.json: malformed DCP metadata"),
     ("huge chunk", "default/dcp_metadata.json",
-     lambda d: d["tensors"]["model.lm_head.weight"]["chunks"][0].update(sizes=[28, 2**33]),
+     lambda d: d["tensors"]["dcp.model.lm_head.weight"]["chunks"][0].update(sizes=[28, 2**33]),
      "dcp_metadata.json: malformed DCP metadata"),
     ("chunk length forged too", "default/dcp_metadata.json",
-     lambda d: [d["tensors"]["model.lm_head.weight"].update(size=[48, 2**33]),
-                d["tensors"]["model.lm_head.weight"]["chunks"][0].update(sizes=[48, 2**33]),
-                [s.update(length=48 * 2**33 * 4) for s in d["storage"] if s["fqn"] == "model.lm_head.weight"]],
+     lambda d: [d["tensors"]["dcp.model.lm_head.weight"].update(size=[48, 2**33]),
+                d["tensors"]["dcp.model.lm_head.weight"]["chunks"][0].update(sizes=[48, 2**33]),
+                [s.update(length=48 * 2**33 * 4) for s in d["storage"] if s["fqn"] == "dcp.model.lm_head.weight"]],
      "checkpoint has torch.float32 [48, 8589934592], model has torch.float32 [48, 64]"),
     ("overflowing shape", "default/dcp_metadata.json",
-     lambda d: d["tensors"]["model.lm_head.weight"].update(size=[2**70, 64]), "up to 2**48"),
+     lambda d: d["tensors"]["dcp.model.lm_head.weight"].update(size=[2**70, 64]), "up to 2**48"),
     ("param groups of the wrong type", "default/engine_state.json", _set(["optimizer_param_groups"], "lr=1"),
      "engine_state.json: cannot restore"),
     ("schedule state of the wrong type", "recover_info/checkpoint_info.json", _set(["steps_since"], "many"),
@@ -144,7 +144,7 @@ def test_a_manifest_with_a_world_size_of_the_wrong_type_is_named(fileroot):
 def test_export_of_a_forged_shape_allocates_nothing_and_names_the_file(fileroot, tmp_path, capsys):
     dump_once(fileroot)
     edit_json(committed_generation(fileroot), "default/dcp_metadata.json",
-              lambda d: d["tensors"]["model.lm_head.weight"].update(size=[2**20, 2**20]))
+              lambda d: d["tensors"]["dcp.model.lm_head.weight"].update(size=[2**20, 2**20]))
     assert cli_main(["export", str(trial_dir(fileroot)), str(tmp_path / "out")]) == 2
     assert "dcp_metadata.json: malformed DCP metadata" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
@@ -189,11 +189,11 @@ def test_export_of_a_consistent_forgery_claiming_more_than_the_files_hold_alloca
     dump_once(fileroot)
 
     def claim_1_5_tb(d):
-        entry = d["tensors"]["model.lm_head.weight"]
+        entry = d["tensors"]["dcp.model.lm_head.weight"]
         entry.update(size=[48, 2**33])
         entry["chunks"][0].update(sizes=[48, 2**33])
         for stored in d["storage"]:
-            if stored["fqn"] == "model.lm_head.weight":
+            if stored["fqn"] == "dcp.model.lm_head.weight":
                 stored.update(length=48 * 2**33 * 4)
 
     edit_json(committed_generation(fileroot), "default/dcp_metadata.json", claim_1_5_tb)

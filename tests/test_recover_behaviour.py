@@ -79,7 +79,7 @@ def test_round_trip_of_everything_a_dump_holds(fileroot):
     assert (trial / "default/recover_checkpoint/dcp_metadata.json").is_file()
     assert json.loads((trial / "recover_info/step_info.json").read_text())["global_step"] == 0
     manifest = json.loads((trial / "recover_info/areal_ckpt_manifest.json").read_text())
-    assert manifest["world_size"] == 1 and manifest["models"] == ["default"] and manifest["format_version"] == 2
+    assert manifest["world_size"] == 1 and manifest["models"] == ["default"] and manifest["format_version"] == 3
 
     fresh = make_setup(seed=3)
     new_loader = StatefulDataLoader(list(range(8)), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0))

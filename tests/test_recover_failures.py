@@ -141,14 +141,24 @@ def test_tampered_pickles_never_run(fileroot, tmp_path):
     assert torch.equal(setup.model.lm_head.weight, trained.model.lm_head.weight)
 
 
-def test_data_files_hold_raw_tensor_bytes_not_pickles(fileroot):
+def test_data_files_hold_raw_tensor_bytes_that_our_loader_reads_without_unpickling(fileroot, monkeypatch):
     trained = dump_once(fileroot)
     folder = committed_generation(fileroot) / "default"
     index = json.loads((folder / "dcp_metadata.json").read_text())
-    entry = next(e for e in index["storage"] if e["fqn"] == "model.lm_head.weight")
+    entry = next(e for e in index["storage"] if e["fqn"] == "dcp.model.lm_head.weight")
     data = (folder / entry["file"]).read_bytes()[entry["byte_offset"] : entry["byte_offset"] + entry["length"]]
     assert data == trained.model.lm_head.weight.detach().contiguous().numpy().tobytes()
-    assert not (folder / ".metadata").exists()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a load unpickled something")
+
+    for name in ("load", "loads"):
+        monkeypatch.setattr(pickle, name, refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    setup = make_setup(seed=1)
+    assert ac.RecoverHandler(recover_config(fileroot), SPEC).load(setup.engine) is not None
+    assert torch.equal(setup.model.lm_head.weight, trained.model.lm_head.weight)
 
 
 def test_models_given_to_load_must_match_the_checkpoint(fileroot):

@@ -1,8 +1,11 @@
 """Save and load flat tensor dicts with torch.distributed.checkpoint (DCP).
 
 DCP plans (deduplication, sharded tensors, resharding on load); the bytes go through our own
-storage layer (:mod:`areal_ckpt.formats.dcp_storage`): raw tensor data, JSON metadata, no
-pickle anywhere. Only tensors are stored; non-tensor state goes to JSON elsewhere.
+storage layer (:mod:`areal_ckpt.formats.dcp_storage`): ``torch.save`` records and a standard
+``.metadata`` for stock tools, JSON metadata and raw byte offsets for us, so we never unpickle.
+Our flat names are stored under :data:`~areal_ckpt.formats.dcp_metadata.STORED_PREFIXES`; the
+optimizer's param groups are also stored (as ``dcp.optim.param_groups``) for stock readers,
+which need them to load an optimizer state dict; we read them from JSON elsewhere.
 
 Saves run ``dcp.save`` (its global step deduplicates and writes the metadata). Loads run DCP's
 load protocol with its default planner on each rank alone: a load's global step changes no
@@ -16,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -31,12 +34,17 @@ from areal_ckpt.formats.dcp_storage import RawStorageReader, RawStorageWriter
 from areal_ckpt.fsio import FileRecord
 
 
-def save_tensors(tensors: dict[str, torch.Tensor], folder: Path) -> dict[str, FileRecord]:
+def save_tensors(
+    tensors: dict[str, torch.Tensor], folder: Path, param_groups: list[dict[str, Any]] | None = None
+) -> dict[str, FileRecord]:
     """Collective: every rank saves its part of ``tensors`` (flat name -> Tensor / DTensor) into ``folder``.
 
-    Each rank writes and fsyncs its own ``__{rank}_0.distcp`` and returns its record (file name
-    -> size and CRC-32, computed while writing); rank 0 also writes ``dcp_metadata.json``.
-    Blocking; the folder's entries are made durable by the caller's commit.
+    Names start with ``model.`` or ``optim.``. ``param_groups`` (the optimizer's, as
+    ``get_optimizer_state_dict`` gives them; the same on every rank) are stored for stock
+    readers only. Each rank writes and fsyncs its own ``__{rank}_0.distcp`` and returns its
+    record (file name -> size and CRC-32, computed while writing); rank 0 also writes
+    ``dcp_metadata.json`` and ``.metadata``. Blocking; the folder's entries are made durable by
+    the caller's commit.
     """
     non_tensors = [name for name, value in tensors.items() if not isinstance(value, torch.Tensor)]
     if non_tensors:
@@ -44,13 +52,35 @@ def save_tensors(tensors: dict[str, torch.Tensor], folder: Path) -> dict[str, Fi
     writer = RawStorageWriter(folder)
     try:
         with _single_process_quiet():
-            dcp.save(tensors, storage_writer=writer, no_dist=not dist.is_distributed())
+            dcp.save(_stored_layout(tensors, param_groups), storage_writer=writer, no_dist=not dist.is_distributed())
     except CheckpointException as error:  # a BaseException in DCP: make it an ordinary error
         interruption = interruption_in(error)
         if interruption is not None:  # Ctrl-C / SystemExit: never converted, never retried
             raise interruption from None
         raise CheckpointError(f"{folder}: writing DCP shards failed: {_failures(error)}") from None
     return {writer.file_name: writer.record}
+
+
+def _stored_layout(tensors: dict[str, torch.Tensor], param_groups: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """``tensors`` nested as ``{"dcp": {"model": {fqn: t}, "optim": {"state": {fqn: {key: t}},
+    "param_groups": [...]}}}``, which DCP flattens to the names of :data:`STORED_PREFIXES`."""
+    model: dict[str, Any] = {}
+    state: dict[str, dict[str, Any]] = {}
+    others: dict[str, Any] = {}
+    for name, tensor in tensors.items():
+        if name.startswith("model."):
+            model[name.removeprefix("model.")] = tensor
+        elif name.startswith("optim."):
+            fqn, _, key = name.removeprefix("optim.").rpartition(".")
+            state.setdefault(fqn, {})[key] = tensor
+        elif name in ("model", "optim"):
+            raise CheckpointError(f"{name!r}: a stored tensor cannot be named like a group of tensors")
+        else:
+            others[name] = tensor
+    stored: dict[str, Any] = {"model": model, **others}
+    if state or param_groups:
+        stored["optim"] = {"state": state, **({"param_groups": param_groups} if param_groups else {})}
+    return {"dcp": stored}
 
 
 def tensor_index(metadata: Metadata) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:

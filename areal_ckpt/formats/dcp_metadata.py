@@ -26,6 +26,14 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import read_json_file
 
 METADATA_JSON = "dcp_metadata.json"
+#: DCP's standard metadata file: a pickle that only stock torch tools read (never we).
+STOCK_METADATA = ".metadata"
+#: Where our flat tensor names live in the stored state dict (format 3): ``model.<fqn>`` under
+#: ``dcp.model.<fqn>``, ``optim.<fqn>.<key>`` under ``dcp.optim.state.<fqn>.<key>``, which is
+#: what ``dcp.save({"dcp": {"model": ..., "optim": ...}})`` of ``get_state_dict``'s two dicts
+#: writes (an AReaL engine's own layout); any other name ``n`` under ``dcp.n``. Format 2 stored
+#: the flat names as they are.
+STORED_PREFIXES = {"model.": "dcp.model.", "optim.": "dcp.optim.state.", "": "dcp."}
 _DTYPES = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (
@@ -37,11 +45,12 @@ _DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 
 
 def metadata_to_json(metadata: Metadata) -> dict[str, Any]:
-    """A JSON rendering of DCP ``Metadata`` for tensor-only checkpoints."""
+    """A JSON rendering of the tensor entries of DCP ``Metadata`` whose names follow
+    :data:`STORED_PREFIXES`; entries that are not tensors (kept for stock readers) are left out."""
     tensors = {}
     for fqn, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):
-            raise CheckpointError(f"DCP entry {fqn!r} is not a tensor; only tensors are stored through DCP")
+            continue
         tensors[fqn] = {
             "dtype": str(entry.properties.dtype).removeprefix("torch."),
             "requires_grad": entry.properties.requires_grad,
@@ -60,15 +69,29 @@ def metadata_to_json(metadata: Metadata) -> dict[str, Any]:
         }
         for index, info in metadata.storage_data.items()
     ]
-    return {"version": metadata.version, "tensors": tensors, "storage": storage}
+    prefixes = {stored: ours for ours, stored in STORED_PREFIXES.items()}
+    return {"version": metadata.version, "key_prefixes": prefixes, "tensors": tensors, "storage": storage}
+
+
+def _our_name(stored: str, prefixes: dict[str, str]) -> str:
+    """The flat name of the stored entry ``stored`` under the file's ``prefixes`` (none: format 2)."""
+    if not prefixes:
+        return stored
+    for prefix, ours in sorted(prefixes.items(), key=lambda pair: -len(pair[0])):  # the longest first
+        if stored.startswith(prefix):
+            return ours + stored[len(prefix):]
+    raise ValueError(f"entry {stored!r} is under none of the stored prefixes {sorted(prefixes)}")
 
 
 def metadata_from_json(data: dict[str, Any], source: Path) -> Metadata:
     """Rebuild DCP ``Metadata`` from :func:`metadata_to_json`; raises CheckpointError naming ``source``."""
     try:
+        prefixes = data.get("key_prefixes", {})
+        if not isinstance(prefixes, dict) or not all(isinstance(v, str) for v in prefixes.values()):
+            raise ValueError(f"key_prefixes must map strings to strings, got {str(prefixes)[:200]}")
         tensors = {}
         for fqn, entry in data["tensors"].items():
-            tensors[fqn] = TensorStorageMetadata(
+            tensors[_our_name(fqn, prefixes)] = TensorStorageMetadata(
                 properties=TensorProperties(dtype=_DTYPES[entry["dtype"]], requires_grad=bool(entry["requires_grad"])),
                 size=torch.Size(_ints(entry["size"])),
                 chunks=[
@@ -83,7 +106,7 @@ def metadata_from_json(data: dict[str, Any], source: Path) -> Metadata:
             if item["transforms"]:
                 raise ValueError(f"transforms {item['transforms']!r} are not supported")
             offset = None if item["offset"] is None else torch.Size(_ints(item["offset"]))
-            index = MetadataIndex(fqn=item["fqn"], offset=offset, index=item["index"])
+            index = MetadataIndex(fqn=_our_name(item["fqn"], prefixes), offset=offset, index=item["index"])
             storage[index] = _StorageInfo(
                 relative_path=item["file"], offset=_ints([item["byte_offset"]])[0], length=_ints([item["length"]])[0]
             )

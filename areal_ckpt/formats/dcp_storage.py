@@ -1,12 +1,16 @@
-"""A DCP storage layer of our own: raw tensor bytes, JSON metadata, checksums on the fly.
+"""A DCP storage layer of our own: stock-readable records, JSON metadata, checksums on the fly.
 
 ``torch.distributed.checkpoint`` keeps planning, deduplication and resharding; this module only
-decides how bytes land. Each rank writes one file ``__{rank}_0.distcp`` holding its tensors'
-raw little-endian bytes back to back (no per-tensor pickle or zip records), with the CRC-32
-computed on a helper thread while writing. Rank 0 writes ``dcp_metadata.json``: which chunk of
-which tensor lies at which offset. There is no ``.metadata`` pickle at all. Reading fills the
-destination tensors straight from the file (one copy, none when no resharding is needed) and
-checks each file's CRC-32 against the manifest while it reads, when it reads the whole file.
+decides how bytes land. Each rank writes one file ``__{rank}_0.distcp`` holding one
+``torch.save`` record per tensor chunk (:mod:`areal_ckpt.formats.torch_record`: a small zip
+head, the chunk's raw little-endian bytes, a small zip tail), then the records of non-tensor
+entries meant for stock readers only, with the CRC-32 computed on a helper thread while writing.
+Rank 0 writes ``dcp_metadata.json`` (which chunk's raw bytes lie at which offset) and DCP's
+standard ``.metadata`` (a pickle: which record lies where), so stock ``dcp.load`` and
+``dcp_to_torch_save`` read the folder too. Our reader reads only the JSON and the raw bytes,
+never a pickle: it fills the destination tensors straight from the file (one copy, none when no
+resharding is needed), reading the small record frames between them into scratch buffers so
+that the file's CRC-32 is checked against the manifest in the same pass.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -33,13 +38,25 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats.dcp_metadata import METADATA_JSON, metadata_to_json, read_metadata_json
+from areal_ckpt.formats.dcp_metadata import METADATA_JSON, STOCK_METADATA, metadata_to_json, read_metadata_json
 from areal_ckpt.formats.range_read import RangeReader, open_ranges
+from areal_ckpt.formats.torch_record import frame_for
 from areal_ckpt.fsio import ChecksummedWriter, FileRecord, record_of, write_file_durably
 from areal_ckpt.tensors import tensor_bytes
 
 _RUN_BYTES = 64 << 20  # one read fills tensors stored back to back up to this size
-_RUN_ITEMS = 512  # and at most this many of them (the kernel takes up to IOV_MAX = 1024 buffers)
+_RUN_ITEMS = 512  # and at most this many buffers (the kernel takes up to IOV_MAX = 1024)
+_FILLER = 64 << 10  # bytes between two read tensors (record frames) read along, not skipped
+_TRAILER = 16 << 20  # bytes after the last read tensor read along so the file's CRC-32 is complete
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where one written entry lies in its data file: its whole ``torch.save`` record (what
+    stock DCP reads) and, for a tensor chunk, its raw bytes inside that record (what we read)."""
+
+    record: _StorageInfo
+    payload: _StorageInfo | None
 
 
 def data_file_of(rank: int) -> str:
@@ -74,23 +91,36 @@ class RawStorageWriter(StorageWriter):
         return [dataclasses.replace(plan, storage_data=data_file_of(index)) for index, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Write this rank's items into its file and fsync it; blocking (the future is done)."""
+        """Write this rank's records into its file and fsync it: tensor chunks first, then the
+        entries only stock readers read; blocking (the future is done)."""
         self.file_name = plan.storage_data
         writer = ChecksummedWriter(self.folder / self.file_name)
         results = []
         offset = 0
+        ordered = sorted(plan.items, key=lambda item: item.type == WriteItemType.BYTE_IO)
         try:
-            for item in plan.items:
+            for item in ordered:
                 if item.type == WriteItemType.BYTE_IO:
-                    raise CheckpointError(f"{item.index.fqn}: only tensors are stored through DCP")
+                    record = planner.resolve_data(item).getvalue()  # a torch.save record made by DCP
+                    writer.write(record)
+                    placement = Placement(_StorageInfo(self.file_name, offset, len(record)), None)
+                    results.append(WriteResult(index=item.index, size_in_bytes=len(record), storage_data=placement))
+                    offset += len(record)
+                    continue
                 tensor = planner.resolve_data(item).detach()
                 if tensor.device.type != "cpu":
                     tensor = tensor.cpu()
                 data = tensor_bytes(tensor)
+                frame = frame_for(tensor.dtype, tuple(tensor.shape))
+                writer.write(frame.head)
                 writer.write(data)
-                info = _StorageInfo(relative_path=self.file_name, offset=offset, length=len(data))
-                results.append(WriteResult(index=item.index, size_in_bytes=len(data), storage_data=info))
-                offset += len(data)
+                writer.write(frame.tail)
+                placement = Placement(
+                    record=_StorageInfo(self.file_name, offset, frame.length(len(data))),
+                    payload=_StorageInfo(self.file_name, offset + len(frame.head), len(data)),
+                )
+                results.append(WriteResult(index=item.index, size_in_bytes=len(data), storage_data=placement))
+                offset += frame.length(len(data))
         except BaseException:
             writer.abort()
             raise
@@ -100,9 +130,14 @@ class RawStorageWriter(StorageWriter):
         return done
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator: write ``dcp_metadata.json`` durably."""
-        metadata.storage_data = {result.index: result.storage_data for part in results for result in part}
-        write_file_durably(self.folder / METADATA_JSON, json.dumps(metadata_to_json(metadata)).encode())
+        """Coordinator: write ``dcp_metadata.json`` (raw byte positions, tensors only) and the
+        standard ``.metadata`` (record positions, every entry) durably."""
+        placements = {result.index: result.storage_data for part in results for result in part}
+        metadata.storage_data = {index: p.payload for index, p in placements.items() if p.payload is not None}
+        ours = metadata_to_json(metadata)
+        stock = dataclasses.replace(metadata, storage_data={index: p.record for index, p in placements.items()})
+        write_file_durably(self.folder / STOCK_METADATA, pickle.dumps(stock))
+        write_file_durably(self.folder / METADATA_JSON, json.dumps(ours).encode())
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -172,12 +207,21 @@ class RawStorageReader(StorageReader):
 
     def _read_file(self, file_name: str, items: list[tuple[_StorageInfo, ReadItem]], planner: LoadPlanner) -> None:
         path = self.folder / file_name
-        source = open_ranges(path, [(info.offset, info.length) for info, _ in items])
+        expected = None if self.expected is None else self.expected.get(file_name)
+        segments = _segments(items, None if expected is None else expected.size)
+        source = open_ranges(path, [(offset, length) for offset, length, _ in segments])
         try:
-            for run in _adjacent_runs(items, path):
-                destinations = [self._destination(info, item, planner, path) for info, item in run]
-                source.fill([buffer for buffer, _ in destinations], run[0][0].offset)
-                for (_, item), (buffer, target) in zip(run, destinations):
+            for run in _adjacent_runs(segments, path):
+                destinations = [
+                    (torch.empty(length, dtype=torch.uint8), None) if entry is None
+                    else self._destination(entry[0], entry[1], planner, path)
+                    for _, length, entry in run
+                ]
+                source.fill([buffer for buffer, _ in destinations], run[0][0])
+                for (_, _, entry), (buffer, target) in zip(run, destinations):
+                    if entry is None or target is None:
+                        continue
+                    item = entry[1]
                     if buffer is not target:
                         target.copy_(_region(buffer, item.storage_offsets, item.lengths))
                     planner.commit_tensor(item, target)
@@ -229,21 +273,42 @@ def _region(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
     return tensor
 
 
-def _adjacent_runs(
-    items: list[tuple[_StorageInfo, ReadItem]], path: Path
-) -> Iterator[list[tuple[_StorageInfo, ReadItem]]]:
-    """``items`` (sorted by offset) in runs stored back to back, each at most :data:`_RUN_BYTES`
-    (or one item) and :data:`_RUN_ITEMS` long: one read fills a whole run."""
-    run: list[tuple[_StorageInfo, ReadItem]] = []
-    size = 0
+#: A stretch of a data file to read: (offset, length, the tensor it fills or None for a filler).
+_Segment = tuple[int, int, "tuple[_StorageInfo, ReadItem] | None"]
+
+
+def _segments(items: list[tuple[_StorageInfo, ReadItem]], file_size: int | None) -> list[_Segment]:
+    """The stretches to read for ``items`` (sorted by offset): each tensor's raw bytes, and as
+    fillers the small gaps before and between them (record frames, up to :data:`_FILLER`) and,
+    when ``file_size`` is known, the rest of the file up to :data:`_TRAILER`, so that a rank
+    reading every tensor of a file reads it whole, in one pass that also checks its CRC-32."""
+    segments: list[_Segment] = []
+    position = 0
     for info, item in items:
-        if item.type == LoadItemType.BYTE_IO:
-            raise CheckpointError(f"{path}: {item.storage_index.fqn} is not a tensor; refusing to read it")
-        follows = bool(run) and run[-1][0].offset + run[-1][0].length == info.offset
-        if run and not (follows and size + info.length <= _RUN_BYTES and len(run) < _RUN_ITEMS):
+        gap = info.offset - position
+        if 0 < gap <= _FILLER:
+            segments.append((position, gap, None))
+        segments.append((info.offset, info.length, (info, item)))
+        position = info.offset + info.length
+    if file_size is not None and 0 < file_size - position <= _TRAILER:
+        segments.append((position, file_size - position, None))
+    return segments
+
+
+def _adjacent_runs(segments: list[_Segment], path: Path) -> Iterator[list[_Segment]]:
+    """``segments`` in runs stored back to back, each at most :data:`_RUN_BYTES` (or one
+    segment) and :data:`_RUN_ITEMS` long: one read fills a whole run."""
+    run: list[_Segment] = []
+    size = 0
+    for segment in segments:
+        offset, length, entry = segment
+        if entry is not None and entry[1].type == LoadItemType.BYTE_IO:
+            raise CheckpointError(f"{path}: {entry[1].storage_index.fqn} is not a tensor; refusing to read it")
+        follows = bool(run) and run[-1][0] + run[-1][1] == offset
+        if run and not (follows and size + length <= _RUN_BYTES and len(run) < _RUN_ITEMS):
             yield run
             run, size = [], 0
-        run.append((info, item))
-        size += info.length
+        run.append(segment)
+        size += length
     if run:
         yield run

@@ -23,11 +23,10 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import interruption_in
-from areal_ckpt.formats.dcp_metadata import METADATA_JSON
+from areal_ckpt.formats.dcp_metadata import METADATA_JSON, STOCK_METADATA
 from areal_ckpt.formats.hf_export import names_of_rank
 from areal_ckpt.tensors import TensorSpec
 
-STOCK_METADATA = ".metadata"
 
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -124,7 +123,7 @@ class StockDcpModelSource:
         self._metadata = read_stock_metadata(self.folder)
         self._prefix = model_prefix(self._metadata, names, self.folder)
         self._names = list(names)
-        _check_sizes(self._metadata, self.folder, [self._prefix + name for name in self._names])
+        check_sizes(self._metadata, self.folder, [self._prefix + name for name in self._names])
 
     def export_specs(self) -> list[TensorSpec]:
         """Every model tensor's name, shape and dtype, from the metadata alone; local."""
@@ -159,7 +158,7 @@ class StockDcpModelSource:
             yield name, template.pop(self._prefix + name)
 
 
-def _check_sizes(metadata: Metadata, folder: Path, keys: Sequence[str]) -> None:
+def check_sizes(metadata: Metadata, folder: Path, keys: Sequence[str]) -> None:
     """Raise CheckpointError unless each of ``keys`` has at least its bytes in records that lie
     inside their files: a forged shape can then never make a reader allocate more than is on
     disk. Reads only file sizes."""
