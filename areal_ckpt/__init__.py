@@ -9,6 +9,7 @@ from areal_ckpt.config import CheckpointConfig, RecoverConfig, SaverConfig
 from areal_ckpt.config_loader import load_config
 from areal_ckpt.engines import DeepSpeedEngine, TorchEngine
 from areal_ckpt.errors import CheckpointError, CollectiveError, CommitError, ConfigError, RankMismatchError
+from areal_ckpt.import_areal import import_areal_trial
 from areal_ckpt.recover import RecoverHandler
 from areal_ckpt.recover_read import check_if_auto_recover, check_if_recover
 from areal_ckpt.saver import Saver
@@ -39,6 +40,7 @@ __all__ = [
     "__version__",
     "check_if_auto_recover",
     "check_if_recover",
+    "import_areal_trial",
     "load_checkpoint",
     "load_config",
     "save_checkpoint",

@@ -23,6 +23,7 @@ import io
 import logging
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,7 +182,9 @@ def _read_model(folder: Path) -> _ModelState:
     template = {key: torch.empty(entries[key].size, dtype=entries[key].properties.dtype) for key in keys}
     extras = {key: _read_value(metadata, key, folder) for key, entry in entries.items()
               if isinstance(entry, BytesStorageMetadata)}
-    dcp.load(template, storage_reader=SafeFileSystemReader(str(folder)), no_dist=True)
+    with warnings.catch_warnings():  # DCP's notice that it runs in one process, as intended here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(template, storage_reader=SafeFileSystemReader(str(folder)), no_dist=True)
     tensors = {names[key]: tensor for key, tensor in template.items()}
     groups: dict[int, dict[str, Any]] = {}
     scalars: dict[str, dict[str, Any]] = {}
