@@ -19,6 +19,7 @@ model's whole state in memory at a time.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import shutil
@@ -30,11 +31,12 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
 from areal_ckpt.commit import read_manifest, switch_symlink, write_manifest
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats.dcp_io import save_tensors
+from areal_ckpt.formats.dcp_io import failures_text, interruption_in, save_tensors
 from areal_ckpt.formats.hf_export import copy_base_model_assets
 from areal_ckpt.formats.stock_dcp import SafeFileSystemReader, check_sizes, read_stock_metadata
 from areal_ckpt.fsio import fsync_dir, read_json_file, write_file_durably
@@ -101,16 +103,20 @@ def import_areal_trial(trial: Path, config_from: Path | None = None, remove_orig
         if not models:
             raise CheckpointError(f"{trial}: holds AReaL's recover_info/ but no {{name}}/{RECOVER_CHECKPOINT}/")
         step_info, files, world_size = _read_recover_info(info, models)
-        states = {name: _read_model(trial / name / RECOVER_CHECKPOINT) for name in models}
+        sources = {name: trial / name / RECOVER_CHECKPOINT for name in models}
+        for folder in sources.values():  # every check that needs no tensor, before anything is written
+            _stored_tensors(folder)
         store.remove_debris(keep=None)
         generation = store.create(step_info.global_step, models)
         try:
-            header = _write(store.path(generation), step_info, files, states, config_from, world_size)
+            header = _write(store.path(generation), step_info, files, sources, config_from, world_size)
             write_manifest(store.path(generation), RECOVER_MANIFEST, {}, header)  # checksums every file
             fsync_dir(store.root)
             switch_symlink(store.pointer, generation)  # the commit
         except BaseException:
             store.discard(generation)
+            with contextlib.suppress(OSError):
+                store.root.rmdir()  # only when the import created it: it is empty then
             raise
         return _finish(store, generation, header, remove_original)
     finally:
@@ -170,21 +176,34 @@ class _ModelState:
     scalars: dict[str, dict[str, Any]]
 
 
-def _read_model(folder: Path) -> _ModelState:
-    """One model's whole state from AReaL's stock DCP folder, under our flat names."""
+def _stored_tensors(folder: Path) -> tuple[Metadata, dict[str, str]]:
+    """``folder``'s metadata and its tensors' stored keys -> our names, once the metadata is
+    read safely, the layout is an AReaL engine's and every record lies inside its file."""
     metadata = read_stock_metadata(folder)
-    entries = metadata.state_dict_metadata
-    keys = [key for key, entry in entries.items() if isinstance(entry, TensorStorageMetadata)]
+    keys = [key for key, entry in metadata.state_dict_metadata.items() if isinstance(entry, TensorStorageMetadata)]
     names = {key: _our_name(key, folder) for key in keys}
     if not any(name.startswith("model.") for name in names.values()):
         raise CheckpointError(f"{folder}: holds no model tensors under {_MODEL!r} (an AReaL FSDP engine's layout)")
     check_sizes(metadata, folder, keys)  # before anything is allocated from the metadata
-    template = {key: torch.empty(entries[key].size, dtype=entries[key].properties.dtype) for key in keys}
+    return metadata, names
+
+
+def _read_model(folder: Path) -> _ModelState:
+    """One model's whole state from AReaL's stock DCP folder, under our flat names."""
+    metadata, names = _stored_tensors(folder)
+    entries = metadata.state_dict_metadata
+    template = {key: torch.empty(entries[key].size, dtype=entries[key].properties.dtype) for key in names}
     extras = {key: _read_value(metadata, key, folder) for key, entry in entries.items()
               if isinstance(entry, BytesStorageMetadata)}
     with warnings.catch_warnings():  # DCP's notice that it runs in one process, as intended here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(template, storage_reader=SafeFileSystemReader(str(folder)), no_dist=True)
+        try:
+            dcp.load(template, storage_reader=SafeFileSystemReader(str(folder)), no_dist=True)
+        except CheckpointException as error:  # a BaseException in DCP: make it an ordinary error
+            interruption = interruption_in(error)
+            if interruption is not None:
+                raise interruption from None
+            raise CheckpointError(f"{folder}: reading AReaL's tensors failed: {failures_text(error)}") from None
     tensors = {names[key]: tensor for key, tensor in template.items()}
     groups: dict[int, dict[str, Any]] = {}
     scalars: dict[str, dict[str, Any]] = {}
@@ -232,11 +251,12 @@ def _read_value(metadata: Metadata, key: str, folder: Path) -> Any:
 
 
 def _write(
-    generation: Path, step_info: StepInfo, files: dict[str, bytes], states: dict[str, _ModelState],
+    generation: Path, step_info: StepInfo, files: dict[str, bytes], sources: dict[str, Path],
     config_from: Path | None, world_size: int,
 ) -> dict[str, Any]:
-    """Write the generation's files; returns its manifest header."""
-    for name, state in states.items():
+    """Write the generation's files, one model in memory at a time; returns its manifest header."""
+    for name, source in sources.items():
+        state = _read_model(source)
         save_tensors(state.tensors, generation / name, state.param_groups or None)
         has_optimizer = any(key.startswith("optim.") for key in state.tensors) or bool(state.param_groups)
         extra = {
@@ -252,7 +272,7 @@ def _write(
             copy_base_model_assets(Path(config_from), generation / name / HF_FILES)
     for file_name, data in files.items():
         write_file_durably(generation / RECOVER_INFO / file_name, data)
-    header = dump_header(step_info.to_dict(), sorted(states))
+    header = dump_header(step_info.to_dict(), sorted(sources))
     return {**header, "world_size": world_size, "imported_from": IMPORTED_FROM}
 
 

@@ -20,7 +20,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 import areal_ckpt as ac
 from areal_ckpt.cli import main as cli_main
-from recover_fixtures import SPEC, VOCAB, make_setup, recover_config, step_info, trial_dir
+from recover_fixtures import SPEC, VOCAB, make_setup, recover_config, trial_dir
 from test_dcp_interop import _AReaLShapedState, _assert_bitwise, _flat
 
 STEPS = 8  # SPEC: 4 steps per epoch; the import resumes in epoch 1, after its first batch
@@ -198,6 +198,19 @@ def test_a_hostile_dcp_metadata_is_refused_and_nothing_is_imported(tmp_path, are
     assert cli_main(["import-areal", str(trial)]) == 2
     assert "refused global posix.mkdir" in capsys.readouterr().err
     assert not marker.exists() and _snapshot(trial) == before
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbled"])
+def test_a_damaged_record_fails_the_import_by_name_and_leaves_the_trial_as_it_was(areal_trial, capsys, damage):
+    trial, _ = areal_trial
+    data = trial / "default/recover_checkpoint/__0_0.distcp"
+    content = data.read_bytes()
+    data.write_bytes(content[: len(content) // 2] if damage == "truncated" else b"XXXX" + content[4:])
+    before = _snapshot(trial)
+    assert cli_main(["import-areal", str(trial)]) == 2
+    error = capsys.readouterr().err
+    assert "recover_checkpoint" in error and "Traceback" not in error
+    assert _snapshot(trial) == before and not (trial / ".recover").exists()
 
 
 def test_the_dataloader_unpickler_reads_tensors_but_not_gradients():

@@ -57,7 +57,7 @@ def save_tensors(
         interruption = interruption_in(error)
         if interruption is not None:  # Ctrl-C / SystemExit: never converted, never retried
             raise interruption from None
-        raise CheckpointError(f"{folder}: writing DCP shards failed: {_failures(error)}") from None
+        raise CheckpointError(f"{folder}: writing DCP shards failed: {failures_text(error)}") from None
     return {writer.file_name: writer.record}
 
 
@@ -168,7 +168,8 @@ def interruption_in(error: BaseException) -> BaseException | None:
     return type(exc)(f"rank {rank} was interrupted while writing DCP shards")
 
 
-def _failures(error: CheckpointException) -> str:
+def failures_text(error: CheckpointException) -> str:
+    """Each rank's failure in a DCP ``CheckpointException``, one clause per rank; pure."""
     parts = []
     for rank, failure in sorted(error.failures.items()):
         exc = failure[0] if isinstance(failure, tuple) else failure
