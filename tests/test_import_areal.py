@@ -213,6 +213,19 @@ def test_a_damaged_record_fails_the_import_by_name_and_leaves_the_trial_as_it_wa
     assert _snapshot(trial) == before and not (trial / ".recover").exists()
 
 
+def test_a_trial_of_several_ranks_keeps_each_ranks_position_and_its_world_size(areal_trial):
+    trial, _ = areal_trial
+    positions = [{"_num_yielded": 1, "rank": 0}, {"_num_yielded": 1, "rank": 1}]  # AReaL all-gathers them
+    (trial / "recover_info/dataloader_info.pkl").write_bytes(pickle.dumps(positions))
+    imported = ac.import_areal_trial(trial)
+    assert imported.world_size == 2
+    manifest = json.loads((imported.generation / "recover_info/areal_ckpt_manifest.json").read_text())
+    assert manifest["world_size"] == 2
+    for rank in (0, 1):
+        state = json.loads((imported.generation / f"recover_info/rank{rank}.json").read_text())
+        assert state["dataloader"] == positions[rank] and state["rng"] is None
+
+
 def test_the_dataloader_unpickler_reads_tensors_but_not_gradients():
     from areal_ckpt.state.plain_pickle import _PlainDataUnpickler
     import io
