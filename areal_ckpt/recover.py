@@ -38,12 +38,7 @@ from areal_ckpt.layout import (
     trial_root,
 )
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
-from areal_ckpt.recover_read import (
-    check_restorable,
-    find_committed,
-    load_engine,
-    verify_checkpoint,
-)
+from areal_ckpt.recover_read import load_engine, open_committed
 from areal_ckpt.recover_store import RecoverStore
 from areal_ckpt.recover_write import MODEL_SEPARATOR, DumpJob, dump_header
 from areal_ckpt.rollout_sync import RolloutSync
@@ -51,7 +46,7 @@ from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.staging import layout_of
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.components import Stateful, capture_components, dataloader_state, restore_components
-from areal_ckpt.state.recover_info import RecoverInfo, encode_global_info, encode_rank_state, read_recover_info
+from areal_ckpt.state.recover_info import RecoverInfo, encode_global_info, encode_rank_state
 from areal_ckpt.state.rng import capture_rng_state, restore_rng_state
 from areal_ckpt.step import FinetuneSpec, StepInfo
 
@@ -363,25 +358,12 @@ class RecoverHandler:
         originals = named_engines(engine)
         rollout = RolloutSync.checked(originals, inference_engine, weight_update_meta,
                                       inference_engine_update_from, colocated_rollout)
-        found: str | None = None
-        if dist.rank() == 0:
-            found = find_committed(self.store)
-        found = dist.broadcast_object(found, src=0)
-        if found is None:
-            return None
-        if found.startswith("error:"):
-            raise CheckpointError(found.removeprefix("error:"))
-        folder = self.store.path(found)
-        manifest = verify_checkpoint(folder)
         engines = engines_by_name(engine, "RecoverHandler.load")
-        if sorted(engines) != manifest["models"]:
-            raise CheckpointError(
-                f"{folder}: checkpoint holds models {manifest['models']}, load was given {sorted(engines)}"
-            )
-        info = read_recover_info(
-            folder / RECOVER_INFO, dist.rank(), dist.world_size(), manifest["world_size"], drop_rank_state
-        )
-        check_restorable(info)  # before any weight is loaded: a failed load changes nothing
+        opened = open_committed(self.store, sorted(engines), drop_rank_state)
+        if opened is None:
+            return None
+        found, manifest, info = opened
+        folder = self.store.path(found)
         if rollout is None:
             self._load_engines(engines, folder, manifest)
         else:

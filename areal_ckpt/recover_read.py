@@ -22,7 +22,7 @@ from areal_ckpt.recover_store import RecoverStore
 from areal_ckpt.recover_write import READABLE_RECOVER_VERSIONS, RECOVER_FORMAT
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state import safe_json
-from areal_ckpt.state.recover_info import RecoverInfo
+from areal_ckpt.state.recover_info import RecoverInfo, read_recover_info
 from areal_ckpt.state.rng import check_rng_state
 
 logger = logging.getLogger("areal_ckpt.recover")
@@ -45,6 +45,31 @@ def find_committed(store: RecoverStore) -> str | None:
     if removed:
         logger.warning("removed uncommitted recovery generations (interrupted dumps): %s", removed)
     return committed
+
+
+def open_committed(
+    store: RecoverStore, models: list[str], drop_rank_state: bool
+) -> tuple[str, dict[str, Any], RecoverInfo] | None:
+    """The committed generation of ``store``, its verified manifest and this rank's recover
+    info, or None when there is none. Collective: rank 0 finds it (removing debris), every rank
+    verifies its share and reads its info. Raises CheckpointError on every rank when the
+    commit record is broken, the trial holds AReaL's folders, a file is damaged, the models
+    differ from ``models``, or a component cannot be restored; nothing is loaded then."""
+    found = find_committed(store) if dist.rank() == 0 else None
+    found = dist.broadcast_object(found, src=0)
+    if found is None:
+        return None
+    if found.startswith("error:"):
+        raise CheckpointError(found.removeprefix("error:"))
+    folder = store.path(found)
+    manifest = verify_checkpoint(folder)
+    if models != manifest["models"]:
+        raise CheckpointError(f"{folder}: checkpoint holds models {manifest['models']}, load was given {models}")
+    info = read_recover_info(
+        folder / RECOVER_INFO, dist.rank(), dist.world_size(), manifest["world_size"], drop_rank_state
+    )
+    check_restorable(info)  # before any weight is loaded: a failed load changes nothing
+    return found, manifest, info
 
 
 def _check_header(path: Path, manifest: dict[str, Any], recovery: bool) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
+import zipfile
 import zlib
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import torch
 
 import areal_ckpt as ac
 from areal_ckpt.commit import render_manifest
+from areal_ckpt.formats.stock_dcp import read_stock_metadata
 from recover_fixtures import SPEC, committed_generation, dump_once, make_setup, recover_config, trial_dir
 
 
@@ -141,23 +144,34 @@ def test_tampered_pickles_never_run(fileroot, tmp_path):
     assert torch.equal(setup.model.lm_head.weight, trained.model.lm_head.weight)
 
 
-def test_data_files_hold_raw_tensor_bytes_that_our_loader_reads_without_unpickling(fileroot, monkeypatch):
+def test_data_files_hold_raw_tensor_bytes_that_our_loader_reads_without_unpickling(fileroot):
     trained = dump_once(fileroot)
-    folder = committed_generation(fileroot) / "default"
+    generation = committed_generation(fileroot)
+    folder = generation / "default"
     index = json.loads((folder / "dcp_metadata.json").read_text())
     entry = next(e for e in index["storage"] if e["fqn"] == "dcp.model.lm_head.weight")
-    data = (folder / entry["file"]).read_bytes()[entry["byte_offset"] : entry["byte_offset"] + entry["length"]]
-    assert data == trained.model.lm_head.weight.detach().contiguous().numpy().tobytes()
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a load unpickled something")
-
-    for name in ("load", "loads"):
-        monkeypatch.setattr(pickle, name, refuse)
-    monkeypatch.setattr(pickle, "Unpickler", refuse)
-    monkeypatch.setattr(torch, "load", refuse)
-    setup = make_setup(seed=1)
-    assert ac.RecoverHandler(recover_config(fileroot), SPEC).load(setup.engine) is not None
+    data = bytearray((folder / entry["file"]).read_bytes())
+    assert data[entry["byte_offset"] : entry["byte_offset"] + entry["length"]] == \
+        trained.model.lm_head.weight.detach().contiguous().numpy().tobytes()
+    # garble every pickle in the folder (each record's data.pkl, DCP's .metadata) and forge the
+    # manifest to match: stock torch can no longer read a record, our loader never needed them
+    records = read_stock_metadata(folder).storage_data
+    for info in records.values():
+        record = zipfile.ZipFile(io.BytesIO(bytes(data[info.offset : info.offset + info.length])))
+        member = record.getinfo("archive/data.pkl")
+        start = info.offset + member.header_offset + 30 + len(member.filename)
+        data[start : start + member.file_size] = b"X" * member.file_size
+    first = next(iter(records.values()))
+    with pytest.raises((pickle.UnpicklingError, RuntimeError, EOFError)):
+        torch.load(io.BytesIO(bytes(data[first.offset : first.offset + first.length])), weights_only=True)
+    manifest_path = generation / "recover_info/areal_ckpt_manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for relative, payload in ((f"default/{entry['file']}", bytes(data)), ("default/.metadata", b"X" * 64)):
+        (generation / relative).write_bytes(payload)
+        manifest["files"][relative] = {"size": len(payload), "crc32": zlib.crc32(payload)}
+    manifest_path.write_bytes(render_manifest(manifest))
+    info, setup = load_fresh(fileroot)
+    assert info is not None
     assert torch.equal(setup.model.lm_head.weight, trained.model.lm_head.weight)
 
 
