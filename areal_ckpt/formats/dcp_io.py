@@ -39,7 +39,8 @@ def save_tensors(
 ) -> dict[str, FileRecord]:
     """Collective: every rank saves its part of ``tensors`` (flat name -> Tensor / DTensor) into ``folder``.
 
-    Names start with ``model.`` or ``optim.``. ``param_groups`` (the optimizer's, as
+    ``model.<fqn>`` and ``optim.<fqn>.<key>`` are stored as an AReaL engine stores them, any
+    other name ``n`` as ``dcp.n`` (:data:`STORED_PREFIXES`). ``param_groups`` (the optimizer's, as
     ``get_optimizer_state_dict`` gives them; the same on every rank) are stored for stock
     readers only. Each rank writes and fsyncs its own ``__{rank}_0.distcp`` and returns its
     record (file name -> size and CRC-32, computed while writing); rank 0 also writes
