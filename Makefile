@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 TORTURE_TRIALS ?= 200
 
-.PHONY: demo test torture bench venv clean
+.PHONY: demo test torture bench scale venv clean
 
 venv: $(STAMP)
 
@@ -33,6 +33,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_async.py --out docs/benchmarks-async.md
 	$(BIN)/python benchmarks/bench_multirank.py --out docs/benchmarks-multirank.md
 	cd benchmarks && ../$(BIN)/python bench_deepspeed.py --out ../docs/benchmarks-deepspeed.md
+
+# the full elastic matrix (1 <-> 4 ranks, real processes) and the per-rank cost of a dump at 1-4 ranks
+scale: $(STAMP)
+	$(BIN)/python -m pytest -m scale -n 2 tests/test_scale.py
+	cd benchmarks && ../$(BIN)/python bench_scale.py --out ../docs/scale.md
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

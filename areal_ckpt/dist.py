@@ -2,12 +2,24 @@
 
 Functions that are collective say so: every rank of the default process group must call them,
 in the same order. Without an initialized process group they act as a world of one.
+
+Every collective of the package goes through here (DCP's planning too: see
+:mod:`areal_ckpt.formats.dcp_save`), and each one adds what this rank sends and receives to
+:func:`traffic`, so the per-rank cost of a dump or load is measured, not guessed. The counts
+are logical payloads (what the rank contributes and what it gets back), independent of the
+backend's algorithm. Object collectives pickle over the process group, like torch's own: only
+for small, trusted, in-process values, never for anything read from a checkpoint. None of them
+moves O(world size) bytes to or from a rank except :func:`all_gather_objects`, which the
+package calls only on failure paths, and rank 0's side of :func:`gather_objects` /
+:func:`scatter_objects`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, Callable, TypeVar
+import pickle
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as torch_dist
@@ -15,6 +27,33 @@ import torch.distributed as torch_dist
 from areal_ckpt.errors import CollectiveError
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+
+@dataclasses.dataclass
+class Traffic:
+    """What this process moved through collectives: calls, and payload bytes sent and received."""
+
+    calls: int = 0
+    sent: int = 0
+    received: int = 0
+
+    def __sub__(self, other: Traffic) -> Traffic:
+        return Traffic(self.calls - other.calls, self.sent - other.sent, self.received - other.received)
+
+
+_TRAFFIC = Traffic()
+
+
+def traffic() -> Traffic:
+    """A snapshot of this process's collective traffic since it started; subtract two snapshots
+    to measure one operation. Local."""
+    return dataclasses.replace(_TRAFFIC)
+
+
+def _count(sent: int, received: int) -> None:
+    _TRAFFIC.calls += 1
+    _TRAFFIC.sent += sent
+    _TRAFFIC.received += received
 
 
 def _collective(function: _F) -> _F:
@@ -53,6 +92,7 @@ def world_size() -> int:
 def barrier() -> None:
     """Collective: wait for every rank."""
     if is_distributed():
+        _count(0, 0)
         torch_dist.barrier()
 
 
@@ -68,7 +108,7 @@ def broadcast_flag(flag: bool, src: int = 0) -> bool:
     if not is_distributed():
         return flag
     tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_flag_device())
-    torch_dist.broadcast(tensor, src=src)
+    _broadcast(tensor, src)
     return bool(tensor.item())
 
 
@@ -78,22 +118,20 @@ def all_true(flag: bool) -> bool:
     if not is_distributed():
         return flag
     tensor = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_flag_device())
-    torch_dist.all_reduce(tensor, op=torch_dist.ReduceOp.MIN)
+    _all_reduce(tensor, torch_dist.ReduceOp.MIN)
     return bool(tensor.item())
 
 
 @_collective
-def all_gather_objects(obj: Any) -> list[Any]:
-    """Collective: every rank's JSON-like ``obj``, indexed by rank.
-
-    Only for small, trusted, in-process values (it pickles over the process group); never used
-    on anything read from a checkpoint.
-    """
+def all_reduce_ints(values: Sequence[int], op: str) -> list[int]:
+    """Collective: the element-wise ``"min"``, ``"max"`` or ``"sum"`` of every rank's ``values``
+    (int64, the same length on every rank)."""
     if not is_distributed():
-        return [obj]
-    gathered: list[Any] = [None] * world_size()
-    torch_dist.all_gather_object(gathered, obj)
-    return gathered
+        return list(values)
+    tensor = torch.tensor(list(values), dtype=torch.int64, device=_flag_device())
+    _all_reduce(tensor, {"min": torch_dist.ReduceOp.MIN, "max": torch_dist.ReduceOp.MAX,
+                         "sum": torch_dist.ReduceOp.SUM}[op])
+    return [int(value) for value in tensor.tolist()]
 
 
 @_collective
@@ -101,6 +139,122 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Collective: every rank returns rank ``src``'s small in-process ``obj``."""
     if not is_distributed():
         return obj
-    holder = [obj]
-    torch_dist.broadcast_object_list(holder, src=src)
-    return holder[0]
+    payload = _encode(obj) if rank() == src else b""
+    length = torch.tensor([len(payload)], dtype=torch.int64, device=_flag_device())
+    _broadcast(length, src)
+    buffer = _as_tensor(payload, int(length.item()))
+    _broadcast(buffer, src)
+    return obj if rank() == src else _decode(buffer)
+
+
+@_collective
+def gather_objects(obj: Any, dst: int = 0) -> list[Any] | None:
+    """Collective: rank ``dst`` returns every rank's small in-process ``obj``, indexed by rank;
+    the others return None. A non-``dst`` rank sends its object (padded to the largest one) and
+    receives 8 bytes, however many ranks there are."""
+    if not is_distributed():
+        return [obj]
+    payload = _encode(obj)
+    width = all_reduce_ints([len(payload)], "max")[0]
+    buffer = _as_tensor(payload, width)
+    if rank() != dst:
+        _count(buffer.numel(), 0)
+        torch_dist.gather(buffer, None, dst=dst)
+        return None
+    pieces = [torch.empty_like(buffer) for _ in range(world_size())]
+    _count(0, buffer.numel() * (world_size() - 1))
+    torch_dist.gather(buffer, pieces, dst=dst)
+    return [obj if index == dst else _decode(piece) for index, piece in enumerate(pieces)]
+
+
+@_collective
+def scatter_objects(objs: list[Any] | None, src: int = 0) -> Any:
+    """Collective: rank ``src`` passes one small in-process object per rank (others pass None);
+    every rank returns its own. A non-``src`` rank receives its object padded to the largest."""
+    if rank() == src and (objs is None or len(objs) != world_size()):
+        raise ValueError(f"scatter_objects: rank {src} must pass one object per rank ({world_size()})")
+    if not is_distributed():
+        return objs[0]  # type: ignore[index]
+    payloads = [_encode(obj) for obj in objs] if rank() == src and objs is not None else []
+    width = torch.tensor([max(map(len, payloads), default=0)], dtype=torch.int64, device=_flag_device())
+    _broadcast(width, src)
+    buffer = torch.empty(max(int(width.item()), _HEADER), dtype=torch.uint8, device=_flag_device())
+    if rank() == src:
+        pieces = [_as_tensor(payload, int(width.item())) for payload in payloads]
+        _count(buffer.numel() * (world_size() - 1), 0)
+        torch_dist.scatter(buffer, pieces, src=src)
+        return objs[src]  # type: ignore[index]
+    _count(0, buffer.numel())
+    torch_dist.scatter(buffer, None, src=src)
+    return _decode(buffer)
+
+
+@_collective
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Collective: every rank's small in-process ``obj``, indexed by rank. Every rank receives
+    O(world size) bytes: for failure paths and one-time set-up, not for every dump."""
+    if not is_distributed():
+        return [obj]
+    payload = _encode(obj)
+    width = all_reduce_ints([len(payload)], "max")[0]
+    buffer = _as_tensor(payload, width)
+    pieces = [torch.empty_like(buffer) for _ in range(world_size())]
+    _count(buffer.numel(), buffer.numel() * (world_size() - 1))
+    torch_dist.all_gather(pieces, buffer)
+    return [obj if index == rank() else _decode(piece) for index, piece in enumerate(pieces)]
+
+
+def agree_on_failures(failure: str | None) -> list[str]:
+    """Collective: the failures of every rank that had one (each ``failure`` names its rank and
+    cause), in rank order; empty when none failed. Every rank gets the same list, so every rank
+    goes on or stops together. Costs one 4-byte reduction when no rank failed."""
+    if all_true(failure is None):
+        return []
+    return [text for text in all_gather_objects(failure) if text is not None]
+
+
+def differing_values(value: Any) -> list[Any] | None:
+    """Collective: None when ``value`` (small, comparable with ``==``) is the same on every rank,
+    else every rank's value, indexed by rank (for the error message). Costs a broadcast of
+    rank 0's value and one 4-byte reduction when they agree."""
+    reference = broadcast_object(value, src=0)
+    if all_true(value == reference):
+        return None
+    return all_gather_objects(value)
+
+
+_HEADER = 8  # each object payload is prefixed with its length, so padding can follow it
+
+
+def _encode(obj: Any) -> bytes:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return len(data).to_bytes(_HEADER, "little") + data
+
+
+def _as_tensor(payload: bytes, width: int) -> torch.Tensor:
+    """``payload`` (from :func:`_encode`, or empty) in a uint8 tensor of ``width`` bytes."""
+    buffer = torch.zeros(max(width, _HEADER), dtype=torch.uint8)
+    if payload:
+        buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return buffer.to(_flag_device())
+
+
+def _decode(buffer: torch.Tensor) -> Any:
+    data = buffer.cpu().numpy().tobytes()
+    length = int.from_bytes(data[:_HEADER], "little")
+    return pickle.loads(data[_HEADER: _HEADER + length])  # from a peer rank of this job, never from a file
+
+
+def _broadcast(tensor: torch.Tensor, src: int) -> None:
+    size = tensor.numel() * tensor.element_size()
+    if rank() == src:
+        _count(size, 0)
+    else:
+        _count(0, size)
+    torch_dist.broadcast(tensor, src=src)
+
+
+def _all_reduce(tensor: torch.Tensor, op: Any) -> None:
+    size = tensor.numel() * tensor.element_size()
+    _count(size, size)
+    torch_dist.all_reduce(tensor, op=op)

@@ -168,15 +168,13 @@ def finish_export(
     records, error = write_rank_shards(source, target.plan, target.staging, rank, world, target.dtype, progress)
     if error is not None:
         logger.error("rank %d: writing export shards into %s failed: %s", rank, target.staging, error)
-    all_records = dist.all_gather_objects(
-        {file: (rec.size, rec.crc32) for file, rec in records.items()} if error is None else None
-    )
-    if any(part is None for part in all_records):
+    failures = dist.agree_on_failures(None if error is None else f"rank {rank}: {error}")
+    if failures:
         if rank == 0:
             shutil.rmtree(target.staging, ignore_errors=True)
-        failed = [r for r, part in enumerate(all_records) if part is None]
-        raise CheckpointError(f"{target.final}: export failed on rank(s) {failed}: {error}; nothing was published")
-    outcome = _commit(target, all_records) if rank == 0 else None
+        raise CheckpointError(f"{target.final}: export failed: {'; '.join(failures)}; nothing was published")
+    all_records = dist.gather_objects({file: (rec.size, rec.crc32) for file, rec in records.items()}, dst=0)
+    outcome = _commit(target, all_records) if all_records is not None else None
     outcome = dist.broadcast_object(outcome, src=0)
     if outcome is not None:
         raise CheckpointError(f"{target.final}: commit failed on rank 0: {outcome}; nothing was published")

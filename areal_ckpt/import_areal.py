@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from areal_ckpt.commit import read_manifest, switch_symlink, write_manifest
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats.dcp_io import failures_text, interruption_in, save_tensors
+from areal_ckpt.formats.dcp_io import failures_text, interruption_in
+from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.hf_export import copy_base_model_assets
 from areal_ckpt.formats.stock_dcp import SafeFileSystemReader, check_sizes, read_stock_metadata
 from areal_ckpt.fsio import fsync_dir, read_json_file, write_file_durably

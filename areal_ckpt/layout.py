@@ -84,6 +84,8 @@ def export_trash(final: Path) -> Path:
 
 RECOVER_STORE = ".recover"
 RECOVER_CURRENT = "current"
+#: A superseded generation is renamed to this prefix + its name, then deleted by every rank.
+RECOVER_TRASH_PREFIX = ".trash-"
 RECOVER_INFO = "recover_info"
 RECOVER_CHECKPOINT = "recover_checkpoint"
 RECOVER_MANIFEST = f"{RECOVER_INFO}/{MANIFEST_NAME}"

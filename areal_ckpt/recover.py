@@ -93,6 +93,8 @@ class RecoverHandler:
             self._collect()
         finally:
             self._writer.close()
+            if dist.rank() == 0:
+                self.store.remove_trash()  # what the ranks' own deletions left of superseded dumps
             if self._locked:
                 release_trial_lock(self.store.trial)
                 self._locked = False
@@ -250,8 +252,8 @@ class RecoverHandler:
         names = sorted(engines)
         for name in names:
             check_path_component(name, "model name")
-        tags = dist.all_gather_objects([step_info.global_step, names])
-        if any(tag != tags[0] for tag in tags):
+        tags = dist.differing_values([step_info.global_step, names])
+        if tags is not None:
             raise RankMismatchError(f"RecoverHandler.dump: ranks disagree on (global_step, models): {tags}")
         begun = None
         if rank == 0:
@@ -287,7 +289,7 @@ class RecoverHandler:
             raise
         except Exception as error:  # local failures are agreed below
             local_error = f"rank {rank}: {type(error).__name__}: {error}"
-        errors = [e for e in dist.all_gather_objects(local_error) if e is not None]
+        errors = dist.agree_on_failures(local_error)
         if errors:
             if rank == 0:
                 self.store.discard(generation)

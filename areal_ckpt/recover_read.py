@@ -113,7 +113,7 @@ def verify_checkpoint(
     mine = [name for index, name in enumerate(sorted(files)) if index % dist.world_size() == dist.rank()]
     local = check_files(folder, files, [name for name in mine if not name.endswith(DATA_SUFFIX)])
     local += check_files(folder, files, [name for name in mine if name.endswith(DATA_SUFFIX)], checksum=False)
-    problems = [p for part in dist.all_gather_objects(local) for p in part]
+    problems = dist.agree_on_failures("; ".join(local) or None)
     if problems:
         raise CheckpointError(f"{folder}: recovery checkpoint is damaged: " + "; ".join(problems))
     return manifest
@@ -220,6 +220,6 @@ def check_restorable(info: RecoverInfo) -> None:
             TriggerSchedule(None, None, None).load_state_dict(info.checkpoint_info)
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             problem = f"{info.path}/{RECOVER_INFO}/checkpoint_info.json: malformed: {type(error).__name__}: {error}"
-    problems = [p for p in dist.all_gather_objects(problem) if p is not None]
+    problems = dist.agree_on_failures(problem)
     if problems:
         raise CheckpointError("; ".join(problems))

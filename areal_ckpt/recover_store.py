@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from areal_ckpt.config import RecoverConfig
-from areal_ckpt.commit import check_files, read_manifest, switch_symlink, write_manifest
+from areal_ckpt.commit import check_files, hide_folder, read_manifest, switch_symlink, write_manifest
 from areal_ckpt.errors import CheckpointError
+from areal_ckpt.formats.dcp_storage import data_file_of
 from areal_ckpt.fsio import FileRecord, fsync_dir
 from areal_ckpt.layout import (
     RECOVER_CHECKPOINT,
@@ -34,6 +35,7 @@ from areal_ckpt.layout import (
     RECOVER_INFO,
     RECOVER_MANIFEST,
     RECOVER_STORE,
+    RECOVER_TRASH_PREFIX,
     default_user,
     generation_name,
     generation_step,
@@ -41,6 +43,7 @@ from areal_ckpt.layout import (
     recover_checkpoint_link,
     recover_info_link,
     recover_pointer,
+    rank_state_file,
     recover_store,
     trial_root,
 )
@@ -160,8 +163,10 @@ class RecoverStore:
                 "call RecoverHandler.load() first (or use another trial_name) so it is not overwritten"
             )
         try:
-            if first:  # later dumps: each commit removes what it superseded
+            if first:  # later dumps: each commit hides what it superseded, the ranks delete it
                 self.remove_debris(keep=committed)
+            else:
+                self.remove_trash()
             return "created", self.create(global_step, names)
         except OSError as error:
             return "failed", str(error)
@@ -183,19 +188,56 @@ class RecoverStore:
             raise CheckpointError(f"{self.path(source)}: holds no files for model {model!r}")
         return records
 
-    def commit(self, generation: str, records: dict[str, FileRecord], header: dict[str, Any], models: list[str]) -> None:
-        """Write the manifest, switch ``current`` to ``generation``, then delete older generations.
-
-        Durable on return. Until the switch the previous generation stays committed.
-        """
+    def commit(
+        self, generation: str, records: dict[str, FileRecord], header: dict[str, Any], models: list[str]
+    ) -> list[str]:
+        """Write the manifest, switch ``current`` to ``generation``, then hide the generations it
+        supersedes (one rename each); returns their hidden names. Durable on return; until the
+        switch the previous generation stays committed. The hidden folders are deleted by every
+        rank in parallel (:meth:`delete_rank_files`, then :meth:`remove_trash` on rank 0)."""
         write_manifest(self.path(generation), RECOVER_MANIFEST, records, header)
         fsync_dir(self.root)  # the generation's own entry, before anything points to it
         switch_symlink(self.pointer, generation)
         try:  # housekeeping: the commit above already holds whatever happens here
             self.ensure_links(models)
-            self.remove_debris(keep=generation)
+            hidden = []
+            for name in self._superseded(keep=generation):
+                hide_folder(self.path(name), self.root / f"{RECOVER_TRASH_PREFIX}{name}")
+                hidden.append(f"{RECOVER_TRASH_PREFIX}{name}")
+            return hidden
         except OSError as error:
             logger.warning("%s: committed %s, but tidying up failed: %s", self.root, generation, error)
+            return []
+
+    def delete_rank_files(self, hidden: list[str], rank: int, models: list[str]) -> None:
+        """Delete ``rank``'s own files (its data file of each model, its rank state) from the
+        hidden generations ``hidden``, so that no rank deletes O(world size) files; missing ones
+        are skipped, and nothing is deleted under a link. Local; errors are logged (the folder
+        was already superseded and :meth:`remove_trash` takes the rest)."""
+        for name in hidden:
+            folder = self.root / name
+            for sub, file_name in [(model, data_file_of(rank)) for model in models] + [(RECOVER_INFO, rank_state_file(rank))]:
+                if folder.is_symlink() or (folder / sub).is_symlink():
+                    continue
+                try:
+                    (folder / sub / file_name).unlink(missing_ok=True)
+                except OSError as error:
+                    logger.warning("could not delete %s: %s (it is removed later)", folder / sub / file_name, error)
+
+    def remove_trash(self) -> None:
+        """Delete the hidden generations left by earlier commits (what other ranks' deletions
+        left: the global files); rank 0 only. Local; errors are logged, never raised."""
+        if not self.root.is_dir() or self.root.is_symlink():
+            return
+        for entry in self.root.iterdir():
+            if not entry.name.startswith(RECOVER_TRASH_PREFIX):
+                continue
+            if entry.is_symlink():
+                entry.unlink()
+            else:  # another rank may still be deleting its own files in it
+                shutil.rmtree(entry, ignore_errors=True)
+                if entry.exists():
+                    logger.warning("could not delete %s entirely (it is removed later)", entry)
 
     def ensure_links(self, models: list[str]) -> None:
         """Point ``recover_info`` and each model's ``recover_checkpoint`` at the committed
@@ -210,14 +252,12 @@ class RecoverStore:
             link.parent.mkdir(parents=True, exist_ok=True)
             switch_symlink(link, target)
 
-    def remove_debris(self, keep: str | None) -> list[str]:
-        """Delete generations other than ``keep`` that are incomplete, or complete but older
-        than ``keep``; returns them. A complete generation at or after ``keep``'s step (a dump
-        interrupted between its manifest and the switch) is kept, with a warning: a checkpoint
-        is never deleted unless a newer committed one exists."""
-        if not self.root.is_dir() or self.root.is_symlink():
-            return []
-        removed = []
+    def _superseded(self, keep: str | None) -> list[str]:
+        """Generations other than ``keep`` that are incomplete, or complete but older than
+        ``keep``. A complete generation at or after ``keep``'s step (a dump interrupted between
+        its manifest and the switch) is not among them, with a warning: a checkpoint is never
+        deleted unless a newer committed one exists. Read-only."""
+        superseded = []
         for name in self.generations():
             if name == keep:
                 continue
@@ -225,8 +265,18 @@ class RecoverStore:
                 logger.warning("%s: keeping %s: it is complete and not older than the committed %s",
                                self.root, name, keep)
                 continue
+            superseded.append(name)
+        return superseded
+
+    def remove_debris(self, keep: str | None) -> list[str]:
+        """Delete the generations ``keep`` supersedes (see :meth:`_superseded`), hidden ones and
+        stray pointer links; returns the generations deleted. Rank 0 only, while no rank writes."""
+        if not self.root.is_dir() or self.root.is_symlink():
+            return []
+        removed = self._superseded(keep)
+        for name in removed:
             shutil.rmtree(self.path(name))
-            removed.append(name)
+        self.remove_trash()
         for entry in self.root.iterdir():
             if entry.name.startswith(f".{RECOVER_CURRENT}.") and entry.is_symlink():
                 entry.unlink()

@@ -21,7 +21,7 @@ import torch
 from areal_ckpt import dist
 from areal_ckpt._version import __version__
 from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError
-from areal_ckpt.formats.dcp_io import save_tensors
+from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.hf_export import HFFiles
 from areal_ckpt.fsio import FileRecord, write_file_durably
 from areal_ckpt.layout import HF_FILES
@@ -88,9 +88,11 @@ class DumpJob:
             by_model.setdefault(model, {})[name] = tensor
         for attempt in range(self.retries + 1):
             outcome = self._attempt(store, by_model)
-            if not outcome.startswith("error:"):
-                return {"path": str(store.path(self.generation)), "bytes": int(outcome)}
-            failure = outcome.removeprefix("error:")
+            if not isinstance(outcome, str):
+                written, hidden = outcome
+                store.delete_rank_files(hidden, dist.rank(), self.models)  # every rank its own share
+                return {"path": str(store.path(self.generation)), "bytes": written}
+            failure = outcome
             if attempt == self.retries:
                 if dist.rank() == 0 and _committed_or_none(store) != self.generation:
                     store.discard(self.generation)
@@ -103,15 +105,18 @@ class DumpJob:
             time.sleep(delay)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
-    def _attempt(self, store: RecoverStore, by_model: dict[str, dict[str, Any]]) -> str:
-        """One write + commit; returns the committed bytes as text, or ``error:<why>``."""
+    def _attempt(self, store: RecoverStore, by_model: dict[str, dict[str, Any]]) -> tuple[int, list[str]] | str:
+        """One write + commit; returns (the generation's bytes, the hidden superseded
+        generations) or why it failed. Collective; rank 0 commits, every rank gets its outcome."""
         rank = dist.rank()
         folder = store.path(self.generation)
         records = dict(self.records)
         local_error: str | None = None
         try:
-            for model in sorted(by_model):  # collective: DCP reports a failed write on every rank
-                for file_name, record in save_tensors(by_model[model], folder / model, self.param_groups.get(model)).items():
+            for model in sorted(by_model):  # collective: a failed write raises on every rank
+                tensors, groups = by_model[model], self.param_groups.get(model)
+                plan_key = f"{self.trial}/{model}"
+                for file_name, record in save_tensors(tensors, folder / model, groups, plan_key).items():
                     records[f"{model}/{file_name}"] = (record.size, record.crc32)
             for relative, data in self.files.items():  # local from here on
                 record = write_file_durably(folder / relative, data)
@@ -123,22 +128,23 @@ class DumpJob:
             raise
         except Exception as error:  # DCP raises on every rank; local failures are agreed below
             local_error = f"rank {rank}: {type(error).__name__}: {error}"
-        outcomes = dist.all_gather_objects(local_error or records)
-        result = self._commit(store, outcomes) if rank == 0 else None
+        outcomes = dist.gather_objects(local_error or records, dst=0)  # O(own files) from each rank
+        result = self._commit(store, outcomes) if outcomes is not None else None
         return dist.broadcast_object(result, src=0)
 
-    def _commit(self, store: RecoverStore, outcomes: list[Any]) -> str:
+    def _commit(self, store: RecoverStore, outcomes: list[Any]) -> tuple[int, list[str]] | str:
         errors = [o for o in outcomes if isinstance(o, str)]
         if errors:
-            return "error:" + "; ".join(errors)
+            return "; ".join(errors)
         records = {k: FileRecord(size, crc) for o in outcomes for k, (size, crc) in o.items()}
+        hidden: list[str] = []
         try:
-            store.commit(self.generation, records, self.header, self.models)
+            hidden = store.commit(self.generation, records, self.header, self.models)
         except Exception as error:
             if _committed_or_none(store) != self.generation:
-                return f"error: commit failed: {error}"
+                return f"commit failed: {error}"
             logger.warning("%s: committed %s, but then: %s", store.root, self.generation, error)
-        return str(sum(record.size for record in records.values()))
+        return sum(record.size for record in records.values()), hidden
 
 
 def _committed_or_none(store: RecoverStore) -> str | None:

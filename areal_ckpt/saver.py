@@ -157,8 +157,8 @@ class Saver:
         start = time.perf_counter()
         self._collect()
         tag = (name, epoch, epoch_step, global_step)
-        tags = dist.all_gather_objects(list(tag))
-        if any(tuple(other) != tag for other in tags):
+        tags = dist.differing_values(list(tag))
+        if tags is not None:
             raise RankMismatchError(f"Saver.save: ranks disagree on (name, epoch, epoch_step, global_step): {tags}")
         final = self.export_root(name) / export_leaf(epoch, epoch_step, global_step)
         header = {"name": name, "step": {"epoch": epoch, "epoch_step": epoch_step, "global_step": global_step}}

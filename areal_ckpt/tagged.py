@@ -28,7 +28,7 @@ from areal_ckpt.commit import publish, write_manifest
 from areal_ckpt.config import check_path_component
 from areal_ckpt.engines.contract import as_engine
 from areal_ckpt.errors import CheckpointError, RankMismatchError
-from areal_ckpt.formats.dcp_io import save_tensors
+from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.hf_export import hf_files
 from areal_ckpt.fsio import FileRecord, fsync_dir, write_file_durably
 from areal_ckpt.layout import ENGINE_STATE_FILE, HF_FILES, MANIFEST_NAME
@@ -74,8 +74,8 @@ def save_checkpoint(
     engine = as_engine(engine, "save_checkpoint")
     tag = tag if tag is not None else _default_tag(engine)
     check_path_component(tag, "tag")
-    tags = dist.all_gather_objects(tag)
-    if any(other != tag for other in tags):
+    tags = dist.differing_values(tag)
+    if tags is not None:
         raise RankMismatchError(f"save_checkpoint: ranks disagree on the tag: {tags}; nothing was written")
     root = Path(save_dir)
     final, staging = root / tag, root / f".{tag}.staging"
@@ -101,14 +101,15 @@ def save_checkpoint(
         local_error = f"rank {dist.rank()}: {type(failure).__name__}: {failure}"
     if dist.all_true(local_error is None):
         try:  # collective: DCP reports a failed write on every rank
-            for name, record in save_tensors(tensors, staging / _MODEL, extra.get("optimizer_param_groups")).items():
+            groups, plan_key = extra.get("optimizer_param_groups"), f"{root}/{_MODEL}"
+            for name, record in save_tensors(tensors, staging / _MODEL, groups, plan_key).items():
                 records[f"{_MODEL}/{name}"] = (record.size, record.crc32)
         except CheckpointError as failure:
             local_error = f"rank {dist.rank()}: {failure}"
     elif local_error is None:
         local_error = f"rank {dist.rank()}: stopped, another rank failed"
-    outcomes = dist.all_gather_objects(local_error or records)
-    result = _commit(root, tag, staging, final, outcomes, save_latest) if dist.rank() == 0 else None
+    outcomes = dist.gather_objects(local_error or records, dst=0)
+    result = _commit(root, tag, staging, final, outcomes, save_latest) if outcomes is not None else None
     result = dist.broadcast_object(result, src=0)
     if result is not None:
         raise CheckpointError(f"{final}: checkpoint not saved: {result}; earlier tags and {LATEST} are untouched")
@@ -235,7 +236,7 @@ def _client_state(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{source}: expected an object, got {type(client_state).__name__}")
     except (OSError, ValueError) as failure:
         error = f"rank {rank}: {failure}"
-    errors = [e for e in dist.all_gather_objects(error) if e is not None]
+    errors = dist.agree_on_failures(error)
     if errors:
         raise CheckpointError(f"{folder}: client_state cannot be loaded: " + "; ".join(errors))
     if source.name != f"rank{rank}.json":

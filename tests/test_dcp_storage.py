@@ -11,7 +11,8 @@ import torch
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats import dcp_metadata, dcp_storage, range_read
-from areal_ckpt.formats.dcp_io import load_tensors, save_tensors
+from areal_ckpt.formats.dcp_io import load_tensors
+from areal_ckpt.formats.dcp_save import save_tensors
 
 
 def _state() -> dict[str, torch.Tensor]:

@@ -96,10 +96,13 @@ def elastic_load(rank: int, world: int, root: str, kind: str, drop: bool, report
     setup = make_setup(seed=1)
     loader = _loader(world, rank, kind)
     try:
-        ac.RecoverHandler(recover_config(Path(root)), SPEC).load(setup.engine, dataloader=loader,
-                                                                 drop_rank_state=drop)
-        loader.sampler.set_epoch(0)  # as the loop does at the top of the epoch
-        outcome = {"seen": [value for batch in loader for value in batch.tolist()]}
+        info = ac.RecoverHandler(recover_config(Path(root)), SPEC).load(setup.engine, dataloader=loader,
+                                                                        drop_rank_state=drop)
+        if info.last_step_info.next().epoch > 0:  # the dump ended epoch 0: the loop goes on with epoch 1
+            outcome = {"seen": []}
+        else:
+            loader.sampler.set_epoch(0)  # as the loop does at the top of the epoch
+            outcome = {"seen": [value for batch in loader for value in batch.tolist()]}
     except ac.CheckpointError as error:
         outcome = {"error": str(error)}
     Path(f"{report}.{rank}").write_text(json.dumps(outcome))

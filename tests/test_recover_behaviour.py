@@ -173,6 +173,7 @@ def _dump_under_file_size_limit(rank: int, world: int, root: str, lift_at_retry:
     except ac.CheckpointError as error:
         outcome = f"raised: {error}"
     resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+    handler.close()  # removes what the ranks' own deletions left of the superseded generation
     leftovers = sorted(p.name for p in (trial_dir(fileroot) / ".recover").iterdir())
     Path(result).write_text(json.dumps({
         "outcome": outcome, "retries": sum("retrying" in m for m in messages),

@@ -1,28 +1,20 @@
-"""Save and load flat tensor dicts with torch.distributed.checkpoint (DCP).
+"""Load flat tensor dicts from torch.distributed.checkpoint (DCP) folders; DCP's errors.
 
-DCP plans (deduplication, sharded tensors, resharding on load); the bytes go through our own
-storage layer (:mod:`areal_ckpt.formats.dcp_storage`): ``torch.save`` records and a standard
-``.metadata`` for stock tools, JSON metadata and raw byte offsets for us, so we never unpickle.
-Our flat names are stored under :data:`~areal_ckpt.formats.dcp_metadata.STORED_PREFIXES`; the
-optimizer's param groups are also stored (as ``dcp.optim.param_groups``) for stock readers,
-which need them to load an optimizer state dict; we read them from JSON elsewhere.
+DCP plans (which stored chunks fill which tensors, resharding included); the bytes come through
+our own storage layer (:mod:`areal_ckpt.formats.dcp_storage`), which reads JSON metadata and raw
+byte offsets, so we never unpickle. Saving is :mod:`areal_ckpt.formats.dcp_save`.
 
-Saves run ``dcp.save`` (its global step deduplicates and writes the metadata). Loads run DCP's
-load protocol with its default planner on each rank alone: a load's global step changes no
-plan (DCP's own documentation of ``create_default_global_load_plan``), so the plans are not
-sent to a coordinator and back, which ``dcp.load`` does with two collectives. One collective
-remains: every rank learns whether any rank failed.
+Loads run DCP's load protocol with its default planner on each rank alone: a load's global
+step changes no plan (DCP's own documentation of ``create_default_global_load_plan``), so the
+plans are not sent to a coordinator and back, which ``dcp.load`` does with two collectives.
+One 4-byte collective remains: every rank learns whether any rank failed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import warnings
 from pathlib import Path
-from typing import Any, Iterator
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
@@ -30,58 +22,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_metadata import read_metadata_json
-from areal_ckpt.formats.dcp_storage import RawStorageReader, RawStorageWriter
+from areal_ckpt.formats.dcp_storage import RawStorageReader
 from areal_ckpt.fsio import FileRecord
-
-
-def save_tensors(
-    tensors: dict[str, torch.Tensor], folder: Path, param_groups: list[dict[str, Any]] | None = None
-) -> dict[str, FileRecord]:
-    """Collective: every rank saves its part of ``tensors`` (flat name -> Tensor / DTensor) into ``folder``.
-
-    ``model.<fqn>`` and ``optim.<fqn>.<key>`` are stored as an AReaL engine stores them, any
-    other name ``n`` as ``dcp.n`` (:data:`STORED_PREFIXES`). ``param_groups`` (the optimizer's, as
-    ``get_optimizer_state_dict`` gives them; the same on every rank) are stored for stock
-    readers only. Each rank writes and fsyncs its own ``__{rank}_0.distcp`` and returns its
-    record (file name -> size and CRC-32, computed while writing); rank 0 also writes
-    ``dcp_metadata.json`` and ``.metadata``. Blocking; the folder's entries are made durable by
-    the caller's commit.
-    """
-    non_tensors = [name for name, value in tensors.items() if not isinstance(value, torch.Tensor)]
-    if non_tensors:
-        raise CheckpointError(f"only tensors go through DCP; not tensors: {non_tensors[:5]}")
-    writer = RawStorageWriter(folder)
-    try:
-        with _single_process_quiet():
-            dcp.save(_stored_layout(tensors, param_groups), storage_writer=writer, no_dist=not dist.is_distributed())
-    except CheckpointException as error:  # a BaseException in DCP: make it an ordinary error
-        interruption = interruption_in(error)
-        if interruption is not None:  # Ctrl-C / SystemExit: never converted, never retried
-            raise interruption from None
-        raise CheckpointError(f"{folder}: writing DCP shards failed: {failures_text(error)}") from None
-    return {writer.file_name: writer.record}
-
-
-def _stored_layout(tensors: dict[str, torch.Tensor], param_groups: list[dict[str, Any]] | None) -> dict[str, Any]:
-    """``tensors`` nested as ``{"dcp": {"model": {fqn: t}, "optim": {"state": {fqn: {key: t}},
-    "param_groups": [...]}}}``, which DCP flattens to the names of :data:`STORED_PREFIXES`."""
-    model: dict[str, Any] = {}
-    state: dict[str, dict[str, Any]] = {}
-    others: dict[str, Any] = {}
-    for name, tensor in tensors.items():
-        if name.startswith("model."):
-            model[name.removeprefix("model.")] = tensor
-        elif name.startswith("optim."):
-            fqn, _, key = name.removeprefix("optim.").rpartition(".")
-            state.setdefault(fqn, {})[key] = tensor
-        elif name in ("model", "optim"):
-            raise CheckpointError(f"{name!r}: a stored tensor cannot be named like a group of tensors")
-        else:
-            others[name] = tensor
-    stored: dict[str, Any] = {"model": model, **others}
-    if state or param_groups:
-        stored["optim"] = {"state": state, **({"param_groups": param_groups} if param_groups else {})}
-    return {"dcp": stored}
 
 
 def tensor_index(metadata: Metadata) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -131,11 +73,11 @@ def load_tensors(
     try:
         _read_planned(template, RawStorageReader(folder, expected, metadata), metadata)
     except Exception as error:  # reported to every rank below, so none goes on alone
-        failure = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
-    failures = dist.all_gather_objects(failure) if dist.is_distributed() else [failure]
-    named = [f"rank {rank}: {text}" for rank, text in enumerate(failures) if text is not None]
-    if named:
-        raise CheckpointError(f"{folder}: reading DCP shards failed: {'; '.join(named)}")
+        text = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+        failure = f"rank {dist.rank()}: {text}"
+    failures = dist.agree_on_failures(failure)
+    if failures:
+        raise CheckpointError(f"{folder}: reading DCP shards failed: {'; '.join(failures)}")
 
 
 def _read_planned(template: dict[str, torch.Tensor], reader: RawStorageReader, metadata: Metadata) -> None:
@@ -179,11 +121,3 @@ def failures_text(error: CheckpointException) -> str:
         else:
             parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
     return "; ".join(parts)
-
-
-@contextlib.contextmanager
-def _single_process_quiet() -> Iterator[None]:
-    """Silence DCP's warning that it runs without a process group (intended for one process)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        yield

@@ -8,12 +8,14 @@ stats_logger_info.json, checkpoint_info.json. Each rank writes its own ``rank{r}
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import read_json_file
 from areal_ckpt.layout import rank_state_file
@@ -99,10 +101,11 @@ def _rank_object(state: Any, path: Path) -> dict[str, Any]:
 def read_recover_info(
     folder: Path, rank: int, world_size: int, saved_world_size: int, drop_rank_state: bool
 ) -> RecoverInfo:
-    """Read ``recover_info/`` for ``rank`` of a job of ``world_size`` ranks; local, read-only.
+    """Read ``recover_info/`` for ``rank`` of a job of ``world_size`` ranks; read-only. Local
+    when the world size is the saved one, else collective (:func:`_resharded_components`).
 
     When the world size changed, the dataloader position carries over only as a
-    ResumableDistributedSampler's global position (see :func:`_resharded_data`); each other
+    ResumableDistributedSampler's global position (see :func:`_resharded_dataloader`); each other
     per-rank component is re-assigned only if every saved rank had the same value. Otherwise
     CheckpointError explains how to proceed, unless ``drop_rank_state`` is set, in which case
     that component is left out (None), with a warning naming it.
@@ -124,56 +127,64 @@ def read_recover_info(
     return info
 
 
-def _resharded_data(
-    folder: Path, values: list[Any], saved_world_size: int, world_size: int, drop_rank_state: bool
-) -> Any:
-    """The dataloader state a rank restores after the world size changed. A position over a
-    ResumableDistributedSampler carries over exactly (as a global position); "epoch complete"
-    markers carry over as they are; any other per-rank position cannot (its sampler's order
-    depends on the number of ranks): CheckpointError saying what to do, or, with
-    ``drop_rank_state``, nothing (the loop restarts the saved epoch's data), logged."""
-    if all(value is None for value in values):
-        return None
-    if all(isinstance(value, dict) and value.get(EPOCH_COMPLETE) for value in values):
-        return _decode(values[0], f"{folder}/rank0.json:dataloader")
-    if all(isinstance(value, dict) and RESUMABLE_POSITION in value for value in values):
-        try:
-            epoch, start = global_position([value[RESUMABLE_POSITION] for value in values], f"{folder}/rank*.json")
-        except ValueError as error:
-            raise CheckpointError(str(error)) from None
-        logger.info("world size changed (%d -> %d): the data resumes at sample %d of epoch %d's order",
-                    saved_world_size, world_size, start, epoch)
-        return resharded_dataloader_state(epoch, start)
-    if drop_rank_state:
-        logger.warning(
-            "world size changed (%d -> %d): the dataloader position was not restored (drop_rank_state=True): "
-            "the saved epoch's data restarts from its first batch", saved_world_size, world_size)
-        return None
-    raise CheckpointError(
-        f"{folder}: saved by {saved_world_size} ranks, loading on {world_size}: the dataloader position is per "
-        "rank and its sampler's order depends on the number of ranks, so it cannot carry over without "
-        "skipping or repeating samples. Use areal_ckpt.ResumableDistributedSampler (its position carries to any "
-        "number of ranks), or pass drop_rank_state=True to RecoverHandler.load to restart the saved epoch's data "
-        "from its first batch."
-    )
+def _summary(component: str, value: Any) -> Any:
+    """What must be the same on every saved rank for ``component`` to carry to another world
+    size: the value itself; for a dataloader's position over a ResumableDistributedSampler, that
+    position; for any other dataloader position, only its kind (it is refused or dropped)."""
+    if component != "dataloader" or value is None:
+        return value
+    if isinstance(value, dict) and value.get(EPOCH_COMPLETE):
+        return value
+    if isinstance(value, dict) and RESUMABLE_POSITION in value:
+        return {"resumable": value[RESUMABLE_POSITION]}
+    return "per-rank position"
 
 
-def _rank_components(
+def _digest(summary: Any) -> int:
+    data = json.dumps(summary, sort_keys=True, separators=(",", ":")).encode()
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little", signed=True)
+
+
+def _saved_share(rank: int, world_size: int, saved_world_size: int) -> list[int]:
+    """The saved ranks whose files ``rank`` reads after a world-size change: every
+    ``world_size``-th one, or (more ranks than before) one, so each reads O(saved / now) files."""
+    return [saved for saved in range(saved_world_size) if saved % world_size == rank] or [rank % saved_world_size]
+
+
+def _resharded_components(
     folder: Path, rank: int, world_size: int, saved_world_size: int, drop_rank_state: bool
 ) -> dict[str, Any]:
-    if saved_world_size == world_size:
-        path = folder / rank_state_file(rank)
-        return _rank_object(_decode(_read_json(path), str(path)), path)
-    saved = [_rank_object(_read_json(folder / rank_state_file(r)), folder / rank_state_file(r))
-             for r in range(saved_world_size)]
+    """The per-rank components ``rank`` restores after the world size changed. Collective: each
+    rank reads its share of the saved ``rank{r}.json`` files, and the ranks agree whether each
+    component is the same on every saved rank by reducing digests (min and max), so no rank
+    reads or receives O(saved ranks) data. A component that is the same everywhere carries over
+    (a ResumableDistributedSampler's position as a global position, see
+    :func:`_resharded_dataloader`); one that differs raises CheckpointError saying what to do,
+    or, with ``drop_rank_state``, is left out with a warning naming it."""
+    saved: dict[int, dict[str, Any]] = {}
+    failure = None
+    try:
+        for index in _saved_share(rank, world_size, saved_world_size):
+            path = folder / rank_state_file(index)
+            saved[index] = _rank_object(_read_json(path), path)
+    except CheckpointError as error:
+        failure = f"rank {rank}: {error}"
+    failures = dist.agree_on_failures(failure)
+    if failures:
+        raise CheckpointError("; ".join(failures))
+    digests = [[_digest(_summary(c, state.get(c))) for c in RANK_COMPONENTS] for state in saved.values()]
+    lowest = dist.all_reduce_ints([min(column) for column in zip(*digests)], "min")
+    highest = dist.all_reduce_ints([max(column) for column in zip(*digests)], "max")
+    mine = next(iter(saved.values()))
     components: dict[str, Any] = {}
-    for component in RANK_COMPONENTS:
-        values = [state.get(component) for state in saved]
+    for component, low, high in zip(RANK_COMPONENTS, lowest, highest):
+        value = mine.get(component)
         if component == "dataloader":
-            components[component] = _resharded_data(folder, values, saved_world_size, world_size, drop_rank_state)
-            continue
-        if all(value == values[0] for value in values):
-            components[component] = _decode(values[0], f"{folder}/rank*.json:{component}")
+            components[component] = _resharded_dataloader(
+                folder, value if low == high else None, low == high, saved_world_size, world_size, drop_rank_state
+            )
+        elif low == high:
+            components[component] = _decode(value, f"{folder}/rank*.json:{component}")
         elif drop_rank_state:
             logger.warning(
                 "world size changed (%d -> %d): per-rank %s state differs between saved ranks; "
@@ -187,3 +198,49 @@ def _rank_components(
                 f"RecoverHandler.load to restore weights, optimizer and counters without the per-rank state."
             )
     return components
+
+
+def _resharded_dataloader(
+    folder: Path, value: Any, same: bool, saved_world_size: int, world_size: int, drop_rank_state: bool
+) -> Any:
+    """The dataloader state a rank restores after the world size changed, given one saved rank's
+    ``value`` and whether every saved rank's summary is the same. A ResumableDistributedSampler's
+    position carries over exactly (as a global position); "epoch complete" markers carry over as
+    they are; any other per-rank position cannot (its sampler's order depends on the number of
+    ranks): CheckpointError saying what to do, or, with ``drop_rank_state``, nothing (the loop
+    restarts the saved epoch's data), logged."""
+    if same and value is None:
+        return None
+    summary = _summary("dataloader", value) if same else None
+    if isinstance(summary, dict) and summary.get(EPOCH_COMPLETE):
+        return _decode(value, f"{folder}/rank*.json:dataloader")
+    if isinstance(summary, dict):
+        try:
+            epoch, start = global_position([value[RESUMABLE_POSITION]] * saved_world_size, f"{folder}/rank*.json")
+        except ValueError as error:
+            raise CheckpointError(str(error)) from None
+        logger.info("world size changed (%d -> %d): the data resumes at sample %d of epoch %d's order",
+                    saved_world_size, world_size, start, epoch)
+        return resharded_dataloader_state(epoch, start)
+    if drop_rank_state:
+        logger.warning(
+            "world size changed (%d -> %d): the dataloader position was not restored (drop_rank_state=True): "
+            "the saved epoch's data restarts from its first batch", saved_world_size, world_size)
+        return None
+    why = ("the saved ranks were at different data positions" if not same else
+           "the dataloader position is per rank and its sampler's order depends on the number of ranks")
+    raise CheckpointError(
+        f"{folder}: saved by {saved_world_size} ranks, loading on {world_size}: {why}, so it cannot carry over "
+        "without skipping or repeating samples. Use areal_ckpt.ResumableDistributedSampler (its position carries "
+        "to any number of ranks), or pass drop_rank_state=True to RecoverHandler.load to restart the saved "
+        "epoch's data from its first batch."
+    )
+
+
+def _rank_components(
+    folder: Path, rank: int, world_size: int, saved_world_size: int, drop_rank_state: bool
+) -> dict[str, Any]:
+    if saved_world_size == world_size:
+        path = folder / rank_state_file(rank)
+        return _rank_object(_decode(_read_json(path), str(path)), path)
+    return _resharded_components(folder, rank, world_size, saved_world_size, drop_rank_state)
