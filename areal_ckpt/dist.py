@@ -124,13 +124,12 @@ def all_true(flag: bool) -> bool:
 
 @_collective
 def all_reduce_ints(values: Sequence[int], op: str) -> list[int]:
-    """Collective: the element-wise ``"min"``, ``"max"`` or ``"sum"`` of every rank's ``values``
-    (int64, the same length on every rank)."""
+    """Collective: the element-wise ``"min"`` or ``"max"`` of every rank's ``values`` (int64,
+    the same length on every rank)."""
     if not is_distributed():
         return list(values)
     tensor = torch.tensor(list(values), dtype=torch.int64, device=_flag_device())
-    _all_reduce(tensor, {"min": torch_dist.ReduceOp.MIN, "max": torch_dist.ReduceOp.MAX,
-                         "sum": torch_dist.ReduceOp.SUM}[op])
+    _all_reduce(tensor, {"min": torch_dist.ReduceOp.MIN, "max": torch_dist.ReduceOp.MAX}[op])
     return [int(value) for value in tensor.tolist()]
 
 
