@@ -7,8 +7,11 @@ Every collective of the package goes through here (DCP's planning too: see
 :mod:`areal_ckpt.formats.dcp_save`), and each one adds what this rank sends and receives to
 :func:`traffic`, so the per-rank cost of a dump or load is measured, not guessed. The counts
 are logical payloads (what the rank contributes and what it gets back), independent of the
-backend's algorithm. Object collectives pickle over the process group, like torch's own: only
-for small, trusted, in-process values, never for anything read from a checkpoint. None of them
+backend's algorithm. Object collectives pickle over the process group, like torch's own, only
+small in-process values, never anything read from a checkpoint; and they unpickle with an
+allow-list (:class:`_PeerUnpickler`: plain data, DCP's plan and metadata dataclasses and enums,
+our own dataclasses, torch's sizes, dtypes and layouts), so not even a peer can make a rank run
+code. None of them
 moves O(world size) bytes to or from a rank except :func:`all_gather_objects`, which the
 package calls only on failure paths, and rank 0's side of :func:`gather_objects` /
 :func:`scatter_objects`.
@@ -17,7 +20,9 @@ package calls only on failure paths, and rank 0's side of :func:`gather_objects`
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
+import io
 import pickle
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -97,7 +102,7 @@ def barrier() -> None:
 
 
 def _flag_device() -> torch.device:
-    if torch_dist.get_backend() == "nccl":
+    if is_distributed() and torch_dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -241,7 +246,30 @@ def _as_tensor(payload: bytes, width: int) -> torch.Tensor:
 def _decode(buffer: torch.Tensor) -> Any:
     data = buffer.cpu().numpy().tobytes()
     length = int.from_bytes(data[:_HEADER], "little")
-    return pickle.loads(data[_HEADER: _HEADER + length])  # from a peer rank of this job, never from a file
+    return _PeerUnpickler(io.BytesIO(data[_HEADER: _HEADER + length])).load()
+
+
+#: Modules whose dataclasses and enums ranks may send each other (plans, write results, failures).
+_DATA_MODULES = ("torch.distributed.checkpoint.", "areal_ckpt.")
+_TORCH_VALUES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+
+
+class _PeerUnpickler(pickle.Unpickler):
+    """Builds what ranks send each other and nothing else: containers and scalars, dataclasses and
+    enums of DCP's planner and metadata modules and of this package, torch's Size, dtypes,
+    memory formats and layouts. Any other global is refused by name before its module is
+    imported, so no payload runs code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _TORCH_VALUES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
+            return getattr(torch, name)
+        if module.startswith(_DATA_MODULES):
+            found = super().find_class(module, name)
+            if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
+                return found
+        raise pickle.UnpicklingError(f"refused global {module}.{name}: ranks exchange only plain data")
 
 
 def _broadcast(tensor: torch.Tensor, src: int) -> None:

@@ -286,3 +286,32 @@ def test_a_login_name_that_is_a_path_is_refused_and_the_hint_works(fileroot, mon
     saver = ac.Saver(config.model_copy(update={"user": "alice"}), SPEC)
     assert saver.trial_root == fileroot / "checkpoints/alice/exp/trial"
     saver.finalize()
+
+
+def test_a_message_between_ranks_cannot_run_code(tmp_path):
+    """What ranks send each other is unpickled with an allow-list: DCP's plan classes pass, a
+    payload that would run code is refused by name and runs nothing."""
+    import pickle
+
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from areal_ckpt import dist
+
+    plan = SavePlan([WriteItem(MetadataIndex("dcp.model.w"), WriteItemType.BYTE_IO)], planner_data={"w": ("w",)})
+    encoded = dist._encode(plan)
+    assert dist._decode(dist._as_tensor(encoded, len(encoded))) == plan
+    marker = tmp_path / "ran"
+    payload = pickle.dumps(_ExecutesOnLoad(str(marker)))
+    hostile = len(payload).to_bytes(8, "little") + payload
+    with pytest.raises(pickle.UnpicklingError, match="refused global"):
+        dist._decode(dist._as_tensor(hostile, len(hostile)))
+    assert not marker.exists()
+
+
+class _ExecutesOnLoad:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
