@@ -102,7 +102,7 @@ class SaverConfig(_TimerBlock):
     """``saver:`` block: HuggingFace exports on epoch / step / time triggers."""
 
     # sync: block until durable; async: staged to shared memory and written in the background;
-    # auto: async for a model on an accelerator, sync for a CPU-trained one (see background.py).
+    # auto: async for a model on an accelerator, sync for a CPU-trained one (see jobs/background.py).
     mode: Literal["auto", "sync", "async"] = "auto"
     # Keep the newest N exports per model name; None keeps all.
     keep_last: PositiveInt | None = None
@@ -127,7 +127,7 @@ class RecoverConfig(_TimerBlock):
 
     # on / auto / sync / async: dump on the schedule and resume when a checkpoint exists;
     # off / disabled: no-op. sync blocks until a dump is durable, async writes it in the
-    # background; on / auto pick async only for a model on an accelerator (see background.py).
+    # background; on / auto pick async only for a model on an accelerator (see jobs/background.py).
     mode: Literal["on", "auto", "sync", "async", "off", "disabled"] = "disabled"
     # As in AReaL: how many times `areal-ckpt launch` relaunches a failed job while recovery
     # is enabled (the training process itself never reads it).

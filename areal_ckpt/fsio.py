@@ -93,7 +93,7 @@ class ChecksummedWriter:
     """Binary writer that tracks size and CRC-32 of what it writes and fsyncs on close.
 
     Durable once :meth:`close` returns (data and file metadata are fsync'd; the directory entry
-    is not: fsync the parent directory, as :mod:`areal_ckpt.commit` does before publishing).
+    is not: fsync the parent directory, as :mod:`areal_ckpt.publish` does before publishing).
     """
 
     def __init__(self, path: Path) -> None:

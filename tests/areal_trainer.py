@@ -42,7 +42,7 @@ from transformers import AutoTokenizer, CLIPImageProcessorPil, LlavaProcessor
 # The only lines that differ from an AReaL trainer: where these names come from.
 from areal_ckpt import FinetuneSpec, RecoverHandler, Saver, StepInfo, check_if_recover, load_config
 from areal_ckpt.demo.tiny import build_model, warmup_cosine
-from areal_ckpt.launch import ATTEMPT_VARIABLE
+from areal_ckpt.tools.launch import ATTEMPT_VARIABLE
 
 PROMPTS = 24
 PROMPT_LENGTH = 5

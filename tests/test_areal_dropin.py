@@ -19,7 +19,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import AutoModelForCausalLM, AutoProcessor, CLIPImageProcessorPil, GenerationConfig, LlavaProcessor
 
 import areal_ckpt as ac
-from areal_ckpt.cli import main as cli_main
+from areal_ckpt.tools.cli import main as cli_main
 from recover_fixtures import SPEC, make_setup, recover_config, step_info, train_step, trial_dir
 
 HERE = Path(__file__).parent
@@ -85,7 +85,7 @@ def test_an_areal_trainer_killed_and_relaunched_ends_bitwise_equal(tmp_path, tok
                           timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     # as a user runs it: the launcher in front of torchrun, the job's overrides given to both
-    launcher = [sys.executable, "-m", "areal_ckpt.cli", "launch", "--config", str(AREAL_YAML),
+    launcher = [sys.executable, "-m", "areal_ckpt.tools.cli", "launch", "--config", str(AREAL_YAML),
                 f"cluster.fileroot={root}", "trial_name=killed", "--", *_torchrun(killed, base, root, "killed", 9)]
     done = subprocess.run(launcher, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -414,7 +414,7 @@ def _job_yaml(tmp_path: Path, fileroot: Path, **recover) -> Path:
 
 
 def _launch(config: Path, script: str, *overrides: str, **popen) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "areal_ckpt.cli", "launch", "--config", str(config), *overrides, "--",
+    command = [sys.executable, "-m", "areal_ckpt.tools.cli", "launch", "--config", str(config), *overrides, "--",
                sys.executable, "-c", script]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, **popen)
 
@@ -464,7 +464,7 @@ def test_launch_stops_on_ctrl_c_without_relaunching(tmp_path, fileroot):
     started = tmp_path / "started"
     script = (f"import pathlib, time; pathlib.Path({str(started)!r}).touch()\n"
               "while True: time.sleep(0.05)\n")
-    command = [sys.executable, "-m", "areal_ckpt.cli", "launch", "--config", str(config), "--",
+    command = [sys.executable, "-m", "areal_ckpt.tools.cli", "launch", "--config", str(config), "--",
                sys.executable, "-c", script]
     launcher = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:

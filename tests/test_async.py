@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import areal_ckpt as ac
-from areal_ckpt.background import resolve_async
-from areal_ckpt.staging import StagingArena, layout_of, view
+from areal_ckpt.jobs.background import resolve_async
+from areal_ckpt.jobs.shm_arena import StagingArena, layout_of, view
 from distributed import run_distributed
 from helpers import export_names, read_export_tensors, saver_config
 from recover_fixtures import SPEC, committed_generation, make_setup, recover_config, step_info, train_step
@@ -219,7 +219,7 @@ def test_a_dead_writer_is_reported_and_the_next_dump_starts_a_new_one(fileroot):
 
 
 def staging_agreement_worker(rank: int, world_size: int, report: str) -> None:
-    from areal_ckpt.staging import layout_of_specs, shared_memory_free
+    from areal_ckpt.jobs.shm_arena import layout_of_specs, shared_memory_free
 
     # rank 1 asks for more shared memory than /dev/shm has: a real refusal, before any copy
     too_big = (shared_memory_free() or 0) + 2**30

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import areal_ckpt as ac
-from areal_ckpt.cli import main
+from areal_ckpt.tools.cli import main
 from helpers import read_export_tensors, saver_config
 from recover_fixtures import SPEC, make_setup, recover_config, step_info, train_step, trial_dir
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import areal_ckpt as ac
-from areal_ckpt.cli import main as cli_main
+from areal_ckpt.tools.cli import main as cli_main
 from distributed import run_distributed
 from test_deepspeed import deepspeed_engine
 from test_recover_failures import _RunsCode
@@ -104,7 +104,7 @@ def test_a_forged_client_state_fails_every_rank_with_the_same_error(tmp_path):
     forged = root / "zero2/client_state/rank0.json"
     forged.write_text("[1, 2]")
     manifest_path = root / "zero2/areal_ckpt_manifest.json"
-    from areal_ckpt.commit import render_manifest
+    from areal_ckpt.publish import render_manifest
     import zlib
 
     manifest = json.loads(manifest_path.read_text())
@@ -224,7 +224,7 @@ def test_bf16_checkpoints_convert_to_their_fp32_masters_as_zero_to_fp32_does(tmp
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
 
-    from areal_ckpt.convert import _weights_only_deepspeed_loads
+    from areal_ckpt.tools.convert import _weights_only_deepspeed_loads
 
     run_distributed(bf16_worker, 2, str(tmp_path), stage)
     with _weights_only_deepspeed_loads():

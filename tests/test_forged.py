@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import areal_ckpt as ac
-from areal_ckpt.cli import main as cli_main
-from areal_ckpt.commit import render_manifest
+from areal_ckpt.tools.cli import main as cli_main
+from areal_ckpt.publish import render_manifest
 from helpers import saver_config
 from recover_fixtures import SPEC, committed_generation, dump_once, make_setup, recover_config, trial_dir
 

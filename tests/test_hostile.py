@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import areal_ckpt as ac
-from areal_ckpt.cli import main as cli_main
+from areal_ckpt.tools.cli import main as cli_main
 from areal_ckpt.lock import LOCK_NAME
 from distributed import run_distributed
 from helpers import saver_config

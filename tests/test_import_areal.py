@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import areal_ckpt as ac
-from areal_ckpt.cli import main as cli_main
+from areal_ckpt.tools.cli import main as cli_main
 from recover_fixtures import SPEC, VOCAB, make_setup, recover_config, trial_dir
 from test_dcp_interop import _AReaLShapedState, _assert_bitwise, _flat
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import areal_ckpt as ac
-from areal_ckpt.commit import render_manifest
+from areal_ckpt.publish import render_manifest
 from areal_ckpt.formats.stock_dcp import read_stock_metadata
 from recover_fixtures import SPEC, committed_generation, dump_once, make_setup, recover_config, trial_dir
 

@@ -201,16 +201,16 @@ def test_new_saver_removes_staging_left_by_a_crash(fileroot, make_model):
 
 
 def test_retention_deletes_off_the_callers_thread_and_never_before_the_commit(fileroot, make_model, monkeypatch):
-    from areal_ckpt import commit
+    from areal_ckpt import publish
 
     deleted_by: list[tuple[str, str]] = []
-    real_rmtree = commit.shutil.rmtree
+    real_rmtree = publish.shutil.rmtree
 
     def recording_rmtree(path, *args, **kwargs):
         deleted_by.append((Path(path).name, threading.current_thread().name))
         return real_rmtree(path, *args, **kwargs)
 
-    monkeypatch.setattr(commit.shutil, "rmtree", recording_rmtree)
+    monkeypatch.setattr(publish.shutil, "rmtree", recording_rmtree)
     saver = ac.Saver(saver_config(fileroot, freq_steps=1, keep_last=1), SPEC)
     engine = ac.TorchEngine(make_model())
     saver.save(engine, 0, 0, 0)

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from transformers import AutoModelForCausalLM
 
-from areal_ckpt.cli import main as cli_main
+from areal_ckpt.tools.cli import main as cli_main
 from recover_fixtures import make_setup, train_step
 from test_recover_failures import _RunsCode
 

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 import areal_ckpt as ac  # noqa: E402
-from areal_ckpt.describe import verify  # noqa: E402
+from areal_ckpt.tools.inspection import verify  # noqa: E402
 from distributed import start_processes  # noqa: E402
 from recover_fixtures import SPEC, make_setup, recover_config, step_info, train_step  # noqa: E402
 from torture_operator import scenario_ctrl_c, scenario_operator  # noqa: E402
@@ -366,7 +366,7 @@ def scenario_hostile(work: Path) -> Row:
             row.record("resumed_correctly")
     absurd = work / "absurd.safetensors"
     absurd.write_bytes((2**62).to_bytes(8, "little") + b"{}")
-    from areal_ckpt.describe import read_safetensors_header
+    from areal_ckpt.tools.inspection import read_safetensors_header
 
     try:
         read_safetensors_header(absurd)

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import areal_ckpt as ac
-from areal_ckpt.cli import main as cli_main
+from areal_ckpt.tools.cli import main as cli_main
 from areal_ckpt.lock import LOCK_NAME
 from distributed import start_processes
 from recover_fixtures import SPEC, make_setup, recover_config, step_info

@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from areal_ckpt.config_loader import load_config
-from areal_ckpt.launch import launch
+from areal_ckpt.tools.launch import launch
 
 
 def main(argv: list[str] | None = None) -> int:

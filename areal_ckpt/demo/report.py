@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from areal_ckpt.describe import list_trial
+from areal_ckpt.tools.inspection import list_trial
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import areal_ckpt as ac
-from areal_ckpt.launch import ATTEMPT_VARIABLE
+from areal_ckpt.tools.launch import ATTEMPT_VARIABLE
 from areal_ckpt.demo.report import checkpoint_table, plot, read_metrics, replay_check
 from areal_ckpt.demo.rl import adapt_kl, grpo_loss, make_prompts, sample
 from areal_ckpt.demo.tiny import build_model, build_tokenizer, warmup_cosine

@@ -18,7 +18,7 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import load_tensors, tensor_index
 from areal_ckpt.formats.dcp_metadata import check_within_files, read_metadata_json
 from areal_ckpt.formats.hf_export import names_of_rank
-from areal_ckpt.layout import ENGINE_STATE_FILE
+from areal_ckpt.paths import ENGINE_STATE_FILE
 from areal_ckpt.state import safe_json
 from areal_ckpt.tensors import TensorSpec
 

@@ -44,7 +44,7 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import RunningCrc, helper_threads
 from areal_ckpt.tensors import tensor_bytes
 
-logger = logging.getLogger("areal_ckpt.formats")
+logger = logging.getLogger(__name__)
 
 BLOCK = 2 << 20  # a multiple of 4096: O_DIRECT offsets, lengths and buffers are aligned to it
 IN_FLIGHT = 8  # blocks submitted ahead of the copy

@@ -18,7 +18,7 @@ from typing import Any
 from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import read_json_file
-from areal_ckpt.layout import rank_state_file
+from areal_ckpt.paths import rank_state_file
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.components import (
     EPOCH_COMPLETE,

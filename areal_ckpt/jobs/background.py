@@ -3,7 +3,7 @@
 Each rank of an asynchronous Saver or RecoverHandler owns one writer process (spawned, not a
 thread: a thread would compete with the training loop for the GIL). The writers of a job form
 their own gloo process group, so a job's collective write and commit code runs unchanged in
-them. The training process stages tensors into shared memory (:mod:`areal_ckpt.staging`),
+them. The training process stages tensors into shared memory (:mod:`areal_ckpt.jobs.shm_arena`),
 hands the writer a job naming where each tensor sits, and goes on; the writer writes, fsyncs
 and commits, then reports back. At most one job is in flight per writer.
 
@@ -42,9 +42,9 @@ import torch
 from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.lock import held_lock_descriptor
-from areal_ckpt.staging import StagedLayout, StagedTensors, StagingArena
+from areal_ckpt.jobs.shm_arena import StagedLayout, StagedTensors, StagingArena
 
-logger = logging.getLogger("areal_ckpt.background")
+logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _WRITER_NICENESS = 10  # added to the training process's niceness

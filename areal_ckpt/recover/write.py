@@ -1,9 +1,9 @@
 """The second half of a recovery dump: tensor shards, agreement, commit.
 
-The first half (:mod:`areal_ckpt.recover`) runs in the training process: it creates the
+The first half (:mod:`areal_ckpt.recover.handler`) runs in the training process: it creates the
 generation folder, encodes the small JSON files and captures the tensors. This half writes the
 tensors through DCP, then the small files, and commits; it runs either in the training process
-(sync) or in the background writers (async, :mod:`areal_ckpt.background`), collective over
+(sync) or in the background writers (async, :mod:`areal_ckpt.jobs.background`), collective over
 whichever group runs it. A failed write is retried in place; after the last attempt the
 generation is discarded, so the previous checkpoint stays the committed one whatever happens.
 """
@@ -24,11 +24,11 @@ from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchErro
 from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.hf_export import HFFiles
 from areal_ckpt.fsio import FileRecord, write_file_durably
-from areal_ckpt.layout import HF_FILES
-from areal_ckpt.recover_store import RecoverStore
-from areal_ckpt.staging import StagedLayout
+from areal_ckpt.paths import HF_FILES
+from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.jobs.shm_arena import StagedLayout
 
-logger = logging.getLogger("areal_ckpt.recover")
+logger = logging.getLogger(__name__)
 
 RECOVER_FORMAT = "areal_ckpt.recover"
 RECOVER_FORMAT_VERSION = 3  # 2: raw DCP data files; 3: torch.save records + .metadata around them

@@ -1,6 +1,6 @@
 """On-disk store of recovery generations with a single atomic switch.
 
-Layout (see :mod:`areal_ckpt.layout`)::
+Layout (see :mod:`areal_ckpt.paths`)::
 
     {trial}/.recover/gen-<step>-<token>/{name}/...          one folder per model (DCP shards)
     {trial}/.recover/gen-<step>-<token>/recover_info/...    step counters, states, manifest
@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from areal_ckpt.config import RecoverConfig
-from areal_ckpt.commit import check_files, hide_folder, read_manifest, switch_symlink, write_manifest
+from areal_ckpt.publish import check_files, hide_folder, read_manifest, switch_symlink, write_manifest
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_storage import data_file_of
 from areal_ckpt.fsio import FileRecord, fsync_dir
-from areal_ckpt.layout import (
+from areal_ckpt.paths import (
     RECOVER_CHECKPOINT,
     RECOVER_CURRENT,
     RECOVER_INFO,
@@ -48,7 +48,7 @@ from areal_ckpt.layout import (
     trial_root,
 )
 
-logger = logging.getLogger("areal_ckpt.recover")
+logger = logging.getLogger(__name__)
 
 
 class RecoverStore:

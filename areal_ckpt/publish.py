@@ -28,7 +28,7 @@ from typing import Any, Iterable
 from areal_ckpt.errors import CheckpointError, CommitError
 from areal_ckpt.fsio import FileRecord, fsync_dir, fsync_file, read_json_file, record_of, write_file_durably
 
-logger = logging.getLogger("areal_ckpt.commit")
+logger = logging.getLogger(__name__)
 
 MANIFEST_FORMAT_VERSION = 1
 _AT_FDCWD = -100

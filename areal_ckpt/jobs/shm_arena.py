@@ -24,7 +24,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Placement
 from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
 
-logger = logging.getLogger("areal_ckpt.staging")
+logger = logging.getLogger(__name__)
 
 _SHM = "/dev/shm"
 _ALIGNMENT = 64  # bytes: every tensor starts on a cache line, so any dtype view is aligned

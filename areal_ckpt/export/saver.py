@@ -1,7 +1,7 @@
 """Saver: HuggingFace exports on epoch / step / time triggers, published atomically.
 
 Saver = schedule (when) + engine (what) + export (an atomic HF folder) + retention (how many),
-written in the caller's process or by a background writer (:mod:`areal_ckpt.background`).
+written in the caller's process or by a background writer (:mod:`areal_ckpt.jobs.background`).
 Process-safe within one job: every rank calls :meth:`Saver.save` and rank 0 alone publishes.
 Two jobs on one trial are refused by the trial lock.
 """
@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from areal_ckpt import dist
-from areal_ckpt.background import BackgroundWriter, describe_metrics, resolve_async, saving_metrics
-from areal_ckpt.commit import TrashCollector, hide_folder, remove_stale
+from areal_ckpt.jobs.background import BackgroundWriter, describe_metrics, resolve_async, saving_metrics
+from areal_ckpt.publish import TrashCollector, hide_folder, remove_stale
 from areal_ckpt.config import SaverConfig
 from areal_ckpt.errors import RankMismatchError
-from areal_ckpt.export import ExportTarget, StagedExportSource, begin_export, finish_export, stage_export
+from areal_ckpt.export.job import ExportTarget, StagedExportSource, begin_export, finish_export, stage_export
 from areal_ckpt.engines.contract import Engine, EngineLike, HFAssets, as_engine
-from areal_ckpt.layout import (
+from areal_ckpt.paths import (
     EXPORT_STAGING_PREFIX,
     EXPORT_TRASH_PREFIX,
     default_user,
@@ -35,7 +35,7 @@ from areal_ckpt.layout import (
 )
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.schedule import NamedSchedules, TriggerSchedule
-from areal_ckpt.staging import StagedLayout
+from areal_ckpt.jobs.shm_arena import StagedLayout
 from areal_ckpt.step import FinetuneSpec
 from areal_ckpt.tensors import EXPORT_DTYPES
 
@@ -137,7 +137,7 @@ class Saver:
         Collective: every rank calls it with the same arguments after each training step.
         Returns None when no export was due, else the export's folder. Synchronous mode blocks
         until that folder is complete and durable. Asynchronous mode (see
-        :func:`areal_ckpt.background.resolve_async`) first waits for the export in flight, then
+        :func:`areal_ckpt.jobs.background.resolve_async`) first waits for the export in flight, then
         blocks only while the tensors are copied to shared memory; the folder appears, complete,
         when the background commit finishes (:meth:`wait`). On failure the previous exports are
         untouched and an error is raised on every rank: by this call when synchronous, by the

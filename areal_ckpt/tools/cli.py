@@ -17,14 +17,14 @@ from tqdm import tqdm
 
 from areal_ckpt.config import parse_size
 from areal_ckpt.config_loader import load_config
-from areal_ckpt.convert import export_deepspeed, export_recovery, export_stock_dcp
-from areal_ckpt.describe import describe, list_trial, verify_each
+from areal_ckpt.tools.convert import export_deepspeed, export_recovery, export_stock_dcp
+from areal_ckpt.tools.inspection import describe, list_trial, verify_each
 from areal_ckpt.errors import CheckpointError, ConfigError
 from areal_ckpt.formats.stock_dcp import is_stock_dcp
-from areal_ckpt.import_areal import import_areal_trial
-from areal_ckpt.launch import launch
+from areal_ckpt.tools.import_areal import import_areal_trial
+from areal_ckpt.tools.launch import launch
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
-from areal_ckpt.recover_store import RecoverStore
+from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.tensors import EXPORT_DTYPES
 
 

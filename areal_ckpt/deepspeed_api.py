@@ -24,15 +24,15 @@ from typing import Any
 
 from areal_ckpt import dist
 from areal_ckpt._version import __version__
-from areal_ckpt.commit import publish, write_manifest
+from areal_ckpt.publish import publish, write_manifest
 from areal_ckpt.config import check_path_component
 from areal_ckpt.engines.contract import as_engine
 from areal_ckpt.errors import CheckpointError, RankMismatchError
 from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.hf_export import hf_files
 from areal_ckpt.fsio import FileRecord, fsync_dir, write_file_durably
-from areal_ckpt.layout import ENGINE_STATE_FILE, HF_FILES, MANIFEST_NAME
-from areal_ckpt.recover_read import load_engine, verify_checkpoint
+from areal_ckpt.paths import ENGINE_STATE_FILE, HF_FILES, MANIFEST_NAME
+from areal_ckpt.recover.read import load_engine, verify_checkpoint
 from areal_ckpt.state import safe_json
 
 logger = logging.getLogger(__name__)

@@ -11,21 +11,21 @@ from typing import Any
 
 from areal_ckpt import dist
 from areal_ckpt._version import __version__
-from areal_ckpt.commit import check_files, read_manifest
+from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import load_tensors, tensor_index
 from areal_ckpt.formats.dcp_metadata import read_metadata_json
 from areal_ckpt.fsio import FileRecord
 from areal_ckpt.config import RecoverConfig
-from areal_ckpt.layout import ENGINE_STATE_FILE, RECOVER_INFO, RECOVER_MANIFEST
-from areal_ckpt.recover_store import RecoverStore
-from areal_ckpt.recover_write import READABLE_RECOVER_VERSIONS, RECOVER_FORMAT
+from areal_ckpt.paths import ENGINE_STATE_FILE, RECOVER_INFO, RECOVER_MANIFEST
+from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.recover.write import READABLE_RECOVER_VERSIONS, RECOVER_FORMAT
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.recover_info import RecoverInfo, read_recover_info
 from areal_ckpt.state.rng import check_rng_state
 
-logger = logging.getLogger("areal_ckpt.recover")
+logger = logging.getLogger(__name__)
 
 _OPTIMIZER_PREFIX = "optim."
 _MODEL_PREFIX = "model."

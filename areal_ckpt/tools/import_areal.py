@@ -34,21 +34,21 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
-from areal_ckpt.commit import read_manifest, switch_symlink, write_manifest
+from areal_ckpt.publish import read_manifest, switch_symlink, write_manifest
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import failures_text, interruption_in
 from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.hf_export import copy_base_model_assets
 from areal_ckpt.formats.stock_dcp import SafeFileSystemReader, check_sizes, read_stock_metadata
 from areal_ckpt.fsio import fsync_dir, read_json_file, write_file_durably
-from areal_ckpt.layout import (
+from areal_ckpt.paths import (
     ENGINE_STATE_FILE, HF_FILES, RECOVER_CHECKPOINT, RECOVER_INFO, RECOVER_MANIFEST, rank_state_file,
     recover_info_link,
 )
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
-from areal_ckpt.recover_store import RecoverStore
-from areal_ckpt.recover_write import dump_header
-from areal_ckpt.saver import saver_state
+from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.recover.write import dump_header
+from areal_ckpt.export.saver import saver_state
 from areal_ckpt.schedule import schedule_state
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.plain_pickle import load_plain_pickle

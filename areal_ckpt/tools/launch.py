@@ -31,7 +31,7 @@ from typing import IO, Sequence
 
 from areal_ckpt.config import RecoverConfig
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.recover_store import RecoverStore
+from areal_ckpt.recover.store import RecoverStore
 
 #: Environment variable telling each attempt its number (0 for the first).
 ATTEMPT_VARIABLE = "AREAL_CKPT_LAUNCH_ATTEMPT"

@@ -1,7 +1,7 @@
 """RecoverHandler: full-state recovery checkpoints, resumed automatically and bit-exactly.
 
 RecoverHandler = schedule (when) + engines (model / optimizer / scheduler state through DCP) +
-state (RNG, dataloader, component states as JSON) + recover_store (atomic generations).
+state (RNG, dataloader, component states as JSON) + recover.store (atomic generations).
 Job-safe for one job per trial; process-safe within it: every rank calls ``dump`` / ``load``.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import torch
 
 from areal_ckpt import dist
-from areal_ckpt.background import BackgroundWriter, describe_metrics, resolve_async, saving_metrics
+from areal_ckpt.jobs.background import BackgroundWriter, describe_metrics, resolve_async, saving_metrics
 from areal_ckpt.config import RecoverConfig, check_path_component
 from areal_ckpt.engines.contract import (
     Engine,
@@ -30,7 +30,7 @@ from areal_ckpt.engines.contract import (
 from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError
 from areal_ckpt.formats.hf_export import HFFiles, hf_files
 from areal_ckpt.fsio import FileRecord
-from areal_ckpt.layout import (
+from areal_ckpt.paths import (
     ENGINE_STATE_FILE,
     RECOVER_INFO,
     default_user,
@@ -38,12 +38,12 @@ from areal_ckpt.layout import (
     trial_root,
 )
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
-from areal_ckpt.recover_read import load_engine, open_committed
-from areal_ckpt.recover_store import RecoverStore
-from areal_ckpt.recover_write import MODEL_SEPARATOR, DumpJob, dump_header
-from areal_ckpt.rollout_sync import RolloutSync
+from areal_ckpt.recover.read import load_engine, open_committed
+from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.recover.write import MODEL_SEPARATOR, DumpJob, dump_header
+from areal_ckpt.recover.rollout_sync import RolloutSync
 from areal_ckpt.schedule import TriggerSchedule
-from areal_ckpt.staging import layout_of
+from areal_ckpt.jobs.shm_arena import layout_of
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.components import Stateful, capture_components, dataloader_state, restore_components
 from areal_ckpt.state.recover_info import RecoverInfo, encode_global_info, encode_rank_state
@@ -61,7 +61,7 @@ class RecoverHandler:
     """Dumps and restores everything a training job needs to continue as if never stopped.
 
     One committed copy per trial, replaced on each dump by an atomic switch (see
-    :mod:`areal_ckpt.recover_store` and docs/recovery.md for why a kill at any instant leaves
+    :mod:`areal_ckpt.recover.store` and docs/recovery.md for why a kill at any instant leaves
     the previous or the new checkpoint, whole). Creating one (recovery enabled) takes the
     trial's lock on rank 0: a second job on the same trial is refused. Dumps are written in the
     calling process or, asynchronously, by a background writer (see ``dump``).

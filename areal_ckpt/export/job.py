@@ -18,7 +18,7 @@ import torch
 
 from areal_ckpt import dist
 from areal_ckpt._version import __version__
-from areal_ckpt.commit import publish, write_manifest
+from areal_ckpt.publish import publish, write_manifest
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.hf_export import (
     ExportPlan,
@@ -32,10 +32,10 @@ from areal_ckpt.formats.hf_export import (
     write_rank_shards,
 )
 from areal_ckpt.fsio import FileRecord
-from areal_ckpt.layout import MANIFEST_NAME, export_staging, export_trash
-from areal_ckpt.staging import StagedLayout, StagingArena, layout_of_specs
+from areal_ckpt.paths import MANIFEST_NAME, export_staging, export_trash
+from areal_ckpt.jobs.shm_arena import StagedLayout, StagingArena, layout_of_specs
 
-logger = logging.getLogger("areal_ckpt.export")
+logger = logging.getLogger(__name__)
 
 EXPORT_FORMAT = "areal_ckpt.hf_export"
 
