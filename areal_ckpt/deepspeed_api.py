@@ -22,12 +22,15 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from areal_ckpt import dist
+import torch
+
+from areal_ckpt import agree, dist
 from areal_ckpt._version import __version__
 from areal_ckpt.publish import publish, write_manifest
 from areal_ckpt.config import check_path_component
-from areal_ckpt.engines.contract import as_engine
-from areal_ckpt.errors import CheckpointError, RankMismatchError
+from areal_ckpt.engines.contract import Engine, as_engine
+from areal_ckpt.engines.torch_engine import MODEL_PREFIX
+from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.hf_export import hf_files
 from areal_ckpt.fsio import FileRecord, fsync_dir, write_file_durably
@@ -74,78 +77,71 @@ def save_checkpoint(
     engine = as_engine(engine, "save_checkpoint")
     tag = tag if tag is not None else _default_tag(engine)
     check_path_component(tag, "tag")
-    tags = dist.differing_values(tag)
-    if tags is not None:
-        raise RankMismatchError(f"save_checkpoint: ranks disagree on the tag: {tags}; nothing was written")
+    agree.require_same(tag, "save_checkpoint: ranks disagree on the tag (nothing was written)")
     root = Path(save_dir)
     final, staging = root / tag, root / f".{tag}.staging"
-    error = _prepare(staging) if dist.rank() == 0 else None
-    error = dist.broadcast_object(error, src=0)
-    if error is not None:
-        raise CheckpointError(f"{staging}: cannot prepare the checkpoint folder: {error}")
-    records: dict[str, tuple[int, int]] = {}
-    local_error = None
-    try:  # local work first: every rank must know it went well before the collective write
-        tensors, extra = engine.recover_state(include_optimizer=True)
-        if exclude_frozen_parameters:
-            frozen = {f"model.{name}" for name, p in engine.module.named_parameters() if not p.requires_grad}
-            tensors = {name: value for name, value in tensors.items() if name not in frozen}
-        record = write_file_durably(staging / _CLIENT / f"rank{dist.rank()}.json", safe_json.dumps(dict(client_state or {})))
-        records[f"{_CLIENT}/rank{dist.rank()}.json"] = (record.size, record.crc32)
-        if dist.rank() == 0:
-            extra["optimizer_saved"] = not engine.is_frozen
-            write_file_durably(staging / _MODEL / ENGINE_STATE_FILE, safe_json.dumps(extra))
-            (staging / _MODEL / HF_FILES).mkdir()  # what convert-deepspeed needs for config.json
-            hf_files(engine, None).write(staging / _MODEL / HF_FILES)
-    except Exception as failure:  # agreed below: every rank raises
-        local_error = f"rank {dist.rank()}: {type(failure).__name__}: {failure}"
-    if dist.all_true(local_error is None):
-        try:  # collective: DCP reports a failed write on every rank
-            groups, plan_key = extra.get("optimizer_param_groups"), f"{root}/{_MODEL}"
+    agree.decided_by_rank0(lambda: _prepare(staging), "save_checkpoint")
+    failed = f"{final}: checkpoint not saved (earlier tags and {LATEST} are untouched)"
+    try:
+        # local work first: every rank must know it went well before the collective write
+        tensors, engine_state, records = agree.on_every_rank(
+            lambda: _write_rank_files(engine, staging, client_state, exclude_frozen_parameters), failed)
+        groups, plan_key = engine_state.get("optimizer_param_groups"), f"{root}/{_MODEL}"
+
+        def write_shards() -> dict[str, tuple[int, int]]:
             for name, record in save_tensors(tensors, staging / _MODEL, groups, plan_key).items():
                 records[f"{_MODEL}/{name}"] = (record.size, record.crc32)
-        except CheckpointError as failure:
-            local_error = f"rank {dist.rank()}: {failure}"
-    elif local_error is None:
-        local_error = f"rank {dist.rank()}: stopped, another rank failed"
-    outcomes = dist.gather_objects(local_error or records, dst=0)
-    result = _commit(root, tag, staging, final, outcomes, save_latest) if outcomes is not None else None
-    result = dist.broadcast_object(result, src=0)
-    if result is not None:
-        raise CheckpointError(f"{final}: checkpoint not saved: {result}; earlier tags and {LATEST} are untouched")
+            return records
+
+        agree.gathered_then_decided(write_shards, lambda every: _commit(root, tag, staging, final, every, save_latest),
+                                    failed)
+    finally:
+        if dist.rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
     return True
 
 
-def _prepare(staging: Path) -> str | None:
+def _prepare(staging: Path) -> None:
+    """Rank 0: an empty staging folder for a tag. Raises CheckpointError naming it."""
     try:
         if staging.exists():
             shutil.rmtree(staging)
         (staging / _MODEL).mkdir(parents=True)
         (staging / _CLIENT).mkdir()
-        return None
     except OSError as error:
-        return str(error)
+        raise CheckpointError(f"{staging}: cannot prepare the checkpoint folder: {error}") from error
 
 
-def _commit(root: Path, tag: str, staging: Path, final: Path, outcomes: list[Any], save_latest: bool) -> str | None:
-    """Rank 0: manifest, publish, ``latest``. Returns the error text, or None."""
-    errors = [outcome for outcome in outcomes if isinstance(outcome, str)]
-    try:
-        if errors:
-            return "; ".join(errors)
-        records = {name: FileRecord(*entry) for outcome in outcomes for name, entry in outcome.items()}
-        header = {"format": TAGGED_FORMAT, "format_version": TAGGED_FORMAT_VERSION, "tag": tag,
-                  "world_size": dist.world_size(), "areal_ckpt_version": __version__}
-        write_manifest(staging, MANIFEST_NAME, records, header)
-        publish(staging, final, root / f".{tag}.trash")
-        if save_latest:
-            _write_latest(root, tag)
-        return None
-    except Exception as error:
-        logger.error("saving %s failed: %s", final, error)
-        return f"{type(error).__name__}: {error}"
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+def _write_rank_files(
+    engine: Engine, staging: Path, client_state: dict[str, Any] | None, exclude_frozen_parameters: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, tuple[int, int]]]:
+    """This rank's tensors, the engine's state and the records of the small files it wrote
+    (its client_state; rank 0 also the engine state and HF files). Local."""
+    tensors, engine_state = engine.recover_state(include_optimizer=True)
+    if exclude_frozen_parameters:
+        frozen = {f"{MODEL_PREFIX}{name}" for name, p in engine.module.named_parameters() if not p.requires_grad}
+        tensors = {name: value for name, value in tensors.items() if name not in frozen}
+    own = f"{_CLIENT}/rank{dist.rank()}.json"
+    record = write_file_durably(staging / own, safe_json.dumps(dict(client_state or {})))
+    if dist.rank() == 0:
+        engine_state["optimizer_saved"] = not engine.is_frozen
+        write_file_durably(staging / _MODEL / ENGINE_STATE_FILE, safe_json.dumps(engine_state))
+        (staging / _MODEL / HF_FILES).mkdir()  # what convert-deepspeed needs for config.json
+        hf_files(engine, None).write(staging / _MODEL / HF_FILES)
+    return tensors, engine_state, {own: (record.size, record.crc32)}
+
+
+def _commit(
+    root: Path, tag: str, staging: Path, final: Path, every: list[dict[str, tuple[int, int]]], save_latest: bool
+) -> None:
+    """Rank 0: manifest, publish, ``latest``."""
+    records = {name: FileRecord(*entry) for records in every for name, entry in records.items()}
+    header = {"format": TAGGED_FORMAT, "format_version": TAGGED_FORMAT_VERSION, "tag": tag,
+              "world_size": dist.world_size(), "areal_ckpt_version": __version__}
+    write_manifest(staging, MANIFEST_NAME, records, header)
+    publish(staging, final, root / f".{tag}.trash")
+    if save_latest:
+        _write_latest(root, tag)
 
 
 def _write_latest(root: Path, tag: str) -> None:
@@ -198,18 +194,9 @@ def load_checkpoint(
     engine = as_engine(engine, "load_checkpoint")
     root = Path(load_dir)
     if tag is None:
-        found = None
-        if dist.rank() == 0:
-            try:
-                found = read_latest(root)
-            except CheckpointError as error:
-                found = f"error:{error}"
-        found = dist.broadcast_object(found, src=0)
-        if found is None:
+        tag = agree.decided_by_rank0(lambda: read_latest(root), "load_checkpoint")
+        if tag is None:
             return None, None
-        if found.startswith("error:"):
-            raise CheckpointError(found.removeprefix("error:"))
-        tag = found
     check_path_component(tag, "tag")
     folder = root / tag
     if not folder.is_dir():
@@ -229,16 +216,14 @@ def _client_state(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     rank = dist.rank()
     own = f"{_CLIENT}/rank{rank}.json"
     source = folder / (own if own in manifest["files"] else f"{_CLIENT}/rank0.json")
-    client_state, error = None, None
-    try:
+
+    def read() -> dict[str, Any]:
         client_state = safe_json.loads(source.read_bytes(), str(source))
         if not isinstance(client_state, dict):
-            raise ValueError(f"{source}: expected an object, got {type(client_state).__name__}")
-    except (OSError, ValueError) as failure:
-        error = f"rank {rank}: {failure}"
-    errors = dist.agree_on_failures(error)
-    if errors:
-        raise CheckpointError(f"{folder}: client_state cannot be loaded: " + "; ".join(errors))
+            raise CheckpointError(f"{source}: expected an object, got {type(client_state).__name__}")
+        return client_state
+
+    client_state = agree.on_every_rank(read, f"{folder}: client_state cannot be loaded")
     if source.name != f"rank{rank}.json":
         logger.warning("%s: written by %d ranks; rank %d gets rank 0's client_state (as DeepSpeed does)",
                        folder, manifest["world_size"], rank)

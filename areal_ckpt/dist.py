@@ -208,25 +208,6 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return [obj if index == rank() else _decode(piece) for index, piece in enumerate(pieces)]
 
 
-def agree_on_failures(failure: str | None) -> list[str]:
-    """Collective: the failures of every rank that had one (each ``failure`` names its rank and
-    cause), in rank order; empty when none failed. Every rank gets the same list, so every rank
-    goes on or stops together. Costs one 4-byte reduction when no rank failed."""
-    if all_true(failure is None):
-        return []
-    return [text for text in all_gather_objects(failure) if text is not None]
-
-
-def differing_values(value: Any) -> list[Any] | None:
-    """Collective: None when ``value`` (small, comparable with ``==``) is the same on every rank,
-    else every rank's value, indexed by rank (for the error message). Costs a broadcast of
-    rank 0's value and one 4-byte reduction when they agree."""
-    reference = broadcast_object(value, src=0)
-    if all_true(value == reference):
-        return None
-    return all_gather_objects(value)
-
-
 _HEADER = 8  # each object payload is prefixed with its length, so padding can follow it
 
 

@@ -21,3 +21,8 @@ class RankMismatchError(CheckpointError):
 
 class CollectiveError(CheckpointError):
     """A collective between ranks failed: usually another rank died or the network broke."""
+
+
+class TransientError(CheckpointError):
+    """A failure that trying again may cure (an OS error while writing a new recovery dump);
+    the recovery dump retries it (:mod:`areal_ckpt.recover.retry`) before giving up."""

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from areal_ckpt import dist
+from areal_ckpt import agree, dist
 from areal_ckpt._version import __version__
 from areal_ckpt.publish import publish, write_manifest
 from areal_ckpt.errors import CheckpointError
@@ -128,12 +128,10 @@ def begin_export(
             **header,
         },
     )
-    error = None
-    if dist.rank() == 0:
-        error = _prepare_staging(target, lambda: hf_files(source, dtype, tokenizer, processor, assets))
-    error = dist.broadcast_object(error, src=0)
-    if error is not None:
-        raise CheckpointError(f"{target.staging}: could not prepare the export: {error}; nothing was published")
+    agree.decided_by_rank0(
+        lambda: _prepare_staging(target, lambda: hf_files(source, dtype, tokenizer, processor, assets)),
+        f"{target.staging}: could not prepare the export (nothing was published)",
+    )
     return target
 
 
@@ -165,44 +163,39 @@ def finish_export(
     nothing is published and every rank raises.
     """
     rank, world = dist.rank(), dist.world_size()
-    records, error = write_rank_shards(source, target.plan, target.staging, rank, world, target.dtype, progress)
-    if error is not None:
-        logger.error("rank %d: writing export shards into %s failed: %s", rank, target.staging, error)
-    failures = dist.agree_on_failures(None if error is None else f"rank {rank}: {error}")
-    if failures:
+
+    def write_shards() -> dict[str, tuple[int, int]]:
+        records, error = write_rank_shards(source, target.plan, target.staging, rank, world, target.dtype, progress)
+        if error is not None:
+            logger.error("rank %d: writing export shards into %s failed: %s", rank, target.staging, error)
+            raise CheckpointError(error)
+        return {file: (record.size, record.crc32) for file, record in records.items()}
+
+    try:
+        agree.gathered_then_decided(write_shards, lambda every: _commit(target, every),
+                                    f"{target.final}: export failed (nothing was published)")
+    except BaseException:
         if rank == 0:
             shutil.rmtree(target.staging, ignore_errors=True)
-        raise CheckpointError(f"{target.final}: export failed: {'; '.join(failures)}; nothing was published")
-    all_records = dist.gather_objects({file: (rec.size, rec.crc32) for file, rec in records.items()}, dst=0)
-    outcome = _commit(target, all_records) if all_records is not None else None
-    outcome = dist.broadcast_object(outcome, src=0)
-    if outcome is not None:
-        raise CheckpointError(f"{target.final}: commit failed on rank 0: {outcome}; nothing was published")
+        raise
     return target.plan.total_size
 
 
-def _prepare_staging(target: ExportTarget, files: Callable[[], HFFiles]) -> str | None:
-    """Rank 0: a fresh staging folder holding the metadata files. Returns the error text or None."""
+def _prepare_staging(target: ExportTarget, files: Callable[[], HFFiles]) -> None:
+    """Rank 0: a fresh staging folder holding the metadata files; removed again if that failed."""
     try:
         if target.staging.exists():
             shutil.rmtree(target.staging)
         target.staging.mkdir(parents=True)
         write_metadata(target.plan, target.staging, files())
-        return None
-    except Exception as error:  # reported to every rank, which all raise
+    except Exception as error:  # every rank raises it (see begin_export)
         logger.error("cannot prepare staging folder %s: %s", target.staging, error)
         shutil.rmtree(target.staging, ignore_errors=True)
-        return f"{type(error).__name__}: {error}"
+        raise
 
 
-def _commit(target: ExportTarget, all_records: list[dict[str, tuple[int, int]]]) -> str | None:
-    """Rank 0: manifest, publish. Returns None on success, else the error text."""
-    try:
-        records = {file: FileRecord(size, crc) for part in all_records for file, (size, crc) in part.items()}
-        write_manifest(target.staging, MANIFEST_NAME, records, target.header)
-        publish(target.staging, target.final, export_trash(target.final))
-        return None
-    except Exception as error:  # reported to every rank, which all raise
-        logger.error("commit of %s failed: %s", target.final, error)
-        shutil.rmtree(target.staging, ignore_errors=True)
-        return str(error)
+def _commit(target: ExportTarget, every: list[dict[str, tuple[int, int]]]) -> None:
+    """Rank 0: manifest, publish (the caller removes the staging folder if this fails)."""
+    records = {file: FileRecord(size, crc) for part in every for file, (size, crc) in part.items()}
+    write_manifest(target.staging, MANIFEST_NAME, records, target.header)
+    publish(target.staging, target.final, export_trash(target.final))

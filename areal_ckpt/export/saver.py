@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from areal_ckpt import dist
+from areal_ckpt import agree, dist
 from areal_ckpt.jobs.background import BackgroundWriter, describe_metrics, resolve_async, saving_metrics
 from areal_ckpt.publish import TrashCollector, hide_folder, remove_stale
 from areal_ckpt.config import SaverConfig
-from areal_ckpt.errors import RankMismatchError
 from areal_ckpt.export.job import ExportTarget, StagedExportSource, begin_export, finish_export, stage_export
 from areal_ckpt.engines.contract import Engine, EngineLike, HFAssets, as_engine
 from areal_ckpt.paths import (
@@ -157,9 +156,7 @@ class Saver:
         start = time.perf_counter()
         self._collect()
         tag = (name, epoch, epoch_step, global_step)
-        tags = dist.differing_values(list(tag))
-        if tags is not None:
-            raise RankMismatchError(f"Saver.save: ranks disagree on (name, epoch, epoch_step, global_step): {tags}")
+        agree.require_same(list(tag), "Saver.save: ranks disagree on (name, epoch, epoch_step, global_step)")
         final = self.export_root(name) / export_leaf(epoch, epoch_step, global_step)
         header = {"name": name, "step": {"epoch": epoch, "epoch_step": epoch_step, "global_step": global_step}}
         target = begin_export(engine, final, max_shard_size=self.config.max_shard_size, dtype=self._dtype,

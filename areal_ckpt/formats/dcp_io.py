@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
-from areal_ckpt import dist
+from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_metadata import read_metadata_json
 from areal_ckpt.formats.dcp_storage import RawStorageReader
@@ -69,15 +69,10 @@ def load_tensors(
             raise CheckpointError(
                 f"{folder}: {name}: checkpoint has {dtype} {list(shape)}, model has {tensor.dtype} {list(tensor.shape)}"
             )
-    failure = None
-    try:
-        _read_planned(template, RawStorageReader(folder, expected, metadata), metadata)
-    except Exception as error:  # reported to every rank below, so none goes on alone
-        text = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
-        failure = f"rank {dist.rank()}: {text}"
-    failures = dist.agree_on_failures(failure)
-    if failures:
-        raise CheckpointError(f"{folder}: reading DCP shards failed: {'; '.join(failures)}")
+    agree.on_every_rank(  # every rank learns whether all read their shards, so none goes on alone
+        lambda: _read_planned(template, RawStorageReader(folder, expected, metadata), metadata),
+        f"{folder}: reading DCP shards failed",
+    )
 
 
 def _read_planned(template: dict[str, torch.Tensor], reader: RawStorageReader, metadata: Metadata) -> None:

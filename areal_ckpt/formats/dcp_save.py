@@ -29,19 +29,10 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
-from areal_ckpt import dist
+from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_storage import RawStorageWriter
 from areal_ckpt.fsio import FileRecord
-
-
-@dataclasses.dataclass(frozen=True)
-class _Failure:
-    """One rank's failure in a save step, as sent to the other ranks."""
-
-    rank: int
-    text: str
-    interrupt: str | None  # "KeyboardInterrupt" / "SystemExit", never converted or retried
 
 
 @dataclasses.dataclass
@@ -81,24 +72,11 @@ def save_tensors(
     writer = RawStorageWriter(folder)
     planner = DefaultSavePlanner()
     central, metadata = _plan(_stored_layout(tensors, param_groups), writer, planner, plan_key, folder)
-    results: Any = None
-    own: BaseException | None = None
-    try:
-        results = writer.write_data(planner.finish_plan(central), planner).value()
-    except BaseException as error:  # reported to rank 0 below, so every rank ends the same way
-        own, results = error, _failure_of(error)
-    gathered = dist.gather_objects(results, dst=0)
-    outcome: list[_Failure] | None = None
-    if gathered is not None:
-        outcome = [item for item in gathered if isinstance(item, _Failure)] or None
-        if outcome is None:
-            try:
-                writer.finish(metadata, gathered)
-            except Exception as error:
-                outcome = [_failure_of(error)]
-    outcome = dist.broadcast_object(outcome, src=0)
-    if outcome:
-        _raise_agreed(outcome, own, folder)
+    agree.gathered_then_decided(  # the write results go to rank 0, which writes the metadata
+        lambda: writer.write_data(planner.finish_plan(central), planner).value(),
+        lambda results: writer.finish(metadata, results),
+        f"{folder}: writing DCP shards failed",
+    )
     return {writer.file_name: writer.record}
 
 
@@ -110,55 +88,34 @@ def _plan(
     Collective."""
     placement = (dist.rank(), dist.world_size())
     cached = _PLANS.get(plan_key) if plan_key is not None else None
-    local: Any = None
-    own: BaseException | None = None
+    local: SavePlan | None = None
+    failure: BaseException | None = None
     try:
         planner.set_up_planner(state_dict=state, storage_meta=writer.storage_meta(), is_coordinator=placement[0] == 0)
         writer.set_up_storage_writer(placement[0] == 0)
         local = writer.prepare_local_plan(planner.create_local_plan())
-        unchanged = cached is not None and cached.placement == placement and cached.local_items == local.items
-    except BaseException as error:  # reported below, so every rank ends the same way
-        own, local, unchanged = error, _failure_of(error), False
+    except BaseException as error:  # sent to rank 0 below, so every rank ends the same way
+        failure = error
+    unchanged = local is not None and cached is not None and cached.placement == placement \
+        and cached.local_items == local.items
     if dist.all_true(unchanged) and cached is not None:
         return cached.central, cached.metadata
-    plans = dist.gather_objects(local, dst=0)
-    answers: list[Any] | None = None
-    metadata: Metadata | None = None
-    if plans is not None:
-        failures = [plan for plan in plans if isinstance(plan, _Failure)]
-        if not failures:
-            try:
-                global_plans, metadata = planner.create_global_plan(plans)
-                answers = writer.prepare_global_plan(global_plans)
-            except Exception as error:
-                failures = [_failure_of(error)]
-        if failures:
-            answers = [failures] * len(plans)
-    answer = dist.scatter_objects(answers, src=0)
-    if isinstance(answer, list):
-        _raise_agreed(answer, own, folder)
-    if plan_key is not None:
-        _PLANS[plan_key] = _CachedPlan(placement, list(local.items), answer, metadata)
-    return answer, metadata
+    metadata: list[Metadata] = []  # rank 0's global metadata, set by `decide`
 
+    def contribute() -> SavePlan:
+        if failure is not None or local is None:
+            raise failure or CheckpointError(f"{folder}: no local plan")
+        return local
 
-def _failure_of(error: BaseException) -> _Failure:
-    interrupt = type(error).__name__ if isinstance(error, (KeyboardInterrupt, SystemExit)) else None
-    text = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
-    return _Failure(dist.rank(), f"rank {dist.rank()}: {text}", interrupt)
+    def decide(plans: list[SavePlan]) -> list[SavePlan]:
+        global_plans, global_metadata = planner.create_global_plan(plans)
+        metadata.append(global_metadata)
+        return list(writer.prepare_global_plan(global_plans))
 
-
-def _raise_agreed(failures: list[_Failure], own: BaseException | None, folder: Path) -> None:
-    """Raise what every rank raises for ``failures``: this rank's own interruption, or one of the
-    same type naming the rank it hit, or CheckpointError naming each failed rank."""
-    interrupted = [failure for failure in failures if failure.interrupt is not None]
-    if interrupted:
-        if isinstance(own, (KeyboardInterrupt, SystemExit)):
-            raise own
-        first = interrupted[0]
-        kind = KeyboardInterrupt if first.interrupt == "KeyboardInterrupt" else SystemExit
-        raise kind(f"rank {first.rank} was interrupted while writing DCP shards")
-    raise CheckpointError(f"{folder}: writing DCP shards failed: {'; '.join(f.text for f in failures)}")
+    central = agree.gathered_then_dealt(contribute, decide, f"{folder}: planning DCP shards failed")
+    if plan_key is not None and local is not None:
+        _PLANS[plan_key] = _CachedPlan(placement, list(local.items), central, metadata[0] if metadata else None)
+    return central, metadata[0] if metadata else None
 
 
 def _stored_layout(tensors: dict[str, torch.Tensor], param_groups: list[dict[str, Any]] | None) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch.distributed.tensor import DeviceMesh, DTensor, Placement
 
-from areal_ckpt import dist
+from areal_ckpt import agree
 from areal_ckpt.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -135,13 +135,7 @@ class StagingArena:
         completed. As a generator, ``tensors`` needs at most one source tensor alive besides
         the arena.
         """
-        problem = None
-        try:
-            self._ensure_capacity(layout.end)
-        except (CheckpointError, RuntimeError) as error:
-            problem = str(error)
-        if not dist.all_true(problem is None):
-            raise CheckpointError(problem or "staging failed on another rank (see its log)")
+        agree.on_every_rank(lambda: self._ensure_capacity(layout.end), "staging tensors in shared memory failed")
         views = self._views_of(layout)
         for name, tensor in tensors:
             local = _local(tensor).detach()

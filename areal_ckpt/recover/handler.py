@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import torch
 
-from areal_ckpt import dist
+from areal_ckpt import agree, dist
 from areal_ckpt.jobs.background import BackgroundWriter, describe_metrics, resolve_async, saving_metrics
 from areal_ckpt.config import RecoverConfig, check_path_component
 from areal_ckpt.engines.contract import (
@@ -27,7 +27,7 @@ from areal_ckpt.engines.contract import (
     engines_by_name,
     named_engines,
 )
-from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError
+from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError, TransientError
 from areal_ckpt.formats.hf_export import HFFiles, hf_files
 from areal_ckpt.fsio import FileRecord
 from areal_ckpt.paths import (
@@ -39,6 +39,7 @@ from areal_ckpt.paths import (
 )
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.recover.read import load_engine, open_committed
+from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.write import MODEL_SEPARATOR, DumpJob, dump_header
 from areal_ckpt.recover.rollout_sync import RolloutSync
@@ -51,10 +52,6 @@ from areal_ckpt.state.rng import capture_rng_state, restore_rng_state
 from areal_ckpt.step import FinetuneSpec, StepInfo
 
 logger = logging.getLogger(__name__)
-
-
-class _AttemptFailed(Exception):
-    """A dump attempt failed on some rank; every rank raises it (retried by ``dump``)."""
 
 
 class RecoverHandler:
@@ -164,21 +161,13 @@ class RecoverHandler:
         start = time.perf_counter()
         self._collect()
         background = resolve_async(self.config.mode, any(e.on_accelerator for e in engines.values()))
-        for attempt in range(self.config.write_retries + 1):
-            try:
-                job, tensors, fingerprints = self._prepare(engines, step_info, components, rank_state, assets)
-                break
-            except CollectiveError as lost:  # retrying without the other ranks cannot succeed
-                raise self._stopped(step_info, lost) from lost
-            except _AttemptFailed as failure:
-                if attempt == self.config.write_retries:
-                    raise CheckpointError(
-                        f"{self.store.root}: recovery dump at global step {step_info.global_step} failed "
-                        f"after {attempt + 1} attempts: {failure}; the previous checkpoint is intact"
-                    ) from failure
-                delay = min(0.5 * 2**attempt, 10.0)
-                logger.warning("recovery dump attempt %d failed (%s); retrying in %.1f s", attempt + 1, failure, delay)
-                time.sleep(delay)
+        what = f"{self.store.root}: recovery dump at global step {step_info.global_step}"
+        try:
+            job, tensors, fingerprints = retried(
+                lambda: self._prepare(engines, step_info, components, rank_state, assets),
+                self.config.write_retries, what)
+        except CollectiveError as lost:  # retrying without the other ranks cannot succeed
+            raise self._stopped(step_info, lost) from lost
         if background:
             layout = layout_of(tensors)
             try:
@@ -246,60 +235,60 @@ class RecoverHandler:
     ) -> tuple[DumpJob, dict[str, torch.Tensor], dict[str, list[int]]]:
         """Create the generation, write its JSON files, capture the tensors; collective.
 
-        Raises _AttemptFailed on every rank (after discarding the generation) when a rank failed.
+        Raises TransientError on every rank (after discarding the generation) when a rank failed.
         """
         rank = dist.rank()
         names = sorted(engines)
         for name in names:
             check_path_component(name, "model name")
-        tags = dist.differing_values([step_info.global_step, names])
-        if tags is not None:
-            raise RankMismatchError(f"RecoverHandler.dump: ranks disagree on (global_step, models): {tags}")
-        begun = None
-        if rank == 0:
-            begun = self.store.begin(step_info.global_step, names, loaded=self._generation, first=not self._tidied)
-            self._tidied = self._tidied or begun[0] == "created"
-        kind, generation = dist.broadcast_object(begun, src=0)
-        if kind == "refused":
-            raise CheckpointError(generation)
-        if kind == "failed":
-            raise _AttemptFailed(f"cannot create a generation folder: {generation}")
+        agree.require_same([step_info.global_step, names],
+                           "RecoverHandler.dump: ranks disagree on (global_step, models)")
+        generation = agree.decided_by_rank0(lambda: self._begin(step_info.global_step, names), "RecoverHandler.dump")
         records: dict[str, FileRecord] = {}
         files: dict[str, bytes] = {}
         hf: dict[str, HFFiles] = {}
         param_groups: dict[str, list[dict[str, Any]]] = {}
         tensors: dict[str, torch.Tensor] = {}
         fingerprints: dict[str, list[int]] = {}
-        local_error: str | None = None
+
+        def capture() -> None:
+            try:
+                for name in names:
+                    if engines[name].is_frozen:
+                        fingerprints[name] = engines[name].fingerprint()
+                    model_tensors, model_records = self._prepare_engine(
+                        engines[name], name, generation, fingerprints.get(name), assets[name], files, hf, param_groups
+                    )
+                    records.update(model_records)
+                    tensors.update({f"{name}{MODEL_SEPARATOR}{key}": value for key, value in model_tensors.items()})
+                if rank == 0:
+                    for file_name, data in encode_global_info(step_info, components).items():
+                        files[f"{RECOVER_INFO}/{file_name}"] = data
+                file_name, data = encode_rank_state(rank, rank_state)
+                files[f"{RECOVER_INFO}/{file_name}"] = data
+            except (RankMismatchError, CollectiveError):
+                raise
+            except Exception as error:  # retried, once every rank knows
+                raise TransientError(f"{type(error).__name__}: {error}") from error
+
         try:
-            for name in names:
-                if engines[name].is_frozen:
-                    fingerprints[name] = engines[name].fingerprint()
-                model_tensors, model_records = self._prepare_engine(
-                    engines[name], name, generation, fingerprints.get(name), assets[name], files, hf, param_groups
-                )
-                records.update(model_records)
-                tensors.update({f"{name}{MODEL_SEPARATOR}{key}": value for key, value in model_tensors.items()})
-            if rank == 0:
-                for file_name, data in encode_global_info(step_info, components).items():
-                    files[f"{RECOVER_INFO}/{file_name}"] = data
-            file_name, data = encode_rank_state(rank, rank_state)
-            files[f"{RECOVER_INFO}/{file_name}"] = data
-        except (RankMismatchError, CollectiveError):
-            raise
-        except Exception as error:  # local failures are agreed below
-            local_error = f"rank {rank}: {type(error).__name__}: {error}"
-        errors = dist.agree_on_failures(local_error)
-        if errors:
+            agree.on_every_rank(capture, "capturing the state failed")
+        except BaseException:
             if rank == 0:
                 self.store.discard(generation)
-            raise _AttemptFailed("; ".join(errors))
+            raise
         job = DumpJob(
             trial=self.store.trial, generation=generation, models=names,
             records={k: (r.size, r.crc32) for k, r in records.items()}, files=files, hf=hf, param_groups=param_groups,
             header=dump_header(step_info.to_dict(), names), retries=self.config.write_retries,
         )
         return job, tensors, fingerprints
+
+    def _begin(self, global_step: int, names: list[str]) -> str:
+        """Rank 0: create the generation folder (see RecoverStore.begin); local."""
+        generation = self.store.begin(global_step, names, loaded=self._generation, first=not self._tidied)
+        self._tidied = True
+        return generation
 
     def _prepare_engine(
         self, engine: Engine, name: str, generation: str, fingerprint: list[int] | None, assets: HFAssets,

@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from areal_ckpt import dist
+from areal_ckpt import agree, dist
 from areal_ckpt._version import __version__
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.errors import CheckpointError
@@ -34,13 +34,10 @@ DATA_SUFFIX = ".distcp"
 
 def find_committed(store: RecoverStore) -> str | None:
     """Rank 0 at start: the committed generation (None if none) after deleting the debris of
-    interrupted dumps; ``error:<why>`` when the commit record is broken or the trial holds
-    AReaL's own recovery folders (then nothing is deleted). Local."""
-    try:
-        store.refuse_foreign_layout()
-        committed = store.committed()
-    except CheckpointError as error:
-        return f"error:{error}"
+    interrupted dumps. Local. Raises CheckpointError, deleting nothing, when the commit record
+    is broken or the trial holds AReaL's own recovery folders."""
+    store.refuse_foreign_layout()
+    committed = store.committed()
     removed = store.remove_debris(keep=committed)
     if removed:
         logger.warning("removed uncommitted recovery generations (interrupted dumps): %s", removed)
@@ -55,12 +52,9 @@ def open_committed(
     verifies its share and reads its info. Raises CheckpointError on every rank when the
     commit record is broken, the trial holds AReaL's folders, a file is damaged, the models
     differ from ``models``, or a component cannot be restored; nothing is loaded then."""
-    found = find_committed(store) if dist.rank() == 0 else None
-    found = dist.broadcast_object(found, src=0)
+    found = agree.decided_by_rank0(lambda: find_committed(store), "RecoverHandler.load")
     if found is None:
         return None
-    if found.startswith("error:"):
-        raise CheckpointError(found.removeprefix("error:"))
     folder = store.path(found)
     manifest = verify_checkpoint(folder)
     if models != manifest["models"]:
@@ -111,11 +105,14 @@ def verify_checkpoint(
         )
     files = manifest["files"]
     mine = [name for index, name in enumerate(sorted(files)) if index % dist.world_size() == dist.rank()]
-    local = check_files(folder, files, [name for name in mine if not name.endswith(DATA_SUFFIX)])
-    local += check_files(folder, files, [name for name in mine if name.endswith(DATA_SUFFIX)], checksum=False)
-    problems = dist.agree_on_failures("; ".join(local) or None)
-    if problems:
-        raise CheckpointError(f"{folder}: recovery checkpoint is damaged: " + "; ".join(problems))
+
+    def check_share() -> None:
+        problems = check_files(folder, files, [name for name in mine if not name.endswith(DATA_SUFFIX)])
+        problems += check_files(folder, files, [name for name in mine if name.endswith(DATA_SUFFIX)], checksum=False)
+        if problems:
+            raise CheckpointError("; ".join(problems))
+
+    agree.on_every_rank(check_share, f"{folder}: recovery checkpoint is damaged")
     return manifest
 
 
@@ -209,17 +206,18 @@ def check_if_recover(config: RecoverConfig, run_id: int = 0) -> bool:
 def check_restorable(info: RecoverInfo) -> None:
     """Raise CheckpointError (on every rank) unless this rank's RNG state and the trigger state
     of ``info`` can be restored; checked on scratch objects, so nothing changes. Collective."""
-    problem = None
-    try:
-        if info.rng_state is not None:
-            check_rng_state(info.rng_state)
-    except ValueError as error:
-        problem = f"{info.path}/{RECOVER_INFO}/rank{dist.rank()}.json: {error}"
-    if info.checkpoint_info is not None and problem is None:
+
+    def check() -> None:
         try:
-            TriggerSchedule(None, None, None).load_state_dict(info.checkpoint_info)
-        except (KeyError, TypeError, ValueError, AttributeError) as error:
-            problem = f"{info.path}/{RECOVER_INFO}/checkpoint_info.json: malformed: {type(error).__name__}: {error}"
-    problems = dist.agree_on_failures(problem)
-    if problems:
-        raise CheckpointError("; ".join(problems))
+            if info.rng_state is not None:
+                check_rng_state(info.rng_state)
+        except ValueError as error:
+            raise CheckpointError(f"{info.path}/{RECOVER_INFO}/rank{dist.rank()}.json: {error}") from None
+        if info.checkpoint_info is not None:
+            try:
+                TriggerSchedule(None, None, None).load_state_dict(info.checkpoint_info)
+            except (KeyError, TypeError, ValueError, AttributeError) as error:
+                raise CheckpointError(f"{info.path}/{RECOVER_INFO}/checkpoint_info.json: malformed: "
+                                      f"{type(error).__name__}: {error}") from None
+
+    agree.on_every_rank(check, f"{info.path}: recover info cannot be restored")

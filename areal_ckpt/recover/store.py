@@ -26,7 +26,7 @@ from typing import Any
 
 from areal_ckpt.config import RecoverConfig
 from areal_ckpt.publish import check_files, hide_folder, read_manifest, switch_symlink, write_manifest
-from areal_ckpt.errors import CheckpointError
+from areal_ckpt.errors import CheckpointError, TransientError
 from areal_ckpt.formats.dcp_storage import data_file_of
 from areal_ckpt.fsio import FileRecord, fsync_dir
 from areal_ckpt.paths import (
@@ -145,20 +145,18 @@ class RecoverStore:
             (folder / sub).mkdir(parents=True)
         return name
 
-    def begin(self, global_step: int, names: list[str], loaded: str | None, first: bool) -> tuple[str, str]:
-        """Rank 0 at the start of a dump: ``("created", generation)``, ``("refused", why)`` when
-        a committed generation exists that this job did not load or write (``loaded``), or the
-        store is broken, or (``first`` dump of the job) the trial holds AReaL's own folders; or
-        ``("failed", OS error)``, which the caller retries. On a first dump the debris of
-        earlier jobs is removed before the new generation is created."""
-        try:
-            if first:
-                self.refuse_foreign_layout()
-            committed = self.committed()
-        except CheckpointError as error:
-            return "refused", str(error)
+    def begin(self, global_step: int, names: list[str], loaded: str | None, first: bool) -> str:
+        """Rank 0 at the start of a dump: the new generation's name. Local. Raises
+        CheckpointError (a refusal) when a committed generation exists that this job did not
+        load or write (``loaded``), or the store is broken, or (``first`` dump of the job) the
+        trial holds AReaL's own folders; TransientError (retried by the dump) on an OS error.
+        On a first dump the debris of earlier jobs is removed before the new generation is
+        created."""
+        if first:
+            self.refuse_foreign_layout()
+        committed = self.committed()
         if committed is not None and committed != loaded:
-            return "refused", (
+            raise CheckpointError(
                 f"{self.path(committed)} is a recovery checkpoint this job has not loaded; "
                 "call RecoverHandler.load() first (or use another trial_name) so it is not overwritten"
             )
@@ -167,9 +165,9 @@ class RecoverStore:
                 self.remove_debris(keep=committed)
             else:
                 self.remove_trash()
-            return "created", self.create(global_step, names)
+            return self.create(global_step, names)
         except OSError as error:
-            return "failed", str(error)
+            raise TransientError(f"{self.root}: cannot create a generation folder: {error}") from error
 
     def link_model(self, source: str, target: str, model: str) -> dict[str, FileRecord]:
         """Hard-link ``model``'s files from generation ``source`` into ``target`` (unchanged model).

@@ -11,20 +11,20 @@ generation is discarded, so the previous checkpoint stays the committed one what
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from areal_ckpt import dist
+from areal_ckpt import agree, dist
 from areal_ckpt._version import __version__
-from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError
+from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError, TransientError
 from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.hf_export import HFFiles
 from areal_ckpt.fsio import FileRecord, write_file_durably
 from areal_ckpt.paths import HF_FILES
+from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.jobs.shm_arena import StagedLayout
 
@@ -86,63 +86,53 @@ class DumpJob:
         for key, tensor in tensors.items():
             model, _, name = key.partition(MODEL_SEPARATOR)
             by_model.setdefault(model, {})[name] = tensor
-        for attempt in range(self.retries + 1):
-            outcome = self._attempt(store, by_model)
-            if not isinstance(outcome, str):
-                written, hidden = outcome
-                store.delete_rank_files(hidden, dist.rank(), self.models)  # every rank its own share
-                return {"path": str(store.path(self.generation)), "bytes": written}
-            failure = outcome
-            if attempt == self.retries:
-                if dist.rank() == 0 and _committed_or_none(store) != self.generation:
-                    store.discard(self.generation)
-                raise CheckpointError(
-                    f"{store.root}: recovery dump at global step {self.header['step']['global_step']} failed "
-                    f"after {attempt + 1} attempts: {failure}; the previous checkpoint is intact"
-                )
-            delay = min(0.5 * 2**attempt, 10.0)
-            logger.warning("recovery dump attempt %d failed (%s); retrying in %.1f s", attempt + 1, failure, delay)
-            time.sleep(delay)
-        raise AssertionError("unreachable: the last attempt returns or raises")
 
-    def _attempt(self, store: RecoverStore, by_model: dict[str, dict[str, Any]]) -> tuple[int, list[str]] | str:
+        def discard() -> None:
+            if dist.rank() == 0 and _committed_or_none(store) != self.generation:
+                store.discard(self.generation)
+
+        what = f"{store.root}: recovery dump at global step {self.header['step']['global_step']}"
+        written, hidden = retried(lambda: self._attempt(store, by_model), self.retries, what, give_up=discard)
+        store.delete_rank_files(hidden, dist.rank(), self.models)  # every rank its own share
+        return {"path": str(store.path(self.generation)), "bytes": written}
+
+    def _attempt(self, store: RecoverStore, by_model: dict[str, dict[str, Any]]) -> tuple[int, list[str]]:
         """One write + commit; returns (the generation's bytes, the hidden superseded
-        generations) or why it failed. Collective; rank 0 commits, every rank gets its outcome."""
-        rank = dist.rank()
+        generations). Collective; rank 0 commits; every rank raises the same TransientError when
+        a rank's write or the commit failed."""
         folder = store.path(self.generation)
-        records = dict(self.records)
-        local_error: str | None = None
-        try:
-            for model in sorted(by_model):  # collective: a failed write raises on every rank
-                tensors, groups = by_model[model], self.param_groups.get(model)
-                plan_key = f"{self.trial}/{model}"
-                for file_name, record in save_tensors(tensors, folder / model, groups, plan_key).items():
-                    records[f"{model}/{file_name}"] = (record.size, record.crc32)
-            for relative, data in self.files.items():  # local from here on
-                record = write_file_durably(folder / relative, data)
-                records[relative] = (record.size, record.crc32)
-            for model, hf_files in self.hf.items():  # checksummed and fsync'd by the commit
-                (folder / model / HF_FILES).mkdir(exist_ok=True)
-                hf_files.write(folder / model / HF_FILES)
-        except (RankMismatchError, CollectiveError):
-            raise
-        except Exception as error:  # DCP raises on every rank; local failures are agreed below
-            local_error = f"rank {rank}: {type(error).__name__}: {error}"
-        outcomes = dist.gather_objects(local_error or records, dst=0)  # O(own files) from each rank
-        result = self._commit(store, outcomes) if outcomes is not None else None
-        return dist.broadcast_object(result, src=0)
 
-    def _commit(self, store: RecoverStore, outcomes: list[Any]) -> tuple[int, list[str]] | str:
-        errors = [o for o in outcomes if isinstance(o, str)]
-        if errors:
-            return "; ".join(errors)
-        records = {k: FileRecord(size, crc) for o in outcomes for k, (size, crc) in o.items()}
+        def write() -> dict[str, tuple[int, int]]:
+            records = dict(self.records)
+            try:
+                for model in sorted(by_model):  # collective: a failed write raises on every rank
+                    tensors, groups = by_model[model], self.param_groups.get(model)
+                    plan_key = f"{self.trial}/{model}"
+                    for file_name, record in save_tensors(tensors, folder / model, groups, plan_key).items():
+                        records[f"{model}/{file_name}"] = (record.size, record.crc32)
+                for relative, data in self.files.items():  # local from here on
+                    record = write_file_durably(folder / relative, data)
+                    records[relative] = (record.size, record.crc32)
+                for model, hf_files in self.hf.items():  # checksummed and fsync'd by the commit
+                    (folder / model / HF_FILES).mkdir(exist_ok=True)
+                    hf_files.write(folder / model / HF_FILES)
+            except (RankMismatchError, CollectiveError):
+                raise
+            except Exception as error:  # retried, once every rank knows
+                raise TransientError(f"{type(error).__name__}: {error}") from error
+            return records
+
+        return agree.gathered_then_decided(write, lambda every: self._commit(store, every), "writing failed")
+
+    def _commit(self, store: RecoverStore, every: list[dict[str, tuple[int, int]]]) -> tuple[int, list[str]]:
+        """Rank 0: commit the generation; returns its bytes and the hidden superseded generations."""
+        records = {k: FileRecord(size, crc) for part in every for k, (size, crc) in part.items()}
         hidden: list[str] = []
         try:
             hidden = store.commit(self.generation, records, self.header, self.models)
         except Exception as error:
             if _committed_or_none(store) != self.generation:
-                return f"commit failed: {error}"
+                raise TransientError(f"commit failed: {error}") from error
             logger.warning("%s: committed %s, but then: %s", store.root, self.generation, error)
         return sum(record.size for record in records.values()), hidden
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from areal_ckpt import dist
+from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import read_json_file
 from areal_ckpt.paths import rank_state_file
@@ -161,17 +161,14 @@ def _resharded_components(
     (a ResumableDistributedSampler's position as a global position, see
     :func:`_resharded_dataloader`); one that differs raises CheckpointError saying what to do,
     or, with ``drop_rank_state``, is left out with a warning naming it."""
-    saved: dict[int, dict[str, Any]] = {}
-    failure = None
-    try:
+    def read_share() -> dict[int, dict[str, Any]]:
+        shares = {}
         for index in _saved_share(rank, world_size, saved_world_size):
             path = folder / rank_state_file(index)
-            saved[index] = _rank_object(_read_json(path), path)
-    except CheckpointError as error:
-        failure = f"rank {rank}: {error}"
-    failures = dist.agree_on_failures(failure)
-    if failures:
-        raise CheckpointError("; ".join(failures))
+            shares[index] = _rank_object(_read_json(path), path)
+        return shares
+
+    saved = agree.on_every_rank(read_share, f"{folder}: per-rank state cannot be read")
     digests = [[_digest(_summary(c, state.get(c))) for c in RANK_COMPONENTS] for state in saved.values()]
     lowest = dist.all_reduce_ints([min(column) for column in zip(*digests)], "min")
     highest = dist.all_reduce_ints([max(column) for column in zip(*digests)], "max")
