@@ -28,11 +28,11 @@ from areal_ckpt import agree, dist
 from areal_ckpt._version import __version__
 from areal_ckpt.publish import publish, write_manifest
 from areal_ckpt.config import check_path_component
-from areal_ckpt.engines.contract import Engine, as_engine
+from areal_ckpt.engines.accept import as_engine, export_files
+from areal_ckpt.engines.contract import Engine, EngineLike
 from areal_ckpt.engines.torch_engine import MODEL_PREFIX
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_save import save_tensors
-from areal_ckpt.formats.hf_export import hf_files
 from areal_ckpt.fsio import FileRecord, fsync_dir, write_file_durably
 from areal_ckpt.paths import ENGINE_STATE_FILE, HF_FILES, MANIFEST_NAME
 from areal_ckpt.recover.read import load_engine, verify_checkpoint
@@ -48,15 +48,15 @@ _MODEL = "model"
 _CLIENT = "client_state"
 
 
-def _default_tag(engine: Any) -> str:
-    ds_engine = getattr(engine, "ds_engine", None)
-    if ds_engine is None:
-        raise ValueError("tag is required with a TorchEngine (it keeps no global step counter)")
-    return f"global_step{ds_engine.global_steps}"
+def _default_tag(engine: Engine) -> str:
+    step = engine.step_counter()
+    if step is None:
+        raise ValueError(f"tag is required with a {type(engine).__name__} (it keeps no global step counter)")
+    return f"global_step{step}"
 
 
 def save_checkpoint(
-    engine: Any,
+    engine: EngineLike,
     save_dir: str | os.PathLike,
     tag: str | None = None,
     client_state: dict[str, Any] | None = None,
@@ -124,10 +124,10 @@ def _write_rank_files(
     own = f"{_CLIENT}/rank{dist.rank()}.json"
     record = write_file_durably(staging / own, safe_json.dumps(dict(client_state or {})))
     if dist.rank() == 0:
-        engine_state["optimizer_saved"] = not engine.is_frozen
+        engine_state["optimizer_saved"] = engine.has_optimizer
         write_file_durably(staging / _MODEL / ENGINE_STATE_FILE, safe_json.dumps(engine_state))
         (staging / _MODEL / HF_FILES).mkdir()  # what convert-deepspeed needs for config.json
-        hf_files(engine, None).write(staging / _MODEL / HF_FILES)
+        export_files(engine, None).write(staging / _MODEL / HF_FILES)
     return tensors, engine_state, {own: (record.size, record.crc32)}
 
 
@@ -171,7 +171,7 @@ def read_latest(root: Path) -> str | None:
 
 
 def load_checkpoint(
-    engine: Any,
+    engine: EngineLike,
     load_dir: str | os.PathLike,
     tag: str | None = None,
     load_module_strict: bool = True,

@@ -1,59 +1,95 @@
-"""What the Saver and RecoverHandler accept as an engine, declared once.
+"""The contracts between the engine layer and everything above it, as Protocols.
 
-Three shapes are accepted wherever an engine is (``Saver.save``, ``RecoverHandler.dump`` /
-``load``, a dict of engines by model name):
+An engine gives three things, each declared once here:
 
-- an :class:`Engine`: our adapters (:class:`~areal_ckpt.engines.TorchEngine`,
-  :class:`~areal_ckpt.engines.DeepSpeedEngine`) or anything implementing the same Protocol;
-- a DeepSpeed engine (``deepspeed.initialize``'s first result), wrapped in a DeepSpeedEngine;
-- a :class:`ModelHolder`: anything that holds a torch model as ``.model`` (plain, DDP or FSDP2)
-  and optionally ``.optimizer`` / ``.lr_scheduler``, as AReaL's FSDPEngine does; it is used as
-  if wrapped in ``TorchEngine(obj.model, obj.optimizer, obj.lr_scheduler)``.
+- :class:`ExportSource`: what an HF export reads (config, tensor specs, full tensors by round);
+- :class:`DumpSource`: what a recovery dump or a DeepSpeed-style save captures;
+- :class:`LoadTarget`: what a recovery load or ``load_checkpoint`` restores into.
 
-Anything else is refused with a CheckpointError that says what an engine must provide.
+:class:`Engine` is all three; our adapters (:class:`~areal_ckpt.engines.TorchEngine`,
+:class:`~areal_ckpt.engines.DeepSpeedEngine`) implement it, and adding an engine (Megatron, a
+new AReaL engine) means implementing it. What callers may pass where an engine is expected
+(:data:`EngineLike`) is adapted to an Engine by :mod:`areal_ckpt.engines.accept`.
+
+The rest describes AReaL's objects that a load drives after restoring the weights (the
+rollout server, the weight update), as far as a load uses them.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import sys
-from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Union, runtime_checkable
+from typing import Any, Mapping, Protocol, TypeVar, Union, runtime_checkable
 
 import torch
 from torch import nn
 
-from areal_ckpt.engines.deepspeed_engine import DeepSpeedEngine
-from areal_ckpt.engines.torch_engine import TorchEngine
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats.hf_export import ExportSource
+from areal_ckpt.formats.hf_export import TensorSource
+from areal_ckpt.tensors import TensorSpec
+
+P = TypeVar("P")
+
+#: One dump's tensors by flat name (``model.<fqn>``, ``optim.<fqn>.<key>``...), and the
+#: engine's JSON-able rest (param groups, scheduler, counters): its ``engine_state``.
+EngineState = dict[str, Any]
 
 
 @runtime_checkable
-class Engine(ExportSource, Protocol):
-    """What a dump, a load and an export take from an engine (see TorchEngine for the meaning
-    of each member). Implement this to add an engine (Megatron, a new AReaL engine...)."""
-
-    optimizer: Any
-    lr_scheduler: Any
+class ExportSource(TensorSource, Protocol):
+    """What an HF export reads from an engine (or from a checkpoint read as one): the tensors
+    (:class:`~areal_ckpt.formats.hf_export.TensorSource`), their specs, and the model's config."""
 
     @property
-    def is_frozen(self) -> bool: ...
+    def config(self) -> Any: ...  # the model's transformers PretrainedConfig
 
-    def recover_state(self, include_optimizer: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]: ...
+    @property
+    def generation_config(self) -> Any | None: ...  # its GenerationConfig, when it generates
+
+    @property
+    def architecture(self) -> str: ...  # the class name config.json records
+
+    @property
+    def on_accelerator(self) -> bool: ...  # weights off the CPU: auto mode saves asynchronously
+
+    def export_specs(self) -> list[TensorSpec]: ...
+
+
+@runtime_checkable
+class DumpSource(Protocol):
+    """What a recovery dump (and ``save_checkpoint``) captures from an engine."""
+
+    module: nn.Module  # the unwrapped model, for its parameters' requires_grad
+
+    @property
+    def has_optimizer(self) -> bool: ...  # False for a model nothing trains (a reference policy)
+
+    def recover_state(self, include_optimizer: bool) -> tuple[dict[str, torch.Tensor], EngineState]: ...
+
+    def fingerprint(self) -> list[int]: ...  # changes whenever a weight changes (frozen models)
+
+    def step_counter(self) -> int | None: ...  # the engine's own global step, None if it keeps none
+
+
+@runtime_checkable
+class LoadTarget(Protocol):
+    """What a recovery load (and ``load_checkpoint``) restores into."""
+
+    optimizer: Any  # a torch optimizer, DeepSpeed's wrapper, or None
+    lr_scheduler: Any  # anything with state_dict / load_state_dict, or None
 
     def recover_template(
         self, with_optimizer_tensors: bool, stored: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None
     ) -> dict[str, torch.Tensor]: ...
 
-    def validate_recover_state(self, extra: dict[str, Any], include_optimizer: bool) -> None: ...
+    def validate_recover_state(self, engine_state: EngineState, include_optimizer: bool) -> None: ...
 
     def load_recover_state(
-        self, tensors: dict[str, torch.Tensor], extra: dict[str, Any], include_optimizer: bool, strict: bool = True
+        self, tensors: dict[str, torch.Tensor], engine_state: EngineState, include_optimizer: bool, strict: bool = True
     ) -> None: ...
 
-    def fingerprint(self) -> list[int]: ...
+
+@runtime_checkable
+class Engine(ExportSource, DumpSource, LoadTarget, Protocol):
+    """An engine: exported, dumped and loaded (see each Protocol for the meaning of a member)."""
 
 
 @runtime_checkable
@@ -64,53 +100,22 @@ class ModelHolder(Protocol):
     model: nn.Module
 
 
-#: Anything accepted where an engine is expected (a DeepSpeed engine too, see the module docstring).
-EngineLike = Union[Engine, ModelHolder]
+@runtime_checkable
+class DeepSpeedLike(Protocol):
+    """What :class:`~areal_ckpt.engines.DeepSpeedEngine` reads of ``deepspeed.initialize``'s engine."""
+
+    module: nn.Module
+    optimizer: Any
+    lr_scheduler: Any
+    global_steps: int
+
+    def zero_optimization_stage(self) -> int: ...
+
+
+#: Anything accepted where an engine is expected (see :func:`areal_ckpt.engines.accept.as_engine`).
+EngineLike = Union[Engine, ModelHolder, DeepSpeedLike]
 #: One engine, or several by model name (``{"actor": ..., "ref": ...}``).
 EnginesLike = Union[EngineLike, Mapping[str, EngineLike]]
-
-logger = logging.getLogger(__name__)
-
-_WHAT_AN_ENGINE_IS = (
-    "pass areal_ckpt.TorchEngine(model, optimizer, lr_scheduler), a DeepSpeed engine, or an object "
-    "that holds a torch.nn.Module as .model (optionally .optimizer and .lr_scheduler)"
-)
-
-
-def as_engine(obj: EngineLike, where: str) -> Engine:
-    """Our engine for ``obj`` (see the module docstring); local, cheap (no tensor is touched).
-
-    Raises CheckpointError naming ``where`` and the type when ``obj`` is not an engine.
-    """
-    if isinstance(obj, (TorchEngine, DeepSpeedEngine)):
-        return obj
-    if isinstance(obj, Engine):
-        return obj
-    if _is_deepspeed_engine(obj):
-        return DeepSpeedEngine(obj)
-    if isinstance(obj, ModelHolder) and isinstance(obj.model, nn.Module):
-        try:
-            return TorchEngine(obj.model, getattr(obj, "optimizer", None), getattr(obj, "lr_scheduler", None))
-        except TypeError as error:
-            raise CheckpointError(f"{where}: {type(obj).__name__}.model: {error}") from None
-    raise CheckpointError(f"{where}: {type(obj).__name__} is not an engine: {_WHAT_AN_ENGINE_IS}")
-
-
-def _is_deepspeed_engine(obj: object) -> bool:
-    deepspeed = sys.modules.get("deepspeed")  # a DeepSpeed engine exists only once it is imported
-    return deepspeed is not None and isinstance(obj, deepspeed.DeepSpeedEngine)
-
-
-def named_engines(engine: EnginesLike) -> dict[str, EngineLike]:
-    """``{model name: engine as given}``: one engine is named ``default``; pure."""
-    return dict(engine) if isinstance(engine, Mapping) else {"default": engine}
-
-
-def engines_by_name(engine: EnginesLike, where: str) -> dict[str, Engine]:
-    """``{model name: our engine}`` for one engine or a mapping of them (see :func:`as_engine`); local."""
-    by_name = isinstance(engine, Mapping)
-    return {name: as_engine(value, f"{where}[{name!r}]" if by_name else where)
-            for name, value in named_engines(engine).items()}
 
 
 # -- an RL trainer's rollout server, updated after a load (AReaL's load(inference_engine=...)) ---
@@ -166,43 +171,9 @@ _MEMBERS: dict[type, str] = {
 }
 
 
-def require(obj: object, protocol: type, what: str) -> None:
-    """Raise CheckpointError naming ``what`` and the members ``protocol`` asks for unless
-    ``obj`` implements it; pure."""
+def require(obj: object, protocol: type[P], what: str) -> P:
+    """``obj``, typed as ``protocol``; raises CheckpointError naming ``what`` and the members
+    ``protocol`` asks for unless ``obj`` implements it. Pure."""
     if not isinstance(obj, protocol):
         raise CheckpointError(f"{what}: {type(obj).__name__} must provide {_MEMBERS[protocol]}")
-
-
-@dataclass(frozen=True)
-class HFAssets:
-    """What an export holds besides weights and config: a tokenizer, a processor, and a base
-    model folder whose non-weight files are copied (see ``Saver.save``); picklable."""
-
-    tokenizer: Any | None = None
-    processor: Any | None = None
-    base_model_path: str | None = None
-
-    @classmethod
-    def of(cls, engine: object, tokenizer: Any | None, processor: Any | None, base_model_path: str | None) -> HFAssets:
-        """The assets of a ``save`` / ``dump`` call: ``base_model_path`` defaults, as in AReaL,
-        to an AReaL-shaped engine's ``config.path`` when that is a local folder (a hub name is
-        skipped with a warning); local."""
-        if base_model_path is None:
-            base_model_path = _usable_base_model(_configured_model_path(engine))
-        return cls(tokenizer, processor, base_model_path)
-
-
-def _configured_model_path(obj: object) -> str | None:
-    """``obj.config.path`` of an engine configuration (AReaL's TrainEngineConfig), else None;
-    our adapters' ``config`` is a model's HF config, which names no folder."""
-    if isinstance(obj, (TorchEngine, DeepSpeedEngine)):
-        return None
-    path = getattr(getattr(obj, "config", None), "path", None)
-    return path if isinstance(path, str) and path else None
-
-
-def _usable_base_model(path: str | None) -> str | None:
-    if path is None or os.path.isdir(path):
-        return path
-    logger.warning("not copying base model files into the export: %s is not a local folder", path)
-    return None
+    return obj

@@ -26,6 +26,7 @@ import torch
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
 
 from areal_ckpt import dist
+from areal_ckpt.engines.contract import DeepSpeedLike
 from areal_ckpt.engines.torch_engine import MODEL_PREFIX, OPTIM_PREFIX, TorchEngine, unwrap_model
 from areal_ckpt.fsio import crc32
 from areal_ckpt.tensors import TensorSpec
@@ -41,7 +42,7 @@ class DeepSpeedEngine:
     ``gather_round`` (ZeRO-3), ``recover_state`` and ``load_recover_state`` are collective.
     """
 
-    def __init__(self, ds_engine: Any) -> None:
+    def __init__(self, ds_engine: DeepSpeedLike) -> None:
         self.ds_engine = ds_engine
         self.stage = int(ds_engine.zero_optimization_stage())
         self.module = unwrap_model(ds_engine.module)
@@ -85,9 +86,9 @@ class DeepSpeedEngine:
         return self.stage == 3
 
     @property
-    def is_frozen(self) -> bool:
-        """True when the engine has no optimizer (e.g. a reference model run through DeepSpeed)."""
-        return self.optimizer is None
+    def has_optimizer(self) -> bool:
+        """False when the engine has no optimizer (e.g. a reference model run through DeepSpeed)."""
+        return self.optimizer is not None
 
     def _parameters(self) -> dict[str, torch.nn.Parameter]:
         return dict(self.module.named_parameters())
@@ -136,6 +137,10 @@ class DeepSpeedEngine:
 
     # -- recovery ---------------------------------------------------------------------------
 
+    def step_counter(self) -> int | None:
+        """DeepSpeed's ``global_steps``."""
+        return int(self.ds_engine.global_steps)
+
     def recover_state(self, include_optimizer: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """This rank's state for a dump: live tensors (no copies) and the JSON-able rest; local.
 
@@ -143,27 +148,27 @@ class DeepSpeedEngine:
         size and step counters, so a load can check it gets what it expects.
         """
         if self.stage == 0:
-            tensors, extra = self._torch.recover_state(include_optimizer)
+            tensors, engine_state = self._torch.recover_state(include_optimizer)
         else:
-            tensors, extra = self._model_tensors(), {}
+            tensors, engine_state = self._model_tensors(), {}
             if include_optimizer and self.optimizer is not None:
-                extra["optimizer_has_state"] = True
-                extra.update(self._optimizer_state(tensors))
+                engine_state["optimizer_has_state"] = True
+                engine_state.update(self._optimizer_state(tensors))
             if self.lr_scheduler is not None:
-                extra["lr_scheduler"] = self.lr_scheduler.state_dict()
-        extra["deepspeed"] = {
+                engine_state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        engine_state["deepspeed"] = {
             "zero_stage": self.stage,
             "world_size": dist.world_size(),
             "counters": {name: int(getattr(self.ds_engine, name)) for name in _COUNTERS},
         }
         if self.stage == 3:
-            extra["deepspeed"]["flat_shapes"] = {
+            engine_state["deepspeed"]["flat_shapes"] = {
                 name: list(parameter.ds_shape) for name, parameter in self._parameters().items()
                 if hasattr(parameter, "ds_shape")
             }
         if self.stage > 0 and include_optimizer and self.optimizer is not None:
-            extra["deepspeed"]["masters"] = self._master_layout()
-        return tensors, extra
+            engine_state["deepspeed"]["masters"] = self._master_layout()
+        return tensors, engine_state
 
     def _master_layout(self) -> list[list[dict[str, Any]]]:
         """Where each trained parameter lies in the fp32 master groups, so that an export can
@@ -326,13 +331,13 @@ class DeepSpeedEngine:
         return {name: value.view(shapes[name]) if name in shapes and value.shape != shapes[name] else value
                 for name, value in tensors.items()}
 
-    def validate_recover_state(self, extra: dict[str, Any], include_optimizer: bool) -> None:
+    def validate_recover_state(self, engine_state: dict[str, Any], include_optimizer: bool) -> None:
         """Raise ValueError (its message says how to proceed) unless this engine can take the
         dump. The model loads across every ZeRO stage and world size (the files hold whole
         parameters: a ZeRO-3 dump's flattened ones are reshaped or resharded, whole tensors are
         scattered into ZeRO-3 partitions); the optimizer needs the same world size, and stages
         whose partitions match (0 with 0; 1 and 2 with each other; 3 with 3)."""
-        saved = extra.get("deepspeed")
+        saved = engine_state.get("deepspeed")
         if saved is None:
             raise ValueError("not written by a DeepSpeed engine; load it with areal_ckpt.TorchEngine")
         stage, world = saved["zero_stage"], saved["world_size"]
@@ -347,19 +352,19 @@ class DeepSpeedEngine:
             raise ValueError(f"the optimizer state of ZeRO stage {stage} does not fit stage {self.stage}; {module_only}")
 
     def load_recover_state(
-        self, tensors: dict[str, torch.Tensor], extra: dict[str, Any], include_optimizer: bool, strict: bool = True
+        self, tensors: dict[str, torch.Tensor], engine_state: dict[str, Any], include_optimizer: bool, strict: bool = True
     ) -> None:
-        """Apply state loaded into the :meth:`recover_template` tensors plus ``extra`` (the LR
-        scheduler's state when ``extra`` holds it). ``strict`` False tolerates model keys that
+        """Apply state loaded into the :meth:`recover_template` tensors plus ``engine_state`` (the LR
+        scheduler's state when ``engine_state`` holds it). ``strict`` False tolerates model keys that
         were not loaded. Collective under ZeRO-3 (persistent parameters re-gather on next use).
         """
-        saved = extra["deepspeed"]
+        saved = engine_state["deepspeed"]
         for name, value in saved.get("counters", {}).items():  # absent: a module-only load
             setattr(self.ds_engine, name, value)
         if self.stage < 3:
             tensors = self._unflattened(tensors)
         if self.stage == 0:
-            self._torch.load_recover_state(tensors, extra, include_optimizer, strict)
+            self._torch.load_recover_state(tensors, engine_state, include_optimizer, strict)
             return
         if self.stage < 3:
             model_state = {k[len(MODEL_PREFIX):]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}
@@ -367,13 +372,13 @@ class DeepSpeedEngine:
                 self.module.load_state_dict(model_state, strict=strict)
         if include_optimizer and self.optimizer is not None:
             inner = self.optimizer.optimizer
-            if extra.get("masters_in_model"):
+            if engine_state.get("masters_in_model"):
                 self.optimizer._restore_from_bit16_weights()  # the masters were stored once, as the weights
-            for group, stored in zip(inner.param_groups, extra["optimizer_param_groups"], strict=True):
+            for group, stored in zip(inner.param_groups, engine_state["optimizer_param_groups"], strict=True):
                 group.update(stored)
             for index, master in enumerate(self._masters()):
-                inner.state[master].update(extra["optimizer_scalars"][str(index)])
-            for field, value in extra["loss_scaler"].items():
+                inner.state[master].update(engine_state["optimizer_scalars"][str(index)])
+            for field, value in engine_state["loss_scaler"].items():
                 setattr(self.optimizer.loss_scaler, field, value)
         elif self.optimizer is not None and self.stage < 3:
             self.optimizer.refresh_fp32_params()  # masters from the loaded weights (module only)
@@ -384,8 +389,8 @@ class DeepSpeedEngine:
             persistent = getattr(self.optimizer, "persistent_parameters", [])
             if persistent:
                 persistent[0].partition(persistent)
-        if self.lr_scheduler is not None and "lr_scheduler" in extra:
-            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        if self.lr_scheduler is not None and "lr_scheduler" in engine_state:
+            self.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
 
     def fingerprint(self) -> list[int]:
         """CRC-32 of each of this rank's weight tensors (partitions under ZeRO-3); local."""

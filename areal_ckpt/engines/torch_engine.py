@@ -125,9 +125,13 @@ class TorchEngine:
     # -- recovery: full training state through DCP ------------------------------------------
 
     @property
-    def is_frozen(self) -> bool:
-        """True when nothing trains this model (no optimizer): e.g. a reference policy."""
-        return self.optimizer is None
+    def has_optimizer(self) -> bool:
+        """False when nothing trains this model (no optimizer): e.g. a reference policy."""
+        return self.optimizer is not None
+
+    def step_counter(self) -> int | None:
+        """None: a torch training setup keeps no global step counter of its own."""
+        return None
 
     def recover_state(self, include_optimizer: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """This rank's state for a dump: flat tensors and the non-tensor rest; local.
@@ -139,26 +143,26 @@ class TorchEngine:
         gradient for every parameter, a hidden full copy of the model.
         """
         tensors = {MODEL_PREFIX + name: value for name, value in self._model_state().items()}
-        extra: dict[str, Any] = {}
+        engine_state: dict[str, Any] = {}
         if include_optimizer and self.optimizer is not None:
-            extra["optimizer_has_state"] = bool(self.optimizer.state)
+            engine_state["optimizer_has_state"] = bool(self.optimizer.state)
             if self.optimizer.state:
                 optim_state = get_optimizer_state_dict(self.model, self.optimizer)
-                extra["optimizer_param_groups"] = optim_state["param_groups"]
-                extra["optimizer_scalars"] = {}
+                engine_state["optimizer_param_groups"] = optim_state["param_groups"]
+                engine_state["optimizer_scalars"] = {}
                 for fqn, entries in optim_state["state"].items():
-                    extra["optimizer_scalars"][fqn] = {}
+                    engine_state["optimizer_scalars"][fqn] = {}
                     for key, value in entries.items():
                         if isinstance(value, torch.Tensor):
                             tensors[f"{OPTIM_PREFIX}{fqn}.{key}"] = value
                         else:
-                            extra["optimizer_scalars"][fqn][key] = value
+                            engine_state["optimizer_scalars"][fqn][key] = value
             else:
-                extra["optimizer_param_groups"] = self._param_groups_by_name()
-                extra["optimizer_scalars"] = {}
+                engine_state["optimizer_param_groups"] = self._param_groups_by_name()
+                engine_state["optimizer_scalars"] = {}
         if self.lr_scheduler is not None:
-            extra["lr_scheduler"] = self.lr_scheduler.state_dict()
-        return tensors, extra
+            engine_state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        return tensors, engine_state
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         """The model's live state tensors under their HF names (DTensors under FSDP2); local.
@@ -216,36 +220,36 @@ class TorchEngine:
                         tensors[f"{OPTIM_PREFIX}{fqn}.{key}"] = value
         return tensors
 
-    def validate_recover_state(self, extra: dict[str, Any], include_optimizer: bool) -> None:
-        """Raise ValueError when ``extra`` (a dump's non-tensor state) cannot be applied here."""
-        if "deepspeed" in extra:
+    def validate_recover_state(self, engine_state: dict[str, Any], include_optimizer: bool) -> None:
+        """Raise ValueError when ``engine_state`` (a dump's non-tensor state) cannot be applied here."""
+        if "deepspeed" in engine_state:
             raise ValueError("written by a DeepSpeed engine; load it with areal_ckpt.DeepSpeedEngine")
 
     def load_recover_state(
-        self, tensors: dict[str, torch.Tensor], extra: dict[str, Any], include_optimizer: bool, strict: bool = True
+        self, tensors: dict[str, torch.Tensor], engine_state: dict[str, Any], include_optimizer: bool, strict: bool = True
     ) -> None:
-        """Apply state loaded into the :meth:`recover_template` tensors plus ``extra`` (the LR
-        scheduler's state when ``extra`` holds it). ``strict`` False tolerates model keys that
+        """Apply state loaded into the :meth:`recover_template` tensors plus ``engine_state`` (the LR
+        scheduler's state when ``engine_state`` holds it). ``strict`` False tolerates model keys that
         were not loaded. Collective under FSDP2 / DDP (the state-dict helpers synchronize).
         """
         model_state = {k[len(MODEL_PREFIX):]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}
         if not self.is_own_memory(model_state):
             set_model_state_dict(self.model, model_state, options=StateDictOptions(strict=strict))
-        if include_optimizer and self.optimizer is not None and not extra.get("optimizer_has_state", True):
-            self._load_param_groups_by_name(extra["optimizer_param_groups"])
+        if include_optimizer and self.optimizer is not None and not engine_state.get("optimizer_has_state", True):
+            self._load_param_groups_by_name(engine_state["optimizer_param_groups"])
         elif include_optimizer and self.optimizer is not None:
             state: dict[str, dict[str, Any]] = {
-                fqn: dict(scalars) for fqn, scalars in extra["optimizer_scalars"].items()
+                fqn: dict(scalars) for fqn, scalars in engine_state["optimizer_scalars"].items()
             }
             for key, value in tensors.items():
                 if key.startswith(OPTIM_PREFIX):
                     fqn, _, entry = key[len(OPTIM_PREFIX):].rpartition(".")
                     state.setdefault(fqn, {})[entry] = value
             set_optimizer_state_dict(
-                self.model, self.optimizer, {"state": state, "param_groups": extra["optimizer_param_groups"]}
+                self.model, self.optimizer, {"state": state, "param_groups": engine_state["optimizer_param_groups"]}
             )
-        if self.lr_scheduler is not None and "lr_scheduler" in extra:
-            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        if self.lr_scheduler is not None and "lr_scheduler" in engine_state:
+            self.lr_scheduler.load_state_dict(engine_state["lr_scheduler"])
 
     def fingerprint(self) -> list[int]:
         """CRC-32 of each of this rank's weight tensors, to skip rewriting unchanged frozen models.

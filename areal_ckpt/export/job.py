@@ -19,13 +19,13 @@ import torch
 from areal_ckpt import agree, dist
 from areal_ckpt._version import __version__
 from areal_ckpt.publish import publish, write_manifest
+from areal_ckpt.engines.accept import export_files
+from areal_ckpt.engines.contract import ExportSource
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.hf_export import (
     ExportPlan,
-    ExportSource,
     HFFiles,
     TensorSource,
-    hf_files,
     names_of_rank,
     plan_export,
     write_metadata,
@@ -129,7 +129,7 @@ def begin_export(
         },
     )
     agree.decided_by_rank0(
-        lambda: _prepare_staging(target, lambda: hf_files(source, dtype, tokenizer, processor, assets)),
+        lambda: _prepare_staging(target, lambda: export_files(source, dtype, tokenizer, processor, assets)),
         f"{target.staging}: could not prepare the export (nothing was published)",
     )
     return target

@@ -20,7 +20,8 @@ from areal_ckpt.jobs.background import BackgroundWriter, describe_metrics, resol
 from areal_ckpt.publish import TrashCollector, hide_folder, remove_stale
 from areal_ckpt.config import SaverConfig
 from areal_ckpt.export.job import ExportTarget, StagedExportSource, begin_export, finish_export, stage_export
-from areal_ckpt.engines.contract import Engine, EngineLike, HFAssets, as_engine
+from areal_ckpt.engines.accept import HFAssets, as_engine
+from areal_ckpt.engines.contract import Engine, EngineLike
 from areal_ckpt.paths import (
     EXPORT_STAGING_PREFIX,
     EXPORT_TRASH_PREFIX,

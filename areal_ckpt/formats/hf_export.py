@@ -41,17 +41,6 @@ class TensorSource(Protocol):
     def gather_round(self, files: Sequence[Sequence[str]]) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
-class ExportSource(TensorSource, Protocol):
-    """What an engine offers for export (see :class:`areal_ckpt.engines.TorchEngine`)."""
-
-    config: Any
-    generation_config: Any | None
-    architecture: str
-    on_accelerator: bool
-
-    def export_specs(self) -> list[TensorSpec]: ...
-
-
 @dataclass(frozen=True)
 class ExportPlan:
     """Which tensors go to which file; identical on every rank."""
@@ -202,24 +191,28 @@ def copy_base_model_assets(base: Path, folder: Path) -> list[str]:
 
 
 def hf_files(
-    source: ExportSource,
+    config: Any,
+    generation_config: Any | None,
+    architecture: str,
+    specs: Sequence[TensorSpec],
     dtype: torch.dtype | None,
     tokenizer: Any | None = None,
     processor: Any | None = None,
     assets: str | None = None,
 ) -> HFFiles:
-    """The HF files of ``source``: its config with ``architectures`` and the exported ``dtype``
-    (the stored one when ``dtype`` is None and all floats share one), plus ``tokenizer``,
-    ``processor`` and the base model folder ``assets`` (see :class:`HFFiles`); local."""
-    config = copy.deepcopy(source.config)
-    config.architectures = [source.architecture]
+    """The HF files of a model: a copy of its ``config`` with ``architectures`` and the exported
+    ``dtype`` (the stored one of ``specs`` when ``dtype`` is None and all floats share one),
+    its ``generation_config``, plus ``tokenizer``, ``processor`` and the base model folder
+    ``assets`` (see :class:`HFFiles`); local."""
+    config = copy.deepcopy(config)
+    config.architectures = [architecture]
     if dtype is not None:
         config.dtype = dtype
     else:
-        float_dtypes = {spec.dtype for spec in source.export_specs() if spec.dtype.is_floating_point}
+        float_dtypes = {spec.dtype for spec in specs if spec.dtype.is_floating_point}
         if len(float_dtypes) == 1:
             config.dtype = float_dtypes.pop()
-    return HFFiles(config, source.generation_config, tokenizer, processor, assets)
+    return HFFiles(config, generation_config, tokenizer, processor, assets)
 
 
 def write_metadata(plan: ExportPlan, folder: Path, files: HFFiles) -> None:

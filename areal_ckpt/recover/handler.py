@@ -18,17 +18,10 @@ import torch
 from areal_ckpt import agree, dist
 from areal_ckpt.jobs.background import BackgroundWriter, describe_metrics, resolve_async, saving_metrics
 from areal_ckpt.config import RecoverConfig, check_path_component
-from areal_ckpt.engines.contract import (
-    Engine,
-    EnginesLike,
-    HFAssets,
-    RolloutEngine,
-    WeightUpdateMeta,
-    engines_by_name,
-    named_engines,
-)
+from areal_ckpt.engines.accept import HFAssets, engines_by_name, export_files, named_engines
+from areal_ckpt.engines.contract import Engine, EnginesLike, RolloutEngine, WeightUpdateMeta
 from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError, TransientError
-from areal_ckpt.formats.hf_export import HFFiles, hf_files
+from areal_ckpt.formats.hf_export import HFFiles
 from areal_ckpt.fsio import FileRecord
 from areal_ckpt.paths import (
     ENGINE_STATE_FILE,
@@ -254,7 +247,7 @@ class RecoverHandler:
         def capture() -> None:
             try:
                 for name in names:
-                    if engines[name].is_frozen:
+                    if not engines[name].has_optimizer:
                         fingerprints[name] = engines[name].fingerprint()
                     model_tensors, model_records = self._prepare_engine(
                         engines[name], name, generation, fingerprints.get(name), assets[name], files, hf, param_groups
@@ -302,14 +295,14 @@ class RecoverHandler:
         if dist.all_true(unchanged) and self._generation is not None:
             return {}, self.store.link_model(self._generation, generation, name) if dist.rank() == 0 else {}
         include_optimizer = not self.config.no_save_optim
-        tensors, extra = engine.recover_state(include_optimizer)
-        if extra.get("optimizer_param_groups"):
-            param_groups[name] = extra["optimizer_param_groups"]
+        tensors, engine_state = engine.recover_state(include_optimizer)
+        if engine_state.get("optimizer_param_groups"):
+            param_groups[name] = engine_state["optimizer_param_groups"]
         if dist.rank() == 0:
-            extra["optimizer_saved"] = include_optimizer and not engine.is_frozen
-            files[f"{name}/{ENGINE_STATE_FILE}"] = safe_json.dumps(extra)
+            engine_state["optimizer_saved"] = include_optimizer and engine.has_optimizer
+            files[f"{name}/{ENGINE_STATE_FILE}"] = safe_json.dumps(engine_state)
             # what `areal-ckpt export` needs besides the shards
-            hf[name] = hf_files(engine, None, assets.tokenizer, assets.processor, assets.base_model_path)
+            hf[name] = export_files(engine, None, assets.tokenizer, assets.processor, assets.base_model_path)
         return tensors, {}
 
     # -- load -------------------------------------------------------------------------------
@@ -367,7 +360,7 @@ class RecoverHandler:
             self._schedule.load_state_dict(info.checkpoint_info)
         self._generation = found
         for name in sorted(engines):
-            if engines[name].is_frozen:
+            if not engines[name].has_optimizer:
                 self._fingerprints[name] = engines[name].fingerprint()
         self._tidied = True  # find_committed removed the debris
         self.last_step_info = info.last_step_info

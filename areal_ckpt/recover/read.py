@@ -12,6 +12,7 @@ from typing import Any
 from areal_ckpt import agree, dist
 from areal_ckpt._version import __version__
 from areal_ckpt.publish import check_files, read_manifest
+from areal_ckpt.engines.contract import LoadTarget
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import load_tensors, tensor_index
 from areal_ckpt.formats.dcp_metadata import read_metadata_json
@@ -117,7 +118,7 @@ def verify_checkpoint(
 
 
 def load_engine(
-    engine: Any,
+    engine: LoadTarget,
     folder: Path,
     manifest: dict[str, Any],
     no_load_optim: bool,
@@ -132,30 +133,30 @@ def load_engine(
     False loads the model tensors both sides have and logs the others. Collective (DCP;
     FSDP2 / DDP / DeepSpeed state-dict helpers)."""
     try:
-        extra = safe_json.loads((folder / ENGINE_STATE_FILE).read_bytes(), str(folder / ENGINE_STATE_FILE))
+        engine_state = safe_json.loads((folder / ENGINE_STATE_FILE).read_bytes(), str(folder / ENGINE_STATE_FILE))
     except ValueError as error:
         raise CheckpointError(str(error)) from None
-    include_optimizer = bool(extra.get("optimizer_saved")) and not no_load_optim
+    include_optimizer = bool(engine_state.get("optimizer_saved")) and not no_load_optim
     if engine.optimizer is not None and not include_optimizer:
         logger.warning("%s: optimizer state not restored (%s)", folder,
                        "not requested: no_load_optim / load_optimizer_states=False" if no_load_optim else "it was not saved")
-    if not load_counters and isinstance(extra.get("deepspeed"), dict):
-        extra["deepspeed"].pop("counters", None)
+    if not load_counters and isinstance(engine_state.get("deepspeed"), dict):
+        engine_state["deepspeed"].pop("counters", None)
     if not load_scheduler:
-        extra.pop("lr_scheduler", None)
-    elif engine.lr_scheduler is not None and "lr_scheduler" not in extra and extra.get("imported_from") == "areal":
+        engine_state.pop("lr_scheduler", None)
+    elif engine.lr_scheduler is not None and "lr_scheduler" not in engine_state and engine_state.get("imported_from") == "areal":
         logger.warning("%s: imported from AReaL, which saves no LR scheduler state: the scheduler is left as "
                        "constructed; step it once per completed step to continue its schedule", folder)
-    elif engine.lr_scheduler is not None and "lr_scheduler" not in extra:
+    elif engine.lr_scheduler is not None and "lr_scheduler" not in engine_state:
         raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: no LR scheduler state was saved, "
                               "but this engine has a scheduler")
     try:
-        engine.validate_recover_state(extra, include_optimizer)
+        engine.validate_recover_state(engine_state, include_optimizer)
     except ValueError as error:
         raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: {error}") from None
     metadata = read_metadata_json(folder)
     stored = tensor_index(metadata)
-    template = engine.recover_template(include_optimizer and extra.get("optimizer_has_state", True), stored)
+    template = engine.recover_template(include_optimizer and engine_state.get("optimizer_has_state", True), stored)
     optional: tuple[str, ...] = ()
     if not strict:
         skipped = sorted(name for name in template if name.startswith(_MODEL_PREFIX) and name not in stored)
@@ -174,7 +175,7 @@ def load_engine(
     load_tensors(template, folder, optional_prefixes=optional if include_optimizer else optional + (_OPTIMIZER_PREFIX,),
                  expected=expected, metadata=metadata)
     try:
-        engine.load_recover_state(template, extra, include_optimizer, strict)
+        engine.load_recover_state(template, engine_state, include_optimizer, strict)
     except (KeyError, ValueError, RuntimeError, TypeError, AttributeError, IndexError) as error:
         raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: cannot restore model / optimizer / scheduler: "
                               f"{type(error).__name__}: {error}") from None

@@ -7,7 +7,7 @@ Only the objects' own methods are called (see the Protocols in
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Callable, Mapping
 
 from areal_ckpt.engines.contract import (
     ColocatedRolloutEngine,
@@ -31,7 +31,8 @@ class RolloutSync:
 
     @classmethod
     def checked(
-        cls, engines: Mapping[str, Any], inference_engine: Any, meta: Any, update_from: str, colocated: bool
+        cls, engines: Mapping[str, object], inference_engine: object | None, meta: object | None, update_from: str,
+        colocated: bool,
     ) -> RolloutSync | None:
         """The weight update a load ends with (None without an ``inference_engine``), its
         arguments checked before anything is loaded; ``engines`` are the load's engines as the
@@ -46,13 +47,12 @@ class RolloutSync:
                 f"RecoverHandler.load: inference_engine_update_from={update_from!r} is not one of the "
                 f"engines given ({sorted(engines)})"
             )
-        require(meta, WeightUpdateMeta, "RecoverHandler.load: weight_update_meta")
-        source = engines[update_from]
-        require(source, WeightSource, f"RecoverHandler.load: engine {update_from!r}")
-        awex = colocated and meta.type == "awex"
-        require(inference_engine, ColocatedRolloutEngine if awex else RolloutEngine,
-                "RecoverHandler.load: inference_engine")
-        return cls(source, inference_engine, meta, release_memory_first=awex)
+        update = require(meta, WeightUpdateMeta, "RecoverHandler.load: weight_update_meta")
+        source = require(engines[update_from], WeightSource, f"RecoverHandler.load: engine {update_from!r}")
+        awex = colocated and update.type == "awex"
+        rollout = require(inference_engine, ColocatedRolloutEngine if awex else RolloutEngine,
+                          "RecoverHandler.load: inference_engine")
+        return cls(source, rollout, update, release_memory_first=awex)
 
     def run(self, version: int, load: Callable[[], None]) -> None:
         """Call ``load`` (the checkpoint into the training engines) and update the rollout
