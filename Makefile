@@ -9,14 +9,14 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 TORTURE_TRIALS ?= 200
 
-.PHONY: demo test torture bench scale venv clean
+.PHONY: demo test lint torture bench scale venv clean
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
-	$(BIN)/python -m pip install --quiet -e ".[test,demo,deepspeed]"
+	$(BIN)/python -m pip install --quiet -e ".[test,demo,deepspeed,lint]"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -24,6 +24,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# ruff (lint rules and formatting) on the code, tests and benchmarks; mypy --strict on the package
+lint: $(STAMP)
+	$(BIN)/ruff check areal_ckpt tests benchmarks
+	$(BIN)/ruff format --check areal_ckpt tests benchmarks
+	$(BIN)/mypy
 
 torture: $(STAMP)
 	cd tests && ../$(BIN)/python torture.py --trials $(TORTURE_TRIALS) --out ../runs/torture-results.md

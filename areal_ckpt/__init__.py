@@ -7,17 +7,17 @@ checkpoints restore a whole training job.
 from areal_ckpt._version import __version__
 from areal_ckpt.config import CheckpointConfig, RecoverConfig, SaverConfig
 from areal_ckpt.config_loader import load_config
+from areal_ckpt.deepspeed_api import load_checkpoint, save_checkpoint
 from areal_ckpt.engines import DeepSpeedEngine, TorchEngine
 from areal_ckpt.errors import CheckpointError, CollectiveError, CommitError, ConfigError, RankMismatchError
-from areal_ckpt.tools.import_areal import import_areal_trial
+from areal_ckpt.export.saver import Saver
 from areal_ckpt.recover.handler import RecoverHandler
 from areal_ckpt.recover.read import check_if_auto_recover, check_if_recover
-from areal_ckpt.export.saver import Saver
+from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state.recover_info import RecoverInfo
 from areal_ckpt.state.sampler import ResumableDistributedSampler
-from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.step import FinetuneSpec, StepInfo
-from areal_ckpt.deepspeed_api import load_checkpoint, save_checkpoint
+from areal_ckpt.tools.import_areal import import_areal_trial
 
 __all__ = [
     "CheckpointConfig",

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Generic, NoReturn, TypeVar
+from collections.abc import Callable
+from typing import Generic, NoReturn, TypeVar
 
 from areal_ckpt import dist
 from areal_ckpt.errors import (
@@ -169,7 +170,7 @@ def gathered_then_dealt(contribute: Callable[[], C], decide: Callable[[list[C]],
             own, outcome = None, _Failed([RankFailure(0, "CheckpointError", f"decided {len(dealt)} values")], True)
     if isinstance(outcome, _Failed):
         dealt = [outcome] * dist.world_size()
-    mine = dist.scatter_objects(dealt, src=0)
+    mine: _Done[T] | _Failed = dist.scatter_objects(dealt, src=0)
     if isinstance(mine, _Done):
         return mine.value
     _raise(mine, own, what)

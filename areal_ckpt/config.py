@@ -93,8 +93,10 @@ class _TimerBlock(BaseModel):
         if "\x00" in value:
             raise ValueError("fileroot must not contain a NUL character")
         if len(value.encode()) > MAX_ROOT_BYTES:
-            raise ValueError(f"fileroot is {len(value.encode())} bytes long; at most {MAX_ROOT_BYTES} leave room for "
-                             "the folders below it")
+            raise ValueError(
+                f"fileroot is {len(value.encode())} bytes long; at most {MAX_ROOT_BYTES} leave room for "
+                "the folders below it"
+            )
         return value
 
 

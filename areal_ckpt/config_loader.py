@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import yaml
 from pydantic import ValidationError
@@ -41,9 +42,9 @@ def load_config(path: str | Path, overrides: Sequence[str] | None = None) -> Che
     for key in _TOP_LEVEL:
         if key in document:
             selected[key] = resolver.resolve_at((key,))
-    if "fileroot" not in selected and isinstance(document.get("cluster"), dict):
-        if "fileroot" in document["cluster"]:
-            selected["fileroot"] = resolver.resolve_at(("cluster", "fileroot"))
+    cluster = document.get("cluster")
+    if "fileroot" not in selected and isinstance(cluster, dict) and "fileroot" in cluster:
+        selected["fileroot"] = resolver.resolve_at(("cluster", "fileroot"))
     for block in ("saver", "recover"):
         if block in document:
             value = resolver.resolve_at((block,))
@@ -56,7 +57,7 @@ def load_config(path: str | Path, overrides: Sequence[str] | None = None) -> Che
         raise ConfigError(_describe(error, path)) from None
 
 
-class _StrictLoader(yaml.SafeLoader):
+class _StrictLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no types
     """PyYAML's safe loader (it builds only plain YAML values, never Python objects), refusing a
     key written twice in one mapping (YAML forbids it; PyYAML would keep the last silently).
     Merge keys (``<<``) may still be overridden."""
@@ -82,9 +83,11 @@ class _StrictLoader(yaml.SafeLoader):
                 continue
             if first is not None:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first at line {first.line + 1})", key_node.start_mark)
+                    None, None, f"duplicate key {key!r} (first at line {first.line + 1})", key_node.start_mark
+                )
             seen[key] = key_node.start_mark
-        return super().construct_mapping(node, deep=deep)
+        mapping: dict[Any, Any] = super().construct_mapping(node, deep=deep)
+        return mapping
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -97,7 +100,9 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {error.start}: {raw[error.start:error.start + 1]!r})") from None
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {error.start}: {raw[error.start : error.start + 1]!r})"
+        ) from None
     try:
         document = _StrictLoader.parse(text)
     except yaml.YAMLError as error:
@@ -198,8 +203,9 @@ class _Resolver:
         self._values += 1
         location = ".".join(where)
         if self._values > MAX_VALUES:
-            raise ConfigError(f"{self._path}: {location}: expands to more than {MAX_VALUES} values "
-                              "(YAML aliases that fan out?)")
+            raise ConfigError(
+                f"{self._path}: {location}: expands to more than {MAX_VALUES} values (YAML aliases that fan out?)"
+            )
         if isinstance(value, (dict, list)):
             if id(value) in containers:
                 raise ConfigError(f"{self._path}: {location}: a YAML alias refers to itself")

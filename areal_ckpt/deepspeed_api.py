@@ -26,7 +26,6 @@ import torch
 
 from areal_ckpt import agree, dist
 from areal_ckpt._version import __version__
-from areal_ckpt.publish import publish, write_manifest
 from areal_ckpt.config import check_path_component
 from areal_ckpt.engines.accept import as_engine, export_files
 from areal_ckpt.engines.contract import Engine, EngineLike
@@ -35,6 +34,7 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.fsio import FileRecord, fsync_dir, write_file_durably
 from areal_ckpt.paths import ENGINE_STATE_FILE, HF_FILES, MANIFEST_NAME
+from areal_ckpt.publish import publish, write_manifest
 from areal_ckpt.recover.read import load_engine, verify_checkpoint
 from areal_ckpt.state import safe_json
 
@@ -57,7 +57,7 @@ def _default_tag(engine: Engine) -> str:
 
 def save_checkpoint(
     engine: EngineLike,
-    save_dir: str | os.PathLike,
+    save_dir: str | os.PathLike[str],
     tag: str | None = None,
     client_state: dict[str, Any] | None = None,
     save_latest: bool = True,
@@ -85,7 +85,8 @@ def save_checkpoint(
     try:
         # local work first: every rank must know it went well before the collective write
         tensors, engine_state, records = agree.on_every_rank(
-            lambda: _write_rank_files(engine, staging, client_state, exclude_frozen_parameters), failed)
+            lambda: _write_rank_files(engine, staging, client_state, exclude_frozen_parameters), failed
+        )
         groups, plan_key = engine_state.get("optimizer_param_groups"), f"{root}/{_MODEL}"
 
         def write_shards() -> dict[str, tuple[int, int]]:
@@ -93,8 +94,9 @@ def save_checkpoint(
                 records[f"{_MODEL}/{name}"] = (record.size, record.crc32)
             return records
 
-        agree.gathered_then_decided(write_shards, lambda every: _commit(root, tag, staging, final, every, save_latest),
-                                    failed)
+        agree.gathered_then_decided(
+            write_shards, lambda every: _commit(root, tag, staging, final, every, save_latest), failed
+        )
     finally:
         if dist.rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
@@ -136,8 +138,13 @@ def _commit(
 ) -> None:
     """Rank 0: manifest, publish, ``latest``."""
     records = {name: FileRecord(*entry) for records in every for name, entry in records.items()}
-    header = {"format": TAGGED_FORMAT, "format_version": TAGGED_FORMAT_VERSION, "tag": tag,
-              "world_size": dist.world_size(), "areal_ckpt_version": __version__}
+    header = {
+        "format": TAGGED_FORMAT,
+        "format_version": TAGGED_FORMAT_VERSION,
+        "tag": tag,
+        "world_size": dist.world_size(),
+        "areal_ckpt_version": __version__,
+    }
     write_manifest(staging, MANIFEST_NAME, records, header)
     publish(staging, final, root / f".{tag}.trash")
     if save_latest:
@@ -172,7 +179,7 @@ def read_latest(root: Path) -> str | None:
 
 def load_checkpoint(
     engine: EngineLike,
-    load_dir: str | os.PathLike,
+    load_dir: str | os.PathLike[str],
     tag: str | None = None,
     load_module_strict: bool = True,
     load_optimizer_states: bool = True,
@@ -203,9 +210,15 @@ def load_checkpoint(
         raise CheckpointError(f"{folder}: no such checkpoint tag")
     manifest = verify_checkpoint(folder, MANIFEST_NAME, TAGGED_FORMAT, _READABLE_TAGGED_VERSIONS)
     client_state = _client_state(folder, manifest)  # agreed by every rank before any weight is loaded
-    load_engine(engine, folder / _MODEL, manifest, no_load_optim=load_module_only or not load_optimizer_states,
-                load_scheduler=load_lr_scheduler_states and not load_module_only, strict=load_module_strict,
-                load_counters=not load_module_only)
+    load_engine(
+        engine,
+        folder / _MODEL,
+        manifest,
+        no_load_optim=load_module_only or not load_optimizer_states,
+        load_scheduler=load_lr_scheduler_states and not load_module_only,
+        strict=load_module_strict,
+        load_counters=not load_module_only,
+    )
     return str(folder), client_state
 
 
@@ -225,6 +238,10 @@ def _client_state(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 
     client_state = agree.on_every_rank(read, f"{folder}: client_state cannot be loaded")
     if source.name != f"rank{rank}.json":
-        logger.warning("%s: written by %d ranks; rank %d gets rank 0's client_state (as DeepSpeed does)",
-                       folder, manifest["world_size"], rank)
+        logger.warning(
+            "%s: written by %d ranks; rank %d gets rank 0's client_state (as DeepSpeed does)",
+            folder,
+            manifest["world_size"],
+            rank,
+        )
     return client_state

@@ -24,7 +24,8 @@ import enum
 import functools
 import io
 import pickle
-from typing import Any, Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as torch_dist
@@ -227,7 +228,7 @@ def _as_tensor(payload: bytes, width: int) -> torch.Tensor:
 def _decode(buffer: torch.Tensor) -> Any:
     data = buffer.cpu().numpy().tobytes()
     length = int.from_bytes(data[:_HEADER], "little")
-    return _PeerUnpickler(io.BytesIO(data[_HEADER: _HEADER + length])).load()
+    return _PeerUnpickler(io.BytesIO(data[_HEADER : _HEADER + length])).load()
 
 
 #: Modules whose dataclasses and enums ranks may send each other (plans, write results, failures).

@@ -66,10 +66,14 @@ def acquire_trial_lock(trial: Path) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as error:
         if error.errno == errno.ELOOP:
-            raise CheckpointError(f"{path}: the trial lock is a symbolic link; refusing to write through it "
-                                  "(remove the link; areal_ckpt creates the lock as a regular file)") from None
+            raise CheckpointError(
+                f"{path}: the trial lock is a symbolic link; refusing to write through it "
+                "(remove the link; areal_ckpt creates the lock as a regular file)"
+            ) from None
         if error.errno == errno.EISDIR:
-            raise CheckpointError(f"{path}: the trial lock is not a regular file; refusing to use it (remove it)") from None
+            raise CheckpointError(
+                f"{path}: the trial lock is not a regular file; refusing to use it (remove it)"
+            ) from None
         raise CheckpointError(f"{path}: cannot create the trial lock: {error.strerror}") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -127,8 +131,12 @@ def _holder_is_dead(holder: str) -> bool:
 
 def _wait_for_orphans(fd: int, path: Path, holder: str) -> bool:
     """Poll for the lock until :data:`ORPHAN_WAIT_SECONDS` pass; True once it is taken."""
-    logger.warning("lock %s is held by the writers of a dead job (%s); waiting up to %.0f s for them to exit",
-                   path, holder, ORPHAN_WAIT_SECONDS)
+    logger.warning(
+        "lock %s is held by the writers of a dead job (%s); waiting up to %.0f s for them to exit",
+        path,
+        holder,
+        ORPHAN_WAIT_SECONDS,
+    )
     deadline = time.monotonic() + ORPHAN_WAIT_SECONDS
     while time.monotonic() < deadline:
         time.sleep(_POLL_SECONDS)

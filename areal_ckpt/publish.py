@@ -22,8 +22,9 @@ import os
 import shutil
 import time
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from areal_ckpt.errors import CheckpointError, CommitError
 from areal_ckpt.fsio import FileRecord, fsync_dir, fsync_file, read_json_file, record_of, write_file_durably
@@ -35,9 +36,7 @@ _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 
 
-def write_manifest(
-    folder: Path, manifest_name: str, records: dict[str, FileRecord], header: dict[str, Any]
-) -> None:
+def write_manifest(folder: Path, manifest_name: str, records: dict[str, FileRecord], header: dict[str, Any]) -> None:
     """Write ``manifest_name`` into ``folder`` listing every file in it; durable on return.
 
     ``records`` are files already fsync'd with known checksums (e.g. written by other ranks);

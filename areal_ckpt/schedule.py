@@ -7,7 +7,8 @@ resumed run keeps its cadence.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from areal_ckpt import dist
 
@@ -79,8 +80,12 @@ class TriggerSchedule:
 def schedule_state(epochs_since: int, steps_since: int, secs_since_last: float) -> dict[str, Any]:
     """The state a :class:`TriggerSchedule` loads: epochs and steps since each trigger last
     fired and the seconds since the time trigger did; pure."""
-    return {"version": _STATE_VERSION, "epochs_since": epochs_since, "steps_since": steps_since,
-            "secs_since_last": secs_since_last}
+    return {
+        "version": _STATE_VERSION,
+        "epochs_since": epochs_since,
+        "steps_since": steps_since,
+        "secs_since_last": secs_since_last,
+    }
 
 
 class NamedSchedules:

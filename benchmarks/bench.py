@@ -28,8 +28,8 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -57,8 +57,15 @@ def model_of_size(mib: int, dtype: torch.dtype) -> Qwen2ForCausalLM:
     hidden, inter, vocab = 1024, 2816, 8192
     per_layer = (4 * hidden * hidden // 2 + 3 * hidden * inter + 4 * hidden) * 4  # GQA halves k/v
     layers = max(1, round((mib * 2**20 - 2 * vocab * hidden * 4) / per_layer))
-    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                         num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=False)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return Qwen2ForCausalLM(config).to(dtype)
 
@@ -87,7 +94,7 @@ def state_bytes(model: torch.nn.Module) -> int:
 class PeakRss:
     """Samples resident memory every 5 ms while active: peak extra memory of what runs inside."""
 
-    def __enter__(self) -> "PeakRss":
+    def __enter__(self) -> PeakRss:
         self.base = self._rss()
         self.peak = self.base
         self._stop = threading.Event()
@@ -110,6 +117,7 @@ class PeakRss:
 
 
 # -- writers: each writes the state durably into an empty folder ------------------------------
+
 
 def write_raw(model, folder: Path) -> None:
     with open(folder / "raw.bin", "wb", buffering=0) as handle:
@@ -161,7 +169,9 @@ def deepspeed_engine(model):
     if id(model) not in _DEEPSPEED:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parent.parent / ".cache/torch_extensions"))
+        os.environ.setdefault(
+            "TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parent.parent / ".cache/torch_extensions")
+        )
         import deepspeed
 
         if not torch.distributed.is_initialized():
@@ -169,8 +179,11 @@ def deepspeed_engine(model):
                 sock.bind(("127.0.0.1", 0))
                 port = sock.getsockname()[1]
             torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-                                          config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}})
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+            config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}},
+        )
         _DEEPSPEED.clear()
         _DEEPSPEED[id(model)] = engine
     return _DEEPSPEED[id(model)]
@@ -216,6 +229,7 @@ WRITERS: dict[str, Callable] = {
 
 
 # -- readers: each reads a cold copy written by the matching writer ----------------------------
+
 
 def read_raw(model, folder: Path) -> None:
     """The plain raw read: 64 MiB at a time into new memory, as ``handle.read`` gives it."""
@@ -304,8 +318,12 @@ TARGETS = [
     ("HF export faster than save_pretrained", "areal_ckpt Saver export", "save_pretrained", 1.0),
     ("recover load >= 0.9x raw read", "areal_ckpt recover load", "raw read", 0.9),
     ("export reload >= 0.9x safetensors load", "safetensors load_file (Saver export)", "safetensors load_file", 0.9),
-    ("from_pretrained of the export >= 0.9x of save_pretrained's", "from_pretrained (Saver export)",
-     "from_pretrained (save_pretrained)", 0.9),
+    (
+        "from_pretrained of the export >= 0.9x of save_pretrained's",
+        "from_pretrained (Saver export)",
+        "from_pretrained (save_pretrained)",
+        0.9,
+    ),
 ]
 
 
@@ -325,7 +343,9 @@ def _timed(function: Callable, *args: object) -> float:
     return time.perf_counter() - start
 
 
-def _timed_pair(first: tuple[Callable, Path], second: tuple[Callable, Path], model: torch.nn.Module) -> tuple[float, float]:
+def _timed_pair(
+    first: tuple[Callable, Path], second: tuple[Callable, Path], model: torch.nn.Module
+) -> tuple[float, float]:
     """Both reads timed, in the order given; both folders are evicted from the page cache first."""
     for _, folder in (first, second):
         evict(folder)
@@ -370,13 +390,17 @@ def run(sizes: list[int], rounds: int, dtypes: list[torch.dtype], workdir: Path)
                     shutil.rmtree(raw)
                     shutil.rmtree(folder)
                 print(f"  {dtype} {mib} MiB: round {round_index + 1}/{rounds} done", file=sys.stderr, flush=True)
-            results.append({
-                "dtype": str(dtype).removeprefix("torch."), "mib": mib, "bytes": size,
-                "write": {n: statistics.median(times[n]) for n in writers},
-                "read": {n: statistics.median(times[n]) for n in readers},
-                "paired": paired,
-                "memory": memory,
-            })
+            results.append(
+                {
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "mib": mib,
+                    "bytes": size,
+                    "write": {n: statistics.median(times[n]) for n in writers},
+                    "read": {n: statistics.median(times[n]) for n in readers},
+                    "paired": paired,
+                    "memory": memory,
+                }
+            )
             del model
     return results
 
@@ -400,23 +424,31 @@ def _target_ratio(paired: dict[str, list[float]], numerator: str, denominator: s
 
 
 def report(results: list[dict], machine: str) -> str:
-    lines = [f"Measured {time.strftime('%Y-%m-%d')} on {machine}; seconds are medians over rounds. Each method "
-             "runs right after a raw write (or cold raw read) of the same bytes, and 'x raw' summarizes those "
-             "paired ratios, so a disk that drifts during the run cancels out; the order of methods rotates each "
-             "round. For writes it is the median over rounds. A read is paired with a cold read of the raw file "
-             "written just before the method's files (both evicted, read back to back, which one first "
-             "alternating by round); its 'x raw' is the median over pairs of rounds of the geometric mean of "
-             "the two orders' ratios, because which read comes second matters more than the file here. "
-             "GB/s = 10^9 bytes per second of state.", ""]
+    lines = [
+        f"Measured {time.strftime('%Y-%m-%d')} on {machine}; seconds are medians over rounds. Each method "
+        "runs right after a raw write (or cold raw read) of the same bytes, and 'x raw' summarizes those "
+        "paired ratios, so a disk that drifts during the run cancels out; the order of methods rotates each "
+        "round. For writes it is the median over rounds. A read is paired with a cold read of the raw file "
+        "written just before the method's files (both evicted, read back to back, which one first "
+        "alternating by round); its 'x raw' is the median over pairs of rounds of the geometric mean of "
+        "the two orders' ratios, because which read comes second matters more than the file here. "
+        "GB/s = 10^9 bytes per second of state.",
+        "",
+    ]
     for result in results:
         gbps = lambda seconds: result["bytes"] / seconds / 1e9  # noqa: E731
         paired = result["paired"]
-        lines += [f"### {result['dtype']}, {result['bytes'] / 2**20:.0f} MiB of state", "",
-                  "| write (durable) | seconds | GB/s | x raw write (paired) | peak extra RSS |",
-                  "| --- | --- | --- | --- | --- |"]
+        lines += [
+            f"### {result['dtype']}, {result['bytes'] / 2**20:.0f} MiB of state",
+            "",
+            "| write (durable) | seconds | GB/s | x raw write (paired) | peak extra RSS |",
+            "| --- | --- | --- | --- | --- |",
+        ]
         for name, seconds in result["write"].items():
-            lines.append(f"| {name} | {seconds:.2f} | {gbps(seconds):.2f} | {summary(name, paired[name]):.2f} | "
-                         f"{result['memory'][name] / 2**20:.0f} MiB |")
+            lines.append(
+                f"| {name} | {seconds:.2f} | {gbps(seconds):.2f} | {summary(name, paired[name]):.2f} | "
+                f"{result['memory'][name] / 2**20:.0f} MiB |"
+            )
         lines += ["", "| read (cold cache) | seconds | GB/s | x raw read (paired) |", "| --- | --- | --- | --- |"]
         for name, seconds in result["read"].items():
             lines.append(f"| {name} | {seconds:.2f} | {gbps(seconds):.2f} | {summary(name, paired[name]):.2f} |")
@@ -426,8 +458,10 @@ def report(results: list[dict], machine: str) -> str:
             lines.append(f"| {label} | {ratio:.2f} | {'PASS' if ratio >= minimum else 'FAIL'} |")
         budget = 0.1 * result["bytes"] + 256 * 2**20
         extra = result["memory"]["areal_ckpt recover dump"]
-        lines.append(f"| sync dump peak extra memory <= 10% of state + 256 MiB | {extra / 2**20:.0f} MiB of "
-                     f"{budget / 2**20:.0f} MiB | {'PASS' if extra <= budget else 'FAIL'} |")
+        lines.append(
+            f"| sync dump peak extra memory <= 10% of state + 256 MiB | {extra / 2**20:.0f} MiB of "
+            f"{budget / 2**20:.0f} MiB | {'PASS' if extra <= budget else 'FAIL'} |"
+        )
         lines.append("")
     return "\n".join(lines)
 
@@ -445,8 +479,12 @@ def plot(results: list[dict], path: Path) -> None:
                 rows = [r for r in results if r["dtype"] == dtype and name in r[kind]]
                 if not rows:
                     continue
-                axis.plot([r["mib"] for r in rows], [r["bytes"] / r[kind][name] / 1e9 for r in rows], marker="o",
-                          label=f"{name} ({dtype})")
+                axis.plot(
+                    [r["mib"] for r in rows],
+                    [r["bytes"] / r[kind][name] / 1e9 for r in rows],
+                    marker="o",
+                    label=f"{name} ({dtype})",
+                )
         axis.set_xscale("log", base=2)
         axis.set_xlabel("model size class (MiB of fp32 state requested; see the tables for exact sizes)")
         axis.set_ylabel("GB/s")
@@ -467,7 +505,7 @@ def kept_notes(report_path: Path) -> str:
     start, end = previous.find(NOTES_START), previous.find(NOTES_END)
     if start < 0 or end < start:
         return f"{NOTES_START}\n{NOTES_END}"
-    return previous[start:end + len(NOTES_END)]
+    return previous[start : end + len(NOTES_END)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -479,8 +517,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write the Markdown report (and a PNG beside it) here")
     args = parser.parse_args(argv)
     if args.rounds < 2 or args.rounds % 2:
-        parser.error(f"--rounds {args.rounds}: need an even number >= 2, since every pair of rounds reads "
-                     "in both orders")
+        parser.error(
+            f"--rounds {args.rounds}: need an even number >= 2, since every pair of rounds reads in both orders"
+        )
     workdir = Path(args.workdir) if args.workdir else scratch_folder("bench-")
     workdir.mkdir(parents=True, exist_ok=True)
     try:
@@ -493,10 +532,12 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         png = out.with_suffix(".png")
         plot(results, png)
-        out.write_text(f"# Benchmarks\n\n![throughput against state size]({png.name})\n\n"
-                       f"Rerun: `make bench` (or `python benchmarks/bench.py --help`). Asynchronous saves: "
-                       f"[benchmarks-async.md](benchmarks-async.md); two ranks: "
-                       f"[benchmarks-multirank.md](benchmarks-multirank.md).\n\n{kept_notes(out)}\n\n{text}\n")
+        out.write_text(
+            f"# Benchmarks\n\n![throughput against state size]({png.name})\n\n"
+            f"Rerun: `make bench` (or `python benchmarks/bench.py --help`). Asynchronous saves: "
+            f"[benchmarks-async.md](benchmarks-async.md); two ranks: "
+            f"[benchmarks-multirank.md](benchmarks-multirank.md).\n\n{kept_notes(out)}\n\n{text}\n"
+        )
     return 0
 
 

@@ -28,9 +28,9 @@ import warnings
 from pathlib import Path
 
 import torch
+from bench import machine_description, model_of_size, scratch_folder, state_bytes
 
 import areal_ckpt as ac
-from bench import machine_description, model_of_size, scratch_folder, state_bytes
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
@@ -110,24 +110,36 @@ def run(sizes: list[int], rounds: int, dtype: torch.dtype, workdir: Path) -> lis
             handler.close()
         exporter.finalize()
         shutil.rmtree(root)
-        results.append({
-            "mib": mib, "bytes": state_bytes(model), "background": background, "steps_during": len(timings["during"]),
-            **{name: statistics.median(values) if values else float("nan") for name, values in timings.items()},
-            **{f"{name} / copy": statistics.median(t / c for t, c in zip(timings[name], timings["copy"]))
-               for name in ("dump", "export")},
-        })
+        results.append(
+            {
+                "mib": mib,
+                "bytes": state_bytes(model),
+                "background": background,
+                "steps_during": len(timings["during"]),
+                **{name: statistics.median(values) if values else float("nan") for name, values in timings.items()},
+                **{
+                    f"{name} / copy": statistics.median(t / c for t, c in zip(timings[name], timings["copy"]))
+                    for name in ("dump", "export")
+                },
+            }
+        )
         del model, engine
     return results
 
 
 def report(results: list[dict], machine: str, dtype: torch.dtype) -> str:
-    lines = [f"Measured {time.strftime('%Y-%m-%d')} on {machine}; {str(dtype).removeprefix('torch.')} state, "
-             "model only; medians of interleaved rounds; a blocking time's ratio is the median over rounds "
-             "of its time over the copy timed in the same round.", ""]
+    lines = [
+        f"Measured {time.strftime('%Y-%m-%d')} on {machine}; {str(dtype).removeprefix('torch.')} state, "
+        "model only; medians of interleaved rounds; a blocking time's ratio is the median over rounds "
+        "of its time over the copy timed in the same round.",
+        "",
+    ]
     for r in results:
         lines += [
-            f"### {r['bytes'] / 2**20:.0f} MiB of state", "",
-            "| measurement | seconds |", "| --- | --- |",
+            f"### {r['bytes'] / 2**20:.0f} MiB of state",
+            "",
+            "| measurement | seconds |",
+            "| --- | --- |",
             f"| one in-memory copy of the state | {r['copy']:.3f} |",
             f"| async recovery dump, blocking | {r['dump']:.3f} |",
             f"| async export, blocking | {r['export']:.3f} |",
@@ -135,12 +147,18 @@ def report(results: list[dict], machine: str, dtype: torch.dtype) -> str:
             f"| async dump, background write + commit (last round) | {r['background']:.3f} |",
             f"| compute step alone | {r['alone']:.3f} |",
             f"| compute step during a background write ({r['steps_during']} steps) | {r['during']:.3f} |",
-            "", "| target | measured | verdict |", "| --- | --- | --- |",
+            "",
+            "| target | measured | verdict |",
+            "| --- | --- | --- |",
         ]
         for label, ratio, limit in (
             (f"async dump blocks <= {BLOCKING_TARGET}x one copy", r["dump / copy"], BLOCKING_TARGET),
             (f"async export blocks <= {BLOCKING_TARGET}x one copy", r["export / copy"], BLOCKING_TARGET),
-            (f"compute loop slows <= {SLOWDOWN_TARGET:.1f}x during the write", r["during"] / r["alone"], SLOWDOWN_TARGET),
+            (
+                f"compute loop slows <= {SLOWDOWN_TARGET:.1f}x during the write",
+                r["during"] / r["alone"],
+                SLOWDOWN_TARGET,
+            ),
         ):
             lines.append(f"| {label} | {ratio:.2f}x | {'PASS' if ratio <= limit else 'FAIL'} |")
         lines.append("")
@@ -162,8 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     text = report(results, machine_description(), getattr(torch, args.dtype))
     print(text)
     if args.out:
-        Path(args.out).write_text(f"# Benchmarks: asynchronous saves\n\nRerun: `make bench` (or "
-                                  f"`python benchmarks/bench_async.py --help`).\n\n{text}\n")
+        Path(args.out).write_text(
+            f"# Benchmarks: asynchronous saves\n\nRerun: `make bench` (or "
+            f"`python benchmarks/bench_async.py --help`).\n\n{text}\n"
+        )
     return 0
 
 

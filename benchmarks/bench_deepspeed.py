@@ -32,9 +32,9 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().paren
 import torch  # noqa: E402
 import torch.distributed as torch_dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from bench import evict, fsync_tree, machine_description, model_of_size, scratch_folder, state_bytes  # noqa: E402
 
 import areal_ckpt as ac  # noqa: E402
-from bench import evict, fsync_tree, machine_description, model_of_size, scratch_folder, state_bytes  # noqa: E402
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
@@ -59,15 +59,20 @@ def _timed(action) -> float:
 def _worker(rank: int, world: int, port: int, stage: int, mib: int, rounds: int, workdir: str, result: str) -> None:
     import deepspeed
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
+    )
     torch_dist.init_process_group("gloo", rank=rank, world_size=world)
     model = model_of_size(mib, torch.float32)
     size = state_bytes(model)
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
-                                      config=config)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), config=config
+    )
     tokens = torch.arange(16).reshape(1, 16)
     engine.backward(engine(input_ids=tokens, labels=tokens).loss)
     engine.step()
@@ -81,8 +86,9 @@ def _worker(rank: int, world: int, port: int, stage: int, mib: int, rounds: int,
             if method == "ours":
                 timings["save ours"] = _timed(lambda: ac.save_checkpoint(engine, ours, tag="t"))
             else:
-                timings["save native"] = _timed(lambda: (engine.save_checkpoint(str(native), tag="t"),
-                                                         rank == 0 and fsync_tree(native)))
+                timings["save native"] = _timed(
+                    lambda: (engine.save_checkpoint(str(native), tag="t"), rank == 0 and fsync_tree(native))
+                )
         for folder in (ours, native):
             if rank == 0:
                 evict(folder)
@@ -91,8 +97,10 @@ def _worker(rank: int, world: int, port: int, stage: int, mib: int, rounds: int,
                 timings["load ours"] = _timed(lambda: ac.load_checkpoint(engine, ours, tag="t"))
             else:
                 timings["load native"] = _timed(lambda: engine.load_checkpoint(str(native), tag="t"))
-        sizes = {name: sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-                 for name, folder in (("ours", ours), ("native", native))}
+        sizes = {
+            name: sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+            for name, folder in (("ours", ours), ("native", native))
+        }
         rows.append({"timings": timings, "sizes": sizes})
         torch_dist.barrier()
         if rank == 0:

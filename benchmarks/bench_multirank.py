@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import shutil
 import socket
@@ -27,18 +28,17 @@ import statistics
 import sys
 import tempfile
 import time
-import logging
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
+from bench import PeakRss, machine_description, model_of_size, scratch_folder, state_bytes
 from torch.distributed.tensor import DTensor
 
 import areal_ckpt as ac
 from areal_ckpt.formats.hf_export import plan_export
-from bench import PeakRss, machine_description, model_of_size, scratch_folder, state_bytes
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
@@ -128,8 +128,12 @@ def _measure(wrap: str, mib: int, rounds: int, workdir: str, world: int) -> tupl
 def run_configuration(world: int, wrap: str, mib: int, rounds: int, workdir: Path) -> dict:
     folder = Path(tempfile.mkdtemp(dir=workdir))
     result = folder / "result.json"
-    mp.start_processes(_worker, args=(world, wrap, _free_port(), mib, rounds, str(folder), str(result)), nprocs=world,
-                       start_method="spawn")
+    mp.start_processes(
+        _worker,
+        args=(world, wrap, _free_port(), mib, rounds, str(folder), str(result)),
+        nprocs=world,
+        start_method="spawn",
+    )
     data = json.loads(result.read_text())
     shutil.rmtree(folder)
     return data
@@ -160,42 +164,58 @@ def run(mib: int, rounds: int, repeats: int, workdir: Path) -> dict:
         for wrap, kinds in ratios.items():
             for kind, values in kinds.items():
                 values.append(this_repeat["plain"][kind] / this_repeat[wrap][kind])
-    return {"bytes": size, "peaks": peaks, "ratios": ratios, "median": {
-        wrap: {k: statistics.median(v) for k, v in kinds.items()} for wrap, kinds in seconds.items()}}
+    return {
+        "bytes": size,
+        "peaks": peaks,
+        "ratios": ratios,
+        "median": {wrap: {k: statistics.median(v) for k, v in kinds.items()} for wrap, kinds in seconds.items()},
+    }
 
 
 def report(result: dict, machine: str) -> str:
     size, median = result["bytes"], result["median"]
-    lines = [f"Measured {time.strftime('%Y-%m-%d')} on {machine}; fp32 state of {size / 2**20:.0f} MiB, model only; "
-             "2 ranks on gloo, the model sharded by FSDP2 or replicated by DDP; times are the slowest rank's, "
-             f"medians over {len(result['ratios']['fsdp2']['dump'])} repeats. The ratio is the median over repeats "
-             "of the single rank's time over the two ranks' time in the same repeat; its range shows how much "
-             "that moved between repeats.", "",
-             "| operation | 1 rank (s) | 2 ranks (s) | 1 rank GB/s | 2 ranks aggregate GB/s | ratio (paired) | "
-             "range over repeats | verdict |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"Measured {time.strftime('%Y-%m-%d')} on {machine}; fp32 state of {size / 2**20:.0f} MiB, model only; "
+        "2 ranks on gloo, the model sharded by FSDP2 or replicated by DDP; times are the slowest rank's, "
+        f"medians over {len(result['ratios']['fsdp2']['dump'])} repeats. The ratio is the median over repeats "
+        "of the single rank's time over the two ranks' time in the same repeat; its range shows how much "
+        "that moved between repeats.",
+        "",
+        "| operation | 1 rank (s) | 2 ranks (s) | 1 rank GB/s | 2 ranks aggregate GB/s | ratio (paired) | "
+        "range over repeats | verdict |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for kind, label in (("dump", "recovery dump (durable)"), ("export", "HF export (durable)")):
         for wrap in ("fsdp2", "ddp"):
             one, two = median["plain"][kind], median[wrap][kind]
             paired = result["ratios"][wrap][kind]
             ratio = statistics.median(paired)
-            lines.append(f"| {label}, {wrap.upper()} | {one:.2f} | {two:.2f} | {size / one / 1e9:.2f} | "
-                         f"{size / two / 1e9:.2f} | {ratio:.2f} | {min(paired):.2f}-{max(paired):.2f} | "
-                         f"{'PASS' if ratio >= AGGREGATE_TARGET else 'FAIL'} (>= {AGGREGATE_TARGET}) |")
+            lines.append(
+                f"| {label}, {wrap.upper()} | {one:.2f} | {two:.2f} | {size / one / 1e9:.2f} | "
+                f"{size / two / 1e9:.2f} | {ratio:.2f} | {min(paired):.2f}-{max(paired):.2f} | "
+                f"{'PASS' if ratio >= AGGREGATE_TARGET else 'FAIL'} (>= {AGGREGATE_TARGET}) |"
+            )
     gather, all_gather = median["fsdp2"]["gather"], median["fsdp2"]["all-gather"]
-    lines += ["", f"An FSDP2 export gathers every tensor over gloo, each to the rank that writes it (both ranks "
-              f"send and receive at once): those gathers alone (no disk) take {gather:.2f} s "
-              f"({size / gather / 1e9:.2f} GB/s), a floor under the FSDP2 export on this machine whatever the "
-              "disk does. Making every tensor whole on every rank instead "
-              f"(`DTensor.full_tensor()`) takes {all_gather:.2f} s. DDP exports write straight from each rank's "
-              "replica, without gathers."]
+    lines += [
+        "",
+        f"An FSDP2 export gathers every tensor over gloo, each to the rank that writes it (both ranks "
+        f"send and receive at once): those gathers alone (no disk) take {gather:.2f} s "
+        f"({size / gather / 1e9:.2f} GB/s), a floor under the FSDP2 export on this machine whatever the "
+        "disk does. Making every tensor whole on every rank instead "
+        f"(`DTensor.full_tensor()`) takes {all_gather:.2f} s. DDP exports write straight from each rank's "
+        "replica, without gathers.",
+    ]
     budget = SHARD_SIZE
     peak = max(result["peaks"])
-    lines += ["", "| export memory per rank (2 ranks), beyond its own resident shard | measured | "
-              "budget: one max_shard_size buffer | verdict |",
-              "| --- | --- | --- | --- |",
-              f"| peak extra resident memory, worst rank | {peak / 2**20:.0f} MiB | {budget / 2**20:.0f} MiB | "
-              f"{'PASS' if peak <= budget else 'FAIL'} |", ""]
+    lines += [
+        "",
+        "| export memory per rank (2 ranks), beyond its own resident shard | measured | "
+        "budget: one max_shard_size buffer | verdict |",
+        "| --- | --- | --- | --- |",
+        f"| peak extra resident memory, worst rank | {peak / 2**20:.0f} MiB | {budget / 2**20:.0f} MiB | "
+        f"{'PASS' if peak <= budget else 'FAIL'} |",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -214,8 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     text = report(result, machine_description())
     print(text)
     if args.out:
-        Path(args.out).write_text(f"# Benchmarks: two ranks, one disk\n\nRerun: `make bench` (or "
-                                  f"`python benchmarks/bench_multirank.py --help`).\n\n{text}\n")
+        Path(args.out).write_text(
+            f"# Benchmarks: two ranks, one disk\n\nRerun: `make bench` (or "
+            f"`python benchmarks/bench_multirank.py --help`).\n\n{text}\n"
+        )
     return 0
 
 

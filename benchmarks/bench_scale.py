@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
+from bench import machine_description, model_of_size, scratch_folder, state_bytes
 
 import areal_ckpt as ac
 from areal_ckpt import dist
 from areal_ckpt.formats.dcp_metadata import read_metadata_json
-from bench import machine_description, model_of_size, scratch_folder, state_bytes
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
@@ -101,22 +101,30 @@ def _measure(mib: int, dumps: int, workdir: str) -> dict:
     ac.RecoverHandler(config, SPEC).load(fresh)
     phases["load"].append({**vars(dist.traffic() - before), "s": time.perf_counter() - start})
     current = Path(workdir) / "checkpoints/bench/scale/t/.recover/current"
-    sizes = {name: (current / name).stat().st_size
-             for name in ("default/dcp_metadata.json", "default/.metadata", "recover_info/areal_ckpt_manifest.json")}
+    sizes = {
+        name: (current / name).stat().st_size
+        for name in ("default/dcp_metadata.json", "default/.metadata", "recover_info/areal_ckpt_manifest.json")
+    }
     parses = []
     for _ in range(3):  # what every rank does first on a load: parse the model's whole metadata
         start = time.perf_counter()
         read_metadata_json(current / "default")
         parses.append(time.perf_counter() - start)
-    return {"bytes": size, "tensors": tensors, "phases": phases, "rank0_files": sizes,
-            "metadata_parse_s": statistics.median(parses)}
+    return {
+        "bytes": size,
+        "tensors": tensors,
+        "phases": phases,
+        "rank0_files": sizes,
+        "metadata_parse_s": statistics.median(parses),
+    }
 
 
 def run_world(world: int, mib: int, dumps: int, workdir: Path) -> list[dict]:
     folder = Path(tempfile.mkdtemp(dir=workdir))
     result = folder / "result.json"
-    mp.start_processes(_worker, args=(world, _free_port(), mib, dumps, str(folder), str(result)), nprocs=world,
-                       start_method="spawn")
+    mp.start_processes(
+        _worker, args=(world, _free_port(), mib, dumps, str(folder), str(result)), nprocs=world, start_method="spawn"
+    )
     ranks = json.loads(result.read_text())
     shutil.rmtree(folder)
     return ranks
@@ -125,6 +133,7 @@ def run_world(world: int, mib: int, dumps: int, workdir: Path) -> list[dict]:
 def _per_phase(ranks: list[dict], phase: str) -> dict:
     """Rank 0's and the busiest other rank's traffic (median over the phase's repeats), and the
     slowest rank's median time."""
+
     def moved(rank: dict) -> dict:
         entries = rank["phases"][phase]
         return {key: statistics.median(entry[key] for entry in entries) for key in ("calls", "sent", "received", "s")}
@@ -154,7 +163,7 @@ def render(results: dict[int, list[dict]], dumps: int) -> str:
         f"Measured on {machine_description()}: a {first['bytes'] / 2**20:.0f} MiB model + AdamW state "
         f"({first['tensors']} tensors), FSDP2 over gloo, {dumps} dumps per run (the first makes the plan), "
         "then one load on the same number of ranks. Bytes are collective payload per rank per operation "
-        "(KiB, sent + received); \"other\" is the busiest non-zero rank.",
+        '(KiB, sent + received); "other" is the busiest non-zero rank.',
         "",
         "| ranks | phase | calls | rank 0 KiB | other rank KiB | slowest rank s |",
         "|---|---|---|---|---|---|",
@@ -164,22 +173,35 @@ def render(results: dict[int, list[dict]], dumps: int) -> str:
             row = _per_phase(ranks, phase)
             other = row["other"]
             other_kib = "-" if other is None else _kib(other["sent"] + other["received"])
-            lines.append(f"| {world} | {phase} | {row['rank0']['calls']:.0f} | "
-                         f"{_kib(row['rank0']['sent'] + row['rank0']['received'])} | {other_kib} | {row['seconds']:.2f} |")
-    lines += ["", "Files only rank 0 writes (bytes), per model and per dump, and the time one rank takes to "
-              "parse the model's `dcp_metadata.json` (every rank does, first thing in a load):", "",
-              "| ranks | dcp_metadata.json | .metadata | manifest | parse s |", "|---|---|---|---|---|"]
+            lines.append(
+                f"| {world} | {phase} | {row['rank0']['calls']:.0f} | "
+                f"{_kib(row['rank0']['sent'] + row['rank0']['received'])} | {other_kib} | {row['seconds']:.2f} |"
+            )
+    lines += [
+        "",
+        "Files only rank 0 writes (bytes), per model and per dump, and the time one rank takes to "
+        "parse the model's `dcp_metadata.json` (every rank does, first thing in a load):",
+        "",
+        "| ranks | dcp_metadata.json | .metadata | manifest | parse s |",
+        "|---|---|---|---|---|",
+    ]
     for world, ranks in results.items():
         files = ranks[0]["rank0_files"]
-        lines.append(f"| {world} | {files['default/dcp_metadata.json']} | {files['default/.metadata']} | "
-                     f"{files['recover_info/areal_ckpt_manifest.json']} | {ranks[0]['metadata_parse_s']:.3f} |")
+        lines.append(
+            f"| {world} | {files['default/dcp_metadata.json']} | {files['default/.metadata']} | "
+            f"{files['recover_info/areal_ckpt_manifest.json']} | {ranks[0]['metadata_parse_s']:.3f} |"
+        )
     worlds = list(results)
-    lines += ["", f"Least-squares lines through these points, extrapolated to {EXTRAPOLATE_TO} ranks:", "",
-              "| quantity | per added rank | at 1024 ranks |", "|---|---|---|"]
+    lines += [
+        "",
+        f"Least-squares lines through these points, extrapolated to {EXTRAPOLATE_TO} ranks:",
+        "",
+        "| quantity | per added rank | at 1024 ranks |",
+        "|---|---|---|",
+    ]
     series = {
         "rank 0 KiB per later dump": [_sum_kib(_per_phase(results[w], "later dumps")["rank0"]) for w in worlds],
-        "other rank KiB per later dump": [
-            _sum_kib(_per_phase(results[w], "later dumps")["other"]) for w in worlds[1:]],
+        "other rank KiB per later dump": [_sum_kib(_per_phase(results[w], "later dumps")["other"]) for w in worlds[1:]],
         "dcp_metadata.json KiB": [results[w][0]["rank0_files"]["default/dcp_metadata.json"] / 1024 for w in worlds],
         ".metadata KiB": [results[w][0]["rank0_files"]["default/.metadata"] / 1024 for w in worlds],
         "manifest KiB": [results[w][0]["rank0_files"]["recover_info/areal_ckpt_manifest.json"] / 1024 for w in worlds],
@@ -188,14 +210,19 @@ def render(results: dict[int, list[dict]], dumps: int) -> str:
     for name, ys in series.items():
         xs = worlds[1:] if name.startswith("other") else worlds
         intercept, slope = _fit(xs, ys)
-        at_scale = (f"{intercept + slope * EXTRAPOLATE_TO:.0f} KiB" if slope > 0.05 * max(ys) / max(xs)
-                    else f"at most {max(ys):.1f} KiB (does not grow)")
+        at_scale = (
+            f"{intercept + slope * EXTRAPOLATE_TO:.0f} KiB"
+            if slope > 0.05 * max(ys) / max(xs)
+            else f"at most {max(ys):.1f} KiB (does not grow)"
+        )
         lines.append(f"| {name} | {slope:+.2f} KiB | {at_scale} |")
     sizes = series["dcp_metadata.json KiB"]
     rate = statistics.median(seconds / kib for seconds, kib in zip(parse, sizes))  # parse time grows with bytes
     intercept, slope = _fit(worlds, sizes)
-    lines.append(f"| metadata parse per rank on load ({rate * 1e6:.0f} us per KiB, the median rate) | "
-                 f"{slope * rate * 1000:+.1f} ms | {(intercept + slope * EXTRAPOLATE_TO) * rate:.1f} s |")
+    lines.append(
+        f"| metadata parse per rank on load ({rate * 1e6:.0f} us per KiB, the median rate) | "
+        f"{slope * rate * 1000:+.1f} ms | {(intercept + slope * EXTRAPOLATE_TO) * rate:.1f} s |"
+    )
     lines += ["", END]
     return "\n".join(lines)
 
@@ -206,7 +233,9 @@ def _sum_kib(entry: dict | None) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=int, default=256, help="MiB of fp32 weights (hidden 1024: 4 layers, 153 tensors)")
+    parser.add_argument(
+        "--size", type=int, default=256, help="MiB of fp32 weights (hidden 1024: 4 layers, 153 tensors)"
+    )
     parser.add_argument("--dumps", type=int, default=4)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()

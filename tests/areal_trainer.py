@@ -92,8 +92,9 @@ class InProcessRollout:
     def generate(self, prompts: torch.Tensor) -> torch.Tensor:
         assert not self.paused
         attention = torch.ones_like(prompts)
-        return self.model.generate(input_ids=prompts, attention_mask=attention, max_new_tokens=NEW_TOKENS,
-                                   do_sample=False, pad_token_id=0)
+        return self.model.generate(
+            input_ids=prompts, attention_mask=attention, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+        )
 
 
 class FSDPActor:
@@ -112,8 +113,10 @@ class FSDPActor:
         self.rollout = engine
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:
-        full = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-                for name, t in self.model.state_dict().items()}  # collective under FSDP2
+        full = {
+            name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+            for name, t in self.model.state_dict().items()
+        }  # collective under FSDP2
         assert self.rollout is not None
         self.rollout.receive(full)
 
@@ -146,11 +149,23 @@ class Evaluator:
             self.evaluations.append(global_step)
 
     def state_dict(self) -> dict[str, Any]:
-        counters = {"frequence_seconds": None, "frequency_steps": self.freq_steps, "start_time": 1.7e9,
-                    "steps": self.steps, "last_time": 1.7e9, "last_steps": 0, "interval_steps": None,
-                    "interval_seconds": None, "initial_value": False}
-        return {"epoch": dict(counters, frequency_steps=None), "step": counters, "time": dict(counters),
-                "evaluations": self.evaluations}
+        counters = {
+            "frequence_seconds": None,
+            "frequency_steps": self.freq_steps,
+            "start_time": 1.7e9,
+            "steps": self.steps,
+            "last_time": 1.7e9,
+            "last_steps": 0,
+            "interval_steps": None,
+            "interval_seconds": None,
+            "initial_value": False,
+        }
+        return {
+            "epoch": dict(counters, frequency_steps=None),
+            "step": counters,
+            "time": dict(counters),
+            "evaluations": self.evaluations,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = state["step"]["steps"]
@@ -209,11 +224,15 @@ def train(args: argparse.Namespace, overrides: list[str]) -> None:
         fully_shard(layer)
     fully_shard(model)
     data = torch.Generator().manual_seed(5)
-    dataset = [{"id": i, "prompt": torch.randint(4, len(tokenizer), (PROMPT_LENGTH,), generator=data)}
-               for i in range(PROMPTS)]
+    dataset = [
+        {"id": i, "prompt": torch.randint(4, len(tokenizer), (PROMPT_LENGTH,), generator=data)} for i in range(PROMPTS)
+    ]
     train_dataloader = StatefulDataLoader(
-        dataset, batch_size=2, sampler=DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=1),
-        collate_fn=lambda items: items, drop_last=True,
+        dataset,
+        batch_size=2,
+        sampler=DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=1),
+        collate_fn=lambda items: items,
+        drop_last=True,
     )
     total_train_epochs = 2
     ft_spec = FinetuneSpec(
@@ -222,8 +241,12 @@ def train(args: argparse.Namespace, overrides: list[str]) -> None:
         train_batch_size=2,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    actor = FSDPActor(model, optimizer, warmup_cosine(optimizer, 3, ft_spec.total_train_steps),
-                      TrainEngineConfig(path=args.base_model))
+    actor = FSDPActor(
+        model,
+        optimizer,
+        warmup_cosine(optimizer, 3, ft_spec.total_train_steps),
+        TrainEngineConfig(path=args.base_model),
+    )
     weight_update_meta = WeightUpdateMeta(type="disk")
     actor.connect_engine(rollout, weight_update_meta)
 
@@ -242,19 +265,26 @@ def train(args: argparse.Namespace, overrides: list[str]) -> None:
         weight_update_meta=weight_update_meta,
     )
     if recover_info is not None:
-        actor_full = {name: (t.full_tensor() if isinstance(t, DTensor) else t)
-                      for name, t in model.state_dict().items()}
+        actor_full = {
+            name: (t.full_tensor() if isinstance(t, DTensor) else t) for name, t in model.state_dict().items()
+        }
         rollout_state = rollout.model.state_dict()
-        (out / f"resume-rank{rank}.json").write_text(json.dumps({
-            "attempt": attempt,
-            "check_if_recover": is_recover_run,
-            "start_step": recover_info.last_step_info.next().global_step,
-            "rollout_version": rollout.version,
-            "actor_version": actor.version,
-            "rollout_has_recovered_weights": all(torch.equal(actor_full[k], rollout_state[k]) for k in actor_full),
-            "evaluator": evaluator.state_dict(),
-            "stats_logger": stats_logger.state_dict(),
-        }))
+        (out / f"resume-rank{rank}.json").write_text(
+            json.dumps(
+                {
+                    "attempt": attempt,
+                    "check_if_recover": is_recover_run,
+                    "start_step": recover_info.last_step_info.next().global_step,
+                    "rollout_version": rollout.version,
+                    "actor_version": actor.version,
+                    "rollout_has_recovered_weights": all(
+                        torch.equal(actor_full[k], rollout_state[k]) for k in actor_full
+                    ),
+                    "evaluator": evaluator.state_dict(),
+                    "stats_logger": stats_logger.state_dict(),
+                }
+            )
+        )
 
     start_step = recover_info.last_step_info.next().global_step if recover_info is not None else 0
     steps_per_epoch = len(train_dataloader)
@@ -299,10 +329,22 @@ def train(args: argparse.Namespace, overrides: list[str]) -> None:
             processor=processor,
         )
         dist.barrier()
-        log.write(json.dumps({"step": global_step, "attempt": attempt, "ids": [item["id"] for item in batch],
-                              "generated": sequences.tolist(), "loss": loss.hex(),
-                              "components_at_dump": {"evaluator": evaluator.state_dict(),
-                                                     "stats_logger": stats_logger.state_dict()}}) + "\n")
+        log.write(
+            json.dumps(
+                {
+                    "step": global_step,
+                    "attempt": attempt,
+                    "ids": [item["id"] for item in batch],
+                    "generated": sequences.tolist(),
+                    "loss": loss.hex(),
+                    "components_at_dump": {
+                        "evaluator": evaluator.state_dict(),
+                        "stats_logger": stats_logger.state_dict(),
+                    },
+                }
+            )
+            + "\n"
+        )
         log.flush()
         evaluator.evaluate(lambda: None, epoch, step, global_step)
         stats_logger.commit(epoch, step, global_step, {"loss": loss})
@@ -312,19 +354,30 @@ def train(args: argparse.Namespace, overrides: list[str]) -> None:
     saver.finalize()
     recover_handler.close()
 
-    final = {name: (t.to_local() if isinstance(t, DTensor) else t).detach().clone().contiguous()
-             for name, t in model.state_dict().items()}
+    final = {
+        name: (t.to_local() if isinstance(t, DTensor) else t).detach().clone().contiguous()
+        for name, t in model.state_dict().items()
+    }
     for fqn, entries in optimizer.state.items():
         for key, value in entries.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 name = next(n for n, p in model.named_parameters() if p is fqn)
-                final[f"optim.{name}.{key}"] = value.to_local().detach().clone().contiguous() \
-                    if isinstance(value, DTensor) else value.detach().clone()
+                final[f"optim.{name}.{key}"] = (
+                    value.to_local().detach().clone().contiguous()
+                    if isinstance(value, DTensor)
+                    else value.detach().clone()
+                )
     final["lr"] = torch.tensor([group["lr"] for group in optimizer.param_groups], dtype=torch.float64)
     save_file(final, out / f"final-rank{rank}.safetensors")
-    (out / f"components-rank{rank}.json").write_text(json.dumps({
-        "evaluator": evaluator.state_dict(), "stats_logger": stats_logger.state_dict(), "rollout_version": rollout.version,
-    }))
+    (out / f"components-rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "evaluator": evaluator.state_dict(),
+                "stats_logger": stats_logger.state_dict(),
+                "rollout_version": rollout.version,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

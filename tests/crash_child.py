@@ -24,8 +24,10 @@ def run(rank: int, world_size: int, fileroot: str) -> None:
 
 
 def main(fileroot: str) -> None:
-    saver = ac.Saver(ac.SaverConfig(fileroot=fileroot, **CONFIG_FIELDS), ac.FinetuneSpec(
-        total_train_epochs=1, dataset_size=10**6, train_batch_size=1))
+    saver = ac.Saver(
+        ac.SaverConfig(fileroot=fileroot, **CONFIG_FIELDS),
+        ac.FinetuneSpec(total_train_epochs=1, dataset_size=10**6, train_batch_size=1),
+    )
     step = 0
     while True:
         saver.save(ac.TorchEngine(model_for_step(step)), 0, step, step, force=True)

@@ -11,14 +11,25 @@ import multiprocessing
 import os
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # DeepSpeed on CPU; its one-time op build (~40 s) is cached in an ignored folder of the clone
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                           ".cache", "torch_extensions"))
-_PRELOAD = ["torch", "torch.distributed.checkpoint", "transformers", "areal_ckpt", "areal_ckpt.demo.tiny",
-            "torchdata.stateful_dataloader", "safetensors.torch", "deepspeed"]
+os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR",
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "torch_extensions"),
+)
+_PRELOAD = [
+    "torch",
+    "torch.distributed.checkpoint",
+    "transformers",
+    "areal_ckpt",
+    "areal_ckpt.demo.tiny",
+    "torchdata.stateful_dataloader",
+    "safetensors.torch",
+    "deepspeed",
+]
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(_PRELOAD)
 
@@ -35,8 +46,13 @@ def _worker(
     import torch.distributed as torch_dist
 
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
     )
     if group:
         torch_dist.init_process_group("gloo", rank=rank, world_size=world_size)

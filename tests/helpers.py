@@ -20,7 +20,7 @@ def read_export_tensors(folder: Path) -> dict[str, torch.Tensor]:
     tensors = {}
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(file, framework="pt") as handle:
-            for key in handle.keys():
+            for key in handle.keys():  # noqa: SIM118  (safe_open is not iterable)
                 tensors[key] = handle.get_tensor(key)
     return tensors
 

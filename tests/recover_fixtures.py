@@ -40,7 +40,9 @@ def train_step(setup: Setup, step: int) -> None:
 
 def step_info(global_step: int) -> ac.StepInfo:
     epoch, epoch_step = divmod(global_step, SPEC.steps_per_epoch)
-    return ac.StepInfo(epoch=epoch, epoch_step=epoch_step, global_step=global_step, steps_per_epoch=SPEC.steps_per_epoch)
+    return ac.StepInfo(
+        epoch=epoch, epoch_step=epoch_step, global_step=global_step, steps_per_epoch=SPEC.steps_per_epoch
+    )
 
 
 def recover_config(fileroot: Path, **fields) -> ac.RecoverConfig:

@@ -92,21 +92,30 @@ def train(args: argparse.Namespace) -> None:
     if args.wrap.startswith("zero"):
         import deepspeed
 
-        ds_config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
-                     "zero_optimization": {"stage": int(args.wrap[-1]), "stage3_param_persistence_threshold": 0}}
+        ds_config = {
+            "train_micro_batch_size_per_gpu": BATCH,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": int(args.wrap[-1]), "stage3_param_persistence_threshold": 0},
+        }
         ds_engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
         model, engine = ds_engine, ac.DeepSpeedEngine(ds_engine)
     else:
         engine = ac.TorchEngine(model, optimizer=optimizer, lr_scheduler=scheduler)
     config = ac.RecoverConfig(
-        experiment_name="exp", trial_name=args.trial, fileroot=args.fileroot, user="tester",
-        mode=args.mode, freq_steps=args.freq_steps,
+        experiment_name="exp",
+        trial_name=args.trial,
+        fileroot=args.fileroot,
+        user="tester",
+        mode=args.mode,
+        freq_steps=args.freq_steps,
     )
     recover = ac.RecoverHandler(config, ft_spec)
 
     info = recover.load(engine, dataloader=loader)
-    start = info.last_step_info.next() if info else ac.StepInfo(
-        epoch=0, epoch_step=0, global_step=0, steps_per_epoch=ft_spec.steps_per_epoch
+    start = (
+        info.last_step_info.next()
+        if info
+        else ac.StepInfo(epoch=0, epoch_step=0, global_step=0, steps_per_epoch=ft_spec.steps_per_epoch)
     )
     noise_scale = info.client_state["noise_scale"] if info else 1.0
     losses = open(out / f"losses-rank{rank}.jsonl", "a")

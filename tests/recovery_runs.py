@@ -8,14 +8,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
-
-import torch
-from safetensors.torch import load_file
 
 import recover_job
+import torch
 from distributed import free_port, run_distributed, start_processes
+from safetensors.torch import load_file
 
 HERE = Path(__file__).parent
 JOB = HERE / "recover_job.py"
@@ -33,8 +32,14 @@ def run_job(fileroot: Path, out: Path, world_size: int = 1, wrap: str = "none", 
 def run_job_torchrun(fileroot: Path, out: Path, world_size: int, wrap: str, extra: list[str] = ()) -> int:
     """Run the job under real torchrun (slow: every rank imports torch); returns the exit code."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={world_size}",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(HERE / "recover_job.py"),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc-per-node={world_size}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        str(HERE / "recover_job.py"),
         *_args(fileroot, out, wrap, list(extra)),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE)}
@@ -45,7 +50,11 @@ def run_job_torchrun(fileroot: Path, out: Path, world_size: int, wrap: str, extr
 
 
 def run_job_killed_when(
-    fileroot: Path, out: Path, ready: Callable[[Path], bool], world_size: int = 1, wrap: str = "none",
+    fileroot: Path,
+    out: Path,
+    ready: Callable[[Path], bool],
+    world_size: int = 1,
+    wrap: str = "none",
     victim: int = 0,
 ) -> None:
     """Run the job and, as soon as ``ready(trial)`` holds, SIGKILL rank ``victim``, then the others
@@ -83,7 +92,10 @@ def losses(out: Path, rank: int = 0) -> dict[int, list[str]]:
 def assert_same_run(reference: Path, resumed: Path, world_size: int) -> None:
     """Bitwise equal final weights, optimizer state and LR on every rank; every loss equal."""
     for rank in range(world_size):
-        expected, actual = load_file(reference / f"final-rank{rank}.safetensors"), load_file(resumed / f"final-rank{rank}.safetensors")
+        expected, actual = (
+            load_file(reference / f"final-rank{rank}.safetensors"),
+            load_file(resumed / f"final-rank{rank}.safetensors"),
+        )
         assert expected.keys() == actual.keys()
         different = [name for name in expected if not torch.equal(expected[name], actual[name])]
         assert not different, f"rank {rank}: differs from the uninterrupted run: {different[:5]}"

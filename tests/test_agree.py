@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+from distributed import run_distributed
 
 from areal_ckpt import agree
 from areal_ckpt.errors import CheckpointError, TransientError
-from distributed import run_distributed
 
 
 def _outcome(action) -> str:

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from recover_fixtures import SPEC, make_setup, recover_config, step_info, train_step, trial_dir
 from safetensors.torch import load_file
 from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import AutoModelForCausalLM, AutoProcessor, CLIPImageProcessorPil, GenerationConfig, LlavaProcessor
 
 import areal_ckpt as ac
 from areal_ckpt.tools.cli import main as cli_main
-from recover_fixtures import SPEC, make_setup, recover_config, step_info, train_step, trial_dir
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -60,9 +60,24 @@ def make_base_model(folder: Path, tokenizer) -> Path:
 
 def _torchrun(out: Path, base: Path, root: Path, trial: str, kill_at: int) -> list[str]:
     overrides = [f"cluster.fileroot={root}", f"trial_name={trial}"]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            str(HERE / "areal_trainer.py"), "--config", str(AREAL_YAML), "--out", str(out), "--base-model", str(base),
-            "--kill-at", str(kill_at), *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(HERE / "areal_trainer.py"),
+        "--config",
+        str(AREAL_YAML),
+        "--out",
+        str(out),
+        "--base-model",
+        str(base),
+        "--kill-at",
+        str(kill_at),
+        *overrides,
+    ]
 
 
 def _steps(out: Path, rank: int) -> dict[int, list[dict]]:
@@ -81,19 +96,33 @@ def test_an_areal_trainer_killed_and_relaunched_ends_bitwise_equal(tmp_path, tok
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     reference.mkdir()
     killed.mkdir()
-    done = subprocess.run(_torchrun(reference, base, root, "reference", -1), env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run(
+        _torchrun(reference, base, root, "reference", -1), env=env, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     # as a user runs it: the launcher in front of torchrun, the job's overrides given to both
-    launcher = [sys.executable, "-m", "areal_ckpt.tools.cli", "launch", "--config", str(AREAL_YAML),
-                f"cluster.fileroot={root}", "trial_name=killed", "--", *_torchrun(killed, base, root, "killed", 9)]
+    launcher = [
+        sys.executable,
+        "-m",
+        "areal_ckpt.tools.cli",
+        "launch",
+        "--config",
+        str(AREAL_YAML),
+        f"cluster.fileroot={root}",
+        "trial_name=killed",
+        "--",
+        *_torchrun(killed, base, root, "killed", 9),
+    ]
     done = subprocess.run(launcher, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "areal-ckpt launch: attempt 1 failed" in done.stderr and "relaunch 1 of recover.retries=2" in done.stderr
     assert "attempt 3" not in done.stderr
 
     for rank in range(2):
-        want, got = load_file(reference / f"final-rank{rank}.safetensors"), load_file(killed / f"final-rank{rank}.safetensors")
+        want, got = (
+            load_file(reference / f"final-rank{rank}.safetensors"),
+            load_file(killed / f"final-rank{rank}.safetensors"),
+        )
         assert want.keys() == got.keys() and any(key.startswith("optim.") for key in want)
         assert [key for key in want if not torch.equal(want[key], got[key])] == []
         expected, seen = _steps(reference, rank), _steps(killed, rank)
@@ -103,19 +132,25 @@ def test_an_areal_trainer_killed_and_relaunched_ends_bitwise_equal(tmp_path, tok
         for step, entries in seen.items():  # the same batches, generations and losses, every time
             for entry in entries:
                 assert (entry["ids"], entry["generated"], entry["loss"]) == (
-                    expected[step][0]["ids"], expected[step][0]["generated"], expected[step][0]["loss"]), step
+                    expected[step][0]["ids"],
+                    expected[step][0]["generated"],
+                    expected[step][0]["loss"],
+                ), step
         resumed = json.loads((killed / f"resume-rank{rank}.json").read_text())
         assert resumed["attempt"] == 1 and resumed["check_if_recover"] is True and resumed["start_step"] == 8
         # the rollout server got the recovered weights and the version AReaL gives it
         assert resumed["rollout_has_recovered_weights"] and resumed["rollout_version"] == resumed["actor_version"] == 8
         # evaluator and stats logger: restored as they were when step 7 was dumped
-        assert {"evaluator": resumed["evaluator"], "stats_logger": resumed["stats_logger"]} == \
-            expected[7][0]["components_at_dump"]
+        assert {"evaluator": resumed["evaluator"], "stats_logger": resumed["stats_logger"]} == expected[7][0][
+            "components_at_dump"
+        ]
     assert not (reference / "resume-rank0.json").exists()
 
     trial = next(root.glob("checkpoints/*/gsm8k-grpo/killed"))
     exports = sorted(p.name for p in (trial / "default").glob("epoch*"))
-    assert exports == sorted(p.name for p in next(root.glob("checkpoints/*/gsm8k-grpo/reference")).glob("default/epoch*"))
+    assert exports == sorted(
+        p.name for p in next(root.glob("checkpoints/*/gsm8k-grpo/reference")).glob("default/epoch*")
+    )
     newest = trial / "default/epoch1epochstep5globalstep11"
     assert newest.name in exports
     # the processor went in with save_pretrained; the base model's assets (from actor.config.path) too
@@ -133,15 +168,19 @@ def _write_areal_trial(trial: Path, setup) -> None:
     dcp.save({"model": setup.model.state_dict()}, checkpoint_id=str(trial / "default/recover_checkpoint"))
     info = trial / "recover_info"
     info.mkdir(parents=True)
-    (info / "step_info.json").write_text(json.dumps({"epoch": 0, "epoch_step": 1, "global_step": 1, "steps_per_epoch": 4}))
+    (info / "step_info.json").write_text(
+        json.dumps({"epoch": 0, "epoch_step": 1, "global_step": 1, "steps_per_epoch": 4})
+    )
     for name in ("saver_info", "evaluator_info", "stats_logger_info", "checkpoint_info"):
         (info / f"{name}.json").write_text(json.dumps({}))
     (info / "dataloader_info.pkl").write_bytes(pickle.dumps([{"_num_yielded": 2}]))
 
 
 def _snapshot(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(folder.rglob("*"))}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(folder.rglob("*"))
+    }
 
 
 def test_an_areal_trial_is_refused_untouched_and_the_hint_works(fileroot):
@@ -191,8 +230,10 @@ def test_an_areal_trial_is_refused_untouched_and_the_hint_works(fileroot):
 
 def test_positional_dump_and_load_put_every_component_in_its_slot(fileroot):
     setup = make_setup()
-    saver = ac.Saver(ac.SaverConfig(experiment_name="exp", trial_name="trial", fileroot=str(fileroot), user="tester",
-                                    freq_steps=3), SPEC)
+    saver = ac.Saver(
+        ac.SaverConfig(experiment_name="exp", trial_name="trial", fileroot=str(fileroot), user="tester", freq_steps=3),
+        SPEC,
+    )
     saver.save(setup.engine, 0, 0, 0)
     loader = StatefulDataLoader(list(range(8)), batch_size=2)
     batches = iter(loader)
@@ -205,10 +246,13 @@ def test_positional_dump_and_load_put_every_component_in_its_slot(fileroot):
     saver.finalize()
 
     evaluator, stats_logger, new_loader = Counter(), Counter(), StatefulDataLoader(list(range(8)), batch_size=2)
-    new_saver = ac.Saver(ac.SaverConfig(experiment_name="exp", trial_name="trial", fileroot=str(fileroot), user="tester",
-                                        freq_steps=3), SPEC)
-    info = ac.RecoverHandler(recover_config(fileroot), SPEC).load(make_setup(1).engine, new_saver, evaluator,
-                                                                   stats_logger, new_loader)
+    new_saver = ac.Saver(
+        ac.SaverConfig(experiment_name="exp", trial_name="trial", fileroot=str(fileroot), user="tester", freq_steps=3),
+        SPEC,
+    )
+    info = ac.RecoverHandler(recover_config(fileroot), SPEC).load(
+        make_setup(1).engine, new_saver, evaluator, stats_logger, new_loader
+    )
     assert info.last_step_info == step_info(0)
     assert (evaluator.value, stats_logger.value) == (7, 9)
     assert [batch.tolist() for batch in new_loader] == rest
@@ -231,20 +275,27 @@ def test_an_areal_shaped_engine_round_trips_alone_and_in_a_dict(fileroot):
     holder = Holder(setup.model, setup.optimizer, setup.scheduler)
     handler.dump({"actor": holder, "ref": Holder(make_setup(4).model)}, step_info(0), force=True)
     fresh, ref = make_setup(2), make_setup(4)
-    ac.RecoverHandler(recover_config(fileroot), SPEC).load({"actor": Holder(fresh.model, fresh.optimizer, fresh.scheduler),
-                                                            "ref": Holder(ref.model)})
+    ac.RecoverHandler(recover_config(fileroot), SPEC).load(
+        {"actor": Holder(fresh.model, fresh.optimizer, fresh.scheduler), "ref": Holder(ref.model)}
+    )
     for name, tensor in setup.model.state_dict().items():
         assert torch.equal(fresh.model.state_dict()[name], tensor), name
     assert fresh.scheduler.state_dict() == setup.scheduler.state_dict()
-    assert fresh.optimizer.state_dict()["state"][0]["exp_avg"].equal(setup.optimizer.state_dict()["state"][0]["exp_avg"])
+    assert fresh.optimizer.state_dict()["state"][0]["exp_avg"].equal(
+        setup.optimizer.state_dict()["state"][0]["exp_avg"]
+    )
 
 
 def test_what_is_not_an_engine_is_told_what_an_engine_provides(fileroot):
     handler = ac.RecoverHandler(recover_config(fileroot), SPEC)
-    saver = ac.Saver(ac.SaverConfig(experiment_name="exp", trial_name="trial", fileroot=str(fileroot), user="tester"), SPEC)
-    for call in (lambda: handler.dump(object(), step_info(0), force=True),
-                 lambda: saver.save({"weights": 1}, 0, 0, 0, force=True),
-                 lambda: handler.dump({"actor": Holder(model=3)}, step_info(0), force=True)):
+    saver = ac.Saver(
+        ac.SaverConfig(experiment_name="exp", trial_name="trial", fileroot=str(fileroot), user="tester"), SPEC
+    )
+    for call in (
+        lambda: handler.dump(object(), step_info(0), force=True),
+        lambda: saver.save({"weights": 1}, 0, 0, 0, force=True),
+        lambda: handler.dump({"actor": Holder(model=3)}, step_info(0), force=True),
+    ):
         with pytest.raises(ac.CheckpointError, match=r"is not an engine: pass areal_ckpt.TorchEngine.*as \.model"):
             call()
 
@@ -313,14 +364,29 @@ def test_load_pushes_the_recovered_weights_to_the_rollout_engine(fileroot, coloc
     actor = Actor(fresh, log)
     if colocated:  # the weights may be loaded only after the rollout engine released its memory
         rollout.offload = lambda tags: log.append(
-            f"offload {tags[0]} (actor {'fresh' if torch.equal(fresh.model.lm_head.weight, initial['lm_head.weight']) else 'loaded'})")
+            f"offload {tags[0]} (actor {'fresh' if torch.equal(fresh.model.lm_head.weight, initial['lm_head.weight']) else 'loaded'})"
+        )
     info = ac.RecoverHandler(recover_config(fileroot), SPEC).load(
-        actor, None, None, None, None, inference_engine=rollout, weight_update_meta=Meta("awex" if colocated else "disk"),
-        colocated_rollout=colocated)
+        actor,
+        None,
+        None,
+        None,
+        None,
+        inference_engine=rollout,
+        weight_update_meta=Meta("awex" if colocated else "disk"),
+        colocated_rollout=colocated,
+    )
     assert info.last_step_info.global_step == 2
     if colocated:
-        assert log == ["connect v3", "pause", "pause_generation_sync", "offload kv_cache (actor fresh)",
-                       "offload weights (actor fresh)", "update v3", "resume"]
+        assert log == [
+            "connect v3",
+            "pause",
+            "pause_generation_sync",
+            "offload kv_cache (actor fresh)",
+            "offload weights (actor fresh)",
+            "update v3",
+            "resume",
+        ]
     else:
         assert log == ["connect v3", "pause", "update v3", "resume"]
     assert rollout.version == actor.version == 3
@@ -341,11 +407,19 @@ def test_weight_sync_arguments_are_checked_before_anything_is_loaded(fileroot):
     with pytest.raises(ac.CheckpointError, match="engine 'default': Holder must provide connect_engine"):
         handler.load(Holder(fresh.model), inference_engine=Rollout(fresh.model), weight_update_meta=Meta())
     with pytest.raises(ac.CheckpointError, match="inference_engine: Rollout must provide .*pause_generation_sync"):
-        handler.load(Actor(fresh, []), inference_engine=Rollout(fresh.model), weight_update_meta=Meta("awex"),
-                     colocated_rollout=True)
+        handler.load(
+            Actor(fresh, []),
+            inference_engine=Rollout(fresh.model),
+            weight_update_meta=Meta("awex"),
+            colocated_rollout=True,
+        )
     with pytest.raises(ac.CheckpointError, match="inference_engine_update_from='critic' is not one of"):
-        handler.load(Actor(fresh, []), inference_engine=Rollout(fresh.model), weight_update_meta=Meta(),
-                     inference_engine_update_from="critic")
+        handler.load(
+            Actor(fresh, []),
+            inference_engine=Rollout(fresh.model),
+            weight_update_meta=Meta(),
+            inference_engine_update_from="critic",
+        )
     assert all(torch.equal(before[k], v) for k, v in fresh.model.state_dict().items())
 
 
@@ -358,8 +432,9 @@ def test_static_path_helpers_name_our_layout_and_create_nothing(tmp_path, monkey
     trial = root / "checkpoints/alice/exp/t1"
     assert ac.Saver.get_save_root("exp", "t1", str(root)) == str(trial)
     assert ac.Saver.get_model_save_root("exp", "t1", str(root), "actor") == str(trial / "actor")
-    assert ac.Saver.get_model_save_path("exp", "t1", str(root), 1, 2, 9, "actor") == \
-        str(trial / "actor/epoch1epochstep2globalstep9")
+    assert ac.Saver.get_model_save_path("exp", "t1", str(root), 1, 2, 9, "actor") == str(
+        trial / "actor/epoch1epochstep2globalstep9"
+    )
     assert ac.Saver.get_recover_checkpoint_path("exp", "t1", str(root)) == str(trial / "default/recover_checkpoint")
     assert ac.RecoverHandler.recover_info_path("exp", "t1", str(root)) == str(trial / "recover_info")
     assert not root.exists()
@@ -368,8 +443,12 @@ def test_static_path_helpers_name_our_layout_and_create_nothing(tmp_path, monkey
 def test_saver_exports_processor_and_base_model_assets_with_areal_arguments(fileroot, tmp_path, tokenizer, make_model):
     base = make_base_model(tmp_path / "base", tokenizer)
     processor = LlavaProcessor(image_processor=CLIPImageProcessorPil(), tokenizer=tokenizer)
-    saver = ac.Saver(ac.SaverConfig(experiment_name="exp", trial_name="trial", fileroot=str(fileroot), user="tester",
-                                    freq_steps=1, mode="sync"), SPEC)
+    saver = ac.Saver(
+        ac.SaverConfig(
+            experiment_name="exp", trial_name="trial", fileroot=str(fileroot), user="tester", freq_steps=1, mode="sync"
+        ),
+        SPEC,
+    )
     assert not saver.is_async
     saver.maybe_wait_for_staging()
     model = make_model()
@@ -377,8 +456,15 @@ def test_saver_exports_processor_and_base_model_assets_with_areal_arguments(file
     path = Path(saver.save(Holder(model), 0, 1, 1, "actor", None, processor, str(base)))
     assert path == trial_dir(fileroot) / "actor/epoch0epochstep1globalstep1"
     assert sorted(p.name for p in path.iterdir()) == [
-        "areal_ckpt_manifest.json", "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
-        "processor_config.json", "tokenizer.json", "tokenizer_config.json"]
+        "areal_ckpt_manifest.json",
+        "chat_template.jinja",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "processor_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert isinstance(AutoProcessor.from_pretrained(path), LlavaProcessor)
     loaded = AutoModelForCausalLM.from_pretrained(path)
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
@@ -414,15 +500,29 @@ def _job_yaml(tmp_path: Path, fileroot: Path, **recover) -> Path:
 
 
 def _launch(config: Path, script: str, *overrides: str, **popen) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "areal_ckpt.tools.cli", "launch", "--config", str(config), *overrides, "--",
-               sys.executable, "-c", script]
+    command = [
+        sys.executable,
+        "-m",
+        "areal_ckpt.tools.cli",
+        "launch",
+        "--config",
+        str(config),
+        *overrides,
+        "--",
+        sys.executable,
+        "-c",
+        script,
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, **popen)
 
 
 def test_launch_stops_a_job_that_fails_twice_the_same_way_before_its_first_dump(tmp_path, fileroot):
     config = _job_yaml(tmp_path, fileroot, retries=5)
-    done = _launch(config, "import os; print('attempt', os.environ['AREAL_CKPT_LAUNCH_ATTEMPT']); "
-                           "raise FileNotFoundError('no such dataset')")
+    done = _launch(
+        config,
+        "import os; print('attempt', os.environ['AREAL_CKPT_LAUNCH_ATTEMPT']); "
+        "raise FileNotFoundError('no such dataset')",
+    )
     assert done.returncode == 1
     assert done.stdout.split() == ["attempt", "0", "attempt", "1"]
     assert "failed the same way twice in a row before its first recovery dump" in done.stderr
@@ -432,13 +532,13 @@ def test_launch_relaunches_a_job_that_progresses_up_to_retries_times_and_passes_
     config = _job_yaml(tmp_path, fileroot, retries=2)
     # each attempt commits a new recovery checkpoint, then fails the same way
     script = (
-        "import sys; sys.path.insert(0, %r); import areal_ckpt as ac, os\n"
+        f"import sys; sys.path.insert(0, {str(HERE)!r}); import areal_ckpt as ac, os\n"
         "from recover_fixtures import SPEC, make_setup, recover_config, step_info\n"
         "attempt = int(os.environ['AREAL_CKPT_LAUNCH_ATTEMPT'])\n"
-        "handler = ac.RecoverHandler(recover_config(__import__('pathlib').Path(%r)), SPEC)\n"
+        f"handler = ac.RecoverHandler(recover_config(__import__('pathlib').Path({str(fileroot)!r})), SPEC)\n"
         "setup = make_setup(); handler.load(setup.engine)\n"
         "handler.dump(setup.engine, step_info(attempt), force=True); handler.close()\n"
-        "sys.exit(3)\n" % (str(HERE), str(fileroot))
+        "sys.exit(3)\n"
     )
     done = _launch(config, script)
     assert done.returncode == 3
@@ -462,10 +562,19 @@ def test_launch_passes_a_death_by_signal_through_as_a_shell_does(tmp_path, filer
 def test_launch_stops_on_ctrl_c_without_relaunching(tmp_path, fileroot):
     config = _job_yaml(tmp_path, fileroot, retries=5)
     started = tmp_path / "started"
-    script = (f"import pathlib, time; pathlib.Path({str(started)!r}).touch()\n"
-              "while True: time.sleep(0.05)\n")
-    command = [sys.executable, "-m", "areal_ckpt.tools.cli", "launch", "--config", str(config), "--",
-               sys.executable, "-c", script]
+    script = f"import pathlib, time; pathlib.Path({str(started)!r}).touch()\nwhile True: time.sleep(0.05)\n"
+    command = [
+        sys.executable,
+        "-m",
+        "areal_ckpt.tools.cli",
+        "launch",
+        "--config",
+        str(config),
+        "--",
+        sys.executable,
+        "-c",
+        script,
+    ]
     launcher = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:
         while not started.exists():  # an event the job produces, not a delay

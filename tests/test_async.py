@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import areal_ckpt as ac
-from areal_ckpt.jobs.background import resolve_async
-from areal_ckpt.jobs.shm_arena import StagingArena, layout_of, view
 from distributed import run_distributed
 from helpers import export_names, read_export_tensors, saver_config
 from recover_fixtures import SPEC, committed_generation, make_setup, recover_config, step_info, train_step
 from recovery_runs import assert_same_run, run_job
 from test_saver_distributed import SHARD, trained_model
+
+import areal_ckpt as ac
+from areal_ckpt.jobs.background import resolve_async
+from areal_ckpt.jobs.shm_arena import StagingArena, layout_of, view
 
 pytestmark = pytest.mark.dist
 
@@ -79,9 +79,11 @@ def test_async_exports_are_the_sync_exports_and_keep_retention(tmp_path, make_mo
         _fill(model, -1.0)  # the training step after save: the background write must not see it
     async_saver.finalize()
     sync_saver.finalize()
-    assert export_names(async_path.parent) == export_names(sync_path.parent) == [
-        "epoch0epochstep2globalstep2", "epoch0epochstep3globalstep3"
-    ]
+    assert (
+        export_names(async_path.parent)
+        == export_names(sync_path.parent)
+        == ["epoch0epochstep2globalstep2", "epoch0epochstep3globalstep3"]
+    )
     assert set(async_saver.last_metrics) == {"time/saving", "time/background", "bytes", "gbps"}
     files = sorted(p.name for p in sync_path.iterdir())
     assert files == sorted(p.name for p in async_path.iterdir()) and "model.safetensors.index.json" in files
@@ -134,7 +136,11 @@ def test_the_background_writer_yields_the_cores_to_training(tmp_path, make_model
 
 def async_fsdp2_export_worker(rank: int, world_size: int, fileroot: str) -> None:
     config = ac.SaverConfig(
-        experiment_name="exp", trial_name="fsdp2-async", fileroot=fileroot, user="tester", max_shard_size=SHARD,
+        experiment_name="exp",
+        trial_name="fsdp2-async",
+        fileroot=fileroot,
+        user="tester",
+        max_shard_size=SHARD,
         mode="async",
     )
     saver = ac.Saver(config, SPEC)

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import read_export_tensors, saver_config
+from recover_fixtures import SPEC, make_setup, recover_config, step_info, train_step, trial_dir
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import areal_ckpt as ac
 from areal_ckpt.tools.cli import main
-from helpers import read_export_tensors, saver_config
-from recover_fixtures import SPEC, make_setup, recover_config, step_info, train_step, trial_dir
 
 
 @pytest.fixture

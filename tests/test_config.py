@@ -59,7 +59,12 @@ def test_dotted_overrides_are_typed_and_feed_interpolation(tmp_path):
     path = write(tmp_path, AREAL_STYLE)
     cfg = ac.load_config(
         path,
-        ["saver.freq_steps=10", "cluster.fileroot=/data/ckpt", "saver.max_shard_size=2MB", "recover.no_save_optim=true"],
+        [
+            "saver.freq_steps=10",
+            "cluster.fileroot=/data/ckpt",
+            "saver.max_shard_size=2MB",
+            "recover.no_save_optim=true",
+        ],
     )
     assert cfg.saver.freq_steps == 10
     assert cfg.saver.fileroot == "/data/ckpt" and cfg.recover.fileroot == "/data/ckpt"
@@ -94,8 +99,16 @@ BAD_CONFIGS = [
     ("missing names", "saver:\n  freq_steps: 2\n", ["saver.experiment_name", "saver.trial_name", "saver.fileroot"]),
     ("path in a name", "experiment_name: ../escape\ntrial_name: t\nfileroot: /r\n", ["experiment_name", "folder name"]),
     ("block not a mapping", BASE + "saver: 5\n", ["saver", "mapping"]),
-    ("unresolvable interpolation", BASE + "saver:\n  fileroot: ${cluster.fileroot}\n", ["saver.fileroot", "cluster.fileroot"]),
-    ("circular interpolation", "experiment_name: ${trial_name}\ntrial_name: ${experiment_name}\nfileroot: /r\n", ["circular"]),
+    (
+        "unresolvable interpolation",
+        BASE + "saver:\n  fileroot: ${cluster.fileroot}\n",
+        ["saver.fileroot", "cluster.fileroot"],
+    ),
+    (
+        "circular interpolation",
+        "experiment_name: ${trial_name}\ntrial_name: ${experiment_name}\nfileroot: /r\n",
+        ["circular"],
+    ),
     ("resolver syntax", BASE + "saver:\n  user: ${oc.env:USER}\n", ["saver.user", "unsupported"]),
     ("bad yaml", "saver:\n  freq_steps: [1, 2\n", ["invalid YAML", "line"]),
     ("top level not a mapping", "- a\n- b\n", ["top level"]),
@@ -146,7 +159,12 @@ def test_defaults_equal_areals():
     # AReaL's RecoverConfig: mode "disabled", retries 3, no_save_optim / no_load_optim False,
     # no frequency; its SaverConfig: mode "auto".
     recover = ac.RecoverConfig(experiment_name="e", trial_name="t", fileroot="/r")
-    assert (recover.mode, recover.retries, recover.no_save_optim, recover.no_load_optim) == ("disabled", 3, False, False)
+    assert (recover.mode, recover.retries, recover.no_save_optim, recover.no_load_optim) == (
+        "disabled",
+        3,
+        False,
+        False,
+    )
     assert (recover.freq_epochs, recover.freq_steps, recover.freq_secs) == (None, None, None)
     assert ac.SaverConfig(experiment_name="e", trial_name="t", fileroot="/r").mode == "auto"
 

@@ -14,7 +14,10 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from distributed import run_distributed
+from recover_fixtures import SPEC, dump_once, make_setup, recover_config, trial_dir
 from safetensors.torch import load_file
+from test_recover_world_size import save_worker
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
@@ -22,9 +25,6 @@ from torch.distributed.checkpoint.stateful import Stateful
 import areal_ckpt as ac
 from areal_ckpt.formats import torch_record
 from areal_ckpt.tensors import tensor_bytes
-from distributed import run_distributed
-from recover_fixtures import SPEC, dump_once, make_setup, recover_config, trial_dir
-from test_recover_world_size import save_worker
 
 V2_TRIAL = Path(__file__).parent / "data" / "recover_v2"  # written by areal_ckpt 142f1b8 (format 2)
 V2_MODEL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
@@ -75,8 +75,9 @@ class _AReaLShapedState(Stateful):
         return {"model": model_state, "optim": optim_state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict["optim"])
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"]
+        )
 
 
 def test_an_areal_engines_own_dcp_load_reads_our_dump(tmp_path):
@@ -85,8 +86,11 @@ def test_an_areal_engines_own_dcp_load_reads_our_dump(tmp_path):
     setup = make_setup(seed=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load({"dcp": _AReaLShapedState(setup.model, setup.optimizer)},
-                 checkpoint_id=str(trial_dir(tmp_path) / "default" / "recover_checkpoint"), no_dist=True)
+        dcp.load(
+            {"dcp": _AReaLShapedState(setup.model, setup.optimizer)},
+            checkpoint_id=str(trial_dir(tmp_path) / "default" / "recover_checkpoint"),
+            no_dist=True,
+        )
     _assert_bitwise(_flat(*get_state_dict(setup.model, setup.optimizer)), want)
 
 

@@ -167,8 +167,12 @@ def test_a_cold_partial_read_skips_blocks_and_still_checks_the_whole_file(tmp_pa
     path.write_bytes(bytes(data))
     _evict(path)
     with pytest.raises(CheckpointError, match=f"{path.name}: checksum mismatch"):
-        load_tensors({name: torch.zeros_like(t) for name, t in template.items()}, tmp_path,
-                     optional_prefixes=("w2", "w3", "w4"), expected=records)
+        load_tensors(
+            {name: torch.zeros_like(t) for name, t in template.items()},
+            tmp_path,
+            optional_prefixes=("w2", "w3", "w4"),
+            expected=records,
+        )
     assert chosen == [range_read.DirectRanges, range_read.DirectRanges]
 
 

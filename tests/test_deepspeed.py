@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import areal_ckpt as ac
 from distributed import run_distributed
 from helpers import read_export_tensors, saver_config
 from recovery_runs import assert_same_run, run_job
 from test_saver_distributed import SHARD, SPEC, trained_model
+
+import areal_ckpt as ac
 
 pytestmark = pytest.mark.dist
 
@@ -21,8 +21,11 @@ WORLD = 2
 def deepspeed_engine(model: torch.nn.Module, stage: int) -> object:
     import deepspeed
 
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
@@ -44,8 +47,9 @@ def test_deepspeed_resume_after_a_kill_is_bit_exact(tmp_path, stage):
 def zero3_export_worker(rank: int, world_size: int, fileroot: str) -> None:
     engine = ac.DeepSpeedEngine(deepspeed_engine(trained_model("none"), stage=3))
     assert engine.is_sharded and all(p.data.numel() == 0 for p in engine.module.parameters())  # partitioned
-    config = ac.SaverConfig(experiment_name="exp", trial_name="zero3", fileroot=fileroot, user="tester",
-                            max_shard_size=SHARD)
+    config = ac.SaverConfig(
+        experiment_name="exp", trial_name="zero3", fileroot=fileroot, user="tester", max_shard_size=SHARD
+    )
     saver = ac.Saver(config, SPEC)
     saver.save(engine, 0, 1, 1, force=True)
     saver.finalize()

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import areal_ckpt as ac
-from areal_ckpt.tools.cli import main as cli_main
 from distributed import run_distributed
 from test_deepspeed import deepspeed_engine
 from test_recover_failures import _RunsCode
+
+import areal_ckpt as ac
+from areal_ckpt.tools.cli import main as cli_main
 
 pytestmark = pytest.mark.dist
 
@@ -90,7 +90,7 @@ def test_more_ranks_than_saved_load_on_every_rank_and_new_ranks_get_rank_0s_clie
     root = tmp_path / "ckpt"
     _save(root, 0, 1, "zero0")
     _save(root, 2, 1, "zero2")
-    for rank, entry in enumerate(_load(root, 0, 2, "zero0", tmp_path / "full")):  # ZeRO 0, full state
+    for _rank, entry in enumerate(_load(root, 0, 2, "zero0", tmp_path / "full")):  # ZeRO 0, full state
         assert entry["loaded"] and entry["same_weights"] and entry["trains"], entry
         assert entry["client_state"] == {"saved_by": 0, "world": 1} and entry["global_steps"] == 3
     for entry in _load(root, 2, 2, "zero2", tmp_path / "module", load_module_only=True):
@@ -104,11 +104,15 @@ def test_a_forged_client_state_fails_every_rank_with_the_same_error(tmp_path):
     forged = root / "zero2/client_state/rank0.json"
     forged.write_text("[1, 2]")
     manifest_path = root / "zero2/areal_ckpt_manifest.json"
-    from areal_ckpt.publish import render_manifest
     import zlib
 
+    from areal_ckpt.publish import render_manifest
+
     manifest = json.loads(manifest_path.read_text())
-    manifest["files"]["client_state/rank0.json"] = {"size": forged.stat().st_size, "crc32": zlib.crc32(forged.read_bytes())}
+    manifest["files"]["client_state/rank0.json"] = {
+        "size": forged.stat().st_size,
+        "crc32": zlib.crc32(forged.read_bytes()),
+    }
     manifest_path.write_bytes(render_manifest(manifest))
     entries = _load(root, 2, 2, "zero2", tmp_path / "forged")
     assert not entries[0]["loaded"] and not entries[1]["loaded"]
@@ -208,10 +212,15 @@ def bf16_worker(rank: int, world: int, root: str, stage: int) -> None:
 
     torch.manual_seed(0)
     model = _model(0)
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
-              "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                      config=config)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=config
+    )
     _train(engine, 2)
     engine.save_checkpoint(f"{root}/native")
     ac.save_checkpoint(engine, f"{root}/ours")
@@ -293,10 +302,9 @@ def recover_load_worker(rank: int, world: int, root: str, stage: int, no_load_op
 
 
 def test_recovery_hints_on_a_world_size_change_work(tmp_path):
-    from transformers import AutoModelForCausalLM
-    from safetensors.torch import load_file
-
     from recover_fixtures import trial_dir
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     for stage in (2, 3):
         root = tmp_path / f"zero{stage}"

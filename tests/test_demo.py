@@ -12,10 +12,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_demo_is_killed_resumes_by_itself_and_replays_identical_losses(tmp_path):
-    command = [sys.executable, "-m", "areal_ckpt.demo", "--config", str(ROOT / "configs/demo.yaml"),
-               f"cluster.fileroot={tmp_path}"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "areal_ckpt.demo",
+        "--config",
+        str(ROOT / "configs/demo.yaml"),
+        f"cluster.fileroot={tmp_path}",
+    ]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, cwd=tmp_path, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
     output = done.stdout
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "simulating a crash: SIGKILL at global step 13" in output

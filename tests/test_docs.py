@@ -46,11 +46,17 @@ def test_shell_blocks_with_the_cli_run(tmp_path, fileroot, tokenizer):
     handler = ac.RecoverHandler(recover_config(fileroot), SPEC)
     handler.dump(engines, step_info(0), tokenizer=tokenizer, force=True)
     handler.close()
-    env = {**os.environ, "TRIAL": str(trial_dir(fileroot)), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env = {
+        **os.environ,
+        "TRIAL": str(trial_dir(fileroot)),
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
     shell = [code for doc in DOCS for language, code in blocks(doc) if language == "sh" and "areal-ckpt" in code]
     assert shell
     for code in shell:
-        done = subprocess.run(["bash", "-euc", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            ["bash", "-euc", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, done.stderr
     assert (tmp_path / "exported/config.json").is_file()
 

@@ -10,20 +10,22 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from distributed import run_distributed
+from recover_fixtures import make_setup, recover_config
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import areal_ckpt as ac
-from distributed import run_distributed
-from recover_fixtures import make_setup, recover_config
 
 DATASET = list(range(96))
 BATCH = 2
 SPEC = ac.FinetuneSpec(total_train_epochs=1, dataset_size=96, train_batch_size=BATCH)
 
 
-@pytest.mark.parametrize("size, replicas, shuffle, drop_last",
-                         list(itertools.product([96, 97, 5], [1, 2, 3, 4], [True, False], [False, True])))
+@pytest.mark.parametrize(
+    "size, replicas, shuffle, drop_last",
+    list(itertools.product([96, 97, 5], [1, 2, 3, 4], [True, False], [False, True])),
+)
 def test_same_order_as_distributed_sampler(size, replicas, shuffle, drop_last):
     data = list(range(size))
     for rank in range(replicas):
@@ -48,8 +50,12 @@ def _consume(replicas: int, batches: int, epoch: int = 0) -> tuple[list[int], li
     return seen, positions
 
 
-RESHARDS = [(old, new, batches) for old, new in [(4, 2), (4, 3), (4, 1), (2, 4), (1, 3), (3, 4)]
-            for batches in (0, 5, 15, 24) if batches * BATCH * old < len(DATASET)]  # mid-epoch, within it
+RESHARDS = [
+    (old, new, batches)
+    for old, new in [(4, 2), (4, 3), (4, 1), (2, 4), (1, 3), (3, 4)]
+    for batches in (0, 5, 15, 24)
+    if batches * BATCH * old < len(DATASET)
+]  # mid-epoch, within it
 
 
 @pytest.mark.parametrize("old, new, batches", RESHARDS)
@@ -74,8 +80,11 @@ def test_the_global_position_carries_to_any_number_of_ranks_exactly_once(old, ne
 
 
 def _loader(world: int, rank: int, kind: str) -> StatefulDataLoader:
-    sampler = (ac.ResumableDistributedSampler(DATASET, world, rank, seed=3) if kind == "resumable"
-               else DistributedSampler(DATASET, world, rank, seed=3))
+    sampler = (
+        ac.ResumableDistributedSampler(DATASET, world, rank, seed=3)
+        if kind == "resumable"
+        else DistributedSampler(DATASET, world, rank, seed=3)
+    )
     sampler.set_epoch(0)
     return StatefulDataLoader(DATASET, batch_size=BATCH, sampler=sampler)
 
@@ -86,8 +95,9 @@ def elastic_dump(rank: int, world: int, root: str, kind: str, batches: int, repo
     iterator = iter(loader)
     seen = [value for _ in range(batches) for value in next(iterator).tolist()]
     handler = ac.RecoverHandler(recover_config(Path(root)), SPEC)
-    handler.dump(setup.engine, ac.StepInfo(0, batches - 1, batches - 1, SPEC.steps_per_epoch), dataloader=loader,
-                 force=True)
+    handler.dump(
+        setup.engine, ac.StepInfo(0, batches - 1, batches - 1, SPEC.steps_per_epoch), dataloader=loader, force=True
+    )
     handler.close()
     Path(f"{report}.{rank}").write_text(json.dumps(seen))
 
@@ -96,8 +106,9 @@ def elastic_load(rank: int, world: int, root: str, kind: str, drop: bool, report
     setup = make_setup(seed=1)
     loader = _loader(world, rank, kind)
     try:
-        info = ac.RecoverHandler(recover_config(Path(root)), SPEC).load(setup.engine, dataloader=loader,
-                                                                        drop_rank_state=drop)
+        info = ac.RecoverHandler(recover_config(Path(root)), SPEC).load(
+            setup.engine, dataloader=loader, drop_rank_state=drop
+        )
         if info.last_step_info.next().epoch > 0:  # the dump ended epoch 0: the loop goes on with epoch 1
             outcome = {"seen": []}
         else:

@@ -4,17 +4,18 @@ with nothing else asked of it."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
+from helpers import saver_config
+from recover_fixtures import SPEC, make_setup, recover_config, step_info, train_step
 from safetensors.torch import load_file
 
 import areal_ckpt as ac
 from areal_ckpt.engines.contract import Engine
 from areal_ckpt.tensors import TensorSpec
-from helpers import saver_config
-from recover_fixtures import SPEC, make_setup, recover_config, step_info, train_step
 
 
 class OwnEngine:
@@ -54,7 +55,10 @@ class OwnEngine:
         self._inner.validate_recover_state(engine_state, include_optimizer)
 
     def load_recover_state(
-        self, tensors: dict[str, torch.Tensor], engine_state: dict[str, Any], include_optimizer: bool,
+        self,
+        tensors: dict[str, torch.Tensor],
+        engine_state: dict[str, Any],
+        include_optimizer: bool,
         strict: bool = True,
     ) -> None:
         self._inner.load_recover_state(tensors, engine_state, include_optimizer, strict)

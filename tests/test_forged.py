@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import areal_ckpt as ac
-from areal_ckpt.tools.cli import main as cli_main
-from areal_ckpt.publish import render_manifest
 from helpers import saver_config
 from recover_fixtures import SPEC, committed_generation, dump_once, make_setup, recover_config, trial_dir
+
+import areal_ckpt as ac
+from areal_ckpt.publish import render_manifest
+from areal_ckpt.tools.cli import main as cli_main
 
 DEEP = "[" * 100_000 + "]" * 100_000
 
@@ -56,27 +56,57 @@ def _set(path: list, value):
         for key in path[:-1]:
             node = node[key]
         node[path[-1]] = value
+
     return change
 
 
 FORGERIES = [
-    ("tensors is a list", "default/dcp_metadata.json", _set(["tensors"], []), "dcp_metadata.json: malformed DCP metadata"),
-    ("huge chunk", "default/dcp_metadata.json",
-     lambda d: d["tensors"]["dcp.model.lm_head.weight"]["chunks"][0].update(sizes=[28, 2**33]),
-     "dcp_metadata.json: malformed DCP metadata"),
-    ("chunk length forged too", "default/dcp_metadata.json",
-     lambda d: [d["tensors"]["dcp.model.lm_head.weight"].update(size=[48, 2**33]),
-                d["tensors"]["dcp.model.lm_head.weight"]["chunks"][0].update(sizes=[48, 2**33]),
-                [s.update(length=48 * 2**33 * 4) for s in d["storage"] if s["fqn"] == "dcp.model.lm_head.weight"]],
-     "checkpoint has torch.float32 [48, 8589934592], model has torch.float32 [48, 64]"),
-    ("overflowing shape", "default/dcp_metadata.json",
-     lambda d: d["tensors"]["dcp.model.lm_head.weight"].update(size=[2**70, 64]), "up to 2**48"),
-    ("param groups of the wrong type", "default/engine_state.json", _set(["optimizer_param_groups"], "lr=1"),
-     "engine_state.json: cannot restore"),
-    ("schedule state of the wrong type", "recover_info/checkpoint_info.json", _set(["steps_since"], "many"),
-     "checkpoint_info.json: malformed"),
-    ("rng state malformed", "recover_info/rank0.json", _set(["rng", "torch_cpu"], [1, 2, 3]),
-     "rank0.json: RNG state is malformed"),
+    (
+        "tensors is a list",
+        "default/dcp_metadata.json",
+        _set(["tensors"], []),
+        "dcp_metadata.json: malformed DCP metadata",
+    ),
+    (
+        "huge chunk",
+        "default/dcp_metadata.json",
+        lambda d: d["tensors"]["dcp.model.lm_head.weight"]["chunks"][0].update(sizes=[28, 2**33]),
+        "dcp_metadata.json: malformed DCP metadata",
+    ),
+    (
+        "chunk length forged too",
+        "default/dcp_metadata.json",
+        lambda d: [
+            d["tensors"]["dcp.model.lm_head.weight"].update(size=[48, 2**33]),
+            d["tensors"]["dcp.model.lm_head.weight"]["chunks"][0].update(sizes=[48, 2**33]),
+            [s.update(length=48 * 2**33 * 4) for s in d["storage"] if s["fqn"] == "dcp.model.lm_head.weight"],
+        ],
+        "checkpoint has torch.float32 [48, 8589934592], model has torch.float32 [48, 64]",
+    ),
+    (
+        "overflowing shape",
+        "default/dcp_metadata.json",
+        lambda d: d["tensors"]["dcp.model.lm_head.weight"].update(size=[2**70, 64]),
+        "up to 2**48",
+    ),
+    (
+        "param groups of the wrong type",
+        "default/engine_state.json",
+        _set(["optimizer_param_groups"], "lr=1"),
+        "engine_state.json: cannot restore",
+    ),
+    (
+        "schedule state of the wrong type",
+        "recover_info/checkpoint_info.json",
+        _set(["steps_since"], "many"),
+        "checkpoint_info.json: malformed",
+    ),
+    (
+        "rng state malformed",
+        "recover_info/rank0.json",
+        _set(["rng", "torch_cpu"], [1, 2, 3]),
+        "rank0.json: RNG state is malformed",
+    ),
 ]
 
 
@@ -107,8 +137,9 @@ def test_malformed_rng_or_schedule_state_is_refused_before_any_weight_is_loaded(
     assert all(torch.equal(before[k], v) for k, v in setup.model.state_dict().items())
 
 
-@pytest.mark.parametrize("relative", ["default/dcp_metadata.json", "recover_info/rank0.json",
-                                      "recover_info/areal_ckpt_manifest.json"])
+@pytest.mark.parametrize(
+    "relative", ["default/dcp_metadata.json", "recover_info/rank0.json", "recover_info/areal_ckpt_manifest.json"]
+)
 @pytest.mark.parametrize("signed", [True, False], ids=["forged", "corrupted"])
 def test_deeply_nested_json_is_named_by_every_reader(fileroot, tmp_path, capsys, relative, signed):
     dump_once(fileroot)
@@ -119,8 +150,12 @@ def test_deeply_nested_json_is_named_by_every_reader(fileroot, tmp_path, capsys,
         (generation / relative).write_text(DEEP)
     with pytest.raises(ac.CheckpointError, match=Path(relative).name if signed else "recover_info|dcp_metadata|rank0"):
         load_into_fresh(fileroot)
-    for command in (["verify", str(trial_dir(fileroot))], ["inspect", str(trial_dir(fileroot))],
-                    ["list", str(trial_dir(fileroot))], ["export", str(trial_dir(fileroot)), str(tmp_path / "out")]):
+    for command in (
+        ["verify", str(trial_dir(fileroot))],
+        ["inspect", str(trial_dir(fileroot))],
+        ["list", str(trial_dir(fileroot))],
+        ["export", str(trial_dir(fileroot)), str(tmp_path / "out")],
+    ):
         code = cli_main(command)
         out = capsys.readouterr()
         assert "Traceback" not in out.err and "RecursionError" not in out.err + out.out, command
@@ -143,8 +178,11 @@ def test_a_manifest_with_a_world_size_of_the_wrong_type_is_named(fileroot):
 
 def test_export_of_a_forged_shape_allocates_nothing_and_names_the_file(fileroot, tmp_path, capsys):
     dump_once(fileroot)
-    edit_json(committed_generation(fileroot), "default/dcp_metadata.json",
-              lambda d: d["tensors"]["dcp.model.lm_head.weight"].update(size=[2**20, 2**20]))
+    edit_json(
+        committed_generation(fileroot),
+        "default/dcp_metadata.json",
+        lambda d: d["tensors"]["dcp.model.lm_head.weight"].update(size=[2**20, 2**20]),
+    )
     assert cli_main(["export", str(trial_dir(fileroot)), str(tmp_path / "out")]) == 2
     assert "dcp_metadata.json: malformed DCP metadata" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
@@ -157,12 +195,13 @@ def test_inspect_names_a_safetensors_header_with_a_bad_shape(fileroot, make_mode
     shard = export / "model.safetensors"
     data = shard.read_bytes()
     (length,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + length])
+    header = json.loads(data[8 : 8 + length])
     name = next(k for k in header if k != "__metadata__")
     header[name]["shape"] = "abc"
     encoded = json.dumps(header).encode().ljust(length)
-    shard.write_bytes(data[:8] + encoded[:length] + data[8 + length:]) if len(encoded) == length else \
-        shard.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data[8 + length:])
+    shard.write_bytes(data[:8] + encoded[:length] + data[8 + length :]) if len(
+        encoded
+    ) == length else shard.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data[8 + length :])
     assert cli_main(["inspect", str(export)]) == 2
     err = capsys.readouterr().err
     assert f"{shard}: malformed safetensors header entry" in err and "Traceback" not in err

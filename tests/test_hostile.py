@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
-
-import areal_ckpt as ac
-from areal_ckpt.tools.cli import main as cli_main
-from areal_ckpt.lock import LOCK_NAME
 from distributed import run_distributed
 from helpers import saver_config
 from recover_fixtures import SPEC, committed_generation, make_setup, recover_config, step_info, train_step, trial_dir
+
+import areal_ckpt as ac
+from areal_ckpt.lock import LOCK_NAME
+from areal_ckpt.tools.cli import main as cli_main
 
 HERE = Path(__file__).parent
 
@@ -80,8 +80,9 @@ release_trial_lock(trial)
 
 def test_a_failed_lock_record_is_named_and_a_retry_in_the_same_process_succeeds(tmp_path):
     trial = tmp_path / "trial"
-    done = subprocess.run([sys.executable, "-c", _LOCK_UNDER_LIMIT, str(trial)], capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", _LOCK_UNDER_LIMIT, str(trial)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     first, second = done.stdout.splitlines()
     assert first.startswith(f"first: {trial / LOCK_NAME}: cannot record the trial lock's holder: File too large")
@@ -90,7 +91,9 @@ def test_a_failed_lock_record_is_named_and_a_retry_in_the_same_process_succeeds(
 
 def test_a_trial_folder_that_cannot_be_made_is_named(tmp_path):
     (tmp_path / "root").write_text("a file where the fileroot should be")
-    with pytest.raises(ac.CheckpointError, match=r"root/checkpoints/tester/exp/trial/\.areal_ckpt\.lock: cannot create"):
+    with pytest.raises(
+        ac.CheckpointError, match=r"root/checkpoints/tester/exp/trial/\.areal_ckpt\.lock: cannot create"
+    ):
         ac.Saver(saver_config(tmp_path / "root"), SPEC)
 
 
@@ -189,7 +192,8 @@ def _interrupted_dump(rank: int, world: int, root: str, result: str) -> None:
 
     messages: list[str] = []
     logging.getLogger("areal_ckpt").addHandler(
-        type("Collect", (logging.Handler,), {"emit": lambda self, r: messages.append(r.getMessage())})())
+        type("Collect", (logging.Handler,), {"emit": lambda self, r: messages.append(r.getMessage())})()
+    )
     fileroot = Path(root)
     setup = make_setup()
     handler = ac.RecoverHandler(recover_config(fileroot, write_retries=3), SPEC)
@@ -212,10 +216,17 @@ def _interrupted_dump(rank: int, world: int, root: str, result: str) -> None:
     except BaseException as error:  # what must not happen: converted
         outcome = f"{type(error).__name__}: {error}"
     dcp_storage.ChecksummedWriter.write = original
-    Path(f"{result}.{rank}").write_text(json.dumps({
-        "outcome": outcome, "retries": sum("retrying" in m for m in messages), "committed": committed_generation(fileroot).name,
-        "good": good.name, "generations": sorted(p.name for p in good.parent.glob("gen-*")),
-    }))
+    Path(f"{result}.{rank}").write_text(
+        json.dumps(
+            {
+                "outcome": outcome,
+                "retries": sum("retrying" in m for m in messages),
+                "committed": committed_generation(fileroot).name,
+                "good": good.name,
+                "generations": sorted(p.name for p in good.parent.glob("gen-*")),
+            }
+        )
+    )
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -237,26 +248,49 @@ def test_ctrl_c_during_a_synchronous_dump_reaches_the_caller_at_once(fileroot, t
 
 
 BASE = "experiment_name: e\ntrial_name: t\nfileroot: /r\n"
-ALIAS_BOMB = BASE + "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
-    f"{name}: &{name} [{', '.join(['*' + previous] * 9)}]\n" for previous, name in zip("abcdefgh", "bcdefghi")
-) + "saver:\n  freq_steps: 1\n  extra: *i\n"
+ALIAS_BOMB = (
+    BASE
+    + "a: &a [x, x, x, x, x, x, x, x, x]\n"
+    + "".join(
+        f"{name}: &{name} [{', '.join(['*' + previous] * 9)}]\n" for previous, name in zip("abcdefgh", "bcdefghi")
+    )
+    + "saver:\n  freq_steps: 1\n  extra: *i\n"
+)
 
 
-@pytest.mark.parametrize("label, text, fragments", [
-    ("alias bomb", ALIAS_BOMB, ["saver.extra", "expands to more than 100000 values"]),
-    ("alias bomb through interpolation", ALIAS_BOMB.replace("  extra: *i\n", "  user: ${i}\n"),
-     ["expands to more than 100000 values"]),
-    ("recursive alias", BASE + "saver:\n  extra: &loop [1, *loop]\n", ["saver.extra", "refers to itself"]),
-    ("deep nesting", BASE + "saver:\n  extra: " + "[" * 200 + "]" * 200 + "\n", ["nested more than 64 levels"]),
-    ("deep nesting in the parser", BASE + "x: " + "[" * 5000 + "]" * 5000 + "\n", ["nested too deeply"]),
-    ("misspelled recover block", BASE + "recovr:\n  mode: on\n", ["recovr: unknown top-level block; did you mean recover?"]),
-    ("misspelled saver block", BASE + "savers:\n  freq_steps: 3\n", ["did you mean saver?"]),
-    ("duplicate key", BASE + "recover:\n  mode: on\n  mode: off\n", ["duplicate key 'mode' (first at line 5)", "line 6"]),
-    ("absurd retries", BASE + "recover:\n  retries: 1000000000\n", ["recover.retries", "less than or equal to 1000"]),
-    ("name with a newline", BASE.replace("trial_name: t", 'trial_name: "run1\\n"'), ["trial_name", "folder name"]),
-    ("name too long", BASE.replace("trial_name: t", "trial_name: " + "x" * 300), ["300 bytes long"]),
-    ("NUL in fileroot", BASE.replace("fileroot: /r", 'fileroot: "/r\\0x"'), ["NUL"]),
-])
+@pytest.mark.parametrize(
+    "label, text, fragments",
+    [
+        ("alias bomb", ALIAS_BOMB, ["saver.extra", "expands to more than 100000 values"]),
+        (
+            "alias bomb through interpolation",
+            ALIAS_BOMB.replace("  extra: *i\n", "  user: ${i}\n"),
+            ["expands to more than 100000 values"],
+        ),
+        ("recursive alias", BASE + "saver:\n  extra: &loop [1, *loop]\n", ["saver.extra", "refers to itself"]),
+        ("deep nesting", BASE + "saver:\n  extra: " + "[" * 200 + "]" * 200 + "\n", ["nested more than 64 levels"]),
+        ("deep nesting in the parser", BASE + "x: " + "[" * 5000 + "]" * 5000 + "\n", ["nested too deeply"]),
+        (
+            "misspelled recover block",
+            BASE + "recovr:\n  mode: on\n",
+            ["recovr: unknown top-level block; did you mean recover?"],
+        ),
+        ("misspelled saver block", BASE + "savers:\n  freq_steps: 3\n", ["did you mean saver?"]),
+        (
+            "duplicate key",
+            BASE + "recover:\n  mode: on\n  mode: off\n",
+            ["duplicate key 'mode' (first at line 5)", "line 6"],
+        ),
+        (
+            "absurd retries",
+            BASE + "recover:\n  retries: 1000000000\n",
+            ["recover.retries", "less than or equal to 1000"],
+        ),
+        ("name with a newline", BASE.replace("trial_name: t", 'trial_name: "run1\\n"'), ["trial_name", "folder name"]),
+        ("name too long", BASE.replace("trial_name: t", "trial_name: " + "x" * 300), ["300 bytes long"]),
+        ("NUL in fileroot", BASE.replace("fileroot: /r", 'fileroot: "/r\\0x"'), ["NUL"]),
+    ],
+)
 def test_hostile_configs_fail_with_one_clear_error(tmp_path, label, text, fragments):
     path = tmp_path / "config.yaml"
     path.write_text(text)
@@ -293,8 +327,8 @@ def test_a_message_between_ranks_cannot_run_code(tmp_path):
     payload that would run code is refused by name and runs nothing."""
     import pickle
 
-    from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
     from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
     from areal_ckpt import dist
 

@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from recover_fixtures import SPEC, VOCAB, make_setup, recover_config, trial_dir
+from test_dcp_interop import _AReaLShapedState, _assert_bitwise, _flat
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import areal_ckpt as ac
 from areal_ckpt.tools.cli import main as cli_main
-from recover_fixtures import SPEC, VOCAB, make_setup, recover_config, trial_dir
-from test_dcp_interop import _AReaLShapedState, _assert_bitwise, _flat
 
 STEPS = 8  # SPEC: 4 steps per epoch; the import resumes in epoch 1, after its first batch
 DUMP_AFTER = 4  # global step 4: the first step of epoch 1
@@ -64,10 +64,20 @@ def _run(first: int, last: int, setup, loader, batches=None) -> Any:
 
 def _areal_freq_ctl(steps: int, last_steps: int) -> dict[str, Any]:
     """The state of AReaL's EpochStepTimeFreqCtl, as its Saver / RecoverHandler dump it."""
+
     def control(count: int, last: int) -> dict[str, Any]:
-        return {"frequence_seconds": None, "frequency_steps": 2, "start_time": 0.0, "steps": count,
-                "last_time": 0.0, "last_steps": last, "interval_steps": 1, "interval_seconds": 0.1,
-                "initial_value": False}
+        return {
+            "frequence_seconds": None,
+            "frequency_steps": 2,
+            "start_time": 0.0,
+            "steps": count,
+            "last_time": 0.0,
+            "last_steps": last,
+            "interval_steps": 1,
+            "interval_seconds": 0.1,
+            "initial_value": False,
+        }
+
     return {"epoch": control(1, 1), "step": control(steps, last_steps), "time": control(steps, 0)}
 
 
@@ -76,13 +86,23 @@ def _write_areal_trial(trial: Path, setup, loader, stats: _Counter) -> None:
     writes it (an FSDP engine's dcp.save of {"dcp": DCPState}, json.dump, pickle.dump)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save({"dcp": _AReaLShapedState(setup.model, setup.optimizer)},
-                 checkpoint_id=str(trial / "default/recover_checkpoint"))
+        dcp.save(
+            {"dcp": _AReaLShapedState(setup.model, setup.optimizer)},
+            checkpoint_id=str(trial / "default/recover_checkpoint"),
+        )
     info = trial / "recover_info"
     info.mkdir(parents=True)
     epoch, epoch_step = divmod(DUMP_AFTER, SPEC.steps_per_epoch)
-    (info / "step_info.json").write_text(json.dumps(
-        {"epoch": epoch, "epoch_step": epoch_step, "global_step": DUMP_AFTER, "steps_per_epoch": SPEC.steps_per_epoch}))
+    (info / "step_info.json").write_text(
+        json.dumps(
+            {
+                "epoch": epoch,
+                "epoch_step": epoch_step,
+                "global_step": DUMP_AFTER,
+                "steps_per_epoch": SPEC.steps_per_epoch,
+            }
+        )
+    )
     (info / "saver_info.json").write_text(json.dumps(_areal_freq_ctl(DUMP_AFTER + 1, DUMP_AFTER)))
     (info / "evaluator_info.json").write_text(json.dumps({"calls": 7}))
     (info / "stats_logger_info.json").write_text(json.dumps(stats.state_dict()))
@@ -92,8 +112,11 @@ def _write_areal_trial(trial: Path, setup, loader, stats: _Counter) -> None:
 
 
 def _snapshot(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(folder.rglob("*")) if p.name != ".areal_ckpt.lock"}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(folder.rglob("*"))
+        if p.name != ".areal_ckpt.lock"
+    }
 
 
 @pytest.fixture
@@ -113,8 +136,10 @@ def test_an_imported_areal_trial_resumes_with_the_same_state_and_data(fileroot, 
     trial, want = areal_trial
     originals = _snapshot(trial)
     setup, loader, evaluator, stats = make_setup(seed=1), _loader(), _Counter(), _Counter()
-    saver = ac.Saver(ac.SaverConfig(experiment_name="exp", trial_name="trial", fileroot=str(fileroot), user="tester",
-                                    freq_steps=2), SPEC)
+    saver = ac.Saver(
+        ac.SaverConfig(experiment_name="exp", trial_name="trial", fileroot=str(fileroot), user="tester", freq_steps=2),
+        SPEC,
+    )
     handler = ac.RecoverHandler(recover_config(fileroot, freq_steps=2), SPEC)
     with pytest.raises(ac.CheckpointError, match="written by AReaL") as refused:  # not imported yet: refused
         handler.load(setup.engine, saver, evaluator, stats, loader)
@@ -227,8 +252,9 @@ def test_a_trial_of_several_ranks_keeps_each_ranks_position_and_its_world_size(a
 
 
 def test_the_dataloader_unpickler_reads_tensors_but_not_gradients():
-    from areal_ckpt.state.plain_pickle import _PlainDataUnpickler
     import io
+
+    from areal_ckpt.state.plain_pickle import _PlainDataUnpickler
 
     state = {"generator": torch.Generator().manual_seed(1).get_state(), "order": [3, 1], "nested": {"a": (1.5, None)}}
     assert _PlainDataUnpickler(io.BytesIO(pickle.dumps(state))).load()["generator"].equal(state["generator"])

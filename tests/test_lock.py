@@ -10,8 +10,8 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -41,8 +41,9 @@ def orphaned_lock(tmp_path: Path) -> Iterator:
     def make(seconds: float | None = None, fifo: Path | None = None) -> Path:
         trial = tmp_path / "trial"
         writer = ["sleep", str(seconds)] if fifo is None else ["cat", str(fifo)]
-        done = subprocess.run([sys.executable, "-c", _DYING_JOB, str(trial), *writer],
-                              capture_output=True, text=True, check=True)
+        done = subprocess.run(
+            [sys.executable, "-c", _DYING_JOB, str(trial), *writer], capture_output=True, text=True, check=True
+        )
         children.append(int(done.stdout))
         return trial
 

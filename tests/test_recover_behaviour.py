@@ -10,14 +10,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed import run_distributed
+from recover_fixtures import (
+    SPEC,
+    committed_generation,
+    dump_once,
+    make_setup,
+    recover_config,
+    step_info,
+    train_step,
+    trial_dir,
+)
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torture import second_job
 
 import areal_ckpt as ac
-from distributed import run_distributed
-from torture import second_job
-from recover_fixtures import (
-    SPEC, committed_generation, dump_once, make_setup, recover_config, step_info, train_step, trial_dir,
-)
 
 
 class Counter:
@@ -60,21 +67,36 @@ def test_round_trip_of_everything_a_dump_holds(fileroot):
     loader = StatefulDataLoader(list(range(8)), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0))
     batches = iter(loader)
     next(batches)
-    saver = ac.Saver(ac.SaverConfig(experiment_name="exp", trial_name="trial", fileroot=str(fileroot), freq_steps=2), SPEC)
+    saver = ac.Saver(
+        ac.SaverConfig(experiment_name="exp", trial_name="trial", fileroot=str(fileroot), freq_steps=2), SPEC
+    )
     saver.save(setup.engine, 0, 0, 0)  # one step counted towards the next export
     evaluator, stats_logger = Counter(7), Counter(9)
     handler = ac.RecoverHandler(recover_config(fileroot), SPEC)
     train_step(setup, 0)
-    path = handler.dump(setup.engine, step_info(0), saver=saver, dataloader=loader, evaluator=evaluator,
-                        stats_logger=stats_logger, client_state={"kl_coef": 0.05, "ppo_iter": 3}, force=True)
+    path = handler.dump(
+        setup.engine,
+        step_info(0),
+        saver=saver,
+        dataloader=loader,
+        evaluator=evaluator,
+        stats_logger=stats_logger,
+        client_state={"kl_coef": 0.05, "ppo_iter": 3},
+        force=True,
+    )
     assert Path(path) == committed_generation(fileroot)
     expected_rest = [batch.tolist() for batch in batches]
     after_dump = torch.rand(3)
 
     trial = trial_dir(fileroot)
     assert sorted(p.name for p in (trial / "recover_info").iterdir()) == [
-        "areal_ckpt_manifest.json", "checkpoint_info.json", "evaluator_info.json", "rank0.json", "saver_info.json",
-        "stats_logger_info.json", "step_info.json",
+        "areal_ckpt_manifest.json",
+        "checkpoint_info.json",
+        "evaluator_info.json",
+        "rank0.json",
+        "saver_info.json",
+        "stats_logger_info.json",
+        "step_info.json",
     ]
     assert (trial / "default/recover_checkpoint/dcp_metadata.json").is_file()
     assert json.loads((trial / "recover_info/step_info.json").read_text())["global_step"] == 0
@@ -82,8 +104,12 @@ def test_round_trip_of_everything_a_dump_holds(fileroot):
     assert manifest["world_size"] == 1 and manifest["models"] == ["default"] and manifest["format_version"] == 3
 
     fresh = make_setup(seed=3)
-    new_loader = StatefulDataLoader(list(range(8)), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0))
-    new_saver = ac.Saver(ac.SaverConfig(experiment_name="exp", trial_name="trial", fileroot=str(fileroot), freq_steps=2), SPEC)
+    new_loader = StatefulDataLoader(
+        list(range(8)), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
+    new_saver = ac.Saver(
+        ac.SaverConfig(experiment_name="exp", trial_name="trial", fileroot=str(fileroot), freq_steps=2), SPEC
+    )
     new_evaluator, new_logger = Counter(), Counter()
     torch.manual_seed(1234)  # disturb the RNG: load must restore it
     info = ac.RecoverHandler(recover_config(fileroot), SPEC).load(
@@ -99,7 +125,9 @@ def test_round_trip_of_everything_a_dump_holds(fileroot):
         assert torch.equal(tensor, setup.model.state_dict()[name]), name
     assert fresh.scheduler.state_dict() == setup.scheduler.state_dict()
     assert fresh.optimizer.param_groups[0]["lr"] == setup.optimizer.param_groups[0]["lr"]
-    for (_, a), (_, b) in zip(sorted(fresh.optimizer.state_dict()["state"].items()), sorted(setup.optimizer.state_dict()["state"].items())):
+    for (_, a), (_, b) in zip(
+        sorted(fresh.optimizer.state_dict()["state"].items()), sorted(setup.optimizer.state_dict()["state"].items())
+    ):
         assert all(torch.equal(a[key], b[key]) for key in ("step", "exp_avg", "exp_avg_sq"))
 
 
@@ -124,19 +152,22 @@ def test_frozen_reference_model_is_not_rewritten_until_it_changes(fileroot):
     handler.dump(engines, step_info(2), force=True)
     assert inode("ref") != first["ref"]
     loaded_ref = make_setup(seed=9).model
-    ac.RecoverHandler(recover_config(fileroot), SPEC).load({"actor": make_setup(seed=9).engine, "ref": ac.TorchEngine(loaded_ref)})
+    ac.RecoverHandler(recover_config(fileroot), SPEC).load(
+        {"actor": make_setup(seed=9).engine, "ref": ac.TorchEngine(loaded_ref)}
+    )
     assert torch.equal(loaded_ref.lm_head.weight, ref_model.lm_head.weight)
 
 
 def test_no_save_optim_and_no_load_optim(fileroot, caplog, tmp_path):
     trained = dump_once(fileroot, no_save_optim=True)
-    assert not any(k.startswith("optim.") for k in json.loads(
-        (committed_generation(fileroot) / "default/dcp_metadata.json").read_text())["tensors"])
+    assert not any(
+        k.startswith("optim.")
+        for k in json.loads((committed_generation(fileroot) / "default/dcp_metadata.json").read_text())["tensors"]
+    )
     fresh = make_setup(seed=2)
     ac.RecoverHandler(recover_config(fileroot), SPEC).load(fresh.engine)
     assert torch.equal(fresh.model.lm_head.weight, trained.model.lm_head.weight)
-    assert not fresh.optimizer.state or all(
-        not torch.any(s["exp_avg"]) for s in fresh.optimizer.state.values())
+    assert not fresh.optimizer.state or all(not torch.any(s["exp_avg"]) for s in fresh.optimizer.state.values())
     assert "optimizer state not restored (it was not saved)" in caplog.text
 
     other = tmp_path / "other"
@@ -175,11 +206,18 @@ def _dump_under_file_size_limit(rank: int, world: int, root: str, lift_at_retry:
     resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
     handler.close()  # removes what the ranks' own deletions left of the superseded generation
     leftovers = sorted(p.name for p in (trial_dir(fileroot) / ".recover").iterdir())
-    Path(result).write_text(json.dumps({
-        "outcome": outcome, "retries": sum("retrying" in m for m in messages),
-        "previous_intact": good.is_dir(), "committed": committed_generation(fileroot).name, "good": good.name,
-        "leftovers": leftovers,
-    }))
+    Path(result).write_text(
+        json.dumps(
+            {
+                "outcome": outcome,
+                "retries": sum("retrying" in m for m in messages),
+                "previous_intact": good.is_dir(),
+                "committed": committed_generation(fileroot).name,
+                "good": good.name,
+                "leftovers": leftovers,
+            }
+        )
+    )
 
 
 def test_failed_writes_are_retried_then_raised_and_the_previous_checkpoint_survives(fileroot, tmp_path):
@@ -217,7 +255,9 @@ def test_ranks_disagreeing_on_the_step_are_stopped_before_any_write(fileroot):
 def test_trial_lock_is_held_until_close_and_finalize(fileroot, tmp_path):
     report = tmp_path / "report.txt"
     handler = ac.RecoverHandler(recover_config(fileroot), SPEC)
-    saver = ac.Saver(ac.SaverConfig(experiment_name="exp", trial_name="trial", fileroot=str(fileroot), user="tester"), SPEC)
+    saver = ac.Saver(
+        ac.SaverConfig(experiment_name="exp", trial_name="trial", fileroot=str(fileroot), user="tester"), SPEC
+    )
     run_distributed(second_job, 1, str(fileroot), str(report))
     assert report.read_text().startswith("refused") and "another job is using this trial" in report.read_text()
     handler.close()

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from recover_fixtures import SPEC, committed_generation, dump_once, make_setup, recover_config, trial_dir
 
 import areal_ckpt as ac
-from areal_ckpt.publish import render_manifest
 from areal_ckpt.formats.stock_dcp import read_stock_metadata
-from recover_fixtures import SPEC, committed_generation, dump_once, make_setup, recover_config, trial_dir
+from areal_ckpt.publish import render_manifest
 
 
 def load_fresh(fileroot: Path, **model_overrides):
@@ -32,7 +32,10 @@ def shard(fileroot: Path) -> Path:
     [
         (lambda p: p.unlink(), "__0_0.distcp: missing"),
         (lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]), "__0_0.distcp: size"),
-        (lambda p: p.write_bytes(bytes([p.read_bytes()[0] ^ 1]) + p.read_bytes()[1:]), "__0_0.distcp: checksum mismatch"),
+        (
+            lambda p: p.write_bytes(bytes([p.read_bytes()[0] ^ 1]) + p.read_bytes()[1:]),
+            "__0_0.distcp: checksum mismatch",
+        ),
     ],
     ids=["missing", "truncated", "bit-flip"],
 )
@@ -46,8 +49,11 @@ def test_damaged_shard_is_named_and_never_replaced_by_a_fresh_start(fileroot, da
     # a job that skips load() cannot overwrite the checkpoint it could not read
     setup = make_setup()
     with pytest.raises(ac.CheckpointError, match="call RecoverHandler.load"):
-        ac.RecoverHandler(recover_config(fileroot), SPEC).dump(setup.engine, ac.StepInfo(
-            epoch=0, epoch_step=0, global_step=0, steps_per_epoch=SPEC.steps_per_epoch), force=True)
+        ac.RecoverHandler(recover_config(fileroot), SPEC).dump(
+            setup.engine,
+            ac.StepInfo(epoch=0, epoch_step=0, global_step=0, steps_per_epoch=SPEC.steps_per_epoch),
+            force=True,
+        )
     assert committed_generation(fileroot) == generation and generation.is_dir()
 
 
@@ -56,7 +62,9 @@ def test_different_model_names_missing_and_unexpected_keys(fileroot):
     with pytest.raises(ac.CheckpointError) as caught:
         load_fresh(fileroot, num_hidden_layers=3)
     assert "missing keys ['model.model.layers.2." in str(caught.value)
-    with pytest.raises(ac.CheckpointError, match=r"model.model.embed_tokens.weight: checkpoint has torch.float32 \[48, 64\]"):
+    with pytest.raises(
+        ac.CheckpointError, match=r"model.model.embed_tokens.weight: checkpoint has torch.float32 \[48, 64\]"
+    ):
         load_fresh(fileroot, hidden_size=32, intermediate_size=64)
 
 
@@ -151,8 +159,10 @@ def test_data_files_hold_raw_tensor_bytes_that_our_loader_reads_without_unpickli
     index = json.loads((folder / "dcp_metadata.json").read_text())
     entry = next(e for e in index["storage"] if e["fqn"] == "dcp.model.lm_head.weight")
     data = bytearray((folder / entry["file"]).read_bytes())
-    assert data[entry["byte_offset"] : entry["byte_offset"] + entry["length"]] == \
-        trained.model.lm_head.weight.detach().contiguous().numpy().tobytes()
+    assert (
+        data[entry["byte_offset"] : entry["byte_offset"] + entry["length"]]
+        == trained.model.lm_head.weight.detach().contiguous().numpy().tobytes()
+    )
     # garble every pickle in the folder (each record's data.pkl, DCP's .metadata) and forge the
     # manifest to match: stock torch can no longer read a record, our loader never needed them
     records = read_stock_metadata(folder).storage_data

@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from recovery_runs import assert_same_run, pending_generation, run_job, run_job_killed_when, run_job_torchrun
 
 pytestmark = pytest.mark.dist

@@ -52,4 +52,7 @@ def test_kill_at_any_point_of_a_dump_leaves_a_whole_checkpoint(reference_run, tm
         assert (trial / ".recover" / committed / "recover_info/areal_ckpt_manifest.json").is_file(), name
     run_job(root, out)
     assert_same_run(reference_run, out, world_size=1)
-    assert sorted(p.name for p in (trial / ".recover").iterdir()) == ["current", os.readlink(trial / ".recover/current")]
+    assert sorted(p.name for p in (trial / ".recover").iterdir()) == [
+        "current",
+        os.readlink(trial / ".recover/current"),
+    ]

@@ -8,12 +8,12 @@ import random
 import numpy as np
 import pytest
 import torch
+from distributed import run_distributed
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 import areal_ckpt as ac
 from areal_ckpt.demo.tiny import build_model, warmup_cosine
-from distributed import run_distributed
 
 pytestmark = pytest.mark.dist
 

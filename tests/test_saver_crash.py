@@ -8,15 +8,15 @@ import time
 import zlib
 from pathlib import Path
 
+import crash_child
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
-
-import areal_ckpt as ac
-import crash_child
 from crash_child import CONFIG_FIELDS, model_for_step
 from distributed import start_processes
 from helpers import export_names, manifest, read_export_tensors
+from transformers import AutoModelForCausalLM
+
+import areal_ckpt as ac
 
 
 def staging_has_shards(count: int):
@@ -79,7 +79,9 @@ def test_kill_mid_export_keeps_committed_exports_loadable(fileroot, ready):
         assert all(torch.equal(stored[name], expected[name]) for name in stored), leaf
     AutoModelForCausalLM.from_pretrained(model_root / committed[-1], local_files_only=True)
 
-    ac.Saver(ac.SaverConfig(fileroot=str(fileroot), **CONFIG_FIELDS), ac.FinetuneSpec(
-        total_train_epochs=1, dataset_size=10, train_batch_size=1))
+    ac.Saver(
+        ac.SaverConfig(fileroot=str(fileroot), **CONFIG_FIELDS),
+        ac.FinetuneSpec(total_train_epochs=1, dataset_size=10, train_batch_size=1),
+    )
     assert not staging.exists()
     assert export_names(model_root) == committed

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed import run_distributed
+from helpers import manifest, read_export_tensors, saver_config, wrap_model
 from transformers import AutoModelForCausalLM
 
 import areal_ckpt as ac
 from areal_ckpt.demo.tiny import build_model
 from areal_ckpt.formats.hf_export import plan_export
-from distributed import run_distributed
-from helpers import manifest, read_export_tensors, saver_config, wrap_model
 
 pytestmark = pytest.mark.dist
 
@@ -72,7 +72,11 @@ def test_two_rank_export_equals_single_process_export(fileroot, wrap):
 
 def test_shard_files_are_dealt_to_both_ranks():
     specs = ac.TorchEngine(build_model(VOCAB)).export_specs()
-    plan = plan_export(specs, ac.SaverConfig(experiment_name="e", trial_name="t", fileroot="/r", max_shard_size=SHARD).max_shard_size, None)
+    plan = plan_export(
+        specs,
+        ac.SaverConfig(experiment_name="e", trial_name="t", fileroot="/r", max_shard_size=SHARD).max_shard_size,
+        None,
+    )
     mine = [plan.files_of_rank(rank, 2) for rank in range(2)]
     assert mine[0] and mine[1]
     assert sorted(mine[0] + mine[1]) == sorted(plan.files)

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import export_names, manifest, read_export_tensors, saver_config
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import areal_ckpt as ac
-from helpers import export_names, manifest, read_export_tensors, saver_config
 
 SPEC = ac.FinetuneSpec(total_train_epochs=2, dataset_size=40, train_batch_size=4)
 
@@ -230,5 +230,8 @@ def test_retention_never_deletes_through_a_linked_model_folder(fileroot, tmp_pat
     saver.save(ac.TorchEngine(make_model()), 0, 3, 3, name="critic")
     saver.finalize()
     assert sorted(p.name for p in elsewhere.iterdir()) == [
-        "epoch0epochstep0globalstep0", "epoch0epochstep1globalstep1", "epoch0epochstep2globalstep2",
-        "epoch0epochstep3globalstep3"]
+        "epoch0epochstep0globalstep0",
+        "epoch0epochstep1globalstep1",
+        "epoch0epochstep2globalstep2",
+        "epoch0epochstep3globalstep3",
+    ]

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed import run_distributed
+from helpers import wrap_model
+from test_elastic import BATCH, DATASET, _run
 
 import areal_ckpt as ac
 from areal_ckpt import dist
 from areal_ckpt.demo.tiny import build_model, warmup_cosine
-from distributed import run_distributed
-from helpers import wrap_model
-from test_elastic import BATCH, DATASET, _run
 
 pytestmark = pytest.mark.dist
 
@@ -95,8 +95,13 @@ def test_superseded_dumps_are_deleted_by_every_rank_and_leave_nothing(tmp_path):
 
 # -- the full elastic matrix: `make scale` --------------------------------------------------------
 
-MATRIX = [(old, new, batches) for old in (1, 2, 3, 4) for new in (1, 2, 3, 4) if old != new
-          for batches in (5, len(DATASET) // (old * BATCH))]  # mid-epoch, and the epoch's end
+MATRIX = [
+    (old, new, batches)
+    for old in (1, 2, 3, 4)
+    for new in (1, 2, 3, 4)
+    if old != new
+    for batches in (5, len(DATASET) // (old * BATCH))
+]  # mid-epoch, and the epoch's end
 
 
 @pytest.mark.scale

@@ -34,14 +34,10 @@ def reference_steps(freq_epochs, freq_steps):
     return fired
 
 
-@pytest.mark.parametrize(
-    "freq_epochs, freq_steps", list(itertools.product([None, 1, 2], [None, 1, 3, 4, 10, 25]))
-)
+@pytest.mark.parametrize("freq_epochs, freq_steps", list(itertools.product([None, 1, 2], [None, 1, 3, 4, 10, 25])))
 def test_count_triggers_match_their_definition(freq_epochs, freq_steps):
     schedule = ac.TriggerSchedule(freq_epochs, freq_steps, None)
-    fired = [
-        g for g in range(SPEC.total_train_steps) if schedule.should_fire(SPEC.is_epoch_last_step(g % 10))
-    ]
+    fired = [g for g in range(SPEC.total_train_steps) if schedule.should_fire(SPEC.is_epoch_last_step(g % 10))]
     assert fired == reference_steps(freq_epochs, freq_steps)
 
 
@@ -50,7 +46,10 @@ def test_spec_arithmetic_and_step_info_rollover():
     # AReaL's arithmetic (drop_last): an incomplete final batch is not a step; positional as in AReaL.
     assert ac.FinetuneSpec(1, 10, 4).steps_per_epoch == 2
     assert ac.FinetuneSpec(total_train_epochs=3, dataset_size=41, train_batch_size=4).total_train_steps == 30
-    assert ac.FinetuneSpec(total_train_epochs=1, dataset_size=41, train_batch_size=4, drop_last=False).steps_per_epoch == 11
+    assert (
+        ac.FinetuneSpec(total_train_epochs=1, dataset_size=41, train_batch_size=4, drop_last=False).steps_per_epoch
+        == 11
+    )
     step = ac.StepInfo(epoch=0, epoch_step=8, global_step=8, steps_per_epoch=10)
     assert step.next() == ac.StepInfo(epoch=0, epoch_step=9, global_step=9, steps_per_epoch=10)
     assert step.next().next() == ac.StepInfo(epoch=1, epoch_step=0, global_step=10, steps_per_epoch=10)

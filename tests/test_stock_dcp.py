@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from recover_fixtures import make_setup, train_step
+from test_recover_failures import _RunsCode
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from transformers import AutoModelForCausalLM
 
 from areal_ckpt.tools.cli import main as cli_main
-from recover_fixtures import make_setup, train_step
-from test_recover_failures import _RunsCode
 
 
 def _stock_save(folder: Path, nest) -> dict[str, torch.Tensor]:
@@ -67,8 +67,11 @@ def test_a_hostile_metadata_pickle_is_refused_and_runs_nothing(tmp_path, capsys,
     make_setup().model.config.save_pretrained(base)
     marker = tmp_path / "code-ran"
     (folder / ".metadata").write_bytes(pickle.dumps(_RunsCode(str(marker))))
-    args = ["export", str(folder), str(tmp_path / "hf"), "--config-from", str(base)] if command == "export" \
+    args = (
+        ["export", str(folder), str(tmp_path / "hf"), "--config-from", str(base)]
+        if command == "export"
         else ["inspect", str(folder)]
+    )
     assert cli_main(args) == 2
     err = capsys.readouterr().err
     assert f"{folder / '.metadata'}: refused: refused global" in err and "nothing in it was run" in err

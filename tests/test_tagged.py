@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import areal_ckpt as ac
 from distributed import run_distributed
 from recover_fixtures import make_setup, train_step
 from test_deepspeed import deepspeed_engine
+
+import areal_ckpt as ac
 
 VOCAB = 48
 
@@ -36,7 +36,9 @@ def test_torch_engine_round_trip_and_latest_is_replaced_not_rewritten(tmp_path):
     assert path == str(tmp_path / "step2") and client_state == {"kl": 0.25}
     for name, tensor in setup.model.state_dict().items():
         assert torch.equal(tensor, fresh.model.state_dict()[name]), name
-    assert fresh.optimizer.state_dict()["state"][0]["exp_avg"].equal(setup.optimizer.state_dict()["state"][0]["exp_avg"])
+    assert fresh.optimizer.state_dict()["state"][0]["exp_avg"].equal(
+        setup.optimizer.state_dict()["state"][0]["exp_avg"]
+    )
     assert fresh.scheduler.state_dict() == setup.scheduler.state_dict()
 
     older = make_setup(seed=4)
@@ -83,10 +85,18 @@ def deepspeed_tagged_worker(rank: int, world_size: int, root: str, report: str) 
     _ds_step(trained, 3)
     _ds_step(fresh, 3)  # resumed training continues exactly
     same = all(torch.equal(a, b) for a, b in zip(trained.module.parameters(), fresh.module.parameters()))
-    Path(f"{report}.{rank}").write_text(json.dumps({
-        "path": path, "client_state": client_state, "mismatch": mismatch, "same": same,
-        "global_steps": fresh.global_steps, "entries": sorted(p.name for p in Path(root).iterdir()),
-    }))
+    Path(f"{report}.{rank}").write_text(
+        json.dumps(
+            {
+                "path": path,
+                "client_state": client_state,
+                "mismatch": mismatch,
+                "same": same,
+                "global_steps": fresh.global_steps,
+                "entries": sorted(p.name for p in Path(root).iterdir()),
+            }
+        )
+    )
 
 
 @pytest.mark.dist
@@ -112,7 +122,7 @@ def test_cli_inspects_and_verifies_a_tagged_checkpoint(tmp_path, capsys):
     assert facts["kind"] == "deepspeed" and facts["path"] == str(tmp_path / "step7") and facts["complete"]
     assert facts["models"]["model"]["optimizer"] and facts["world_size"] == 1
     assert main(["verify", str(tmp_path)]) == 0
-    (tmp_path / "step7/client_state/rank0.json").write_text("{\"forged\": true}")
+    (tmp_path / "step7/client_state/rank0.json").write_text('{"forged": true}')
     assert main(["verify", str(tmp_path)]) == 1
     assert "client_state/rank0.json: size" in capsys.readouterr().out
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from distributed import run_distributed
+from helpers import wrap_model
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 import areal_ckpt as ac
 from areal_ckpt.demo.tiny import build_model
-from distributed import run_distributed
-from helpers import wrap_model
 
 pytestmark = pytest.mark.dist
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 import torture
 
 pytestmark = pytest.mark.dist

@@ -22,19 +22,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import areal_ckpt as ac  # noqa: E402
-from areal_ckpt.tools.inspection import verify  # noqa: E402
 from distributed import start_processes  # noqa: E402
 from recover_fixtures import SPEC, make_setup, recover_config, step_info, train_step  # noqa: E402
 from torture_operator import scenario_ctrl_c, scenario_operator  # noqa: E402
+
+import areal_ckpt as ac  # noqa: E402
+from areal_ckpt.tools.inspection import verify  # noqa: E402
 
 BIG = dict(hidden_size=192, intermediate_size=384, num_hidden_layers=3)  # ~2 MB of weights: dumps take a while
 
@@ -70,6 +71,7 @@ def _every_weight_equals(model: torch.nn.Module, value: float) -> bool:
 
 # -- 1 / 2: kills during dump and export ------------------------------------------------------
 
+
 def dump_job(rank: int, world: int, root: str, trial: str, kind: str, mode: str) -> None:
     """Step s sets every weight to s, then dumps (recover) or exports (saver), forever."""
     setup = make_setup(**BIG)
@@ -77,8 +79,12 @@ def dump_job(rank: int, world: int, root: str, trial: str, kind: str, mode: str)
         config = recover_config(Path(root), write_retries=0, mode="on" if mode == "sync" else mode)
         handler = ac.RecoverHandler(config.model_copy(update={"trial_name": trial}), SPEC)
     else:
-        handler = ac.Saver(ac.SaverConfig(experiment_name="exp", trial_name=trial, fileroot=root, user="tester",
-                                          max_shard_size="1MB", mode=mode), SPEC)
+        handler = ac.Saver(
+            ac.SaverConfig(
+                experiment_name="exp", trial_name=trial, fileroot=root, user="tester", max_shard_size="1MB", mode=mode
+            ),
+            SPEC,
+        )
     for step in range(10**6):
         _fill(setup.model, float(step))
         if kind == "recover":
@@ -133,7 +139,9 @@ def _check_recover(root: Path, trial: str, model: dict | None = None) -> tuple[s
 
 def _check_exports(root: Path, trial: str) -> tuple[str, str]:
     model_root = root / "checkpoints/tester/exp" / trial / "default"
-    ac.Saver(ac.SaverConfig(experiment_name="exp", trial_name=trial, fileroot=str(root), user="tester"), SPEC).finalize()
+    ac.Saver(
+        ac.SaverConfig(experiment_name="exp", trial_name=trial, fileroot=str(root), user="tester"), SPEC
+    ).finalize()
     leftovers = [p.name for p in model_root.iterdir() if p.name.startswith(".")]
     if leftovers:
         return "wrong", f"debris after restart: {leftovers}"
@@ -168,8 +176,9 @@ def _lock_released(trial_dir: Path, bound: float = 30.0) -> bool:
     return False
 
 
-def scenario_kill_during_save(trials: int, world: int, kind: str, rng: random.Random, work: Path,
-                              mode: str = "sync") -> Row:
+def scenario_kill_during_save(
+    trials: int, world: int, kind: str, rng: random.Random, work: Path, mode: str = "sync"
+) -> Row:
     row = Row(f"kill during {'dump' if kind == 'recover' else 'save'}, {world} rank(s), {mode}")
     for index in range(trials):
         trial = f"{kind}-{world}-{mode}-{index}"
@@ -207,6 +216,7 @@ def scenario_kill_one_rank(trials: int, rng: random.Random, work: Path, bound: f
 
 # -- 3: disk full ------------------------------------------------------------------------------
 
+
 def disk_full_job(rank: int, world: int, root: str, report: str) -> None:
     setup = make_setup()
     train_step(setup, 0)  # AdamW now has state: a dump holds model + moments, about 1.0 MiB
@@ -229,8 +239,12 @@ def scenario_disk_full(trials: int, work: Path) -> Row:
         mount = work / f"disk-full-{index}"
         mount.mkdir()
         # one dump of the small model takes about 1.0 MiB: room for one generation, not two
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1600k", "tmpfs", str(mount)],
-                                 capture_output=True).returncode == 0
+        mounted = (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=1600k", "tmpfs", str(mount)], capture_output=True
+            ).returncode
+            == 0
+        )
         if not mounted:
             row.scenario = "disk full mid-dump (tmpfs unavailable: not run)"
             return row
@@ -262,6 +276,7 @@ def _check_recover_named(root: Path, trial: str, expect_step: int) -> tuple[str,
 
 
 # -- 4: corruption ------------------------------------------------------------------------------
+
 
 def _damage(path: Path, how: str) -> None:
     if how == "delete":
@@ -311,6 +326,7 @@ def scenario_corruption(work: Path) -> Row:
 
 # -- 5: hostile files ---------------------------------------------------------------------------
 
+
 def scenario_hostile(work: Path) -> Row:
     row = Row("hostile files")
     marker = work / "code-ran"
@@ -336,11 +352,16 @@ def scenario_hostile(work: Path) -> Row:
         def __reduce__(self):
             return (Path.touch, (marker,))
 
-    for target in ("recover_info/rank0.json", "recover_info/step_info.json", "default/engine_state.json",
-                   "default/dcp_metadata.json"):
+    for target in (
+        "recover_info/rank0.json",
+        "recover_info/step_info.json",
+        "default/engine_state.json",
+        "default/dcp_metadata.json",
+    ):
         root = fresh(f"pickle-{target.replace('/', '-')}")
         (root / "checkpoints/tester/exp/trial/.recover/current").resolve().joinpath(target).write_bytes(
-            pickle.dumps(RunsCode()))
+            pickle.dumps(RunsCode())
+        )
         expect_refusal(f"pickle in {target}", root)
     root = fresh("symlink")
     target = (root / "checkpoints/tester/exp/trial/.recover/current").resolve() / "recover_info/rank0.json"
@@ -377,6 +398,7 @@ def scenario_hostile(work: Path) -> Row:
 
 
 # -- 6: two jobs, one trial ---------------------------------------------------------------------
+
 
 def holder_job(rank: int, world: int, root: str, ready: str) -> None:
     ac.RecoverHandler(recover_config(Path(root)), SPEC)
@@ -419,6 +441,7 @@ def scenario_two_jobs(trials: int, work: Path) -> Row:
 
 # -- 7: bad configuration -----------------------------------------------------------------------
 
+
 def scenario_bad_config(work: Path) -> Row:
     from test_config import BAD_CONFIGS
 
@@ -442,8 +465,13 @@ def run_all(trials: int, seed: int = 0, select: str | None = None) -> list[Row]:
     work = Path(tempfile.mkdtemp(prefix="areal-ckpt-torture-"))
     try:
         scenarios: list[tuple[str, Callable[[], Row]]] = [
-            (f"kill-{kind}-{world}-{mode}", functools.partial(scenario_kill_during_save, trials, world, kind, rng, work, mode))
-            for mode in ("sync", "async") for kind in ("recover", "saver") for world in (1, 2)
+            (
+                f"kill-{kind}-{world}-{mode}",
+                functools.partial(scenario_kill_during_save, trials, world, kind, rng, work, mode),
+            )
+            for mode in ("sync", "async")
+            for kind in ("recover", "saver")
+            for world in (1, 2)
         ]
         scenarios += [
             ("kill-one-rank", lambda: scenario_kill_one_rank(max(2, trials // 10), rng, work)),
@@ -466,14 +494,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=200, help="kills per kill configuration")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="also write the results table (Markdown) here")
-    parser.add_argument("--select", default=None,
-                        help="run only scenarios whose id contains this (ids: kill-{recover,saver}-{1,2}-{sync,async}, "
-                             "kill-one-rank, disk-full, corruption, hostile, two-jobs, bad-config, ctrl-c, operator)")
+    parser.add_argument(
+        "--select",
+        default=None,
+        help="run only scenarios whose id contains this (ids: kill-{recover,saver}-{1,2}-{sync,async}, "
+        "kill-one-rank, disk-full, corruption, hostile, two-jobs, bad-config, ctrl-c, operator)",
+    )
     args = parser.parse_args(argv)
     started = time.time()
     rows = run_all(args.trials, args.seed, args.select)
-    heading = (f"torture run: {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, "
-               f"{args.trials} trials per kill configuration, seed {args.seed}, {time.time() - started:.0f} s")
+    heading = (
+        f"torture run: {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, "
+        f"{args.trials} trials per kill configuration, seed {args.seed}, {time.time() - started:.0f} s"
+    )
     print(f"\n{heading}")
     for row in rows:
         print(row.line())

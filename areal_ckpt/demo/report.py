@@ -28,8 +28,10 @@ def replay_check(records: list[dict[str, Any]]) -> str:
     span = f"{replayed[0]}-{replayed[-1]}" if len(replayed) > 1 else str(replayed[0])
     if differing:
         return f"MISMATCH: steps {differing} gave different losses after the resume"
-    return (f"steps {span} ran twice, before the crash and again after the resume: every loss is identical "
-            "to the last bit, so the resumed run is the uninterrupted run")
+    return (
+        f"steps {span} ran twice, before the crash and again after the resume: every loss is identical "
+        "to the last bit, so the resumed run is the uninterrupted run"
+    )
 
 
 def checkpoint_table(trial: Path, records: list[dict[str, Any]]) -> list[str]:
@@ -43,8 +45,10 @@ def checkpoint_table(trial: Path, records: list[dict[str, Any]]) -> list[str]:
     for entry in list_trial(trial):
         took = seconds.get((entry["kind"], entry["global_step"]))
         size = f"{entry['bytes'] / 2**20:.2f} MiB" if entry["bytes"] is not None else "-"
-        lines.append(f"{entry['kind']:8} {entry['name']:10} {entry['global_step']!s:>5} {size:>10} "
-                     f"{'-' if took is None else f'{took:.2f}':>7}  {entry['path']}")
+        lines.append(
+            f"{entry['kind']:8} {entry['name']:10} {entry['global_step']!s:>5} {size:>10} "
+            f"{'-' if took is None else f'{took:.2f}':>7}  {entry['path']}"
+        )
     return lines
 
 

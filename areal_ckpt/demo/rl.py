@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,7 @@ class Rollout:
 
 
 @torch.no_grad()
-def sample(policy, tokenizer, prompts: list[tuple[str, int]], group: int, new_tokens: int) -> Rollout:
+def sample(policy: Any, tokenizer: Any, prompts: list[tuple[str, int]], group: int, new_tokens: int) -> Rollout:
     """Sample ``group`` completions per prompt (draws from the torch RNG: restored on resume)."""
     policy.eval()
     texts = [text for text, _ in prompts for _ in range(group)]
@@ -53,7 +54,12 @@ def sample(policy, tokenizer, prompts: list[tuple[str, int]], group: int, new_to
     encoded = tokenizer(texts, return_tensors="pt", padding=True)
     prompt_length = encoded["input_ids"].shape[1]
     sequences = policy.generate(
-        **encoded, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        **encoded,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
         pad_token_id=tokenizer.pad_token_id,
     )
     completions = tokenizer.batch_decode(sequences[:, prompt_length:], skip_special_tokens=True)
@@ -61,18 +67,18 @@ def sample(policy, tokenizer, prompts: list[tuple[str, int]], group: int, new_to
     grouped = rewards.view(-1, group)
     advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
     mask = torch.zeros(sequences.shape[0], sequences.shape[1] - 1)
-    mask[:, prompt_length - 1:] = 1.0
+    mask[:, prompt_length - 1 :] = 1.0
     policy.train()
     return Rollout(sequences, mask, rewards, advantages)
 
 
-def token_logprobs(model, sequences: torch.Tensor) -> torch.Tensor:
+def token_logprobs(model: Any, sequences: torch.Tensor) -> torch.Tensor:
     """Log-probability of each next token, [batch, length - 1]."""
     logits = model(input_ids=sequences).logits[:, :-1]
     return torch.gather(F.log_softmax(logits.float(), dim=-1), 2, sequences[:, 1:, None]).squeeze(2)
 
 
-def grpo_loss(policy, reference, rollout: Rollout, kl_coef: float) -> tuple[torch.Tensor, float]:
+def grpo_loss(policy: Any, reference: Any, rollout: Rollout, kl_coef: float) -> tuple[torch.Tensor, float]:
     """Policy-gradient loss with a KL penalty to the reference policy; returns (loss, mean KL)."""
     logprobs = token_logprobs(policy, rollout.sequences)
     with torch.no_grad():

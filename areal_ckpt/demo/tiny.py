@@ -6,7 +6,6 @@ import math
 from typing import Any
 
 import torch
-
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 

@@ -19,6 +19,7 @@ import signal
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,18 +30,22 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import areal_ckpt as ac
-from areal_ckpt.tools.launch import ATTEMPT_VARIABLE
 from areal_ckpt.demo.report import checkpoint_table, plot, read_metrics, replay_check
 from areal_ckpt.demo.rl import adapt_kl, grpo_loss, make_prompts, sample
 from areal_ckpt.demo.tiny import build_model, build_tokenizer, warmup_cosine
+from areal_ckpt.tools.launch import ATTEMPT_VARIABLE
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m areal_ckpt.demo.train", description=__doc__)
     parser.add_argument("--config", default="configs/demo.yaml")
-    parser.add_argument("--kill-at-step", type=int, default=None,
-                        help="SIGKILL this process after global step K (default: demo.kill_at_step); only in "
-                             "the first attempt under `areal-ckpt launch`, so the relaunched job finishes")
+    parser.add_argument(
+        "--kill-at-step",
+        type=int,
+        default=None,
+        help="SIGKILL this process after global step K (default: demo.kill_at_step); only in "
+        "the first attempt under `areal-ckpt launch`, so the relaunched job finishes",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. saver.freq_steps=5")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
@@ -60,11 +65,20 @@ def main(argv: list[str] | None = None) -> int:
     policy = build_model(len(tokenizer), attention_dropout=0.1)
     reference = copy.deepcopy(policy).eval().requires_grad_(False)
     prompts = make_prompts(demo["dataset_size"], seed)
-    sampler = DistributedSampler(prompts, num_replicas=1, rank=0, shuffle=True, seed=seed)
-    loader = StatefulDataLoader(prompts, batch_size=demo["batch_size"], sampler=sampler,
-                                collate_fn=list, generator=torch.Generator().manual_seed(seed))
-    ft_spec = ac.FinetuneSpec(total_train_epochs=demo["epochs"], dataset_size=len(prompts),
-                              train_batch_size=demo["batch_size"])
+    dataset: Any = prompts  # a list is a map-style dataset
+    sampler: DistributedSampler[tuple[str, int]] = DistributedSampler(
+        dataset, num_replicas=1, rank=0, shuffle=True, seed=seed
+    )
+    loader = StatefulDataLoader(
+        prompts,
+        batch_size=demo["batch_size"],
+        sampler=sampler,
+        collate_fn=list,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    ft_spec = ac.FinetuneSpec(
+        total_train_epochs=demo["epochs"], dataset_size=len(prompts), train_batch_size=demo["batch_size"]
+    )
     optimizer = torch.optim.AdamW(policy.parameters(), lr=demo["lr"])
     scheduler = warmup_cosine(optimizer, demo["warmup_steps"], ft_spec.total_train_steps)
     actor = ac.TorchEngine(policy, optimizer=optimizer, lr_scheduler=scheduler)
@@ -78,13 +92,19 @@ def main(argv: list[str] | None = None) -> int:
     if info is None:
         start = ac.StepInfo(epoch=0, epoch_step=0, global_step=0, steps_per_epoch=ft_spec.steps_per_epoch)
         kl_coef = demo["kl_coef"]
-        print(f"fresh start: {sum(p.numel() for p in policy.parameters()):,} parameters, "
-              f"{ft_spec.total_train_steps} RL steps", flush=True)
+        print(
+            f"fresh start: {sum(p.numel() for p in policy.parameters()):,} parameters, "
+            f"{ft_spec.total_train_steps} RL steps",
+            flush=True,
+        )
     else:
         start = info.last_step_info.next()
         kl_coef = info.client_state["kl_coef"]
-        print(f"resuming from global step {start.global_step} (last dump after step "
-              f"{info.last_step_info.global_step}; kl_coef {kl_coef:.4f})", flush=True)
+        print(
+            f"resuming from global step {start.global_step} (last dump after step "
+            f"{info.last_step_info.global_step}; kl_coef {kl_coef:.4f})",
+            flush=True,
+        )
 
     metrics = open(reports / "metrics.jsonl", "a")
     global_step = start.global_step
@@ -100,25 +120,43 @@ def main(argv: list[str] | None = None) -> int:
             scheduler.step()
             optimizer.zero_grad()
             kl_coef = adapt_kl(kl_coef, kl, demo["kl_target"])
-            step = ac.StepInfo(epoch=epoch, epoch_step=epoch_step, global_step=global_step,
-                               steps_per_epoch=ft_spec.steps_per_epoch)
+            step = ac.StepInfo(
+                epoch=epoch, epoch_step=epoch_step, global_step=global_step, steps_per_epoch=ft_spec.steps_per_epoch
+            )
             last = global_step == ft_spec.total_train_steps - 1
             exported = saver.save(actor, epoch, epoch_step, global_step, name="actor", tokenizer=tokenizer, force=last)
             export_seconds = saver.last_metrics["time/saving"] if exported else None
-            dumped = recover.dump(engines, step, saver=saver, dataloader=loader, tokenizer=tokenizer,
-                                  client_state={"kl_coef": kl_coef}, force=last)
+            dumped = recover.dump(
+                engines,
+                step,
+                saver=saver,
+                dataloader=loader,
+                tokenizer=tokenizer,
+                client_state={"kl_coef": kl_coef},
+                force=last,
+            )
             dump_seconds = recover.last_metrics["time/saving"] if dumped else None
-            record = {"pid": os.getpid(), "global_step": global_step, "loss": loss.item().hex(),
-                      "reward": rollout.rewards.mean().item(), "kl": kl, "kl_coef": kl_coef,
-                      "export_seconds": export_seconds, "recover_seconds": dump_seconds}
+            record = {
+                "pid": os.getpid(),
+                "global_step": global_step,
+                "loss": float(loss.item()).hex(),
+                "reward": rollout.rewards.mean().item(),
+                "kl": kl,
+                "kl_coef": kl_coef,
+                "export_seconds": export_seconds,
+                "recover_seconds": dump_seconds,
+            }
             metrics.write(json.dumps(record) + "\n")
             metrics.flush()
             events = ("  export" if exported else "") + ("  recover-dump" if dumped else "")
             bar.set_postfix(reward=f"{record['reward']:.2f}", kl=f"{kl:.4f}", loss=f"{loss.item():.3f}")
             bar.update()
             if bar.disable:
-                print(f"epoch {epoch} step {epoch_step:2d} global {global_step:2d} loss {loss.item():.6f} "
-                      f"reward {record['reward']:.3f} kl {kl:.5f}{events}", flush=True)
+                print(
+                    f"epoch {epoch} step {epoch_step:2d} global {global_step:2d} loss {loss.item():.6f} "
+                    f"reward {record['reward']:.3f} kl {kl:.5f}{events}",
+                    flush=True,
+                )
             if global_step == kill_at_step:
                 bar.close()
                 print(f"simulating a crash: SIGKILL at global step {global_step}", flush=True)
@@ -143,14 +181,18 @@ def summarize(saver: ac.Saver, reports: Path) -> None:
     print(f"plot of reward, KL and save events: {reports / 'report.png'}")
     exports = [p for p in saver.export_root("actor").iterdir() if p.name.startswith("epoch")]
     newest = max(exports, key=lambda p: int(p.name.rsplit("globalstep", 1)[1]))
-    print(f"\nload the newest export like any HF model:\n"
-          f"    model = AutoModelForCausalLM.from_pretrained('{newest}')\n"
-          f"    tokenizer = AutoTokenizer.from_pretrained('{newest}')")
+    print(
+        f"\nload the newest export like any HF model:\n"
+        f"    model = AutoModelForCausalLM.from_pretrained('{newest}')\n"
+        f"    tokenizer = AutoTokenizer.from_pretrained('{newest}')"
+    )
     model = AutoModelForCausalLM.from_pretrained(newest, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(newest, local_files_only=True)
     for prompt in ("3+4=", "8+9="):
         encoded = tokenizer(prompt, return_tensors="pt")
-        output = model.generate(**encoded, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        output = model.generate(  # type: ignore[misc]  # transformers' annotation of generate
+            **encoded, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
         print(f"    generate({prompt!r}) -> {tokenizer.decode(output[0], skip_special_tokens=True)!r}")
 
 

@@ -20,8 +20,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -72,8 +73,10 @@ def named_engines(engine: EnginesLike) -> dict[str, EngineLike]:
 def engines_by_name(engine: EnginesLike, where: str) -> dict[str, Engine]:
     """``{model name: our engine}`` for one engine or a mapping of them (see :func:`as_engine`); local."""
     by_name = isinstance(engine, Mapping)
-    return {name: as_engine(value, f"{where}[{name!r}]" if by_name else where)
-            for name, value in named_engines(engine).items()}
+    return {
+        name: as_engine(value, f"{where}[{name!r}]" if by_name else where)
+        for name, value in named_engines(engine).items()
+    }
 
 
 @dataclass(frozen=True)
@@ -120,5 +123,13 @@ def export_files(
 ) -> HFFiles:
     """The HF files (config, generation config, tokenizer, processor, base model files) of an
     export of ``source`` in ``dtype`` (see :func:`areal_ckpt.formats.hf_export.hf_files`); local."""
-    return hf_files(source.config, source.generation_config, source.architecture, source.export_specs(), dtype,
-                    tokenizer, processor, assets)
+    return hf_files(
+        source.config,
+        source.generation_config,
+        source.architecture,
+        source.export_specs(),
+        dtype,
+        tokenizer,
+        processor,
+        assets,
+    )

@@ -17,7 +17,8 @@ rollout server, the weight update), as far as a load uses them.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, TypeVar, Union, runtime_checkable
+from collections.abc import Mapping
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
@@ -108,14 +109,15 @@ class DeepSpeedLike(Protocol):
     optimizer: Any
     lr_scheduler: Any
     global_steps: int
+    device: torch.device
 
     def zero_optimization_stage(self) -> int: ...
 
 
 #: Anything accepted where an engine is expected (see :func:`areal_ckpt.engines.accept.as_engine`).
-EngineLike = Union[Engine, ModelHolder, DeepSpeedLike]
+EngineLike = Engine | ModelHolder | DeepSpeedLike
 #: One engine, or several by model name (``{"actor": ..., "ref": ...}``).
-EnginesLike = Union[EngineLike, Mapping[str, EngineLike]]
+EnginesLike = EngineLike | Mapping[str, EngineLike]
 
 
 # -- an RL trainer's rollout server, updated after a load (AReaL's load(inference_engine=...)) ---

@@ -20,7 +20,8 @@ Recovery: we store what DeepSpeed's optimizer actually trains, not its pickled s
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard
@@ -101,7 +102,8 @@ class DeepSpeedEngine:
         specs = []
         for spec in self._torch.export_specs():
             parameter = parameters.get(spec.name)
-            shape = tuple(parameter.ds_shape) if hasattr(parameter, "ds_shape") else spec.shape
+            ds_shape = getattr(parameter, "ds_shape", None)  # ZeRO-3 keeps the full shape here
+            shape = tuple(ds_shape) if ds_shape is not None else spec.shape
             specs.append(TensorSpec(spec.name, shape, spec.dtype))
         return specs
 
@@ -163,7 +165,8 @@ class DeepSpeedEngine:
         }
         if self.stage == 3:
             engine_state["deepspeed"]["flat_shapes"] = {
-                name: list(parameter.ds_shape) for name, parameter in self._parameters().items()
+                name: list(parameter.ds_shape)
+                for name, parameter in self._parameters().items()
                 if hasattr(parameter, "ds_shape")
             }
         if self.stage > 0 and include_optimizer and self.optimizer is not None:
@@ -183,14 +186,24 @@ class DeepSpeedEngine:
                 entries, offset = [], 0
                 for parameter in group:
                     part = parameter.ds_tensor.numel()
-                    entries.append({"name": names[id(parameter)], "shape": list(parameter.ds_shape),
-                                    "offset": offset, "partition": part})
+                    entries.append(
+                        {
+                            "name": names[id(parameter)],
+                            "shape": list(parameter.ds_shape),
+                            "offset": offset,
+                            "partition": part,
+                        }
+                    )
                     offset += part
                 layout.append(entries)
             return layout
         for group, offsets in zip(self.optimizer.round_robin_bit16_groups, self.optimizer.round_robin_bit16_offsets):
-            layout.append([{"name": names[id(parameter)], "shape": list(parameter.shape), "offset": int(offset)}
-                           for parameter, offset in zip(group, offsets)])
+            layout.append(
+                [
+                    {"name": names[id(parameter)], "shape": list(parameter.shape), "offset": int(offset)}
+                    for parameter, offset in zip(group, offsets)
+                ]
+            )
         return layout
 
     def _model_tensors(self) -> dict[str, torch.Tensor]:
@@ -200,10 +213,11 @@ class DeepSpeedEngine:
         tensors = {}
         for name, value in self.module.state_dict().items():
             parameter = parameters.get(name)
-            tensors[MODEL_PREFIX + name] = self._flat_shard(parameter) if hasattr(parameter, "ds_tensor") else value
+            partitioned = parameter is not None and hasattr(parameter, "ds_tensor")
+            tensors[MODEL_PREFIX + name] = self._flat_shard(parameter) if partitioned else value
         return tensors
 
-    def _flat_shard(self, parameter: torch.nn.Parameter) -> DTensor:
+    def _flat_shard(self, parameter: Any) -> DTensor:
         """This rank's partition of ``parameter`` as a shard of the flattened parameter (a view).
 
         DeepSpeed gives rank r elements [r*s, (r+1)*s) of the flattened parameter (s rounded up,
@@ -213,13 +227,15 @@ class DeepSpeedEngine:
         valid = max(0, min(local.numel(), numel - dist.rank() * local.numel()))
         if self._mesh is None:
             self._mesh = DeviceMesh(local.device.type, list(range(dist.world_size())))
-        return DTensor.from_local(local.view(-1)[:valid], self._mesh, [Shard(0)], run_check=False,
-                                  shape=torch.Size([numel]), stride=(1,))
+        return DTensor.from_local(
+            local.view(-1)[:valid], self._mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,)
+        )
 
     def _masters(self) -> list[torch.Tensor]:
         optimizer = self.optimizer
-        return list(optimizer.fp32_partitioned_groups_flat if self.stage == 3
-                    else optimizer.single_partition_of_fp32_groups)
+        return list(
+            optimizer.fp32_partitioned_groups_flat if self.stage == 3 else optimizer.single_partition_of_fp32_groups
+        )
 
     def _optimizer_state(self, tensors: dict[str, torch.Tensor], masters: bool | None = None) -> dict[str, Any]:
         """Add this rank's fp32 master partitions (unless ``masters`` is False; None: unless they
@@ -239,7 +255,9 @@ class DeepSpeedEngine:
                     scalars[str(index)][key] = value
         scaler = self.optimizer.loss_scaler
         return {
-            "optimizer_param_groups": [{k: v for k, v in group.items() if k != "params"} for group in inner.param_groups],
+            "optimizer_param_groups": [
+                {k: v for k, v in group.items() if k != "params"} for group in inner.param_groups
+            ],
             "optimizer_scalars": scalars,
             "loss_scaler": {field: getattr(scaler, field) for field in _SCALER_FIELDS if hasattr(scaler, field)},
             "masters_in_model": in_model,
@@ -249,8 +267,11 @@ class DeepSpeedEngine:
         """True under ZeRO-3 when the parameter partitions are fp32 too: the fp32 masters then
         equal them bit for bit (DeepSpeed copies each step's masters into them), so a dump stores
         the weights once, as DeepSpeed's own checkpoints do, and a load copies them back."""
-        return self.stage == 3 and all(master.dtype == torch.float32 for master in self._masters()) and all(
-            group.dtype == torch.float32 for group in self.optimizer.fp16_partitioned_groups_flat)
+        return (
+            self.stage == 3
+            and all(master.dtype == torch.float32 for master in self._masters())
+            and all(group.dtype == torch.float32 for group in self.optimizer.fp16_partitioned_groups_flat)
+        )
 
     def recover_template(
         self, with_optimizer_tensors: bool, stored: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None
@@ -273,7 +294,7 @@ class DeepSpeedEngine:
                 masters = self._masters()
                 for name, (dtype, shape) in (stored or {}).items():
                     if name.startswith(prefix):
-                        index, _, key = name[len(prefix):].partition(".")
+                        index, _, key = name[len(prefix) :].partition(".")
                         entry = inner.state.setdefault(masters[int(index)], {})
                         if key not in entry:
                             entry[key] = torch.empty(shape, dtype=dtype, device=masters[int(index)].device)
@@ -293,8 +314,13 @@ class DeepSpeedEngine:
         whole = {}
         for name, parameter in self._parameters().items():
             key = MODEL_PREFIX + name
-            if key in tensors and key in stored and hasattr(parameter, "ds_shape") \
-                    and tuple(stored[key][1]) == tuple(parameter.ds_shape) and len(parameter.ds_shape) != 1:
+            if (
+                key in tensors
+                and key in stored
+                and hasattr(parameter, "ds_shape")
+                and tuple(stored[key][1]) == tuple(parameter.ds_shape)
+                and len(parameter.ds_shape) != 1
+            ):
                 whole[key] = torch.empty(tuple(parameter.ds_shape), dtype=stored[key][0])
         return whole
 
@@ -320,16 +346,23 @@ class DeepSpeedEngine:
         views = {}
         for name, tensor in tensors.items():
             shape = stored.get(name, (None, None))[1]
-            if name.startswith(MODEL_PREFIX) and shape is not None and len(shape) == 1 and tensor.dim() != 1 \
-                    and shape[0] == tensor.numel():
+            if (
+                name.startswith(MODEL_PREFIX)
+                and shape is not None
+                and len(shape) == 1
+                and tensor.dim() != 1
+                and shape[0] == tensor.numel()
+            ):
                 views[name] = tensor.view(-1)
         return views
 
     def _unflattened(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``tensors`` with flat views (see :meth:`_flat_views`) shaped as the module's tensors again."""
         shapes = {MODEL_PREFIX + name: value.shape for name, value in self.module.state_dict().items()}
-        return {name: value.view(shapes[name]) if name in shapes and value.shape != shapes[name] else value
-                for name, value in tensors.items()}
+        return {
+            name: value.view(shapes[name]) if name in shapes and value.shape != shapes[name] else value
+            for name, value in tensors.items()
+        }
 
     def validate_recover_state(self, engine_state: dict[str, Any], include_optimizer: bool) -> None:
         """Raise ValueError (its message says how to proceed) unless this engine can take the
@@ -343,16 +376,25 @@ class DeepSpeedEngine:
         stage, world = saved["zero_stage"], saved["world_size"]
         if not include_optimizer:
             return
-        module_only = ("load the model only (RecoverHandler: recover.no_load_optim; load_checkpoint: "
-                       "load_module_only=True)")
+        module_only = (
+            "load the model only (RecoverHandler: recover.no_load_optim; load_checkpoint: load_module_only=True)"
+        )
         if world != dist.world_size() and stage > 0:
-            raise ValueError(f"ZeRO optimizer partitions were written by {world} ranks and cannot be loaded by "
-                             f"{dist.world_size()}; {module_only}")
+            raise ValueError(
+                f"ZeRO optimizer partitions were written by {world} ranks and cannot be loaded by "
+                f"{dist.world_size()}; {module_only}"
+            )
         if (stage == 0) != (self.stage == 0) or (stage == 3) != (self.stage == 3):
-            raise ValueError(f"the optimizer state of ZeRO stage {stage} does not fit stage {self.stage}; {module_only}")
+            raise ValueError(
+                f"the optimizer state of ZeRO stage {stage} does not fit stage {self.stage}; {module_only}"
+            )
 
     def load_recover_state(
-        self, tensors: dict[str, torch.Tensor], engine_state: dict[str, Any], include_optimizer: bool, strict: bool = True
+        self,
+        tensors: dict[str, torch.Tensor],
+        engine_state: dict[str, Any],
+        include_optimizer: bool,
+        strict: bool = True,
     ) -> None:
         """Apply state loaded into the :meth:`recover_template` tensors plus ``engine_state`` (the LR
         scheduler's state when ``engine_state`` holds it). ``strict`` False tolerates model keys that
@@ -367,7 +409,7 @@ class DeepSpeedEngine:
             self._torch.load_recover_state(tensors, engine_state, include_optimizer, strict)
             return
         if self.stage < 3:
-            model_state = {k[len(MODEL_PREFIX):]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}
+            model_state = {k[len(MODEL_PREFIX) :]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}
             if not self._torch.is_own_memory(model_state):
                 self.module.load_state_dict(model_state, strict=strict)
         if include_optimizer and self.optimizer is not None:
@@ -400,5 +442,5 @@ class DeepSpeedEngine:
         for parameter in self.module.parameters():
             local = parameter.ds_tensor if hasattr(parameter, "ds_tensor") else parameter
             flat = local.detach().cpu().contiguous().reshape(-1)
-            digest.append(crc32(flat.view(torch.uint8).numpy() if flat.numel() else b""))
+            digest.append(crc32(flat.view(torch.uint8).numpy().data if flat.numel() else b""))
         return digest

@@ -13,8 +13,9 @@ waits for the transfers before it, so a collective never runs beside tagged send
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -37,9 +38,7 @@ class _Step:
         self.requests.clear()
 
 
-def _start_step(
-    names: Sequence[str | None], state: dict[str, torch.Tensor], tag: int, previous: _Step | None
-) -> _Step:
+def _start_step(names: Sequence[str | None], state: dict[str, torch.Tensor], tag: int, previous: _Step | None) -> _Step:
     """Start making ``state[names[i]]`` whole on global rank ``i`` (None: rank ``i`` takes
     nothing now) while ``previous`` may still be in flight. Collective when any entry is a
     DTensor: every rank passes the same names in the same order and the same ``tag``. Blocks

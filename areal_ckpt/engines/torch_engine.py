@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -147,7 +148,7 @@ class TorchEngine:
         if include_optimizer and self.optimizer is not None:
             engine_state["optimizer_has_state"] = bool(self.optimizer.state)
             if self.optimizer.state:
-                optim_state = get_optimizer_state_dict(self.model, self.optimizer)
+                optim_state: dict[str, Any] = get_optimizer_state_dict(self.model, self.optimizer)
                 engine_state["optimizer_param_groups"] = optim_state["param_groups"]
                 engine_state["optimizer_scalars"] = {}
                 for fqn, entries in optim_state["state"].items():
@@ -176,9 +177,11 @@ class TorchEngine:
     def _param_groups_by_name(self) -> list[dict[str, Any]]:
         names = {id(parameter): name for name, parameter in self.module.named_parameters()}
         return [
-            {**{key: value for key, value in group.items() if key != "params"},
-             "params": [names[id(parameter)] for parameter in group["params"]]}
-            for group in self.optimizer.param_groups
+            {
+                **{key: value for key, value in group.items() if key != "params"},
+                "params": [names[id(parameter)] for parameter in group["params"]],
+            }
+            for group in (self.optimizer.param_groups if self.optimizer is not None else [])
         ]
 
     def is_own_memory(self, model_state: dict[str, torch.Tensor]) -> bool:
@@ -196,6 +199,8 @@ class TorchEngine:
         """Restore hyperparameters saved by :meth:`_param_groups_by_name` (an optimizer without
         state: nothing else to load, and no zero gradients allocated to find that out)."""
         names = {id(parameter): name for name, parameter in self.module.named_parameters()}
+        if self.optimizer is None:
+            return
         groups = self.optimizer.param_groups
         if len(groups) != len(stored):
             raise ValueError(f"optimizer has {len(groups)} parameter groups, the checkpoint {len(stored)}")
@@ -214,7 +219,8 @@ class TorchEngine:
         """
         tensors = {MODEL_PREFIX + name: value for name, value in self._model_state().items()}
         if with_optimizer_tensors and self.optimizer is not None:
-            for fqn, entries in get_optimizer_state_dict(self.model, self.optimizer)["state"].items():
+            optim_state: dict[str, Any] = get_optimizer_state_dict(self.model, self.optimizer)
+            for fqn, entries in optim_state["state"].items():
                 for key, value in entries.items():
                     if isinstance(value, torch.Tensor):
                         tensors[f"{OPTIM_PREFIX}{fqn}.{key}"] = value
@@ -226,24 +232,28 @@ class TorchEngine:
             raise ValueError("written by a DeepSpeed engine; load it with areal_ckpt.DeepSpeedEngine")
 
     def load_recover_state(
-        self, tensors: dict[str, torch.Tensor], engine_state: dict[str, Any], include_optimizer: bool, strict: bool = True
+        self,
+        tensors: dict[str, torch.Tensor],
+        engine_state: dict[str, Any],
+        include_optimizer: bool,
+        strict: bool = True,
     ) -> None:
         """Apply state loaded into the :meth:`recover_template` tensors plus ``engine_state`` (the LR
         scheduler's state when ``engine_state`` holds it). ``strict`` False tolerates model keys that
         were not loaded. Collective under FSDP2 / DDP (the state-dict helpers synchronize).
         """
-        model_state = {k[len(MODEL_PREFIX):]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}
+        model_state: dict[str, Any] = {
+            k[len(MODEL_PREFIX) :]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)
+        }
         if not self.is_own_memory(model_state):
             set_model_state_dict(self.model, model_state, options=StateDictOptions(strict=strict))
         if include_optimizer and self.optimizer is not None and not engine_state.get("optimizer_has_state", True):
             self._load_param_groups_by_name(engine_state["optimizer_param_groups"])
         elif include_optimizer and self.optimizer is not None:
-            state: dict[str, dict[str, Any]] = {
-                fqn: dict(scalars) for fqn, scalars in engine_state["optimizer_scalars"].items()
-            }
+            state: dict[str, Any] = {fqn: dict(scalars) for fqn, scalars in engine_state["optimizer_scalars"].items()}
             for key, value in tensors.items():
                 if key.startswith(OPTIM_PREFIX):
-                    fqn, _, entry = key[len(OPTIM_PREFIX):].rpartition(".")
+                    fqn, _, entry = key[len(OPTIM_PREFIX) :].rpartition(".")
                     state.setdefault(fqn, {})[entry] = value
             set_optimizer_state_dict(
                 self.model, self.optimizer, {"state": state, "param_groups": engine_state["optimizer_param_groups"]}
@@ -260,6 +270,6 @@ class TorchEngine:
         for value in self._model_state().values():
             local = value.to_local() if isinstance(value, DTensor) else value
             flat = local.detach().cpu().contiguous().reshape(-1)
-            data = flat.view(torch.uint8).numpy() if flat.numel() else b""
+            data = flat.view(torch.uint8).numpy().data if flat.numel() else b""
             digest.append(crc32(data))
         return digest

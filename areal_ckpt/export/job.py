@@ -10,15 +10,15 @@ import itertools
 import logging
 import shutil
 import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
 from areal_ckpt import agree, dist
 from areal_ckpt._version import __version__
-from areal_ckpt.publish import publish, write_manifest
 from areal_ckpt.engines.accept import export_files
 from areal_ckpt.engines.contract import ExportSource
 from areal_ckpt.errors import CheckpointError
@@ -32,8 +32,9 @@ from areal_ckpt.formats.hf_export import (
     write_rank_shards,
 )
 from areal_ckpt.fsio import FileRecord
-from areal_ckpt.paths import MANIFEST_NAME, export_staging, export_trash
 from areal_ckpt.jobs.shm_arena import StagedLayout, StagingArena, layout_of_specs
+from areal_ckpt.paths import MANIFEST_NAME, export_staging, export_trash
+from areal_ckpt.publish import publish, write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +97,16 @@ def write_export(
     ``tokenizer``, ``processor`` and ``assets`` (a base model folder) are as in :class:`HFFiles`.
     """
     start = time.perf_counter()
-    target = begin_export(source, final, max_shard_size=max_shard_size, dtype=dtype, header=header,
-                          tokenizer=tokenizer, processor=processor, assets=assets)
+    target = begin_export(
+        source,
+        final,
+        max_shard_size=max_shard_size,
+        dtype=dtype,
+        header=header,
+        tokenizer=tokenizer,
+        processor=processor,
+        assets=assets,
+    )
     written = finish_export(source, target, progress)
     return ExportResult(path=final, bytes=written, seconds=time.perf_counter() - start)
 
@@ -172,8 +181,9 @@ def finish_export(
         return {file: (record.size, record.crc32) for file, record in records.items()}
 
     try:
-        agree.gathered_then_decided(write_shards, lambda every: _commit(target, every),
-                                    f"{target.final}: export failed (nothing was published)")
+        agree.gathered_then_decided(
+            write_shards, lambda every: _commit(target, every), f"{target.final}: export failed (nothing was published)"
+        )
     except BaseException:
         if rank == 0:
             shutil.rmtree(target.staging, ignore_errors=True)

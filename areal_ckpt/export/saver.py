@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from areal_ckpt import agree, dist
-from areal_ckpt.jobs.background import BackgroundWriter, describe_metrics, resolve_async, saving_metrics
-from areal_ckpt.publish import TrashCollector, hide_folder, remove_stale
 from areal_ckpt.config import SaverConfig
-from areal_ckpt.export.job import ExportTarget, StagedExportSource, begin_export, finish_export, stage_export
 from areal_ckpt.engines.accept import HFAssets, as_engine
 from areal_ckpt.engines.contract import Engine, EngineLike
+from areal_ckpt.export.job import ExportTarget, StagedExportSource, begin_export, finish_export, stage_export
+from areal_ckpt.jobs.background import BackgroundWriter, describe_metrics, resolve_async, saving_metrics
+from areal_ckpt.jobs.shm_arena import StagedLayout
+from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.paths import (
     EXPORT_STAGING_PREFIX,
     EXPORT_TRASH_PREFIX,
@@ -33,9 +34,8 @@ from areal_ckpt.paths import (
     recover_checkpoint_link,
     trial_root,
 )
-from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
+from areal_ckpt.publish import TrashCollector, hide_folder, remove_stale
 from areal_ckpt.schedule import NamedSchedules, TriggerSchedule
-from areal_ckpt.jobs.shm_arena import StagedLayout
 from areal_ckpt.step import FinetuneSpec
 from areal_ckpt.tensors import EXPORT_DTYPES
 
@@ -98,7 +98,12 @@ class Saver:
 
     @staticmethod
     def get_model_save_path(
-        experiment_name: str, trial_name: str, fileroot: str, epoch: int, step: int, globalstep: int,
+        experiment_name: str,
+        trial_name: str,
+        fileroot: str,
+        epoch: int,
+        step: int,
+        globalstep: int,
         name: str = "default",
     ) -> str:
         """Folder of one export, ``.../{name}/epoch{E}epochstep{S}globalstep{G}``; pure."""
@@ -160,9 +165,16 @@ class Saver:
         agree.require_same(list(tag), "Saver.save: ranks disagree on (name, epoch, epoch_step, global_step)")
         final = self.export_root(name) / export_leaf(epoch, epoch_step, global_step)
         header = {"name": name, "step": {"epoch": epoch, "epoch_step": epoch_step, "global_step": global_step}}
-        target = begin_export(engine, final, max_shard_size=self.config.max_shard_size, dtype=self._dtype,
-                              header=header, tokenizer=assets.tokenizer, processor=assets.processor,
-                              assets=assets.base_model_path)
+        target = begin_export(
+            engine,
+            final,
+            max_shard_size=self.config.max_shard_size,
+            dtype=self._dtype,
+            header=header,
+            tokenizer=assets.tokenizer,
+            processor=assets.processor,
+            assets=assets.base_model_path,
+        )
         if resolve_async(self.config.mode, engine.on_accelerator):
             self._went_async = True
             try:
@@ -211,8 +223,12 @@ class Saver:
         if outcome is None:
             return
         final, self._pending = self._pending, None
-        self.last_metrics = {**self.last_metrics, **saving_metrics(
-            self.last_metrics["time/saving"], int(self.last_metrics["bytes"]), background=outcome.seconds)}
+        self.last_metrics = {
+            **self.last_metrics,
+            **saving_metrics(
+                self.last_metrics["time/saving"], int(self.last_metrics["bytes"]), background=outcome.seconds
+            ),
+        }
         logger.info("exported %s in the background (%s)", final, describe_metrics(self.last_metrics))
 
     def state_dict(self) -> dict[str, Any]:

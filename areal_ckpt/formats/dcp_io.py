@@ -21,17 +21,14 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats.dcp_metadata import read_metadata_json
+from areal_ckpt.formats.dcp_metadata import read_metadata_json, tensor_entries
 from areal_ckpt.formats.dcp_storage import RawStorageReader
 from areal_ckpt.fsio import FileRecord
 
 
 def tensor_index(metadata: Metadata) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Names, dtypes and full shapes of the tensors ``metadata`` describes; no I/O."""
-    return {
-        fqn: (entry.properties.dtype, tuple(entry.size))
-        for fqn, entry in metadata.state_dict_metadata.items()
-    }
+    return {fqn: (entry.properties.dtype, tuple(entry.size)) for fqn, entry in tensor_entries(metadata).items()}
 
 
 def load_tensors(

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -37,11 +38,35 @@ STORED_PREFIXES = {"model.": "dcp.model.", "optim.": "dcp.optim.state.", "": "dc
 _DTYPES = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-        torch.int16, torch.int8, torch.uint8, torch.bool,
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
     )
 }
 _DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+
+
+def tensor_entry(metadata: Metadata, key: str, where: Path | str) -> TensorStorageMetadata:
+    """The metadata entry of the tensor ``key``; raises CheckpointError naming ``where`` when
+    the entry holds bytes (a pickled object), not a tensor. Pure."""
+    entry = metadata.state_dict_metadata[key]
+    if not isinstance(entry, TensorStorageMetadata):
+        raise CheckpointError(f"{where}: {key} is stored as bytes, not as a tensor")
+    return entry
+
+
+def tensor_entries(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
+    """Every tensor entry of ``metadata`` by name (entries holding bytes are left out); pure."""
+    return {
+        key: entry for key, entry in metadata.state_dict_metadata.items() if isinstance(entry, TensorStorageMetadata)
+    }
 
 
 def metadata_to_json(metadata: Metadata) -> dict[str, Any]:
@@ -79,7 +104,7 @@ def _our_name(stored: str, prefixes: dict[str, str]) -> str:
         return stored
     for prefix, ours in sorted(prefixes.items(), key=lambda pair: -len(pair[0])):  # the longest first
         if stored.startswith(prefix):
-            return ours + stored[len(prefix):]
+            return ours + stored[len(prefix) :]
     raise ValueError(f"entry {stored!r} is under none of the stored prefixes {sorted(prefixes)}")
 
 
@@ -89,7 +114,7 @@ def metadata_from_json(data: dict[str, Any], source: Path) -> Metadata:
         prefixes = data.get("key_prefixes", {})
         if not isinstance(prefixes, dict) or not all(isinstance(v, str) for v in prefixes.values()):
             raise ValueError(f"key_prefixes must map strings to strings, got {str(prefixes)[:200]}")
-        tensors = {}
+        tensors: dict[str, TensorStorageMetadata] = {}
         for fqn, entry in data["tensors"].items():
             tensors[_our_name(fqn, prefixes)] = TensorStorageMetadata(
                 properties=TensorProperties(dtype=_DTYPES[entry["dtype"]], requires_grad=bool(entry["requires_grad"])),
@@ -111,8 +136,9 @@ def metadata_from_json(data: dict[str, Any], source: Path) -> Metadata:
                 relative_path=item["file"], offset=_ints([item["byte_offset"]])[0], length=_ints([item["length"]])[0]
             )
         _check_consistent(tensors, storage)
+        entries: dict[str, TensorStorageMetadata | BytesStorageMetadata] = dict(tensors)
         return Metadata(
-            state_dict_metadata=tensors,
+            state_dict_metadata=entries,
             planner_data={fqn: (fqn,) for fqn in tensors},
             storage_data=storage,
             storage_meta=StorageMeta(),
@@ -155,7 +181,9 @@ def _check_consistent(tensors: dict[str, TensorStorageMetadata], storage: dict[M
             if len(chunk.offsets) != len(entry.size) or len(chunk.sizes) != len(entry.size):
                 raise ValueError(f"{fqn}: chunk {list(chunk.offsets)} / {list(chunk.sizes)} has the wrong rank")
             if any(o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, entry.size)):
-                raise ValueError(f"{fqn}: chunk at {list(chunk.offsets)} of {list(chunk.sizes)} exceeds {list(entry.size)}")
+                raise ValueError(
+                    f"{fqn}: chunk at {list(chunk.offsets)} of {list(chunk.sizes)} exceeds {list(entry.size)}"
+                )
             covered += _numel(chunk.sizes)
             chunk_sizes[(fqn, tuple(chunk.offsets))] = tuple(chunk.sizes)
         if covered != _numel(entry.size):

@@ -74,10 +74,19 @@ def save_tensors(
     central, metadata = _plan(_stored_layout(tensors, param_groups), writer, planner, plan_key, folder)
     agree.gathered_then_decided(  # the write results go to rank 0, which writes the metadata
         lambda: writer.write_data(planner.finish_plan(central), planner).value(),
-        lambda results: writer.finish(metadata, results),
+        lambda results: writer.finish(_global(metadata, folder), results),
         f"{folder}: writing DCP shards failed",
     )
+    if writer.file_name is None or writer.record is None:
+        raise CheckpointError(f"{folder}: DCP planned no data file for rank {dist.rank()}")
     return {writer.file_name: writer.record}
+
+
+def _global(metadata: Metadata | None, folder: Path) -> Metadata:
+    """Rank 0's global metadata (only rank 0 makes it, and only rank 0 writes it)."""
+    if metadata is None:
+        raise CheckpointError(f"{folder}: rank {dist.rank()} has no global DCP metadata to write")
+    return metadata
 
 
 def _plan(
@@ -96,8 +105,9 @@ def _plan(
         local = writer.prepare_local_plan(planner.create_local_plan())
     except BaseException as error:  # sent to rank 0 below, so every rank ends the same way
         failure = error
-    unchanged = local is not None and cached is not None and cached.placement == placement \
-        and cached.local_items == local.items
+    unchanged = (
+        local is not None and cached is not None and cached.placement == placement and cached.local_items == local.items
+    )
     if dist.all_true(unchanged) and cached is not None:
         return cached.central, cached.metadata
     metadata: list[Metadata] = []  # rank 0's global metadata, set by `decide`

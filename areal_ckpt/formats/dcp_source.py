@@ -8,8 +8,9 @@ Single process, no process group needed.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -47,7 +48,7 @@ class DcpModelSource:
         self._metadata = read_metadata_json(folder)
         check_within_files(self._metadata, folder)  # before any tensor is allocated from it
         self._index = {
-            name[len(MODEL_PREFIX):]: value
+            name[len(MODEL_PREFIX) :]: value
             for name, value in tensor_index(self._metadata).items()
             if name.startswith(MODEL_PREFIX)
         }
@@ -55,8 +56,9 @@ class DcpModelSource:
             raise CheckpointError(f"{folder}: holds no model tensors")
         deepspeed = _engine_state(folder).get("deepspeed") or {}
         self._shapes = {name: shape for name, (_, shape) in self._index.items()}
-        self._shapes.update({name: tuple(shape) for name, shape in (deepspeed.get("flat_shapes") or {}).items()
-                             if name in self._index})
+        self._shapes.update(
+            {name: tuple(shape) for name, shape in (deepspeed.get("flat_shapes") or {}).items() if name in self._index}
+        )
         tied = tied_names(self.config)
         self._names = [name for name in self._index if name not in tied]
         self._masters = _MasterLayout.of(deepspeed, self._metadata, folder)
@@ -130,15 +132,17 @@ class _MasterLayout:
                     shape, offset = tuple(entry["shape"]), int(entry["offset"])
                     numel = _numel(shape)
                     if flat is not None:
-                        piece = flat[offset:offset + numel]
+                        piece = flat[offset : offset + numel]
                     else:
                         part = int(entry["partition"])
-                        piece = torch.cat([p[offset:offset + part] for p in partitions])[:numel]
+                        piece = torch.cat([p[offset : offset + part] for p in partitions])[:numel]
                     if piece.numel() != numel:
                         raise ValueError(f"{entry['name']}: the masters hold {piece.numel()} of {numel} elements")
                     full[entry["name"]] = piece.reshape(shape).to(torch.float32).clone()
         except (KeyError, TypeError, ValueError) as error:
-            raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: master layout does not match the masters: {error}") from None
+            raise CheckpointError(
+                f"{folder / ENGINE_STATE_FILE}: master layout does not match the masters: {error}"
+            ) from None
         return full
 
 

@@ -16,14 +16,15 @@ that the file's CRC-32 is checked against the manifest in the same pass.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
-from torch.futures import Future
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import (
@@ -36,9 +37,17 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
 
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats.dcp_metadata import METADATA_JSON, STOCK_METADATA, metadata_to_json, read_metadata_json
+from areal_ckpt.formats.dcp_metadata import (
+    METADATA_JSON,
+    STOCK_METADATA,
+    metadata_to_json,
+    read_metadata_json,
+    tensor_entries,
+    tensor_entry,
+)
 from areal_ckpt.formats.range_read import RangeReader, open_ranges
 from areal_ckpt.formats.torch_record import frame_for
 from areal_ckpt.fsio import ChecksummedWriter, FileRecord, record_of, write_file_durably
@@ -76,7 +85,7 @@ class RawStorageWriter(StorageWriter):
         self.record: FileRecord | None = None
         self.file_name: str | None = None
 
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Nothing to reset: the folder is fixed at construction."""
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -101,13 +110,13 @@ class RawStorageWriter(StorageWriter):
         try:
             for item in ordered:
                 if item.type == WriteItemType.BYTE_IO:
-                    record = planner.resolve_data(item).getvalue()  # a torch.save record made by DCP
+                    record = _as_bytes_io(planner.resolve_data(item)).getvalue()  # a torch.save record by DCP
                     writer.write(record)
                     placement = Placement(_StorageInfo(self.file_name, offset, len(record)), None)
                     results.append(WriteResult(index=item.index, size_in_bytes=len(record), storage_data=placement))
                     offset += len(record)
                     continue
-                tensor = planner.resolve_data(item).detach()
+                tensor = _as_tensor(planner.resolve_data(item)).detach()
                 if tensor.device.type != "cpu":
                     tensor = tensor.cpu()
                 data = tensor_bytes(tensor)
@@ -140,7 +149,7 @@ class RawStorageWriter(StorageWriter):
         write_file_durably(self.folder / METADATA_JSON, json.dumps(ours).encode())
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Any folder path."""
         return True
 
@@ -168,8 +177,15 @@ class RawStorageReader(StorageReader):
         self._metadata: Metadata | None = None
         self._chunk_sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
 
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Nothing to reset: the folder is fixed at construction."""
+
+    @property
+    def _loaded(self) -> Metadata:
+        """The metadata :meth:`set_up_storage_reader` was given (DCP calls it before reading)."""
+        if self._metadata is None:
+            raise CheckpointError(f"{self.folder}: read before the reader was set up")
+        return self._metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The JSON metadata (never a pickle)."""
@@ -180,7 +196,7 @@ class RawStorageReader(StorageReader):
         self._metadata = metadata
         self._chunk_sizes = {
             (fqn, tuple(chunk.offsets)): tuple(chunk.sizes)
-            for fqn, entry in metadata.state_dict_metadata.items()
+            for fqn, entry in tensor_entries(metadata).items()
             for chunk in entry.chunks
         }
 
@@ -196,7 +212,7 @@ class RawStorageReader(StorageReader):
         """Fill this rank's destination tensors file by file, in file order; blocking."""
         per_file: dict[str, list[tuple[_StorageInfo, ReadItem]]] = {}
         for item in plan.items:
-            info = self._metadata.storage_data[item.storage_index]
+            info = self._loaded.storage_data[item.storage_index]
             per_file.setdefault(info.relative_path, []).append((info, item))
         for file_name, items in per_file.items():
             items.sort(key=lambda pair: pair[0].offset)
@@ -213,7 +229,8 @@ class RawStorageReader(StorageReader):
         try:
             for run in _adjacent_runs(segments, path):
                 destinations = [
-                    (torch.empty(length, dtype=torch.uint8), None) if entry is None
+                    (torch.empty(length, dtype=torch.uint8), None)
+                    if entry is None
                     else self._destination(entry[0], entry[1], planner, path)
                     for _, length, entry in run
                 ]
@@ -235,7 +252,7 @@ class RawStorageReader(StorageReader):
         """(buffer to read the stored chunk into, destination): the destination itself when it
         takes the whole chunk as is, else a temporary chunk-shaped buffer."""
         fqn = item.storage_index.fqn
-        dtype = self._metadata.state_dict_metadata[fqn].properties.dtype
+        dtype = tensor_entry(self._loaded, fqn, self.folder).properties.dtype
         sizes = self._chunk_sizes.get((fqn, tuple(item.storage_index.offset or ())))
         if sizes is None:
             raise CheckpointError(f"{path}: no stored chunk of {fqn} at offsets {item.storage_index.offset}")
@@ -261,9 +278,21 @@ class RawStorageReader(StorageReader):
             raise CheckpointError(f"{path}: checksum mismatch (file corrupted)")
 
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Any folder path."""
         return True
+
+
+def _as_tensor(data: torch.Tensor | io.BytesIO) -> torch.Tensor:
+    if not isinstance(data, torch.Tensor):
+        raise CheckpointError(f"DCP planned bytes ({type(data).__name__}) where a tensor was expected")
+    return data
+
+
+def _as_bytes_io(data: torch.Tensor | io.BytesIO) -> io.BytesIO:
+    if not isinstance(data, io.BytesIO):
+        raise CheckpointError(f"DCP planned a {type(data).__name__} where a torch.save record was expected")
+    return data
 
 
 def _region(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 from huggingface_hub.serialization import split_state_dict_into_shards_factory
 
 from areal_ckpt import dist
 from areal_ckpt.errors import CollectiveError
-from areal_ckpt.fsio import FileRecord, write_file_durably
 from areal_ckpt.formats.safetensors_io import write_safetensors
+from areal_ckpt.fsio import FileRecord, write_file_durably
 from areal_ckpt.tensors import TensorSpec, export_dtype_for
 
 SINGLE_FILE = "model.safetensors"
@@ -62,9 +63,7 @@ class ExportPlan:
 
 def plan_export(specs: Sequence[TensorSpec], max_shard_size: int, dtype: torch.dtype | None) -> ExportPlan:
     """Split tensors (in state-dict order) into safetensors files no larger than ``max_shard_size``."""
-    exported = {
-        spec.name: TensorSpec(spec.name, spec.shape, export_dtype_for(spec.dtype, dtype)) for spec in specs
-    }
+    exported = {spec.name: TensorSpec(spec.name, spec.shape, export_dtype_for(spec.dtype, dtype)) for spec in specs}
     split = split_state_dict_into_shards_factory(
         exported,
         get_storage_size=lambda spec: spec.nbytes,
@@ -111,7 +110,8 @@ def write_rank_shards(
             file_name = round_files[rank]
             try:
                 records[file_name] = write_safetensors(
-                    folder / file_name, [plan.specs[name] for name in plan.files[file_name]],
+                    folder / file_name,
+                    [plan.specs[name] for name in plan.files[file_name]],
                     ((name, _to_dtype(tensor, dtype)) for name, tensor in tensors),
                 )
             except CollectiveError:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 import struct
 import sys
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import torch
 
@@ -63,8 +63,10 @@ def write_safetensors(
         count = 0
         for (name, tensor), spec in zip(tensors, specs):
             if name != spec.name or tuple(tensor.shape) != tuple(spec.shape) or tensor.dtype != spec.dtype:
-                raise ValueError(f"{path.name}: got {name} {tuple(tensor.shape)} {tensor.dtype} where the header "
-                                 f"says {spec.name} {tuple(spec.shape)} {spec.dtype}")
+                raise ValueError(
+                    f"{path.name}: got {name} {tuple(tensor.shape)} {tensor.dtype} where the header "
+                    f"says {spec.name} {tuple(spec.shape)} {spec.dtype}"
+                )
             writer.write(tensor_bytes(tensor))
             count += 1
         if count != len(specs):

@@ -13,8 +13,9 @@ from __future__ import annotations
 import io
 import pickle
 import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -23,15 +24,22 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import interruption_in
-from areal_ckpt.formats.dcp_metadata import METADATA_JSON, STOCK_METADATA
+from areal_ckpt.formats.dcp_metadata import METADATA_JSON, STOCK_METADATA, tensor_entry
 from areal_ckpt.formats.hf_export import names_of_rank
 from areal_ckpt.tensors import TensorSpec
 
-
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", name)
-    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
@@ -67,13 +75,24 @@ def read_stock_metadata(folder: Path) -> Metadata:
         metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (stock DCP metadata)") from None
-    except (pickle.UnpicklingError, AttributeError, EOFError, ImportError, IndexError, KeyError, TypeError,
-            ValueError) as error:
+    except (
+        pickle.UnpicklingError,
+        AttributeError,
+        EOFError,
+        ImportError,
+        IndexError,
+        KeyError,
+        TypeError,
+        ValueError,
+    ) as error:
         raise CheckpointError(f"{path}: refused: {error}; nothing in it was run") from None
     except RecursionError:
         raise CheckpointError(f"{path}: refused: nested too deeply") from None
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict) \
-            or not isinstance(metadata.storage_data, dict):
+    if (
+        not isinstance(metadata, Metadata)
+        or not isinstance(metadata.state_dict_metadata, dict)
+        or not isinstance(metadata.storage_data, dict)
+    ):
         raise CheckpointError(f"{path}: refused: not DCP metadata (got {type(metadata).__name__})")
     return metadata
 
@@ -85,9 +104,9 @@ class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The folder's metadata, unpickled with the allow-list."""
         metadata = read_stock_metadata(Path(self.path))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = metadata.storage_meta or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
 
@@ -106,8 +125,10 @@ def model_prefix(metadata: Metadata, names: Sequence[str], source: Path) -> str:
         if all(prefix + name in tensors for name in names):
             return prefix
     sample = sorted(tensors)[:5]
-    raise CheckpointError(f"{source}: holds no complete set of the model's tensors under one prefix "
-                          f"(looked for {first!r}; stored keys start {sample})")
+    raise CheckpointError(
+        f"{source}: holds no complete set of the model's tensors under one prefix "
+        f"(looked for {first!r}; stored keys start {sample})"
+    )
 
 
 class StockDcpModelSource:
@@ -129,7 +150,7 @@ class StockDcpModelSource:
         """Every model tensor's name, shape and dtype, from the metadata alone; local."""
         specs = []
         for name in self._names:
-            entry = self._metadata.state_dict_metadata[self._prefix + name]
+            entry = tensor_entry(self._metadata, self._prefix + name, self.folder)
             specs.append(TensorSpec(name, tuple(entry.size), entry.properties.dtype))
         return specs
 
@@ -141,7 +162,7 @@ class StockDcpModelSource:
             return
         template = {}
         for name in wanted:
-            entry = self._metadata.state_dict_metadata[self._prefix + name]
+            entry = tensor_entry(self._metadata, self._prefix + name, self.folder)
             template[self._prefix + name] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
         try:
             with warnings.catch_warnings():
@@ -167,7 +188,12 @@ def check_sizes(metadata: Metadata, folder: Path, keys: Sequence[str]) -> None:
     for index, info in metadata.storage_data.items():
         relative = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-        if not isinstance(relative, str) or "/" in relative or not all(isinstance(v, int) for v in (offset, length)):
+        if (
+            not isinstance(relative, str)
+            or "/" in relative
+            or not isinstance(offset, int)
+            or not isinstance(length, int)
+        ):
             raise CheckpointError(f"{folder / STOCK_METADATA}: malformed storage entry for {index.fqn}")
         if relative not in sizes:
             try:
@@ -178,8 +204,9 @@ def check_sizes(metadata: Metadata, folder: Path, keys: Sequence[str]) -> None:
             raise CheckpointError(f"{folder / STOCK_METADATA}: places {index.fqn} past the end of {relative}")
         stored[index.fqn] = stored.get(index.fqn, 0) + length
     for key in keys:
-        entry = metadata.state_dict_metadata[key]
+        entry = tensor_entry(metadata, key, folder)
         needed = entry.size.numel() * entry.properties.dtype.itemsize
         if needed > stored.get(key, 0):
-            raise CheckpointError(f"{folder / STOCK_METADATA}: {key} claims {needed} bytes, its records hold "
-                                  f"{stored.get(key, 0)}")
+            raise CheckpointError(
+                f"{folder / STOCK_METADATA}: {key} claims {needed} bytes, its records hold {stored.get(key, 0)}"
+            )

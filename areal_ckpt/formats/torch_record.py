@@ -23,6 +23,7 @@ import pickle
 import struct
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -115,7 +116,14 @@ class _TensorRef:
             stride.append(step)
             step *= size
         stride.reverse()
-        args = (self.storage, 0, torch.Size(self.shape), tuple(stride), False, collections.OrderedDict())
+        args: tuple[Any, ...] = (
+            self.storage,
+            0,
+            torch.Size(self.shape),
+            tuple(stride),
+            False,
+            collections.OrderedDict(),
+        )
         return torch._utils._rebuild_tensor_v2, args
 
 
@@ -139,9 +147,13 @@ def _local_header(name: str, crc: int, size: int, extra: bytes, zip64: bool = Fa
         sizes = (_ZIP64_LIMIT, _ZIP64_LIMIT)
     else:
         sizes = (size, size)
-    return struct.pack(
-        "<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0x0800, 0, 0, 0x21, crc, *sizes, len(encoded), len(extra)
-    ) + encoded + extra
+    return (
+        struct.pack(
+            "<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0x0800, 0, 0, 0x21, crc, *sizes, len(encoded), len(extra)
+        )
+        + encoded
+        + extra
+    )
 
 
 def _central_header(name: str, crc: int, size: int, offset: int, zip64_size: bool, zip64_from: int) -> bytes:
@@ -156,10 +168,30 @@ def _central_header(name: str, crc: int, size: int, offset: int, zip64_size: boo
         extra = struct.pack(f"<HH{len(fields)}Q", 0x0001, 8 * len(fields), *fields)
     stored_size = _ZIP64_LIMIT if zip64_size else size
     stored_offset = _ZIP64_LIMIT if offset >= zip64_from else offset
-    return struct.pack(
-        "<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45 if fields else 20, 0x0800, 0, 0, 0x21, crc, stored_size,
-        stored_size, len(encoded), len(extra), 0, 0, 0, 0, stored_offset,
-    ) + encoded + extra
+    return (
+        struct.pack(
+            "<IHHHHHHIIIHHHHHII",
+            0x02014B50,
+            45,
+            45 if fields else 20,
+            0x0800,
+            0,
+            0,
+            0x21,
+            crc,
+            stored_size,
+            stored_size,
+            len(encoded),
+            len(extra),
+            0,
+            0,
+            0,
+            0,
+            stored_offset,
+        )
+        + encoded
+        + extra
+    )
 
 
 def _end_records(count: int, directory_size: int, directory_start: int, position: int, zip64_from: int) -> bytes:
@@ -167,7 +199,9 @@ def _end_records(count: int, directory_size: int, directory_start: int, position
     the classic record's comment length (patched by the caller)."""
     records = b""
     if directory_start >= zip64_from:
-        records += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, directory_size, directory_start)
+        records += struct.pack(
+            "<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, directory_size, directory_start
+        )
         records += struct.pack("<IIQI", 0x07064B50, 0, position, 1)
         directory_start = _ZIP64_LIMIT
     return records + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, directory_size, directory_start, 0)

@@ -32,17 +32,18 @@ import sys
 import time
 import traceback
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.lock import held_lock_descriptor
 from areal_ckpt.jobs.shm_arena import StagedLayout, StagedTensors, StagingArena
+from areal_ckpt.lock import held_lock_descriptor
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,10 @@ _LIVENESS_POLL_SECONDS = 0.5
 class BackgroundJob(Protocol):
     """A write job: picklable plain data plus the staged layout of its tensors."""
 
-    layout: StagedLayout
+    @property
+    def layout(self) -> StagedLayout | None:
+        """Where the job's tensors lie in the shared-memory arena (set when it is submitted)."""
+        ...
 
     def run(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Write and commit; collective over the writers' group; returns small JSON-like data."""
@@ -81,7 +85,7 @@ class _InheritedDescriptor:
 
 
 def _detach(duplicate: Any) -> int:
-    return duplicate.detach()
+    return int(duplicate.detach())
 
 
 class BackgroundWriter:
@@ -119,9 +123,16 @@ class BackgroundWriter:
         lock_fd = held_lock_descriptor(self.trial)
         self._process = context.Process(
             target=_serve,
-            args=(child_end, dist.rank(), dist.world_size(), host, port, os.getpid(),
-                  None if lock_fd is None else _InheritedDescriptor(lock_fd),
-                  logging.getLogger("areal_ckpt").getEffectiveLevel()),
+            args=(
+                child_end,
+                dist.rank(),
+                dist.world_size(),
+                host,
+                port,
+                os.getpid(),
+                None if lock_fd is None else _InheritedDescriptor(lock_fd),
+                logging.getLogger("areal_ckpt").getEffectiveLevel(),
+            ),
             name=f"areal_ckpt-writer-{self.label}-rank{dist.rank()}",
             daemon=True,
         )
@@ -235,7 +246,7 @@ def _without_main_module() -> Iterator[None]:
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -275,6 +286,8 @@ def _serve(
             continue
         start = time.perf_counter()
         try:
+            if buffer is None or payload.layout is None:
+                raise CheckpointError("background writer: a job arrived without its staged tensors")
             result = payload.run(staged.materialize(buffer, payload.layout))
             conn.send(("done", result, time.perf_counter() - start))
         except BaseException as error:  # reported to the parent, which raises it

@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DeviceMesh, DTensor, Placement
@@ -145,7 +146,10 @@ class StagingArena:
 
     def _views_of(self, layout: StagedLayout) -> dict[str, torch.Tensor]:
         if self._views is None or self._views[0] != layout:
-            self._views = (layout, {name: view(self.buffer, entry) for name, entry in layout.tensors.items()})
+            buffer = self.buffer
+            if buffer is None:
+                raise CheckpointError("staging: the shared-memory arena is not allocated")
+            self._views = (layout, {name: view(buffer, entry) for name, entry in layout.tensors.items()})
         return self._views[1]
 
     def _ensure_capacity(self, nbytes: int) -> None:
@@ -211,8 +215,12 @@ class StagedTensors:
                 result[name] = local
                 continue
             result[name] = DTensor.from_local(
-                local, self._mesh(entry.shard.mesh), entry.shard.placements, run_check=False,
-                shape=torch.Size(entry.shard.shape), stride=entry.shard.stride,
+                local,
+                self._mesh(entry.shard.mesh),
+                entry.shard.placements,
+                run_check=False,
+                shape=torch.Size(entry.shard.shape),
+                stride=entry.shard.stride,
             )
         return result
 
@@ -221,4 +229,3 @@ class StagedTensors:
         if key not in self._meshes:
             self._meshes[key] = DeviceMesh("cpu", ranks)
         return self._meshes[key]
-

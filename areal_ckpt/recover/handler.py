@@ -10,19 +10,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from areal_ckpt import agree, dist
-from areal_ckpt.jobs.background import BackgroundWriter, describe_metrics, resolve_async, saving_metrics
 from areal_ckpt.config import RecoverConfig, check_path_component
 from areal_ckpt.engines.accept import HFAssets, engines_by_name, export_files, named_engines
 from areal_ckpt.engines.contract import Engine, EnginesLike, RolloutEngine, WeightUpdateMeta
 from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError, TransientError
 from areal_ckpt.formats.hf_export import HFFiles
 from areal_ckpt.fsio import FileRecord
+from areal_ckpt.jobs.background import BackgroundWriter, describe_metrics, resolve_async, saving_metrics
+from areal_ckpt.jobs.shm_arena import layout_of
+from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.paths import (
     ENGINE_STATE_FILE,
     RECOVER_INFO,
@@ -30,14 +33,12 @@ from areal_ckpt.paths import (
     recover_info_link,
     trial_root,
 )
-from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.recover.read import load_engine, open_committed
 from areal_ckpt.recover.retry import retried
+from areal_ckpt.recover.rollout_sync import RolloutSync
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.write import MODEL_SEPARATOR, DumpJob, dump_header
-from areal_ckpt.recover.rollout_sync import RolloutSync
 from areal_ckpt.schedule import TriggerSchedule
-from areal_ckpt.jobs.shm_arena import layout_of
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.components import Stateful, capture_components, dataloader_state, restore_components
 from areal_ckpt.state.recover_info import RecoverInfo, encode_global_info, encode_rank_state
@@ -140,8 +141,10 @@ class RecoverHandler:
         if not (due or force):
             return None
         engines = engines_by_name(engine, "RecoverHandler.dump")
-        assets = {name: HFAssets.of(original, tokenizer, processor, base_model_path)
-                  for name, original in named_engines(engine).items()}
+        assets = {
+            name: HFAssets.of(original, tokenizer, processor, base_model_path)
+            for name, original in named_engines(engine).items()
+        }
         components = {
             **capture_components(saver, evaluator, stats_logger),
             "checkpoint_info": self._schedule.state_dict(),
@@ -158,7 +161,9 @@ class RecoverHandler:
         try:
             job, tensors, fingerprints = retried(
                 lambda: self._prepare(engines, step_info, components, rank_state, assets),
-                self.config.write_retries, what)
+                self.config.write_retries,
+                what,
+            )
         except CollectiveError as lost:  # retrying without the other ranks cannot succeed
             raise self._stopped(step_info, lost) from lost
         if background:
@@ -180,9 +185,13 @@ class RecoverHandler:
         self._committed(job.generation, fingerprints)
         self.last_step_info = step_info
         self.last_metrics = saving_metrics(time.perf_counter() - start, result["bytes"], background=0.0)
-        logger.info("recovery checkpoint at global step %d: %s (%s)", step_info.global_step, result["path"],
-                    describe_metrics(self.last_metrics))
-        return result["path"]
+        logger.info(
+            "recovery checkpoint at global step %d: %s (%s)",
+            step_info.global_step,
+            result["path"],
+            describe_metrics(self.last_metrics),
+        )
+        return str(result["path"])
 
     def _stopped(self, step_info: StepInfo, lost: CollectiveError) -> CollectiveError:
         return CollectiveError(
@@ -206,13 +215,20 @@ class RecoverHandler:
         outcome = self._writer.wait()
         if outcome is None:
             return
+        if self._pending is None:
+            raise CheckpointError(f"{self.store.root}: a background dump finished that this handler did not submit")
         generation, fingerprints = self._pending
         self._pending = None
         self._committed(generation, fingerprints)
-        self.last_metrics = {**self.last_metrics, **saving_metrics(
-            self.last_metrics["time/saving"], outcome.result["bytes"], background=outcome.seconds)}
-        logger.info("recovery checkpoint %s committed in the background (%s)", outcome.result["path"],
-                    describe_metrics(self.last_metrics))
+        self.last_metrics = {
+            **self.last_metrics,
+            **saving_metrics(self.last_metrics["time/saving"], outcome.result["bytes"], background=outcome.seconds),
+        }
+        logger.info(
+            "recovery checkpoint %s committed in the background (%s)",
+            outcome.result["path"],
+            describe_metrics(self.last_metrics),
+        )
 
     def _committed(self, generation: str, fingerprints: dict[str, list[int]]) -> None:
         self._generation = generation
@@ -234,8 +250,9 @@ class RecoverHandler:
         names = sorted(engines)
         for name in names:
             check_path_component(name, "model name")
-        agree.require_same([step_info.global_step, names],
-                           "RecoverHandler.dump: ranks disagree on (global_step, models)")
+        agree.require_same(
+            [step_info.global_step, names], "RecoverHandler.dump: ranks disagree on (global_step, models)"
+        )
         generation = agree.decided_by_rank0(lambda: self._begin(step_info.global_step, names), "RecoverHandler.dump")
         records: dict[str, FileRecord] = {}
         files: dict[str, bytes] = {}
@@ -271,9 +288,15 @@ class RecoverHandler:
                 self.store.discard(generation)
             raise
         job = DumpJob(
-            trial=self.store.trial, generation=generation, models=names,
-            records={k: (r.size, r.crc32) for k, r in records.items()}, files=files, hf=hf, param_groups=param_groups,
-            header=dump_header(step_info.to_dict(), names), retries=self.config.write_retries,
+            trial=self.store.trial,
+            generation=generation,
+            models=names,
+            records={k: (r.size, r.crc32) for k, r in records.items()},
+            files=files,
+            hf=hf,
+            param_groups=param_groups,
+            header=dump_header(step_info.to_dict(), names),
+            retries=self.config.write_retries,
         )
         return job, tensors, fingerprints
 
@@ -284,8 +307,15 @@ class RecoverHandler:
         return generation
 
     def _prepare_engine(
-        self, engine: Engine, name: str, generation: str, fingerprint: list[int] | None, assets: HFAssets,
-        files: dict[str, bytes], hf: dict[str, HFFiles], param_groups: dict[str, list[dict[str, Any]]],
+        self,
+        engine: Engine,
+        name: str,
+        generation: str,
+        fingerprint: list[int] | None,
+        assets: HFAssets,
+        files: dict[str, bytes],
+        hf: dict[str, HFFiles],
+        param_groups: dict[str, list[dict[str, Any]]],
     ) -> tuple[dict[str, torch.Tensor], dict[str, FileRecord]]:
         """This rank's tensors of one model (none when an unchanged frozen model is linked) and
         the records of the files linked for it; adds the files to write for it to ``files`` and
@@ -340,8 +370,9 @@ class RecoverHandler:
         if not self.enabled:
             return None
         originals = named_engines(engine)
-        rollout = RolloutSync.checked(originals, inference_engine, weight_update_meta,
-                                      inference_engine_update_from, colocated_rollout)
+        rollout = RolloutSync.checked(
+            originals, inference_engine, weight_update_meta, inference_engine_update_from, colocated_rollout
+        )
         engines = engines_by_name(engine, "RecoverHandler.load")
         opened = open_committed(self.store, sorted(engines), drop_rank_state)
         if opened is None:
@@ -352,10 +383,16 @@ class RecoverHandler:
             self._load_engines(engines, folder, manifest)
         else:
             rollout.run(info.last_step_info.global_step + 1, lambda: self._load_engines(engines, folder, manifest))
-        restore_components(info.path, {
-            "saver": info.saver_info, "evaluator": info.evaluator_info,
-            "stats_logger": info.stats_logger_info, "dataloader": info.dataloader_info,
-        }, {"saver": saver, "evaluator": evaluator, "stats_logger": stats_logger, "dataloader": dataloader})
+        restore_components(
+            info.path,
+            {
+                "saver": info.saver_info,
+                "evaluator": info.evaluator_info,
+                "stats_logger": info.stats_logger_info,
+                "dataloader": info.dataloader_info,
+            },
+            {"saver": saver, "evaluator": evaluator, "stats_logger": stats_logger, "dataloader": dataloader},
+        )
         if info.checkpoint_info is not None:
             self._schedule.load_state_dict(info.checkpoint_info)
         self._generation = found
@@ -368,7 +405,10 @@ class RecoverHandler:
             restore_rng_state(info.rng_state)
         logger.info(
             "resuming from global step %d (epoch %d, step %d of the epoch): %s",
-            info.last_step_info.global_step, info.last_step_info.epoch, info.last_step_info.epoch_step, folder,
+            info.last_step_info.global_step,
+            info.last_step_info.epoch,
+            info.last_step_info.epoch_step,
+            folder,
         )
         return info
 

@@ -11,14 +11,14 @@ from typing import Any
 
 from areal_ckpt import agree, dist
 from areal_ckpt._version import __version__
-from areal_ckpt.publish import check_files, read_manifest
+from areal_ckpt.config import RecoverConfig
 from areal_ckpt.engines.contract import LoadTarget
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import load_tensors, tensor_index
 from areal_ckpt.formats.dcp_metadata import read_metadata_json
 from areal_ckpt.fsio import FileRecord
-from areal_ckpt.config import RecoverConfig
 from areal_ckpt.paths import ENGINE_STATE_FILE, RECOVER_INFO, RECOVER_MANIFEST
+from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.write import READABLE_RECOVER_VERSIONS, RECOVER_FORMAT
 from areal_ckpt.schedule import TriggerSchedule
@@ -138,18 +138,29 @@ def load_engine(
         raise CheckpointError(str(error)) from None
     include_optimizer = bool(engine_state.get("optimizer_saved")) and not no_load_optim
     if engine.optimizer is not None and not include_optimizer:
-        logger.warning("%s: optimizer state not restored (%s)", folder,
-                       "not requested: no_load_optim / load_optimizer_states=False" if no_load_optim else "it was not saved")
+        logger.warning(
+            "%s: optimizer state not restored (%s)",
+            folder,
+            "not requested: no_load_optim / load_optimizer_states=False" if no_load_optim else "it was not saved",
+        )
     if not load_counters and isinstance(engine_state.get("deepspeed"), dict):
         engine_state["deepspeed"].pop("counters", None)
     if not load_scheduler:
         engine_state.pop("lr_scheduler", None)
-    elif engine.lr_scheduler is not None and "lr_scheduler" not in engine_state and engine_state.get("imported_from") == "areal":
-        logger.warning("%s: imported from AReaL, which saves no LR scheduler state: the scheduler is left as "
-                       "constructed; step it once per completed step to continue its schedule", folder)
+    elif (
+        engine.lr_scheduler is not None
+        and "lr_scheduler" not in engine_state
+        and engine_state.get("imported_from") == "areal"
+    ):
+        logger.warning(
+            "%s: imported from AReaL, which saves no LR scheduler state: the scheduler is left as "
+            "constructed; step it once per completed step to continue its schedule",
+            folder,
+        )
     elif engine.lr_scheduler is not None and "lr_scheduler" not in engine_state:
-        raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: no LR scheduler state was saved, "
-                              "but this engine has a scheduler")
+        raise CheckpointError(
+            f"{folder / ENGINE_STATE_FILE}: no LR scheduler state was saved, but this engine has a scheduler"
+        )
     try:
         engine.validate_recover_state(engine_state, include_optimizer)
     except ValueError as error:
@@ -166,19 +177,26 @@ def load_engine(
             logger.warning("%s: not in the checkpoint, left as they are: %s", folder, skipped[:10])
     prefix = f"{folder.name}/"
     expected = {
-        name[len(prefix):]: FileRecord(entry["size"], entry["crc32"])
+        name[len(prefix) :]: FileRecord(entry["size"], entry["crc32"])
         for name, entry in manifest["files"].items()
         if name.startswith(prefix) and name.endswith(DATA_SUFFIX)
     }
     # partitions that other ranks own (ZeRO) are theirs to read
     optional += tuple(f"{_OPTIMIZER_PREFIX}rank{r}." for r in range(manifest["world_size"]) if r != dist.rank())
-    load_tensors(template, folder, optional_prefixes=optional if include_optimizer else optional + (_OPTIMIZER_PREFIX,),
-                 expected=expected, metadata=metadata)
+    load_tensors(
+        template,
+        folder,
+        optional_prefixes=optional if include_optimizer else optional + (_OPTIMIZER_PREFIX,),
+        expected=expected,
+        metadata=metadata,
+    )
     try:
         engine.load_recover_state(template, engine_state, include_optimizer, strict)
     except (KeyError, ValueError, RuntimeError, TypeError, AttributeError, IndexError) as error:
-        raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: cannot restore model / optimizer / scheduler: "
-                              f"{type(error).__name__}: {error}") from None
+        raise CheckpointError(
+            f"{folder / ENGINE_STATE_FILE}: cannot restore model / optimizer / scheduler: "
+            f"{type(error).__name__}: {error}"
+        ) from None
 
 
 def check_if_auto_recover(config: RecoverConfig) -> bool:
@@ -218,7 +236,8 @@ def check_restorable(info: RecoverInfo) -> None:
             try:
                 TriggerSchedule(None, None, None).load_state_dict(info.checkpoint_info)
             except (KeyError, TypeError, ValueError, AttributeError) as error:
-                raise CheckpointError(f"{info.path}/{RECOVER_INFO}/checkpoint_info.json: malformed: "
-                                      f"{type(error).__name__}: {error}") from None
+                raise CheckpointError(
+                    f"{info.path}/{RECOVER_INFO}/checkpoint_info.json: malformed: {type(error).__name__}: {error}"
+                ) from None
 
     agree.on_every_rank(check, f"{info.path}: recover info cannot be restored")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from areal_ckpt.errors import CheckpointError, TransientError
 

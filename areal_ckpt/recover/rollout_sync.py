@@ -6,8 +6,8 @@ Only the objects' own methods are called (see the Protocols in
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 from areal_ckpt.engines.contract import (
     ColocatedRolloutEngine,
@@ -31,7 +31,11 @@ class RolloutSync:
 
     @classmethod
     def checked(
-        cls, engines: Mapping[str, object], inference_engine: object | None, meta: object | None, update_from: str,
+        cls,
+        engines: Mapping[str, object],
+        inference_engine: object | None,
+        meta: object | None,
+        update_from: str,
         colocated: bool,
     ) -> RolloutSync | None:
         """The weight update a load ends with (None without an ``inference_engine``), its
@@ -50,8 +54,9 @@ class RolloutSync:
         update = require(meta, WeightUpdateMeta, "RecoverHandler.load: weight_update_meta")
         source = require(engines[update_from], WeightSource, f"RecoverHandler.load: engine {update_from!r}")
         awex = colocated and update.type == "awex"
-        rollout = require(inference_engine, ColocatedRolloutEngine if awex else RolloutEngine,
-                          "RecoverHandler.load: inference_engine")
+        rollout = require(
+            inference_engine, ColocatedRolloutEngine if awex else RolloutEngine, "RecoverHandler.load: inference_engine"
+        )
         return cls(source, rollout, update, release_memory_first=awex)
 
     def run(self, version: int, load: Callable[[], None]) -> None:

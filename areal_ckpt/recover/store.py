@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from areal_ckpt.config import RecoverConfig
-from areal_ckpt.publish import check_files, hide_folder, read_manifest, switch_symlink, write_manifest
 from areal_ckpt.errors import CheckpointError, TransientError
 from areal_ckpt.formats.dcp_storage import data_file_of
 from areal_ckpt.fsio import FileRecord, fsync_dir
@@ -40,13 +39,14 @@ from areal_ckpt.paths import (
     generation_name,
     generation_step,
     is_generation_name,
+    rank_state_file,
     recover_checkpoint_link,
     recover_info_link,
     recover_pointer,
-    rank_state_file,
     recover_store,
     trial_root,
 )
+from areal_ckpt.publish import check_files, hide_folder, read_manifest, switch_symlink, write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,9 @@ class RecoverStore:
     @classmethod
     def of(cls, config: RecoverConfig) -> RecoverStore:
         """The store of the trial a ``recover:`` block names (``user`` defaults to the login name)."""
-        return cls(trial_root(config.fileroot, config.user or default_user(), config.experiment_name, config.trial_name))
+        return cls(
+            trial_root(config.fileroot, config.user or default_user(), config.experiment_name, config.trial_name)
+        )
 
     def committed(self) -> str | None:
         """Name of the committed generation, None when the trial has none.
@@ -115,7 +117,9 @@ class RecoverStore:
         """Generation folders in the store, oldest step first (committed or not); read-only."""
         if not self.root.is_dir() or self.root.is_symlink():
             return []
-        names = [e.name for e in self.root.iterdir() if is_generation_name(e.name) and e.is_dir() and not e.is_symlink()]
+        names = [
+            e.name for e in self.root.iterdir() if is_generation_name(e.name) and e.is_dir() and not e.is_symlink()
+        ]
         return sorted(names, key=lambda name: (generation_step(name), name))
 
     def is_complete(self, generation: str) -> bool:
@@ -214,7 +218,9 @@ class RecoverStore:
         was already superseded and :meth:`remove_trash` takes the rest)."""
         for name in hidden:
             folder = self.root / name
-            for sub, file_name in [(model, data_file_of(rank)) for model in models] + [(RECOVER_INFO, rank_state_file(rank))]:
+            for sub, file_name in [(model, data_file_of(rank)) for model in models] + [
+                (RECOVER_INFO, rank_state_file(rank))
+            ]:
                 if folder.is_symlink() or (folder / sub).is_symlink():
                     continue
                 try:
@@ -260,8 +266,9 @@ class RecoverStore:
             if name == keep:
                 continue
             if self.is_complete(name) and (keep is None or generation_step(name) >= generation_step(keep)):
-                logger.warning("%s: keeping %s: it is complete and not older than the committed %s",
-                               self.root, name, keep)
+                logger.warning(
+                    "%s: keeping %s: it is complete and not older than the committed %s", self.root, name, keep
+                )
                 continue
             superseded.append(name)
         return superseded
@@ -326,8 +333,12 @@ class RecoverStore:
         if found:
             names = ", ".join(str(path.relative_to(self.trial)) for path in found)
             checkpoints = [path for path in found if path.name == RECOVER_CHECKPOINT]
-            salvage = (f"; its weights export to an HF folder with `areal-ckpt export {checkpoints[0]} OUT "
-                       f"--config-from BASE_MODEL`" if checkpoints else "")
+            salvage = (
+                f"; its weights export to an HF folder with `areal-ckpt export {checkpoints[0]} OUT "
+                f"--config-from BASE_MODEL`"
+                if checkpoints
+                else ""
+            )
             raise CheckpointError(
                 f"{self.trial}: holds a recovery checkpoint written by AReaL ({names}); areal_ckpt does "
                 f"not resume from it as it is and leaves it untouched. To resume from AReaL's step, convert it "

@@ -23,10 +23,10 @@ from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchErro
 from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.hf_export import HFFiles
 from areal_ckpt.fsio import FileRecord, write_file_durably
+from areal_ckpt.jobs.shm_arena import StagedLayout
 from areal_ckpt.paths import HF_FILES
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.store import RecoverStore
-from areal_ckpt.jobs.shm_arena import StagedLayout
 
 logger = logging.getLogger(__name__)
 

@@ -28,8 +28,9 @@ class Stateful(Protocol):
     def load_state_dict(self, state: Any) -> None: ...
 
 
-def capture_components(saver: Stateful | None, evaluator: Stateful | None,
-                       stats_logger: Stateful | None) -> dict[str, Any]:
+def capture_components(
+    saver: Stateful | None, evaluator: Stateful | None, stats_logger: Stateful | None
+) -> dict[str, Any]:
     """The states that go to ``recover_info/{saver,evaluator,stats_logger}_info.json`` (None if absent)."""
     return {
         "saver_info": saver.state_dict() if saver is not None else None,
@@ -95,18 +96,26 @@ def _restore_resumable(source: str, dataloader: Any, state: dict[str, Any]) -> N
     world size: the sampler resumes the epoch at the global position; the loader starts fresh."""
     sampler = getattr(dataloader, "sampler", None)
     if not isinstance(sampler, ResumableDistributedSampler):
-        raise CheckpointError(f"{source}: the dataloader was saved over a ResumableDistributedSampler; give it one "
-                              f"again (this one has {type(sampler).__name__})")
+        raise CheckpointError(
+            f"{source}: the dataloader was saved over a ResumableDistributedSampler; give it one "
+            f"again (this one has {type(sampler).__name__})"
+        )
     if RESHARDED in state:
         position = state[RESHARDED]
         sampler.resume_at(int(position["epoch"]), int(position["start"]))
-        logger.info("%s: data resumes at sample %d of epoch %d's order, across %d ranks",
-                    source, position["start"], position["epoch"], sampler.num_replicas)
+        logger.info(
+            "%s: data resumes at sample %d of epoch %d's order, across %d ranks",
+            source,
+            position["start"],
+            position["epoch"],
+            sampler.num_replicas,
+        )
         return
     position = state[RESUMABLE_POSITION]
     sampler.resume_at(int(position["epoch"]), int(position["start"]))
     try:
         dataloader.load_state_dict(state[LOADER_STATE])
     except Exception as error:
-        raise CheckpointError(f"{source}: the dataloader could not load its saved state: {type(error).__name__}: "
-                              f"{error}") from None
+        raise CheckpointError(
+            f"{source}: the dataloader could not load its saved state: {type(error).__name__}: {error}"
+        ) from None

@@ -61,8 +61,17 @@ def load_plain_pickle(path: Path) -> Any:
         return _PlainDataUnpickler(io.BytesIO(path.read_bytes())).load()
     except OSError as error:
         raise CheckpointError(f"{path}: cannot read: {error.strerror}") from None
-    except (pickle.UnpicklingError, AttributeError, EOFError, ImportError, IndexError, KeyError, TypeError,
-            ValueError, RuntimeError) as error:
+    except (
+        pickle.UnpicklingError,
+        AttributeError,
+        EOFError,
+        ImportError,
+        IndexError,
+        KeyError,
+        TypeError,
+        ValueError,
+        RuntimeError,
+    ) as error:
         if isinstance(error, RecursionError):
             raise CheckpointError(f"{path}: refused: nested too deeply") from None
         raise CheckpointError(f"{path}: refused: {error}; nothing in it was run") from None

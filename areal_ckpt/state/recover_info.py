@@ -161,6 +161,7 @@ def _resharded_components(
     (a ResumableDistributedSampler's position as a global position, see
     :func:`_resharded_dataloader`); one that differs raises CheckpointError saying what to do,
     or, with ``drop_rank_state``, is left out with a warning naming it."""
+
     def read_share() -> dict[int, dict[str, Any]]:
         shares = {}
         for index in _saved_share(rank, world_size, saved_world_size):
@@ -185,7 +186,10 @@ def _resharded_components(
         elif drop_rank_state:
             logger.warning(
                 "world size changed (%d -> %d): per-rank %s state differs between saved ranks; "
-                "not restored (drop_rank_state=True)", saved_world_size, world_size, component,
+                "not restored (drop_rank_state=True)",
+                saved_world_size,
+                world_size,
+                component,
             )
         else:
             raise CheckpointError(
@@ -216,16 +220,27 @@ def _resharded_dataloader(
             epoch, start = global_position([value[RESUMABLE_POSITION]] * saved_world_size, f"{folder}/rank*.json")
         except ValueError as error:
             raise CheckpointError(str(error)) from None
-        logger.info("world size changed (%d -> %d): the data resumes at sample %d of epoch %d's order",
-                    saved_world_size, world_size, start, epoch)
+        logger.info(
+            "world size changed (%d -> %d): the data resumes at sample %d of epoch %d's order",
+            saved_world_size,
+            world_size,
+            start,
+            epoch,
+        )
         return resharded_dataloader_state(epoch, start)
     if drop_rank_state:
         logger.warning(
             "world size changed (%d -> %d): the dataloader position was not restored (drop_rank_state=True): "
-            "the saved epoch's data restarts from its first batch", saved_world_size, world_size)
+            "the saved epoch's data restarts from its first batch",
+            saved_world_size,
+            world_size,
+        )
         return None
-    why = ("the saved ranks were at different data positions" if not same else
-           "the dataloader position is per rank and its sampler's order depends on the number of ranks")
+    why = (
+        "the saved ranks were at different data positions"
+        if not same
+        else "the dataloader position is per rank and its sampler's order depends on the number of ranks"
+    )
     raise CheckpointError(
         f"{folder}: saved by {saved_world_size} ranks, loading on {world_size}: {why}, so it cannot carry over "
         "without skipping or repeating samples. Use areal_ckpt.ResumableDistributedSampler (its position carries "

@@ -20,8 +20,16 @@ import torch
 _TENSOR_DTYPES = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-        torch.int16, torch.int8, torch.uint8, torch.bool,
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
     )
 }
 _NUMPY_KINDS = set("biuf")
@@ -106,11 +114,11 @@ def decode(value: Any, path: str = "state") -> Any:
             flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
             return flat.view(dtype).reshape(value["shape"]).clone()
         if kind == "ndarray":
-            dtype = np.dtype(value["dtype"])
-            if dtype.kind not in _NUMPY_KINDS:
-                raise ValueError(f"unsupported numpy dtype {dtype}")
-            raw = base64.b64decode(value["data"], validate=True)
-            return np.frombuffer(raw, dtype=dtype).reshape(value["shape"]).copy()
+            array_dtype = np.dtype(value["dtype"])
+            if array_dtype.kind not in _NUMPY_KINDS:
+                raise ValueError(f"unsupported numpy dtype {array_dtype}")
+            data = base64.b64decode(value["data"], validate=True)
+            return np.frombuffer(data, dtype=array_dtype).reshape(value["shape"]).copy()
     except (KeyError, TypeError, ValueError, RuntimeError) as error:
         raise ValueError(f"{path}: malformed {kind} entry: {error}") from None
     raise ValueError(f"{path}: unknown entry kind {kind!r}")

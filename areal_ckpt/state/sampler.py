@@ -12,7 +12,8 @@ does. Over the epoch every sample is then seen exactly once, plus the padding.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Sized
+from collections.abc import Iterator, Sized
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -90,7 +91,7 @@ class ResumableDistributedSampler(Sampler[int]):
         if total > len(remaining) and remaining:  # pad by repeating from the start, as DistributedSampler
             padding = total - len(remaining)
             remaining += (remaining * math.ceil(padding / len(remaining)))[:padding]
-        mine = remaining[:total][self.rank:total:self.num_replicas]
+        mine = remaining[:total][self.rank : total : self.num_replicas]
         self._yielded = 0
         for index in mine:
             self._yielded += 1
@@ -106,9 +107,15 @@ class ResumableDistributedSampler(Sampler[int]):
         epoch's order, and how many samples this rank consumed since (``consumed``, e.g. batches
         yielded times the batch size; default: what this sampler yielded)."""
         return {
-            "version": _VERSION, "epoch": self.epoch, "start": self._iteration_start,
-            "consumed": self._yielded if consumed is None else consumed, "num_replicas": self.num_replicas,
-            "dataset_len": len(self.dataset), "seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last,
+            "version": _VERSION,
+            "epoch": self.epoch,
+            "start": self._iteration_start,
+            "consumed": self._yielded if consumed is None else consumed,
+            "num_replicas": self.num_replicas,
+            "dataset_len": len(self.dataset),
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
         }
 
     def resume_at(self, epoch: int, start: int) -> None:
@@ -129,10 +136,13 @@ def global_position(positions: list[dict[str, Any]], source: str) -> tuple[int, 
             raise ValueError(f"{source}: rank {index}: not a ResumableDistributedSampler position")
         differing = [key for key in keys if position[key] != first[key]]
         if differing:
-            raise ValueError(f"{source}: ranks 0 and {index} were at different data positions ({differing}); "
-                             "the position cannot be carried to another number of ranks")
+            raise ValueError(
+                f"{source}: ranks 0 and {index} were at different data positions ({differing}); "
+                "the position cannot be carried to another number of ranks"
+            )
     if first["num_replicas"] != len(positions):
-        raise ValueError(f"{source}: written by {len(positions)} ranks, but the sampler had "
-                         f"num_replicas={first['num_replicas']}")
+        raise ValueError(
+            f"{source}: written by {len(positions)} ranks, but the sampler had num_replicas={first['num_replicas']}"
+        )
     consumed = min(first["start"] + first["consumed"] * first["num_replicas"], first["dataset_len"])
     return int(first["epoch"]), int(consumed)

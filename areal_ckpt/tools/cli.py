@@ -10,22 +10,23 @@ import datetime
 import json
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tqdm import tqdm
 
 from areal_ckpt.config import parse_size
 from areal_ckpt.config_loader import load_config
-from areal_ckpt.tools.convert import export_deepspeed, export_recovery, export_stock_dcp
-from areal_ckpt.tools.inspection import describe, list_trial, verify_each
 from areal_ckpt.errors import CheckpointError, ConfigError
 from areal_ckpt.formats.stock_dcp import is_stock_dcp
-from areal_ckpt.tools.import_areal import import_areal_trial
-from areal_ckpt.tools.launch import launch
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.tensors import EXPORT_DTYPES
+from areal_ckpt.tools.convert import export_deepspeed, export_recovery, export_stock_dcp
+from areal_ckpt.tools.import_areal import import_areal_trial
+from areal_ckpt.tools.inspection import describe, list_trial, verify_each
+from areal_ckpt.tools.launch import launch
 
 
 def _progress(unit: str) -> Any:
@@ -39,9 +40,10 @@ def _when(unix: float | None) -> str:
     return datetime.datetime.fromtimestamp(unix).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _size(count: int | None) -> str:
-    if count is None:
+def _size(size: int | None) -> str:
+    if size is None:
         return "-"
+    count = float(size)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if count < 1024 or unit == "TiB":
             return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
@@ -81,13 +83,23 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     elif facts["kind"] == "dcp":
         rows[-1] = ["complete", "unknown (stock DCP keeps no checksums)"]
         for group, info in facts["groups"].items():
-            rows.append([f"keys {group}.*", f"{info['tensors']:,} tensors, {info['elements']:,} elements "
-                                            f"({', '.join(info['dtypes']) or 'no tensors'})"])
+            rows.append(
+                [
+                    f"keys {group}.*",
+                    f"{info['tensors']:,} tensors, {info['elements']:,} elements "
+                    f"({', '.join(info['dtypes']) or 'no tensors'})",
+                ]
+            )
     else:
         for model, info in facts["models"].items():
             dtypes = ", ".join(info["dtypes"])
-            rows.append([f"model {model}", f"{info['parameters']:,} parameters ({dtypes}), {_size(info['bytes'])}, "
-                         f"optimizer {'yes' if info['optimizer'] else 'no'}"])
+            rows.append(
+                [
+                    f"model {model}",
+                    f"{info['parameters']:,} parameters ({dtypes}), {_size(info['bytes'])}, "
+                    f"optimizer {'yes' if info['optimizer'] else 'no'}",
+                ]
+            )
     _print_table(rows)
     return 0
 
@@ -117,8 +129,17 @@ def cmd_list(args: argparse.Namespace) -> int:
         return 0
     rows = [["kind", "model", "global step", "epoch", "size", "created", "path"]]
     for e in entries:
-        rows.append([e["kind"] + (" (DAMAGED)" if "problem" in e else ""), e["name"], str(e["global_step"]),
-                     str(e["epoch"]), _size(e["bytes"]), _when(e["created_unix"]), e["path"]])
+        rows.append(
+            [
+                e["kind"] + (" (DAMAGED)" if "problem" in e else ""),
+                e["name"],
+                str(e["global_step"]),
+                str(e["epoch"]),
+                _size(e["bytes"]),
+                _when(e["created_unix"]),
+                e["path"],
+            ]
+        )
     _print_table(rows)
     return 0
 
@@ -127,21 +148,38 @@ def cmd_export(args: argparse.Namespace) -> int:
     dtype = EXPORT_DTYPES[args.dtype] if args.dtype else None
     source = Path(args.recover_dir)
     if is_stock_dcp(source):
-        result = export_stock_dcp(source, Path(args.out_dir), Path(args.config_from) if args.config_from else None,
-                                  dtype=dtype, max_shard_size=parse_size(args.max_shard_size),
-                                  progress=_progress("shard"))
+        result = export_stock_dcp(
+            source,
+            Path(args.out_dir),
+            Path(args.config_from) if args.config_from else None,
+            dtype=dtype,
+            max_shard_size=parse_size(args.max_shard_size),
+            progress=_progress("shard"),
+        )
     else:
-        result = export_recovery(source, Path(args.out_dir), name=args.name, dtype=dtype,
-                                 max_shard_size=parse_size(args.max_shard_size), progress=_progress("shard"))
+        result = export_recovery(
+            source,
+            Path(args.out_dir),
+            name=args.name,
+            dtype=dtype,
+            max_shard_size=parse_size(args.max_shard_size),
+            progress=_progress("shard"),
+        )
     print(f"exported {_size(result.bytes)} in {result.seconds:.2f} s to {result.path}")
     return 0
 
 
 def cmd_convert_deepspeed(args: argparse.Namespace) -> int:
     dtype = EXPORT_DTYPES[args.dtype] if args.dtype else None
-    result = export_deepspeed(Path(args.ds_dir), Path(args.out_dir), tag=args.tag, dtype=dtype,
-                              max_shard_size=parse_size(args.max_shard_size),
-                              config_dir=Path(args.config) if args.config else None, progress=_progress("shard"))
+    result = export_deepspeed(
+        Path(args.ds_dir),
+        Path(args.out_dir),
+        tag=args.tag,
+        dtype=dtype,
+        max_shard_size=parse_size(args.max_shard_size),
+        config_dir=Path(args.config) if args.config else None,
+        progress=_progress("shard"),
+    )
     print(f"exported {_size(result.bytes)} in {result.seconds:.2f} s to {result.path}")
     return 0
 
@@ -168,14 +206,21 @@ def cmd_recover_pointer(args: argparse.Namespace) -> int:
 
 
 def cmd_import_areal(args: argparse.Namespace) -> int:
-    imported = import_areal_trial(Path(args.trial), None if args.config_from is None else Path(args.config_from),
-                                  remove_original=args.remove_original)
+    imported = import_areal_trial(
+        Path(args.trial),
+        None if args.config_from is None else Path(args.config_from),
+        remove_original=args.remove_original,
+    )
     step = imported.step_info
-    print(f"OK   {args.trial}: AReaL's checkpoint after global step {step.global_step} (epoch {step.epoch}, step "
-          f"{step.epoch_step}) of {', '.join(imported.models)} on {imported.world_size} rank(s) is now "
-          f"{imported.generation.name}; the next start of the job resumes from it")
-    print("note: AReaL's recovery checkpoints hold no LR scheduler state and no RNG streams; a load restores "
-          "neither (see docs/migrating.md)")
+    print(
+        f"OK   {args.trial}: AReaL's checkpoint after global step {step.global_step} (epoch {step.epoch}, step "
+        f"{step.epoch_step}) of {', '.join(imported.models)} on {imported.world_size} rank(s) is now "
+        f"{imported.generation.name}; the next start of the job resumes from it"
+    )
+    print(
+        "note: AReaL's recovery checkpoints hold no LR scheduler state and no RNG streams; a load restores "
+        "neither (see docs/migrating.md)"
+    )
     if imported.originals is not None:
         print(f"AReaL's own folders are kept in {imported.originals}; delete it once the job has resumed")
     return 0
@@ -184,11 +229,13 @@ def cmd_import_areal(args: argparse.Namespace) -> int:
 def cmd_launch(args: argparse.Namespace) -> int:
     rest = list(args.rest)
     if "--" not in rest:
-        raise ConfigError("launch: put the job's command after '--', e.g. "
-                          "areal-ckpt launch --config job.yaml -- torchrun --nproc-per-node 2 train.py")
+        raise ConfigError(
+            "launch: put the job's command after '--', e.g. "
+            "areal-ckpt launch --config job.yaml -- torchrun --nproc-per-node 2 train.py"
+        )
     split = rest.index("--")
     config = load_config(args.config, rest[:split])
-    return launch(config.recover, rest[split + 1:])
+    return launch(config.recover, rest[split + 1 :])
 
 
 def _add_output_options(command: argparse.ArgumentParser) -> None:
@@ -208,8 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(run=cmd_inspect)
 
-    check = commands.add_parser("verify", help="check every file of a checkpoint (or of every checkpoint of a trial) "
-                                               "against its manifest; one line each; exit 0 only if all are intact")
+    check = commands.add_parser(
+        "verify",
+        help="check every file of a checkpoint (or of every checkpoint of a trial) "
+        "against its manifest; one line each; exit 0 only if all are intact",
+    )
     check.add_argument("path")
     check.set_defaults(run=cmd_verify)
 
@@ -219,44 +269,54 @@ def build_parser() -> argparse.ArgumentParser:
     listing.set_defaults(run=cmd_list)
 
     export = commands.add_parser("export", help="recovery checkpoint (DCP) -> HuggingFace folder")
-    export.add_argument("recover_dir", help="trial folder, recover_info, or {name}/recover_checkpoint; or a stock "
-                                            "DCP folder (dcp.save's own format)")
+    export.add_argument(
+        "recover_dir",
+        help="trial folder, recover_info, or {name}/recover_checkpoint; or a stock DCP folder (dcp.save's own format)",
+    )
     _add_output_options(export)
     export.add_argument("--name", help="model to export when the checkpoint holds several")
-    export.add_argument("--config-from", help="for a stock DCP folder: the model's HF folder (config, tokenizer), "
-                                              "e.g. the base model")
+    export.add_argument(
+        "--config-from", help="for a stock DCP folder: the model's HF folder (config, tokenizer), e.g. the base model"
+    )
     export.set_defaults(run=cmd_export)
 
     convert = commands.add_parser("convert-deepspeed", help="DeepSpeed ZeRO checkpoint -> HuggingFace folder")
     convert.add_argument("ds_dir", help="folder holding 'latest' and tag folders (ours or DeepSpeed's own)")
     _add_output_options(convert)
     convert.add_argument("--tag", help="checkpoint tag (default: what 'latest' names)")
-    convert.add_argument("--config", help="folder with the model's config.json, for DeepSpeed's own layout "
-                                          "(default: DS_DIR)")
+    convert.add_argument(
+        "--config", help="folder with the model's config.json, for DeepSpeed's own layout (default: DS_DIR)"
+    )
     convert.set_defaults(run=cmd_convert_deepspeed)
 
     pointer = commands.add_parser(
-        "recover-pointer", help="re-point a trial's lost or broken commit record at its newest intact generation")
+        "recover-pointer", help="re-point a trial's lost or broken commit record at its newest intact generation"
+    )
     pointer.add_argument("trial", help="the trial folder ({fileroot}/checkpoints/{user}/{experiment}/{trial})")
     pointer.set_defaults(run=cmd_recover_pointer)
 
     importer = commands.add_parser(
-        "import-areal", help="convert a trial written by AReaL's RecoverHandler into areal_ckpt's layout, in place",
+        "import-areal",
+        help="convert a trial written by AReaL's RecoverHandler into areal_ckpt's layout, in place",
         description="Convert the recovery checkpoint AReaL wrote in TRIAL (recover_info/, {name}/recover_checkpoint/) "
-                    "into areal_ckpt's layout, atomically; the next start of the job resumes from AReaL's step. "
-                    "AReaL's folders are kept under TRIAL/areal_original/ unless --remove-original.",
+        "into areal_ckpt's layout, atomically; the next start of the job resumes from AReaL's step. "
+        "AReaL's folders are kept under TRIAL/areal_original/ unless --remove-original.",
     )
     importer.add_argument("trial", help="the trial folder ({fileroot}/checkpoints/{user}/{experiment}/{trial})")
-    importer.add_argument("--config-from", help="the model's HF folder (e.g. the base model): its config and "
-                                                "tokenizer are kept with the checkpoint for `areal-ckpt export`")
+    importer.add_argument(
+        "--config-from",
+        help="the model's HF folder (e.g. the base model): its config and "
+        "tokenizer are kept with the checkpoint for `areal-ckpt export`",
+    )
     importer.add_argument("--remove-original", action="store_true", help="delete AReaL's folders once imported")
     importer.set_defaults(run=cmd_import_areal)
 
     relaunch = commands.add_parser(
-        "launch", help="run a training command; relaunch it after a crash, up to recover.retries times",
+        "launch",
+        help="run a training command; relaunch it after a crash, up to recover.retries times",
         description="Run COMMAND; while recovery is enabled in CONFIG, relaunch it after a failure up to "
-                    "recover.retries times (it resumes from its last recovery dump). Overrides "
-                    "(key.path=value) apply to CONFIG as the job applies them.",
+        "recover.retries times (it resumes from its last recovery dump). Overrides "
+        "(key.path=value) apply to CONFIG as the job applies them.",
     )
     relaunch.add_argument("--config", required=True, help="the job's YAML file (its recover: block is read)")
     relaunch.add_argument("rest", nargs=argparse.REMAINDER, metavar="[OVERRIDE ...] -- COMMAND ...")
@@ -269,12 +329,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
-        return args.run(args)
+        return int(args.run(args))
     except (CheckpointError, ValueError, OSError) as error:
         print(f"areal-ckpt {args.command}: error: {error}", file=sys.stderr)
         if not isinstance(error, ConfigError):
-            print("hint: `areal-ckpt verify PATH` names damaged files; `areal-ckpt list TRIAL` shows what exists",
-                  file=sys.stderr)
+            print(
+                "hint: `areal-ckpt verify PATH` names damaged files; `areal-ckpt list TRIAL` shows what exists",
+                file=sys.stderr,
+            )
         return 2
 
 

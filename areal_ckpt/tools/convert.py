@@ -6,29 +6,34 @@ from __future__ import annotations
 import contextlib
 import logging
 import pickle
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from areal_ckpt.publish import check_files, read_manifest
+from areal_ckpt.deepspeed_api import TAGGED_FORMAT, read_latest
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.export.job import ExportResult, write_export
 from areal_ckpt.formats.dcp_source import DcpModelSource, tied_names
 from areal_ckpt.formats.hf_export import names_of_rank
 from areal_ckpt.formats.stock_dcp import StockDcpModelSource
 from areal_ckpt.paths import HF_FILES, MANIFEST_NAME, RECOVER_MANIFEST
+from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.store import resolve_recovery
-from areal_ckpt.deepspeed_api import TAGGED_FORMAT, read_latest
 from areal_ckpt.tensors import TensorSpec
 
 logger = logging.getLogger(__name__)
 
 
 def export_recovery(
-    path: Path, out_dir: Path, name: str | None = None, dtype: torch.dtype | None = None,
-    max_shard_size: int = 5 * 10**9, progress: Callable[[Iterable[int]], Iterable[int]] = iter,
+    path: Path,
+    out_dir: Path,
+    name: str | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int = 5 * 10**9,
+    progress: Callable[[Iterable[int]], Iterable[int]] = iter,
 ) -> ExportResult:
     """Write model ``name`` of the recovery checkpoint at ``path`` as an HF folder ``out_dir``.
 
@@ -53,15 +58,23 @@ def export_recovery(
     step = manifest.get("step", {})
     logger.info("exporting model %r of %s (global step %s) to %s", model, generation, step.get("global_step"), out_dir)
     return write_export(
-        source, out_dir, max_shard_size=max_shard_size, dtype=dtype,
+        source,
+        out_dir,
+        max_shard_size=max_shard_size,
+        dtype=dtype,
         assets=str(generation / model / HF_FILES),  # config, tokenizer, processor, base model files
-        header={"name": model, "step": step, "converted_from": str(generation)}, progress=progress,
+        header={"name": model, "step": step, "converted_from": str(generation)},
+        progress=progress,
     )
 
 
 def export_stock_dcp(
-    folder: Path, out_dir: Path, config_from: Path | None, dtype: torch.dtype | None = None,
-    max_shard_size: int = 5 * 10**9, progress: Callable[[Iterable[int]], Iterable[int]] = iter,
+    folder: Path,
+    out_dir: Path,
+    config_from: Path | None,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int = 5 * 10**9,
+    progress: Callable[[Iterable[int]], Iterable[int]] = iter,
 ) -> ExportResult:
     """Write the model held by a stock DCP folder (``dcp.save``'s own format: AReaL's
     ``recover_checkpoint``, a torchtitan step) as an HF folder ``out_dir``; local, single
@@ -72,18 +85,31 @@ def export_stock_dcp(
     from transformers import AutoConfig
 
     if config_from is None or not (Path(config_from) / "config.json").is_file():
-        raise CheckpointError(f"{folder}: a stock DCP checkpoint records no model config: pass --config-from with "
-                              "the model's HF folder (e.g. the base model)")
+        raise CheckpointError(
+            f"{folder}: a stock DCP checkpoint records no model config: pass --config-from with "
+            "the model's HF folder (e.g. the base model)"
+        )
     config = AutoConfig.from_pretrained(config_from, local_files_only=True)
     with torch.device("meta"):
         names = list(AutoModelForCausalLM.from_config(config).state_dict())
     tied = tied_names(config)
     architectures = getattr(config, "architectures", None) or []
-    source = StockDcpModelSource(folder, config, [n for n in names if n not in tied],
-                                 architectures[0] if architectures else type(config).__name__)
+    source = StockDcpModelSource(
+        folder,
+        config,
+        [n for n in names if n not in tied],
+        architectures[0] if architectures else type(config).__name__,
+    )
     header = {"name": "default", "step": None, "converted_from": str(folder)}
-    return write_export(source, _new_output(out_dir), max_shard_size=max_shard_size, dtype=dtype,
-                        assets=str(config_from), header=header, progress=progress)
+    return write_export(
+        source,
+        _new_output(out_dir),
+        max_shard_size=max_shard_size,
+        dtype=dtype,
+        assets=str(config_from),
+        header=header,
+        progress=progress,
+    )
 
 
 def _new_output(out_dir: Path) -> Path:
@@ -138,8 +164,10 @@ def _weights_only_deepspeed_loads() -> Iterator[None]:
         except (pickle.UnpicklingError, RuntimeError) as error:  # refused by the weights-only unpickler
             source = args[0] if args else kwargs.get("f", "a DeepSpeed file")
             cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise CheckpointError(f"{source}: refused: it holds objects the weights-only unpickler does not "
-                                  f"build, so nothing in it was run ({cause})") from None
+            raise CheckpointError(
+                f"{source}: refused: it holds objects the weights-only unpickler does not "
+                f"build, so nothing in it was run ({cause})"
+            ) from None
 
     torch.load = weights_only_load
     try:
@@ -167,8 +195,12 @@ def _zero0_module_states(folder: Path) -> dict[str, torch.Tensor] | None:
 
 
 def export_deepspeed(
-    ds_dir: Path, out_dir: Path, tag: str | None = None, dtype: torch.dtype | None = None,
-    max_shard_size: int = 5 * 10**9, config_dir: Path | None = None,
+    ds_dir: Path,
+    out_dir: Path,
+    tag: str | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_size: int = 5 * 10**9,
+    config_dir: Path | None = None,
     progress: Callable[[Iterable[int]], Iterable[int]] = iter,
 ) -> ExportResult:
     """Write the DeepSpeed checkpoint ``ds_dir/tag`` (``tag`` None: what ``latest`` names) as an
@@ -190,21 +222,34 @@ def export_deepspeed(
     if manifest_path.is_file():
         manifest = read_manifest(folder, MANIFEST_NAME)
         if manifest.get("format") != TAGGED_FORMAT:
-            raise CheckpointError(f"{manifest_path}: format {manifest.get('format')!r} is not a DeepSpeed-shaped checkpoint")
-        problems = check_files(folder, manifest["files"], [name for name in manifest["files"] if name.startswith("model/")])
+            raise CheckpointError(
+                f"{manifest_path}: format {manifest.get('format')!r} is not a DeepSpeed-shaped checkpoint"
+            )
+        problems = check_files(
+            folder, manifest["files"], [name for name in manifest["files"] if name.startswith("model/")]
+        )
         if problems:
             raise CheckpointError(f"{folder}: damaged: " + "; ".join(problems))
         source: Any = DcpModelSource(folder / "model", folder / "model" / HF_FILES)
         header = {"name": "default", "step": {"tag": tag}, "converted_from": str(folder)}
-        return write_export(source, _new_output(out_dir), max_shard_size=max_shard_size, dtype=dtype,
-                            assets=str(folder / "model" / HF_FILES), header=header, progress=progress)
-    from transformers import AutoConfig
+        return write_export(
+            source,
+            _new_output(out_dir),
+            max_shard_size=max_shard_size,
+            dtype=dtype,
+            assets=str(folder / "model" / HF_FILES),
+            header=header,
+            progress=progress,
+        )
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoConfig
 
     config_dir = Path(config_dir) if config_dir is not None else ds_dir
     if not (config_dir / "config.json").is_file():
-        raise CheckpointError(f"{config_dir / 'config.json'}: missing; DeepSpeed checkpoints hold no model "
-                              "config: pass --config with the model's HF folder")
+        raise CheckpointError(
+            f"{config_dir / 'config.json'}: missing; DeepSpeed checkpoints hold no model "
+            "config: pass --config with the model's HF folder"
+        )
     config = AutoConfig.from_pretrained(config_dir, local_files_only=True)
     with _weights_only_deepspeed_loads():
         tensors = _zero0_module_states(folder)
@@ -212,5 +257,11 @@ def export_deepspeed(
             logger.info("rebuilding full fp32 weights of %s with DeepSpeed's zero_to_fp32", folder)
             tensors = get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=tag)
     header = {"name": "default", "step": {"tag": tag}, "converted_from": str(folder)}
-    return write_export(_StateDictSource(config, dict(tensors)), _new_output(out_dir), max_shard_size=max_shard_size,
-                        dtype=dtype, header=header, progress=progress)
+    return write_export(
+        _StateDictSource(config, dict(tensors)),
+        _new_output(out_dir),
+        max_shard_size=max_shard_size,
+        dtype=dtype,
+        header=header,
+        progress=progress,
+    )

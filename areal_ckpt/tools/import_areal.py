@@ -34,21 +34,27 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
-from areal_ckpt.publish import read_manifest, switch_symlink, write_manifest
 from areal_ckpt.errors import CheckpointError
+from areal_ckpt.export.saver import saver_state
 from areal_ckpt.formats.dcp_io import failures_text, interruption_in
+from areal_ckpt.formats.dcp_metadata import tensor_entry
 from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.hf_export import copy_base_model_assets
 from areal_ckpt.formats.stock_dcp import SafeFileSystemReader, check_sizes, read_stock_metadata
 from areal_ckpt.fsio import fsync_dir, read_json_file, write_file_durably
+from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.paths import (
-    ENGINE_STATE_FILE, HF_FILES, RECOVER_CHECKPOINT, RECOVER_INFO, RECOVER_MANIFEST, rank_state_file,
+    ENGINE_STATE_FILE,
+    HF_FILES,
+    RECOVER_CHECKPOINT,
+    RECOVER_INFO,
+    RECOVER_MANIFEST,
+    rank_state_file,
     recover_info_link,
 )
-from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
+from areal_ckpt.publish import read_manifest, switch_symlink, write_manifest
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.write import dump_header
-from areal_ckpt.export.saver import saver_state
 from areal_ckpt.schedule import schedule_state
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.plain_pickle import load_plain_pickle
@@ -95,8 +101,10 @@ def import_areal_trial(trial: Path, config_from: Path | None = None, remove_orig
             if header.get("imported_from") == IMPORTED_FROM and found:
                 logger.info("%s: finishing the import committed as %s", trial, committed)
                 return _finish(store, committed, header, remove_original)
-            raise CheckpointError(f"{store.path(committed)}: the trial already holds areal_ckpt's recovery "
-                                  "checkpoints; there is nothing to import")
+            raise CheckpointError(
+                f"{store.path(committed)}: the trial already holds areal_ckpt's recovery "
+                "checkpoints; there is nothing to import"
+            )
         info = recover_info_link(trial)
         if info not in found:
             raise CheckpointError(f"{info}: missing; {trial} holds no recovery checkpoint written by AReaL")
@@ -156,7 +164,7 @@ def _read_recover_info(folder: Path, models: list[str]) -> tuple[StepInfo, dict[
             value = _schedule(value, path)
         elif key == "saver_info" and value is not None:
             schedule = _schedule(value, path)
-            value = None if schedule is None else saver_state({name: schedule for name in models})
+            value = None if schedule is None else saver_state(dict.fromkeys(models, schedule))
         files[name] = safe_json.dumps(value)
     positions = load_plain_pickle(folder / DATALOADER_PICKLE)
     per_rank = positions if isinstance(positions, list) else [positions]
@@ -193,9 +201,15 @@ def _read_model(folder: Path) -> _ModelState:
     """One model's whole state from AReaL's stock DCP folder, under our flat names."""
     metadata, names = _stored_tensors(folder)
     entries = metadata.state_dict_metadata
-    template = {key: torch.empty(entries[key].size, dtype=entries[key].properties.dtype) for key in names}
-    extras = {key: _read_value(metadata, key, folder) for key, entry in entries.items()
-              if isinstance(entry, BytesStorageMetadata)}
+    template = {
+        key: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in ((key, tensor_entry(metadata, key, folder)) for key in names)
+    }
+    extras = {
+        key: _read_value(metadata, key, folder)
+        for key, entry in entries.items()
+        if isinstance(entry, BytesStorageMetadata)
+    }
     with warnings.catch_warnings():  # DCP's notice that it runs in one process, as intended here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         try:
@@ -210,25 +224,25 @@ def _read_model(folder: Path) -> _ModelState:
     scalars: dict[str, dict[str, Any]] = {}
     for key, value in extras.items():
         if key.startswith(_GROUPS):
-            index, _, field = key[len(_GROUPS):].partition(".")
+            index, _, field = key[len(_GROUPS) :].partition(".")
             if not index.isdigit() or not field:
                 raise CheckpointError(f"{folder}: unexpected param group entry {key!r}")
             groups.setdefault(int(index), {})[field] = value
         elif key.startswith(_STATE):
-            fqn, _, field = key[len(_STATE):].rpartition(".")
+            fqn, _, field = key[len(_STATE) :].rpartition(".")
             scalars.setdefault(fqn, {})[field] = value
         else:
             raise CheckpointError(f"{folder}: unexpected non-tensor entry {key!r}")
-    for fqn in {name[len("optim."):].rpartition(".")[0] for name in tensors if name.startswith("optim.")}:
+    for fqn in {name[len("optim.") :].rpartition(".")[0] for name in tensors if name.startswith("optim.")}:
         scalars.setdefault(fqn, {})
     return _ModelState(tensors, [groups[index] for index in sorted(groups)], scalars)
 
 
 def _our_name(key: str, folder: Path) -> str:
     if key.startswith(_MODEL):
-        return "model." + key[len(_MODEL):]
+        return "model." + key[len(_MODEL) :]
     if key.startswith(_STATE):
-        return "optim." + key[len(_STATE):]
+        return "optim." + key[len(_STATE) :]
     raise CheckpointError(f"{folder}: tensor {key!r} is neither under {_MODEL!r} nor {_STATE!r}")
 
 
@@ -252,8 +266,12 @@ def _read_value(metadata: Metadata, key: str, folder: Path) -> Any:
 
 
 def _write(
-    generation: Path, step_info: StepInfo, files: dict[str, bytes], sources: dict[str, Path],
-    config_from: Path | None, world_size: int,
+    generation: Path,
+    step_info: StepInfo,
+    files: dict[str, bytes],
+    sources: dict[str, Path],
+    config_from: Path | None,
+    world_size: int,
 ) -> dict[str, Any]:
     """Write the generation's files, one model in memory at a time; returns its manifest header."""
     for name, source in sources.items():
@@ -293,8 +311,12 @@ def _finish(store: RecoverStore, generation: str, header: dict[str, Any], remove
     if remove_original and originals.exists():
         shutil.rmtree(originals)
         fsync_dir(store.trial)
-    logger.info("%s: imported AReaL's checkpoint after global step %d as %s", store.trial,
-                header["step"]["global_step"], generation)
+    logger.info(
+        "%s: imported AReaL's checkpoint after global step %d as %s",
+        store.trial,
+        header["step"]["global_step"],
+        generation,
+    )
     return ImportedTrial(
         generation=store.path(generation),
         step_info=StepInfo.from_dict(header["step"]),

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from areal_ckpt.publish import check_files, read_manifest
+from areal_ckpt.deepspeed_api import LATEST, TAGGED_FORMAT, read_latest
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats.dcp_metadata import read_metadata_json
+from areal_ckpt.formats.dcp_metadata import read_metadata_json, tensor_entries
 from areal_ckpt.formats.stock_dcp import is_stock_dcp, read_stock_metadata
 from areal_ckpt.paths import MANIFEST_NAME, RECOVER_MANIFEST, RECOVER_STORE, parse_export_leaf, recover_pointer
+from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.store import RecoverStore, resolve_recovery
-from areal_ckpt.deepspeed_api import LATEST, TAGGED_FORMAT, read_latest
 
 _MAX_SAFETENSORS_HEADER = 100 << 20
 
@@ -41,10 +42,15 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
         if name == "__metadata__":
             continue
         shape = entry.get("shape") if isinstance(entry, dict) else None
-        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-                and isinstance(entry.get("dtype"), str)):
-            raise CheckpointError(f"{path}: malformed safetensors header entry {str(name)[:100]!r}: "
-                                  "expected a dtype and a shape of non-negative integers")
+        if not (
+            isinstance(shape, list)
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+            and isinstance(entry.get("dtype"), str)
+        ):
+            raise CheckpointError(
+                f"{path}: malformed safetensors header entry {str(name)[:100]!r}: "
+                "expected a dtype and a shape of non-negative integers"
+            )
     return header
 
 
@@ -52,13 +58,23 @@ def deepspeed_folder(path: Path) -> Path | None:
     """The DeepSpeed checkpoint tag folder ``path`` is or names (through ``latest``), if any:
     ours (``save_checkpoint``) or DeepSpeed's own layout. Read-only."""
     if (path / LATEST).is_file():
-        return path / read_latest(path)
+        tag = read_latest(path)
+        return None if tag is None else path / tag
     if (path / MANIFEST_NAME).is_file():
         try:
             return path if read_manifest(path, MANIFEST_NAME).get("format") == TAGGED_FORMAT else None
         except CheckpointError:
             return None
     return path if any(path.glob("*model_states.pt")) else None
+
+
+def _tag_folder(path: Path) -> Path:
+    """The DeepSpeed tag folder of ``path``, which :func:`kind_of` found; raises CheckpointError
+    if it has gone since."""
+    folder = deepspeed_folder(path)
+    if folder is None:
+        raise CheckpointError(f"{path}: no DeepSpeed checkpoint tag here any more")
+    return folder
 
 
 def kind_of(path: Path) -> str:
@@ -89,7 +105,7 @@ def describe(path: Path) -> dict[str, Any]:
     if kind == "recover":
         return _describe_recovery(path)
     if kind == "deepspeed":
-        return _describe_deepspeed(deepspeed_folder(path))
+        return _describe_deepspeed(_tag_folder(path))
     if kind == "dcp":
         return _describe_stock_dcp(path)
     raise CheckpointError(f"{path}: neither an HF export, a recovery checkpoint nor a DeepSpeed checkpoint")
@@ -132,7 +148,7 @@ def _model_facts(folder: Path, manifest: dict[str, Any], model: str) -> dict[str
     naming the metadata file when it is damaged or forged."""
     metadata = read_metadata_json(folder / model)
     dtypes: dict[str, int] = {}
-    for name, entry in metadata.state_dict_metadata.items():
+    for name, entry in tensor_entries(metadata).items():
         if name.startswith("model."):
             dtype = str(entry.properties.dtype).removeprefix("torch.")
             dtypes[dtype] = dtypes.get(dtype, 0) + entry.size.numel()
@@ -157,23 +173,45 @@ def _describe_stock_dcp(path: Path) -> dict[str, Any]:
             group["dtypes"].add(str(entry.properties.dtype).removeprefix("torch."))
     files = {p.name: p.stat().st_size for p in path.iterdir() if p.is_file()}
     return {
-        "kind": "dcp", "path": str(path), "step": None, "world_size": None, "created_unix": None,
+        "kind": "dcp",
+        "path": str(path),
+        "step": None,
+        "world_size": None,
+        "created_unix": None,
         "groups": {name: {**group, "dtypes": sorted(group["dtypes"])} for name, group in sorted(groups.items())},
-        "bytes": sum(files.values()), "files": len(files), "complete": None,
+        "bytes": sum(files.values()),
+        "files": len(files),
+        "complete": None,
     }
 
 
 def _describe_deepspeed(folder: Path) -> dict[str, Any]:
     files = {p.relative_to(folder).as_posix(): p.stat().st_size for p in folder.rglob("*") if p.is_file()}
-    facts: dict[str, Any] = {"kind": "deepspeed", "path": str(folder), "step": {"tag": folder.name},
-                             "bytes": sum(files.values()), "files": len(files)}
+    facts: dict[str, Any] = {
+        "kind": "deepspeed",
+        "path": str(folder),
+        "step": {"tag": folder.name},
+        "bytes": sum(files.values()),
+        "files": len(files),
+    }
     if not (folder / MANIFEST_NAME).is_file():  # DeepSpeed's own layout: no manifest to go by
-        return {**facts, "layout": "deepspeed", "world_size": None, "created_unix": None, "models": {},
-                "complete": None}
+        return {
+            **facts,
+            "layout": "deepspeed",
+            "world_size": None,
+            "created_unix": None,
+            "models": {},
+            "complete": None,
+        }
     manifest = read_manifest(folder, MANIFEST_NAME)
-    return {**facts, "layout": "areal_ckpt", "world_size": manifest.get("world_size"),
-            "created_unix": manifest.get("created_unix"), "models": {"model": _model_facts(folder, manifest, "model")},
-            "complete": all(name in files for name in manifest["files"])}
+    return {
+        **facts,
+        "layout": "areal_ckpt",
+        "world_size": manifest.get("world_size"),
+        "created_unix": manifest.get("created_unix"),
+        "models": {"model": _model_facts(folder, manifest, "model")},
+        "complete": all(name in files for name in manifest["files"]),
+    }
 
 
 def _describe_recovery(path: Path) -> dict[str, Any]:
@@ -206,7 +244,7 @@ def verify(path: Path, progress: Callable[[Iterable[str]], Iterable[str]] = iter
     elif kind == "dcp":
         return [f"{path}: stock DCP carries no checksums; nothing to verify it against"]
     elif kind == "deepspeed":
-        folder, manifest_name = deepspeed_folder(path), MANIFEST_NAME
+        folder, manifest_name = _tag_folder(path), MANIFEST_NAME
         if not (folder / manifest_name).is_file():
             return [f"{folder}: DeepSpeed's own layout carries no checksums; nothing to verify it against"]
     else:
@@ -229,8 +267,12 @@ def checkpoints_in(path: Path) -> list[Path]:
     is. Read-only."""
     path = Path(path)
     exports = sorted(
-        (export for model in _model_folders(path) for export in model.iterdir()
-         if export.is_dir() and not export.is_symlink() and parse_export_leaf(export.name) is not None),
+        (
+            export
+            for model in _model_folders(path)
+            for export in model.iterdir()
+            if export.is_dir() and not export.is_symlink() and parse_export_leaf(export.name) is not None
+        ),
         key=lambda export: (export.parent.name, parse_export_leaf(export.name)),
     )
     has_recovery = recover_pointer(path).is_symlink() or (path / RECOVER_STORE).exists()
@@ -276,21 +318,42 @@ def list_trial(trial: Path) -> list[dict[str, Any]]:
             if parsed is None or not export.is_dir():
                 continue
             size = sum(p.stat().st_size for p in export.iterdir() if p.is_file())
-            entries.append({
-                "kind": "export", "name": model.name, "epoch": parsed[0], "epoch_step": parsed[1],
-                "global_step": parsed[2], "bytes": size, "created_unix": export.stat().st_mtime, "path": str(export),
-            })
+            entries.append(
+                {
+                    "kind": "export",
+                    "name": model.name,
+                    "epoch": parsed[0],
+                    "epoch_step": parsed[1],
+                    "global_step": parsed[2],
+                    "bytes": size,
+                    "created_unix": export.stat().st_mtime,
+                    "path": str(export),
+                }
+            )
     if recover_pointer(trial).is_symlink():
         try:
             recovery = _describe_recovery(trial)
         except CheckpointError as error:  # shown, not hidden: a damaged checkpoint is news
-            recovery = {"models": {}, "step": None, "bytes": None, "created_unix": None,
-                        "path": str(recover_pointer(trial)), "problem": str(error)}
+            recovery = {
+                "models": {},
+                "step": None,
+                "bytes": None,
+                "created_unix": None,
+                "path": str(recover_pointer(trial)),
+                "problem": str(error),
+            }
         step = recovery["step"] or {}
-        entries.append({
-            "kind": "recover", "name": ",".join(recovery["models"]), "epoch": step.get("epoch"),
-            "epoch_step": step.get("epoch_step"), "global_step": step.get("global_step"),
-            "bytes": recovery["bytes"], "created_unix": recovery["created_unix"], "path": recovery["path"],
-            **({"problem": recovery["problem"]} if "problem" in recovery else {}),
-        })
+        entries.append(
+            {
+                "kind": "recover",
+                "name": ",".join(recovery["models"]),
+                "epoch": step.get("epoch"),
+                "epoch_step": step.get("epoch_step"),
+                "global_step": step.get("global_step"),
+                "bytes": recovery["bytes"],
+                "created_unix": recovery["created_unix"],
+                "path": recovery["path"],
+                **({"problem": recovery["problem"]} if "problem" in recovery else {}),
+            }
+        )
     return sorted(entries, key=lambda e: (e["global_step"] or 0, e["created_unix"] or 0), reverse=True)

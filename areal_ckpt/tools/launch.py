@@ -26,8 +26,9 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import IO, Sequence
+from typing import IO
 
 from areal_ckpt.config import RecoverConfig
 from areal_ckpt.errors import CheckpointError
@@ -79,10 +80,13 @@ def launch(recover: RecoverConfig, command: Sequence[str], err: IO[str] = sys.st
         if not recover.enabled:
             _say(err, f"{why}; recovery is disabled (recover.mode={recover.mode}), not relaunching")
             return status
-        if previous is not None and not previous.made_progress and not outcome.made_progress \
-                and previous.signature == outcome.signature:
-            _say(err, f"{why}; it failed the same way twice in a row before its first recovery dump, "
-                      "not relaunching")
+        if (
+            previous is not None
+            and not previous.made_progress
+            and not outcome.made_progress
+            and previous.signature == outcome.signature
+        ):
+            _say(err, f"{why}; it failed the same way twice in a row before its first recovery dump, not relaunching")
             return status
         if attempt >= retries:
             _say(err, f"{why}; recover.retries={recover.retries} relaunches used, giving up")
@@ -104,8 +108,9 @@ def _run_once(command: Sequence[str], attempt: int, err: IO[str]) -> tuple[int, 
     """Run one attempt in its own process group; returns (status, first exception line,
     interrupted by a signal to the launcher)."""
     env = {**os.environ, ATTEMPT_VARIABLE: str(attempt)}
-    child = subprocess.Popen(list(command), env=env, stderr=subprocess.PIPE, text=True, errors="replace",
-                             process_group=0)
+    child = subprocess.Popen(
+        list(command), env=env, stderr=subprocess.PIPE, text=True, errors="replace", process_group=0
+    )
     received: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
