@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from bench import machine_description, model_of_size, scratch_folder, state_bytes
+from common import machine_description, model_of_size, scratch_folder, state_bytes
 
 import areal_ckpt as ac
 

@@ -32,7 +32,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().paren
 import torch  # noqa: E402
 import torch.distributed as torch_dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from bench import evict, fsync_tree, machine_description, model_of_size, scratch_folder, state_bytes  # noqa: E402
+from common import evict, fsync_tree, machine_description, model_of_size, scratch_folder, state_bytes  # noqa: E402
 
 import areal_ckpt as ac  # noqa: E402
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
-from bench import PeakRss, machine_description, model_of_size, scratch_folder, state_bytes
+from common import PeakRss, machine_description, model_of_size, scratch_folder, state_bytes
 from torch.distributed.tensor import DTensor
 
 import areal_ckpt as ac

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
-from bench import machine_description, model_of_size, scratch_folder, state_bytes
+from common import machine_description, model_of_size, scratch_folder, state_bytes
 
 import areal_ckpt as ac
 from areal_ckpt import dist

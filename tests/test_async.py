@@ -18,7 +18,7 @@ from recovery_runs import assert_same_run, run_job
 from test_saver_distributed import SHARD, trained_model
 
 import areal_ckpt as ac
-from areal_ckpt.jobs.background import resolve_async
+from areal_ckpt.jobs.lifecycle import resolve_async
 from areal_ckpt.jobs.shm_arena import StagingArena, layout_of, view
 
 pytestmark = pytest.mark.dist

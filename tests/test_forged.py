@@ -238,3 +238,25 @@ def test_export_of_a_consistent_forgery_claiming_more_than_the_files_hold_alloca
     edit_json(committed_generation(fileroot), "default/dcp_metadata.json", claim_1_5_tb)
     assert cli_main(["export", str(trial_dir(fileroot)), str(tmp_path / "out")]) == 2
     assert "places model.lm_head.weight at bytes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("record", ["folder name", "manifest", "step_info.json"])
+def test_a_step_recorded_differently_in_one_of_its_three_places_is_refused_by_name(fileroot, record):
+    dump_once(fileroot)  # after global step 1
+    generation = committed_generation(fileroot)
+    if record == "folder name":  # a generation renamed by hand, `current` moved along
+        renamed = generation.with_name(generation.name.replace("gen-00000001-", "gen-00000007-"))
+        generation.rename(renamed)
+        (generation.parent / "current").unlink()
+        (generation.parent / "current").symlink_to(renamed.name)
+    elif record == "manifest":
+        path = generation / "recover_info/areal_ckpt_manifest.json"
+        manifest = json.loads(path.read_text())
+        manifest["step"]["global_step"] = 7
+        path.write_bytes(render_manifest(manifest))
+    else:
+        edit_json(generation, "recover_info/step_info.json", _set(["global_step"], 7))
+    with pytest.raises(ac.CheckpointError, match="global step is recorded differently") as caught:
+        load_into_fresh(fileroot)
+    assert "7" in str(caught.value) and "1" in str(caught.value)
+    assert ".recover" in str(caught.value)

@@ -170,7 +170,7 @@ class TorchEngine:
 
         For the layouts this engine accepts (plain, DDP, torch.compile, FSDP2) this is exactly
         what ``get_model_state_dict`` returns, same keys and same tensors (tested), without that
-        helper re-verifying its options on every call: ~10 ms per dump for a 500-tensor model.
+        helper re-verifying its options on every call (docs/benchmarks.md, "Reading and capturing state").
         """
         return self.module.state_dict()
 

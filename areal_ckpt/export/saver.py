@@ -20,9 +20,8 @@ from areal_ckpt.config import SaverConfig
 from areal_ckpt.engines.accept import HFAssets, as_engine
 from areal_ckpt.engines.contract import Engine, EngineLike
 from areal_ckpt.export.job import ExportTarget, StagedExportSource, begin_export, finish_export, stage_export
-from areal_ckpt.jobs.background import BackgroundWriter, describe_metrics, resolve_async, saving_metrics
+from areal_ckpt.jobs.lifecycle import SaveLifecycle, resolve_async
 from areal_ckpt.jobs.shm_arena import StagedLayout
-from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.paths import (
     EXPORT_STAGING_PREFIX,
     EXPORT_TRASH_PREFIX,
@@ -66,18 +65,19 @@ class Saver:
             lambda: TriggerSchedule(config.freq_epochs, config.freq_steps, config.freq_secs)
         )
         self._dtype = EXPORT_DTYPES[config.export_dtype] if config.export_dtype else None
-        self.last_metrics: dict[str, float] = {}
-        self._finalized = False
-        self._writer = BackgroundWriter("saver", self.trial_root)
-        self._pending: Path | None = None  # export in flight in the background
+        self._jobs = SaveLifecycle("saver", self.trial_root, lock=dist.rank() == 0)
         self._went_async = False  # an export of this Saver was written in the background
         self._trash = TrashCollector()  # deletes exports that retention removed, on a helper thread
         if dist.rank() == 0:
-            acquire_trial_lock(self.trial_root)
             remove_stale(
                 (p for p in self.trial_root.iterdir() if p.is_dir() and not p.is_symlink()),
                 (EXPORT_STAGING_PREFIX, EXPORT_TRASH_PREFIX),
             )
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        """The last export's ``time/saving``, ``time/background``, ``bytes`` and ``gbps``."""
+        return self._jobs.last_metrics
 
     def export_root(self, name: str = "default") -> Path:
         """Folder holding every export of model ``name`` (no side effects)."""
@@ -142,7 +142,7 @@ class Saver:
         Collective: every rank calls it with the same arguments after each training step.
         Returns None when no export was due, else the export's folder. Synchronous mode blocks
         until that folder is complete and durable. Asynchronous mode (see
-        :func:`areal_ckpt.jobs.background.resolve_async`) first waits for the export in flight, then
+        :func:`areal_ckpt.jobs.lifecycle.resolve_async`) first waits for the export in flight, then
         blocks only while the tensors are copied to shared memory; the folder appears, complete,
         when the background commit finishes (:meth:`wait`). On failure the previous exports are
         untouched and an error is raised on every rank: by this call when synchronous, by the
@@ -160,7 +160,7 @@ class Saver:
         self, engine: Engine, epoch: int, epoch_step: int, global_step: int, name: str, assets: HFAssets
     ) -> Path:
         start = time.perf_counter()
-        self._collect()
+        self._jobs.wait()
         tag = (name, epoch, epoch_step, global_step)
         agree.require_same(list(tag), "Saver.save: ranks disagree on (name, epoch, epoch_step, global_step)")
         final = self.export_root(name) / export_leaf(epoch, epoch_step, global_step)
@@ -178,21 +178,19 @@ class Saver:
         if resolve_async(self.config.mode, engine.on_accelerator):
             self._went_async = True
             try:
-                layout = stage_export(engine, target, self._writer.arena)
+                layout = stage_export(engine, target, self._jobs.arena)
             except BaseException:
                 if dist.rank() == 0:
                     shutil.rmtree(target.staging, ignore_errors=True)
                 raise
-            self._writer.submit(_ExportJob(target, layout, self.config.keep_last))
-            self._pending = final
-            self.last_metrics = saving_metrics(time.perf_counter() - start, target.plan.total_size)
+            job = _ExportJob(target, layout, self.config.keep_last)
+            self._jobs.submit(job, time.perf_counter() - start, target.plan.total_size, lambda _: f"exported {final}")
             return final
         written = finish_export(engine, target)
         if dist.rank() == 0 and self.config.keep_last is not None:  # deleted after the commit, off this path
             self._trash.delete(apply_retention(final, self.config.keep_last))
         dist.barrier()
-        self.last_metrics = saving_metrics(time.perf_counter() - start, written, background=0.0)
-        logger.info("exported %s (%s)", final, describe_metrics(self.last_metrics))
+        self._jobs.finished(time.perf_counter() - start, written, f"exported {final}")
         return final
 
     @property
@@ -209,27 +207,14 @@ class Saver:
     @property
     def saving_in_background(self) -> bool:
         """True while an asynchronous export is still being written; local, non-blocking."""
-        return self._writer.busy
+        return self._jobs.busy
 
     def wait(self) -> None:
         """Block until the export in flight (async mode) is committed; no-op otherwise.
 
         Call it on every rank. Raises the background error, if the export failed.
         """
-        self._collect()
-
-    def _collect(self) -> None:
-        outcome = self._writer.wait()
-        if outcome is None:
-            return
-        final, self._pending = self._pending, None
-        self.last_metrics = {
-            **self.last_metrics,
-            **saving_metrics(
-                self.last_metrics["time/saving"], int(self.last_metrics["bytes"]), background=outcome.seconds
-            ),
-        }
-        logger.info("exported %s in the background (%s)", final, describe_metrics(self.last_metrics))
+        self._jobs.wait()
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serializable schedule state of every model name (for the RecoverHandler)."""
@@ -242,17 +227,13 @@ class Saver:
         self._schedules.load_state_dict(state["schedules"])
 
     def finalize(self) -> None:
-        """Wait for the export in flight, stop the background writer, free its shared memory
-        and release the trial's lock. Call it on every rank; idempotent. Raises the background
-        error of the last export, after releasing everything."""
-        try:
-            self._collect()
-        finally:
-            self._writer.close()
-            self._trash.close()
-            if dist.rank() == 0 and not self._finalized:
-                release_trial_lock(self.trial_root)
-            self._finalized = True
+        """Wait for the export in flight, stop the background writer, free its shared memory,
+        finish deleting what retention removed and release the trial's lock. Call it on every
+        rank; idempotent. Raises the background error of the last export, after releasing
+        everything. AReaL's name; :meth:`close` is the same, as on the RecoverHandler."""
+        self._jobs.close(then=self._trash.close)
+
+    close = finalize
 
 
 @dataclass(frozen=True)

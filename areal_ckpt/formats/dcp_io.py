@@ -48,7 +48,7 @@ def load_tensors(
     (data file name -> manifest record) every data file read is checked against its CRC-32
     and a mismatch raises CheckpointError naming the file; the template then holds partial
     data and must not be used. ``metadata`` is the folder's, when the caller read it already
-    (it is parsed once: ~40 ms per GiB of a model-shaped state).
+    (so it is parsed once per load).
     """
     metadata = read_metadata_json(folder) if metadata is None else metadata
     stored = tensor_index(metadata)

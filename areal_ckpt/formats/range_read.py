@@ -5,22 +5,12 @@ two readers with the same interface:
 
 - :class:`DirectRanges` (file not in the page cache, file system accepts ``O_DIRECT``): aligned
   2 MiB blocks are read with ``O_DIRECT`` by four helper threads, eight blocks queued ahead of
-  the copy, into ten reused buffers (20 MiB), and copied once into the tensors. Queueing more
-  blocks than threads keeps four requests at the disk while the caller copies; cold 145 MiB
-  loads went from 83-96 ms to 74-93 ms (medians of 12-20, alternated), 289 MiB from 221 to 206
-  ms. The buffers sit in one mapping the kernel is asked to back with transparent huge pages, so
-  a request lands in physically contiguous memory and goes to the disk whole: in 4 KiB pages
-  scattered by the process's earlier allocations, a 2 MiB request needs up to 512 segments, and
-  this VM's virtio disk takes 254 per request, so the block layer split each into 2-3. Cold 145
-  MiB reads took 62 ms against 99 ms (medians of 10, alternated), one disk request per block
-  against 2.0-2.8. Inside the benchmark's process a 145 MiB load's reads had taken 1.5x as long
-  as in a fresh process (summed per load: 390 ms against 250 ms); in huge pages they take the
-  same (196 ms against 191 ms). A cold read through the page cache instead takes a fresh page
-  for every 4 KiB and copies it once more. Fresh memory is dear on the build VM (touching 512
-  MiB of it takes ~0.25 s, 2 us a page; its balloon device reports freed pages to the host), and
-  cold loads alternated with the buffered reader took 0.36 s against 0.46 s for 595 MB, 4.0 s
-  against 6.0 s for 4.5 GB (medians). Nothing read this way enters the page cache, so a load
-  evicts nothing else from it.
+  the copy (so four requests stay at the disk while the caller copies), into ten reused
+  buffers (20 MiB), and copied once into the tensors. The buffers sit in one mapping the
+  kernel is asked to back with transparent huge pages, so a request lands in physically
+  contiguous memory and reaches the disk whole rather than split by scattered 4 KiB pages.
+  Nothing read this way enters the page cache, so a load evicts nothing else from it (the
+  measurements behind these choices: docs/benchmarks.md, "Reading and capturing state").
 - :class:`BufferedRanges` (otherwise: a warm cache serves it at memory speed): one ``preadv``
   per run straight into the tensors, asking the kernel to read 64 MiB ahead.
 
@@ -128,13 +118,9 @@ def _open_direct(path: Path, offset: int) -> int | None:
 
 
 class BufferedRanges:
-    """Reads through the page cache: one ``preadv`` per run into the tensors themselves.
-
-    One read per run rather than per tensor: a cold 1.1 GB load went from 0.83x to 0.94x a raw
-    read of the same bytes. The kernel is asked to read 64 MiB ahead, which trades a little
-    peak speed for steadiness: cold 550 MiB reads took 0.31-0.42 s or 0.52-0.94 s without the
-    request (15 of 32 slow), 0.36-0.46 s with it (32, interleaved); 4 or 8 MiB ahead was no better.
-    """
+    """Reads through the page cache: one ``preadv`` per run (not per tensor) into the tensors
+    themselves, the kernel asked to read 64 MiB ahead (a little peak speed traded for
+    steadiness; docs/benchmarks.md, "Reading and capturing state")."""
 
     def __init__(self, fd: int, path: Path) -> None:
         self.covered = 0

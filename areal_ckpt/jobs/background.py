@@ -296,36 +296,3 @@ def _serve(
         os.close(lock_fd)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-
-
-def resolve_async(mode: str, on_accelerator: bool) -> bool:
-    """Whether a save in ``mode`` runs in the background.
-
-    ``async``: always. ``auto`` / ``on``: only when the state lives on an accelerator, where
-    staging is the device-to-host copy a save needs anyway and the host's cores are idle
-    during compute; a CPU-trained model saves synchronously, because a background writer would
-    compete with the training loop for the same cores. Anything else: synchronously.
-    """
-    if mode == "async":
-        return True
-    return mode in ("auto", "on") and on_accelerator
-
-
-def saving_metrics(blocking: float, nbytes: int, background: float | None = None) -> dict[str, float]:
-    """The metrics dict of one save: ``time/saving`` (seconds the caller was blocked),
-    ``time/background`` (seconds written in the background; 0 when synchronous; absent until
-    known), ``bytes`` and ``gbps`` (bytes over the time spent writing)."""
-    metrics = {"time/saving": blocking, "bytes": float(nbytes)}
-    if background is not None:
-        writing = background if background > 0 else blocking
-        metrics["time/background"] = background
-        metrics["gbps"] = nbytes / writing / 1e9 if writing > 0 else 0.0
-    return metrics
-
-
-def describe_metrics(metrics: dict[str, float]) -> str:
-    """One log-line rendering of :func:`saving_metrics`."""
-    text = f"{metrics['bytes'] / 1e9:.3f} GB, blocked {metrics['time/saving']:.2f} s"
-    if "time/background" in metrics:
-        text += f", background {metrics['time/background']:.2f} s, {metrics['gbps']:.2f} GB/s"
-    return text

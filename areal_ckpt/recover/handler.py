@@ -23,9 +23,9 @@ from areal_ckpt.engines.contract import Engine, EnginesLike, RolloutEngine, Weig
 from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError, TransientError
 from areal_ckpt.formats.hf_export import HFFiles
 from areal_ckpt.fsio import FileRecord
-from areal_ckpt.jobs.background import BackgroundWriter, describe_metrics, resolve_async, saving_metrics
+from areal_ckpt.jobs.background import JobOutcome
+from areal_ckpt.jobs.lifecycle import SaveLifecycle, resolve_async
 from areal_ckpt.jobs.shm_arena import layout_of
-from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.paths import (
     ENGINE_STATE_FILE,
     RECOVER_INFO,
@@ -69,26 +69,18 @@ class RecoverHandler:
         self._generation: str | None = None  # committed generation this process loaded or wrote
         self._tidied = False  # rank 0 removed the debris of earlier jobs (at load or first dump)
         self._fingerprints: dict[str, list[int]] = {}
-        self.last_metrics: dict[str, float] = {}
-        self._writer = BackgroundWriter("recover", self.store.trial)
-        self._pending: tuple[str, dict[str, list[int]]] | None = None  # dump in flight
-        self._locked = self.enabled and dist.rank() == 0
-        if self._locked:
-            acquire_trial_lock(self.store.trial)
+        self._jobs = SaveLifecycle("recover", self.store.trial, lock=self.enabled and dist.rank() == 0)
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        """The last dump's ``time/saving``, ``time/background``, ``bytes`` and ``gbps``."""
+        return self._jobs.last_metrics
 
     def close(self) -> None:
         """Wait for the dump in flight, stop the background writer, free its shared memory and
         release the trial's lock (held from construction on rank 0). Call it on every rank;
         idempotent. Raises the background error of the last dump, after releasing everything."""
-        try:
-            self._collect()
-        finally:
-            self._writer.close()
-            if dist.rank() == 0:
-                self.store.remove_trash()  # what the ranks' own deletions left of superseded dumps
-            if self._locked:
-                release_trial_lock(self.store.trial)
-                self._locked = False
+        self._jobs.close(then=self.store.remove_trash if dist.rank() == 0 else None)
 
     # -- dump -------------------------------------------------------------------------------
 
@@ -141,6 +133,7 @@ class RecoverHandler:
         if not (due or force):
             return None
         engines = engines_by_name(engine, "RecoverHandler.dump")
+        background = resolve_async(self.config.mode, any(e.on_accelerator for e in engines.values()))
         assets = {
             name: HFAssets.of(original, tokenizer, processor, base_model_path)
             for name, original in named_engines(engine).items()
@@ -155,8 +148,7 @@ class RecoverHandler:
             "client_state": dict(client_state or {}),
         }
         start = time.perf_counter()
-        self._collect()
-        background = resolve_async(self.config.mode, any(e.on_accelerator for e in engines.values()))
+        self._jobs.wait()
         what = f"{self.store.root}: recovery dump at global step {step_info.global_step}"
         try:
             job, tensors, fingerprints = retried(
@@ -167,31 +159,42 @@ class RecoverHandler:
         except CollectiveError as lost:  # retrying without the other ranks cannot succeed
             raise self._stopped(step_info, lost) from lost
         if background:
-            layout = layout_of(tensors)
-            try:
-                self._writer.arena.stage(layout, tensors.items())
-            except BaseException:
-                if dist.rank() == 0:
-                    self.store.discard(job.generation)
-                raise
-            self._writer.submit(dataclasses.replace(job, layout=layout))
-            self._pending = (job.generation, fingerprints)
-            self.last_metrics = saving_metrics(time.perf_counter() - start, layout.nbytes)
-            return str(self.store.path(job.generation))
+            return self._hand_off(job, tensors, fingerprints, start)
         try:
             result = job.run(tensors)
         except CollectiveError as lost:
             raise self._stopped(step_info, lost) from lost
         self._committed(job.generation, fingerprints)
         self.last_step_info = step_info
-        self.last_metrics = saving_metrics(time.perf_counter() - start, result["bytes"], background=0.0)
-        logger.info(
-            "recovery checkpoint at global step %d: %s (%s)",
-            step_info.global_step,
-            result["path"],
-            describe_metrics(self.last_metrics),
+        path = str(result["path"])
+        self._jobs.finished(
+            time.perf_counter() - start,
+            result["bytes"],
+            f"recovery checkpoint at global step {step_info.global_step}: {path}",
         )
-        return str(result["path"])
+        return path
+
+    def _hand_off(
+        self, job: DumpJob, tensors: dict[str, torch.Tensor], fingerprints: dict[str, list[int]], start: float
+    ) -> str:
+        """Stage ``tensors`` in shared memory and hand ``job`` to the background writer (the
+        generation is discarded if staging failed); collective."""
+        layout = layout_of(tensors)
+        try:
+            self._jobs.arena.stage(layout, tensors.items())
+        except BaseException:
+            if dist.rank() == 0:
+                self.store.discard(job.generation)
+            raise
+
+        def collected(outcome: JobOutcome) -> str:
+            self._committed(job.generation, fingerprints)
+            return f"recovery checkpoint {outcome.result['path']} committed"
+
+        self._jobs.submit(
+            dataclasses.replace(job, layout=layout), time.perf_counter() - start, layout.nbytes, collected
+        )
+        return str(self.store.path(job.generation))
 
     def _stopped(self, step_info: StepInfo, lost: CollectiveError) -> CollectiveError:
         return CollectiveError(
@@ -202,33 +205,14 @@ class RecoverHandler:
     @property
     def saving_in_background(self) -> bool:
         """True while an asynchronous dump is still being written; local, non-blocking."""
-        return self._writer.busy
+        return self._jobs.busy
 
     def wait(self) -> None:
         """Block until the dump in flight (async mode) is committed; no-op otherwise.
 
         Call it on every rank. Raises the background error, if the dump failed.
         """
-        self._collect()
-
-    def _collect(self) -> None:
-        outcome = self._writer.wait()
-        if outcome is None:
-            return
-        if self._pending is None:
-            raise CheckpointError(f"{self.store.root}: a background dump finished that this handler did not submit")
-        generation, fingerprints = self._pending
-        self._pending = None
-        self._committed(generation, fingerprints)
-        self.last_metrics = {
-            **self.last_metrics,
-            **saving_metrics(self.last_metrics["time/saving"], outcome.result["bytes"], background=outcome.seconds),
-        }
-        logger.info(
-            "recovery checkpoint %s committed in the background (%s)",
-            outcome.result["path"],
-            describe_metrics(self.last_metrics),
-        )
+        self._jobs.wait()
 
     def _committed(self, generation: str, fingerprints: dict[str, list[int]]) -> None:
         self._generation = generation

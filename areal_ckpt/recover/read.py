@@ -17,7 +17,7 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import load_tensors, tensor_index
 from areal_ckpt.formats.dcp_metadata import read_metadata_json
 from areal_ckpt.fsio import FileRecord
-from areal_ckpt.paths import ENGINE_STATE_FILE, RECOVER_INFO, RECOVER_MANIFEST
+from areal_ckpt.paths import ENGINE_STATE_FILE, RECOVER_INFO, RECOVER_MANIFEST, generation_step
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.write import READABLE_RECOVER_VERSIONS, RECOVER_FORMAT
@@ -52,7 +52,8 @@ def open_committed(
     info, or None when there is none. Collective: rank 0 finds it (removing debris), every rank
     verifies its share and reads its info. Raises CheckpointError on every rank when the
     commit record is broken, the trial holds AReaL's folders, a file is damaged, the models
-    differ from ``models``, or a component cannot be restored; nothing is loaded then."""
+    differ from ``models``, the three records of its step disagree, or a component cannot be
+    restored; nothing is loaded then."""
     found = agree.decided_by_rank0(lambda: find_committed(store), "RecoverHandler.load")
     if found is None:
         return None
@@ -63,8 +64,24 @@ def open_committed(
     info = read_recover_info(
         folder / RECOVER_INFO, dist.rank(), dist.world_size(), manifest["world_size"], drop_rank_state
     )
+    check_one_step(folder, manifest, info)
     check_restorable(info)  # before any weight is loaded: a failed load changes nothing
     return found, manifest, info
+
+
+def check_one_step(folder: Path, manifest: dict[str, Any], info: RecoverInfo) -> None:
+    """Raise CheckpointError naming all three unless the generation's folder name, its
+    manifest's ``step`` and ``recover_info/step_info.json`` record the same global step (a dump
+    writes it three times; a load trusts none alone). Pure: reads what was read already, the
+    same on every rank."""
+    records = {
+        f"folder name {folder.name}": generation_step(folder.name),
+        f"{RECOVER_MANIFEST} step": manifest["step"].get("global_step"),
+        f"{RECOVER_INFO}/step_info.json": info.last_step_info.global_step,
+    }
+    if len(set(records.values())) != 1:
+        described = ", ".join(f"{where}: {step!r}" for where, step in records.items())
+        raise CheckpointError(f"{folder}: the dump's global step is recorded differently ({described}); not loading it")
 
 
 def _check_header(path: Path, manifest: dict[str, Any], recovery: bool) -> None:

@@ -1,0 +1,94 @@
+"""What every benchmark script shares: the machine's description, scratch folders, a
+model-shaped state of a given size, page-cache eviction and the peak resident memory."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+warnings.filterwarnings("ignore")
+logging.disable(logging.WARNING)
+
+
+def machine_description() -> str:
+    """Cores and memory of this machine, for the report's first line."""
+    return f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM"
+
+
+def scratch_folder(prefix: str) -> Path:
+    """A new folder to write into: under ./runs (ignored by git) when it exists."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=Path("runs").absolute() if Path("runs").is_dir() else None))
+
+
+def model_of_size(mib: int, dtype: torch.dtype) -> Qwen2ForCausalLM:
+    """A Qwen2 whose fp32 state is about ``mib`` MiB (hidden 1024, vocab 8192, as many layers as fit)."""
+    hidden, inter, vocab = 1024, 2816, 8192
+    per_layer = (4 * hidden * hidden // 2 + 3 * hidden * inter + 4 * hidden) * 4  # GQA halves k/v
+    layers = max(1, round((mib * 2**20 - 2 * vocab * hidden * 4) / per_layer))
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).to(dtype)
+
+
+def evict(folder: Path) -> None:
+    """fsync then drop every file under ``folder`` from the page cache."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    for path in [*folder.rglob("*"), folder]:
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+def state_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+class PeakRss:
+    """Samples resident memory every 5 ms while active: peak extra memory of what runs inside."""
+
+    def __enter__(self) -> PeakRss:
+        self.base = self._rss()
+        self.peak = self.base
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _rss(self) -> int:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._rss())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.extra = self.peak - self.base
+
+
+# -- writers: each writes the state durably into an empty folder ------------------------------
