@@ -29,23 +29,26 @@ from areal_ckpt._version import __version__
 from areal_ckpt.config import check_path_component
 from areal_ckpt.engines.accept import as_engine, export_files
 from areal_ckpt.engines.contract import Engine, EngineLike
-from areal_ckpt.engines.torch_engine import MODEL_PREFIX
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.fsio import FileRecord, fsync_dir, write_file_durably
-from areal_ckpt.paths import ENGINE_STATE_FILE, HF_FILES, MANIFEST_NAME
+from areal_ckpt.paths import (
+    ENGINE_STATE_FILE,
+    HF_FILES,
+    LATEST,
+    MANIFEST_NAME,
+    MODEL_PREFIX,
+    READABLE_TAGGED_VERSIONS,
+    TAG_CLIENT_STATE,
+    TAG_MODEL,
+    TAGGED_FORMAT,
+    TAGGED_FORMAT_VERSION,
+)
 from areal_ckpt.publish import publish, write_manifest
 from areal_ckpt.recover.read import load_engine, verify_checkpoint
 from areal_ckpt.state import safe_json
 
 logger = logging.getLogger(__name__)
-
-TAGGED_FORMAT = "areal_ckpt.tagged"
-TAGGED_FORMAT_VERSION = 2  # 2: data files of torch.save records (readable by stock DCP)
-_READABLE_TAGGED_VERSIONS = (1, 2)
-LATEST = "latest"
-_MODEL = "model"
-_CLIENT = "client_state"
 
 
 def _default_tag(engine: Engine) -> str:
@@ -87,11 +90,11 @@ def save_checkpoint(
         tensors, engine_state, records = agree.on_every_rank(
             lambda: _write_rank_files(engine, staging, client_state, exclude_frozen_parameters), failed
         )
-        groups, plan_key = engine_state.get("optimizer_param_groups"), f"{root}/{_MODEL}"
+        groups, plan_key = engine_state.get("optimizer_param_groups"), f"{root}/{TAG_MODEL}"
 
         def write_shards() -> dict[str, tuple[int, int]]:
-            for name, record in save_tensors(tensors, staging / _MODEL, groups, plan_key).items():
-                records[f"{_MODEL}/{name}"] = (record.size, record.crc32)
+            for name, record in save_tensors(tensors, staging / TAG_MODEL, groups, plan_key).items():
+                records[f"{TAG_MODEL}/{name}"] = (record.size, record.crc32)
             return records
 
         agree.gathered_then_decided(
@@ -108,8 +111,8 @@ def _prepare(staging: Path) -> None:
     try:
         if staging.exists():
             shutil.rmtree(staging)
-        (staging / _MODEL).mkdir(parents=True)
-        (staging / _CLIENT).mkdir()
+        (staging / TAG_MODEL).mkdir(parents=True)
+        (staging / TAG_CLIENT_STATE).mkdir()
     except OSError as error:
         raise CheckpointError(f"{staging}: cannot prepare the checkpoint folder: {error}") from error
 
@@ -123,13 +126,13 @@ def _write_rank_files(
     if exclude_frozen_parameters:
         frozen = {f"{MODEL_PREFIX}{name}" for name, p in engine.module.named_parameters() if not p.requires_grad}
         tensors = {name: value for name, value in tensors.items() if name not in frozen}
-    own = f"{_CLIENT}/rank{dist.rank()}.json"
+    own = f"{TAG_CLIENT_STATE}/rank{dist.rank()}.json"
     record = write_file_durably(staging / own, safe_json.dumps(dict(client_state or {})))
     if dist.rank() == 0:
         engine_state["optimizer_saved"] = engine.has_optimizer
-        write_file_durably(staging / _MODEL / ENGINE_STATE_FILE, safe_json.dumps(engine_state))
-        (staging / _MODEL / HF_FILES).mkdir()  # what convert-deepspeed needs for config.json
-        export_files(engine, None).write(staging / _MODEL / HF_FILES)
+        write_file_durably(staging / TAG_MODEL / ENGINE_STATE_FILE, safe_json.dumps(engine_state))
+        (staging / TAG_MODEL / HF_FILES).mkdir()  # what convert-deepspeed needs for config.json
+        export_files(engine, None).write(staging / TAG_MODEL / HF_FILES)
     return tensors, engine_state, {own: (record.size, record.crc32)}
 
 
@@ -208,11 +211,11 @@ def load_checkpoint(
     folder = root / tag
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such checkpoint tag")
-    manifest = verify_checkpoint(folder, MANIFEST_NAME, TAGGED_FORMAT, _READABLE_TAGGED_VERSIONS)
+    manifest = verify_checkpoint(folder, MANIFEST_NAME, TAGGED_FORMAT, READABLE_TAGGED_VERSIONS)
     client_state = _client_state(folder, manifest)  # agreed by every rank before any weight is loaded
     load_engine(
         engine,
-        folder / _MODEL,
+        folder / TAG_MODEL,
         manifest,
         no_load_optim=load_module_only or not load_optimizer_states,
         load_scheduler=load_lr_scheduler_states and not load_module_only,
@@ -227,8 +230,8 @@ def _client_state(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     none for, when loading on more ranks than saved, gets rank 0's, as DeepSpeed gives every
     rank), and all raise the same error, naming each failed rank, if any rank cannot."""
     rank = dist.rank()
-    own = f"{_CLIENT}/rank{rank}.json"
-    source = folder / (own if own in manifest["files"] else f"{_CLIENT}/rank0.json")
+    own = f"{TAG_CLIENT_STATE}/rank{rank}.json"
+    source = folder / (own if own in manifest["files"] else f"{TAG_CLIENT_STATE}/rank0.json")
 
     def read() -> dict[str, Any]:
         client_state = safe_json.loads(source.read_bytes(), str(source))

@@ -136,3 +136,29 @@ def recover_checkpoint_link(trial: Path, name: str) -> Path:
 def rank_state_file(rank: int) -> str:
     """Per-rank state (RNG, dataloader, client state) inside recover_info/."""
     return f"rank{rank}.json"
+
+
+# -- format identifiers (a manifest's "format" / "format_version") and tensor names ---------------
+
+RECOVER_FORMAT = "areal_ckpt.recover"
+RECOVER_FORMAT_VERSION = 3  # 2: raw DCP data files; 3: torch.save records + .metadata around them
+#: Versions this release reads: 2 differs only in the data files, which the same reader reads.
+READABLE_RECOVER_VERSIONS = (2, 3)
+TAGGED_FORMAT = "areal_ckpt.tagged"
+TAGGED_FORMAT_VERSION = 2  # 2: data files of torch.save records (readable by stock DCP)
+READABLE_TAGGED_VERSIONS = (1, 2)
+EXPORT_FORMAT = "areal_ckpt.hf_export"
+
+#: A DeepSpeed-style checkpoint folder: ``latest`` names the newest tag; a tag holds the model's
+#: state under ``model/`` and each rank's client_state under ``client_state/``.
+LATEST = "latest"
+TAG_MODEL = "model"
+TAG_CLIENT_STATE = "client_state"
+
+#: A data file of DCP shards (``__{rank}_0.distcp``).
+DATA_SUFFIX = ".distcp"
+#: Flat tensor names of one model's state: ``model.<fqn>`` and ``optim.<fqn>.<key>``.
+MODEL_PREFIX = "model."
+OPTIM_PREFIX = "optim."
+#: Separates the model name from the tensor name in a dump's flat tensor dict.
+MODEL_SEPARATOR = "/"

@@ -22,6 +22,24 @@ SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
 }
 
+#: The plain dtypes a state file may name (``"float32"``, ``"int64"``, ...): JSON state and
+#: our DCP metadata record a tensor's dtype by these names.
+DTYPES_BY_NAME: dict[str, torch.dtype] = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
+
 #: Names accepted for ``export_dtype``.
 EXPORT_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -89,7 +89,9 @@ class HFAssets:
     base_model_path: str | None = None
 
     @classmethod
-    def of(cls, engine: object, tokenizer: Any | None, processor: Any | None, base_model_path: str | None) -> HFAssets:
+    def of(
+        cls, engine: EngineLike, tokenizer: Any | None, processor: Any | None, base_model_path: str | None
+    ) -> HFAssets:
         """The assets of a ``save`` / ``dump`` call: ``base_model_path`` defaults, as in AReaL,
         to an AReaL-shaped engine's ``config.path`` when that is a local folder (a hub name is
         skipped with a warning); local."""

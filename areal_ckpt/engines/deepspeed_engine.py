@@ -24,12 +24,14 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DeviceMesh, DTensor, Shard
+from torch.distributed.tensor import DeviceMesh
 
 from areal_ckpt import dist
 from areal_ckpt.engines.contract import DeepSpeedLike
-from areal_ckpt.engines.torch_engine import MODEL_PREFIX, OPTIM_PREFIX, TorchEngine, unwrap_model
+from areal_ckpt.engines.torch_engine import TorchEngine, unwrap_model
+from areal_ckpt.engines.zero3 import flat_shard, flat_views, scatter_whole, unflattened, whole_templates
 from areal_ckpt.fsio import crc32
+from areal_ckpt.paths import MODEL_PREFIX, OPTIM_PREFIX
 from areal_ckpt.tensors import TensorSpec
 
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
@@ -214,22 +216,14 @@ class DeepSpeedEngine:
         for name, value in self.module.state_dict().items():
             parameter = parameters.get(name)
             partitioned = parameter is not None and hasattr(parameter, "ds_tensor")
-            tensors[MODEL_PREFIX + name] = self._flat_shard(parameter) if partitioned else value
+            tensors[MODEL_PREFIX + name] = flat_shard(parameter, self._mesh_of(parameter)) if partitioned else value
         return tensors
 
-    def _flat_shard(self, parameter: Any) -> DTensor:
-        """This rank's partition of ``parameter`` as a shard of the flattened parameter (a view).
-
-        DeepSpeed gives rank r elements [r*s, (r+1)*s) of the flattened parameter (s rounded up,
-        the tail padded), which is how a DTensor shards dimension 0 unevenly.
-        """
-        numel, local = parameter.ds_numel, parameter.ds_tensor
-        valid = max(0, min(local.numel(), numel - dist.rank() * local.numel()))
+    def _mesh_of(self, parameter: Any) -> DeviceMesh:
+        """The ranks as a 1-D mesh on the device of ``parameter``'s partition (made once)."""
         if self._mesh is None:
-            self._mesh = DeviceMesh(local.device.type, list(range(dist.world_size())))
-        return DTensor.from_local(
-            local.view(-1)[:valid], self._mesh, [Shard(0)], run_check=False, shape=torch.Size([numel]), stride=(1,)
-        )
+            self._mesh = DeviceMesh(parameter.ds_tensor.device.type, list(range(dist.world_size())))
+        return self._mesh
 
     def _masters(self) -> list[torch.Tensor]:
         optimizer = self.optimizer
@@ -288,7 +282,7 @@ class DeepSpeedEngine:
         else:
             tensors = self._model_tensors()
             if self.stage == 3 and stored is not None:  # whole tensors of a ZeRO 0-2 dump
-                tensors.update(self._whole_templates(tensors, stored))
+                tensors.update(whole_templates(self._parameters(), tensors, stored))
             if with_optimizer_tensors and self.optimizer is not None:
                 inner, prefix = self.optimizer.optimizer, f"{OPTIM_PREFIX}rank{dist.rank()}.state."
                 masters = self._masters()
@@ -303,66 +297,8 @@ class DeepSpeedEngine:
                     master = f"{OPTIM_PREFIX}rank{dist.rank()}.master."
                     tensors = {k: v for k, v in tensors.items() if not k.startswith(master) or k in stored}
         if self.stage < 3 and stored is not None:
-            tensors.update(self._flat_views(tensors, stored))  # a ZeRO-3 dump holds flattened parameters
+            tensors.update(flat_views(tensors, stored))  # a ZeRO-3 dump holds flattened parameters
         return tensors
-
-    def _whole_templates(
-        self, tensors: dict[str, torch.Tensor], stored: dict[str, tuple[torch.dtype, tuple[int, ...]]]
-    ) -> dict[str, torch.Tensor]:
-        """Under ZeRO-3: full-shaped buffers for the partitioned parameters ``stored`` holds whole
-        (a ZeRO 0-2 dump); :meth:`load_recover_state` scatters them into the partitions."""
-        whole = {}
-        for name, parameter in self._parameters().items():
-            key = MODEL_PREFIX + name
-            if (
-                key in tensors
-                and key in stored
-                and hasattr(parameter, "ds_shape")
-                and tuple(stored[key][1]) == tuple(parameter.ds_shape)
-                and len(parameter.ds_shape) != 1
-            ):
-                whole[key] = torch.empty(tuple(parameter.ds_shape), dtype=stored[key][0])
-        return whole
-
-    def _scatter_whole(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy full-shaped loaded parameters (see :meth:`_whole_templates`) into their ZeRO-3
-        partitions; collective (each parameter is gathered, set on every rank, re-partitioned)."""
-        import deepspeed
-
-        for name, parameter in self._parameters().items():
-            value = tensors.get(MODEL_PREFIX + name)
-            if value is None or isinstance(value, DTensor) or not hasattr(parameter, "ds_shape"):
-                continue
-            with deepspeed.zero.GatheredParameters([parameter], modifier_rank=0):
-                if dist.rank() == 0:
-                    parameter.data.copy_(value.view(parameter.ds_shape))
-
-    @staticmethod
-    def _flat_views(
-        tensors: dict[str, torch.Tensor], stored: dict[str, tuple[torch.dtype, tuple[int, ...]]]
-    ) -> dict[str, torch.Tensor]:
-        """1-D views of the model tensors that ``stored`` holds flattened (a ZeRO-3 dump), so
-        DCP fills the live parameters in place."""
-        views = {}
-        for name, tensor in tensors.items():
-            shape = stored.get(name, (None, None))[1]
-            if (
-                name.startswith(MODEL_PREFIX)
-                and shape is not None
-                and len(shape) == 1
-                and tensor.dim() != 1
-                and shape[0] == tensor.numel()
-            ):
-                views[name] = tensor.view(-1)
-        return views
-
-    def _unflattened(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``tensors`` with flat views (see :meth:`_flat_views`) shaped as the module's tensors again."""
-        shapes = {MODEL_PREFIX + name: value.shape for name, value in self.module.state_dict().items()}
-        return {
-            name: value.view(shapes[name]) if name in shapes and value.shape != shapes[name] else value
-            for name, value in tensors.items()
-        }
 
     def validate_recover_state(self, engine_state: dict[str, Any], include_optimizer: bool) -> None:
         """Raise ValueError (its message says how to proceed) unless this engine can take the
@@ -404,7 +340,7 @@ class DeepSpeedEngine:
         for name, value in saved.get("counters", {}).items():  # absent: a module-only load
             setattr(self.ds_engine, name, value)
         if self.stage < 3:
-            tensors = self._unflattened(tensors)
+            tensors = unflattened(self.module, tensors)
         if self.stage == 0:
             self._torch.load_recover_state(tensors, engine_state, include_optimizer, strict)
             return
@@ -425,7 +361,7 @@ class DeepSpeedEngine:
         elif self.optimizer is not None and self.stage < 3:
             self.optimizer.refresh_fp32_params()  # masters from the loaded weights (module only)
         if self.stage == 3:
-            self._scatter_whole(tensors)
+            scatter_whole(self._parameters(), tensors)
             if not include_optimizer and self.optimizer is not None:
                 self.optimizer._restore_from_bit16_weights()  # masters from the loaded weights (module only)
             persistent = getattr(self.optimizer, "persistent_parameters", [])

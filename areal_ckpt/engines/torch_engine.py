@@ -19,10 +19,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from areal_ckpt.engines.gather import round_of_files
 from areal_ckpt.fsio import crc32
+from areal_ckpt.paths import MODEL_PREFIX, OPTIM_PREFIX
 from areal_ckpt.tensors import TensorSpec
-
-MODEL_PREFIX = "model."
-OPTIM_PREFIX = "optim."
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

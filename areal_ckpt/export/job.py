@@ -33,12 +33,10 @@ from areal_ckpt.formats.hf_export import (
 )
 from areal_ckpt.fsio import FileRecord
 from areal_ckpt.jobs.shm_arena import StagedLayout, StagingArena, layout_of_specs
-from areal_ckpt.paths import MANIFEST_NAME, export_staging, export_trash
+from areal_ckpt.paths import EXPORT_FORMAT, MANIFEST_NAME, export_staging, export_trash
 from areal_ckpt.publish import publish, write_manifest
 
 logger = logging.getLogger(__name__)
-
-EXPORT_FORMAT = "areal_ckpt.hf_export"
 
 
 @dataclass(frozen=True)

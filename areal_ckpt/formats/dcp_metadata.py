@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import read_json_file
+from areal_ckpt.tensors import DTYPES_BY_NAME
 
 METADATA_JSON = "dcp_metadata.json"
 #: DCP's standard metadata file: a pickle that only stock torch tools read (never we).
@@ -35,21 +36,6 @@ STOCK_METADATA = ".metadata"
 #: writes (an AReaL engine's own layout); any other name ``n`` under ``dcp.n``. Format 2 stored
 #: the flat names as they are.
 STORED_PREFIXES = {"model.": "dcp.model.", "optim.": "dcp.optim.state.", "": "dcp."}
-_DTYPES = {
-    str(dtype).removeprefix("torch."): dtype
-    for dtype in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
-}
 _DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 
 
@@ -117,7 +103,9 @@ def metadata_from_json(data: dict[str, Any], source: Path) -> Metadata:
         tensors: dict[str, TensorStorageMetadata] = {}
         for fqn, entry in data["tensors"].items():
             tensors[_our_name(fqn, prefixes)] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=_DTYPES[entry["dtype"]], requires_grad=bool(entry["requires_grad"])),
+                properties=TensorProperties(
+                    dtype=DTYPES_BY_NAME[entry["dtype"]], requires_grad=bool(entry["requires_grad"])
+                ),
                 size=torch.Size(_ints(entry["size"])),
                 chunks=[
                     ChunkStorageMetadata(offsets=torch.Size(_ints(c["offsets"])), sizes=torch.Size(_ints(c["sizes"])))

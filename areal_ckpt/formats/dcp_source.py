@@ -19,13 +19,11 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import load_tensors, tensor_index
 from areal_ckpt.formats.dcp_metadata import check_within_files, read_metadata_json
 from areal_ckpt.formats.hf_export import names_of_rank
-from areal_ckpt.paths import ENGINE_STATE_FILE
+from areal_ckpt.paths import ENGINE_STATE_FILE, MODEL_PREFIX, OPTIM_PREFIX
 from areal_ckpt.state import safe_json
 from areal_ckpt.tensors import TensorSpec
 
-MODEL_PREFIX = "model."
-OPTIM_PREFIX = "optim."
-_SKIP_WHEN_READING = ("model.", "optim.")
+_SKIP_WHEN_READING = (MODEL_PREFIX, OPTIM_PREFIX)
 
 
 class DcpModelSource:

@@ -28,6 +28,7 @@ from areal_ckpt.jobs.lifecycle import SaveLifecycle, resolve_async
 from areal_ckpt.jobs.shm_arena import layout_of
 from areal_ckpt.paths import (
     ENGINE_STATE_FILE,
+    MODEL_SEPARATOR,
     RECOVER_INFO,
     default_user,
     recover_info_link,
@@ -37,7 +38,7 @@ from areal_ckpt.recover.read import load_engine, open_committed
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.rollout_sync import RolloutSync
 from areal_ckpt.recover.store import RecoverStore
-from areal_ckpt.recover.write import MODEL_SEPARATOR, DumpJob, dump_header
+from areal_ckpt.recover.write import DumpJob, dump_header
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.components import Stateful, capture_components, dataloader_state, restore_components

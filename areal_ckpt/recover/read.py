@@ -17,20 +17,25 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import load_tensors, tensor_index
 from areal_ckpt.formats.dcp_metadata import read_metadata_json
 from areal_ckpt.fsio import FileRecord
-from areal_ckpt.paths import ENGINE_STATE_FILE, RECOVER_INFO, RECOVER_MANIFEST, generation_step
+from areal_ckpt.paths import (
+    DATA_SUFFIX,
+    ENGINE_STATE_FILE,
+    MODEL_PREFIX,
+    OPTIM_PREFIX,
+    READABLE_RECOVER_VERSIONS,
+    RECOVER_FORMAT,
+    RECOVER_INFO,
+    RECOVER_MANIFEST,
+    generation_step,
+)
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.store import RecoverStore
-from areal_ckpt.recover.write import READABLE_RECOVER_VERSIONS, RECOVER_FORMAT
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.recover_info import RecoverInfo, read_recover_info
 from areal_ckpt.state.rng import check_rng_state
 
 logger = logging.getLogger(__name__)
-
-_OPTIMIZER_PREFIX = "optim."
-_MODEL_PREFIX = "model."
-DATA_SUFFIX = ".distcp"
 
 
 def find_committed(store: RecoverStore) -> str | None:
@@ -187,9 +192,9 @@ def load_engine(
     template = engine.recover_template(include_optimizer and engine_state.get("optimizer_has_state", True), stored)
     optional: tuple[str, ...] = ()
     if not strict:
-        skipped = sorted(name for name in template if name.startswith(_MODEL_PREFIX) and name not in stored)
+        skipped = sorted(name for name in template if name.startswith(MODEL_PREFIX) and name not in stored)
         template = {name: value for name, value in template.items() if name not in skipped}
-        optional += (_MODEL_PREFIX,)
+        optional += (MODEL_PREFIX,)
         if skipped:
             logger.warning("%s: not in the checkpoint, left as they are: %s", folder, skipped[:10])
     prefix = f"{folder.name}/"
@@ -199,11 +204,11 @@ def load_engine(
         if name.startswith(prefix) and name.endswith(DATA_SUFFIX)
     }
     # partitions that other ranks own (ZeRO) are theirs to read
-    optional += tuple(f"{_OPTIMIZER_PREFIX}rank{r}." for r in range(manifest["world_size"]) if r != dist.rank())
+    optional += tuple(f"{OPTIM_PREFIX}rank{r}." for r in range(manifest["world_size"]) if r != dist.rank())
     load_tensors(
         template,
         folder,
-        optional_prefixes=optional if include_optimizer else optional + (_OPTIMIZER_PREFIX,),
+        optional_prefixes=optional if include_optimizer else optional + (OPTIM_PREFIX,),
         expected=expected,
         metadata=metadata,
     )

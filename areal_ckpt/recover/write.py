@@ -24,19 +24,11 @@ from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.hf_export import HFFiles
 from areal_ckpt.fsio import FileRecord, write_file_durably
 from areal_ckpt.jobs.shm_arena import StagedLayout
-from areal_ckpt.paths import HF_FILES
+from areal_ckpt.paths import HF_FILES, MODEL_SEPARATOR, RECOVER_FORMAT, RECOVER_FORMAT_VERSION
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.store import RecoverStore
 
 logger = logging.getLogger(__name__)
-
-RECOVER_FORMAT = "areal_ckpt.recover"
-RECOVER_FORMAT_VERSION = 3  # 2: raw DCP data files; 3: torch.save records + .metadata around them
-#: Versions this release reads: 2 differs only in the data files, which the same reader reads.
-READABLE_RECOVER_VERSIONS = (2, 3)
-
-#: Separates the model name from the tensor name in a dump's flat tensor dict.
-MODEL_SEPARATOR = "/"
 
 
 def dump_header(step: dict[str, int], models: list[str]) -> dict[str, Any]:

@@ -17,21 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-_TENSOR_DTYPES = {
-    str(dtype).removeprefix("torch."): dtype
-    for dtype in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
-}
+from areal_ckpt.tensors import DTYPES_BY_NAME
+
 _NUMPY_KINDS = set("biuf")
 _MARK = "__areal_ckpt__"
 
@@ -73,7 +60,7 @@ def encode(value: Any, path: str = "state") -> Any:
 
 def _encode_tensor(tensor: torch.Tensor, path: str) -> dict[str, Any]:
     name = str(tensor.dtype).removeprefix("torch.")
-    if name not in _TENSOR_DTYPES:
+    if name not in DTYPES_BY_NAME:
         raise StateEncodingError(f"{path}: tensor dtype {tensor.dtype} is not supported in JSON state")
     data = tensor.detach().cpu().contiguous().reshape(-1)
     raw = data.view(torch.uint8).numpy().tobytes() if data.numel() else b""
@@ -109,7 +96,7 @@ def decode(value: Any, path: str = "state") -> Any:
         if kind == "float":
             return float(value["value"])
         if kind == "tensor":
-            dtype = _TENSOR_DTYPES[value["dtype"]]
+            dtype = DTYPES_BY_NAME[value["dtype"]]
             raw = bytearray(base64.b64decode(value["data"], validate=True))
             flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
             return flat.view(dtype).reshape(value["shape"]).clone()

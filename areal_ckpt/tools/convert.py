@@ -13,13 +13,13 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from areal_ckpt.deepspeed_api import TAGGED_FORMAT, read_latest
+from areal_ckpt.deepspeed_api import read_latest
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.export.job import ExportResult, write_export
 from areal_ckpt.formats.dcp_source import DcpModelSource, tied_names
 from areal_ckpt.formats.hf_export import names_of_rank
 from areal_ckpt.formats.stock_dcp import StockDcpModelSource
-from areal_ckpt.paths import HF_FILES, MANIFEST_NAME, RECOVER_MANIFEST
+from areal_ckpt.paths import HF_FILES, MANIFEST_NAME, RECOVER_MANIFEST, TAGGED_FORMAT
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.store import resolve_recovery
 from areal_ckpt.tensors import TensorSpec

@@ -10,11 +10,19 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from areal_ckpt.deepspeed_api import LATEST, TAGGED_FORMAT, read_latest
+from areal_ckpt.deepspeed_api import read_latest
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_metadata import read_metadata_json, tensor_entries
 from areal_ckpt.formats.stock_dcp import is_stock_dcp, read_stock_metadata
-from areal_ckpt.paths import MANIFEST_NAME, RECOVER_MANIFEST, RECOVER_STORE, parse_export_leaf, recover_pointer
+from areal_ckpt.paths import (
+    LATEST,
+    MANIFEST_NAME,
+    RECOVER_MANIFEST,
+    RECOVER_STORE,
+    TAGGED_FORMAT,
+    parse_export_leaf,
+    recover_pointer,
+)
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.store import RecoverStore, resolve_recovery
 
