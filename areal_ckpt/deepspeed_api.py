@@ -98,7 +98,7 @@ def save_checkpoint(
             return records
 
         agree.gathered_then_decided(
-            write_shards, lambda every: _commit(root, tag, staging, final, every, save_latest), failed
+            write_shards, lambda every: _publish(root, tag, staging, final, every, save_latest), failed
         )
     finally:
         if dist.rank() == 0:
@@ -136,7 +136,7 @@ def _write_rank_files(
     return tensors, engine_state, {own: (record.size, record.crc32)}
 
 
-def _commit(
+def _publish(
     root: Path, tag: str, staging: Path, final: Path, every: list[dict[str, tuple[int, int]]], save_latest: bool
 ) -> None:
     """Rank 0: manifest, publish, ``latest``."""

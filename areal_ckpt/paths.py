@@ -89,6 +89,14 @@ RECOVER_TRASH_PREFIX = ".trash-"
 RECOVER_INFO = "recover_info"
 RECOVER_CHECKPOINT = "recover_checkpoint"
 RECOVER_MANIFEST = f"{RECOVER_INFO}/{MANIFEST_NAME}"
+#: The global files of ``recover_info/`` (as AReaL names them): each component's state, the step.
+GLOBAL_FILES = {
+    "saver_info": "saver_info.json",
+    "evaluator_info": "evaluator_info.json",
+    "stats_logger_info": "stats_logger_info.json",
+    "checkpoint_info": "checkpoint_info.json",
+}
+STEP_FILE = "step_info.json"
 #: Inside each model's folder of a generation: optimizer / scheduler state, and HF config + tokenizer.
 ENGINE_STATE_FILE = "engine_state.json"
 HF_FILES = "hf"

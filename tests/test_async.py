@@ -19,7 +19,7 @@ from test_saver_distributed import SHARD, trained_model
 
 import areal_ckpt as ac
 from areal_ckpt.jobs.lifecycle import resolve_async
-from areal_ckpt.jobs.shm_arena import StagingArena, layout_of, view
+from areal_ckpt.jobs.shm_arena import StagingArena, arena_layout_of, view
 
 pytestmark = pytest.mark.dist
 
@@ -40,7 +40,7 @@ def test_auto_is_async_only_for_a_model_on_an_accelerator():
 def test_staging_arena_copies_reuses_its_memory_and_frees_it():
     arena = StagingArena()
     tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(2).bfloat16()}
-    layout = layout_of(tensors)
+    layout = arena_layout_of(tensors)
     arena.stage(layout, tensors.items())
     buffer = arena.buffer
     assert buffer.is_shared() and arena.capacity >= layout.nbytes
@@ -51,15 +51,15 @@ def test_staging_arena_copies_reuses_its_memory_and_frees_it():
     arena.stage(layout, tensors.items())
     assert arena.buffer is buffer and torch.equal(view(buffer, layout.tensors["a"]), tensors["a"])
     swapped = {"b": tensors["b"], "a": tensors["a"].neg(), "c": tensors["c"]}  # same room, other places
-    arena.stage(layout_of(swapped), swapped.items())
+    arena.stage(arena_layout_of(swapped), swapped.items())
     assert arena.buffer is buffer
     for name, tensor in swapped.items():
-        assert torch.equal(view(buffer, layout_of(swapped).tensors[name]), tensor), name
+        assert torch.equal(view(buffer, arena_layout_of(swapped).tensors[name]), tensor), name
     bigger = {**tensors, "d": torch.randn(1000)}
-    arena.stage(layout_of(bigger), bigger.items())
-    assert arena.buffer is not buffer and arena.capacity >= layout_of(bigger).nbytes
+    arena.stage(arena_layout_of(bigger), bigger.items())
+    assert arena.buffer is not buffer and arena.capacity >= arena_layout_of(bigger).nbytes
     for name, tensor in bigger.items():
-        assert torch.equal(view(arena.buffer, layout_of(bigger).tensors[name]), tensor), name
+        assert torch.equal(view(arena.buffer, arena_layout_of(bigger).tensors[name]), tensor), name
     arena.release()
     assert arena.capacity == 0
 
@@ -225,12 +225,12 @@ def test_a_dead_writer_is_reported_and_the_next_dump_starts_a_new_one(fileroot):
 
 
 def staging_agreement_worker(rank: int, world_size: int, report: str) -> None:
-    from areal_ckpt.jobs.shm_arena import layout_of_specs, shared_memory_free
+    from areal_ckpt.jobs.shm_arena import arena_layout_of_specs, shared_memory_free
 
     # rank 1 asks for more shared memory than /dev/shm has: a real refusal, before any copy
     too_big = (shared_memory_free() or 0) + 2**30
     size = 1024 if rank == 0 else too_big
-    layout = layout_of_specs([("t", torch.uint8, (size,))])
+    layout = arena_layout_of_specs([("t", torch.uint8, (size,))])
     try:
         StagingArena().stage(layout, iter([]))
         outcome = "staged"

@@ -32,7 +32,7 @@ from areal_ckpt.formats.hf_export import (
     write_rank_shards,
 )
 from areal_ckpt.fsio import FileRecord
-from areal_ckpt.jobs.shm_arena import StagedLayout, StagingArena, layout_of_specs
+from areal_ckpt.jobs.shm_arena import ArenaLayout, StagingArena, arena_layout_of_specs
 from areal_ckpt.paths import EXPORT_FORMAT, MANIFEST_NAME, export_staging, export_trash
 from areal_ckpt.publish import publish, write_manifest
 
@@ -142,14 +142,14 @@ def begin_export(
     return target
 
 
-def stage_export(source: ExportSource, target: ExportTarget, arena: StagingArena) -> StagedLayout:
+def stage_export(source: ExportSource, target: ExportTarget, arena: StagingArena) -> ArenaLayout:
     """Copy the tensors of this rank's files of ``target`` into ``arena``; collective (ranks
     agree the arena could be allocated; a sharded source gathers every tensor in turn).
     Blocking."""
     mine = target.plan.files_of_rank(dist.rank(), dist.world_size())
     specs = {spec.name: spec for spec in source.export_specs()}
     names = [name for file_name in mine for name in target.plan.files[file_name]]
-    layout = layout_of_specs((name, specs[name].dtype, specs[name].shape) for name in names)
+    layout = arena_layout_of_specs((name, specs[name].dtype, specs[name].shape) for name in names)
     files, world = list(target.plan.files.values()), dist.world_size()
     gathered = itertools.chain.from_iterable(  # every round of files in plan order
         source.gather_round(files[start : start + world]) for start in range(0, len(files), world)
@@ -180,7 +180,9 @@ def finish_export(
 
     try:
         agree.gathered_then_decided(
-            write_shards, lambda every: _commit(target, every), f"{target.final}: export failed (nothing was published)"
+            write_shards,
+            lambda every: _publish(target, every),
+            f"{target.final}: export failed (nothing was published)",
         )
     except BaseException:
         if rank == 0:
@@ -202,7 +204,7 @@ def _prepare_staging(target: ExportTarget, files: Callable[[], HFFiles]) -> None
         raise
 
 
-def _commit(target: ExportTarget, every: list[dict[str, tuple[int, int]]]) -> None:
+def _publish(target: ExportTarget, every: list[dict[str, tuple[int, int]]]) -> None:
     """Rank 0: manifest, publish (the caller removes the staging folder if this fails)."""
     records = {file: FileRecord(size, crc) for part in every for file, (size, crc) in part.items()}
     write_manifest(target.staging, MANIFEST_NAME, records, target.header)

@@ -21,7 +21,7 @@ from areal_ckpt.engines.accept import HFAssets, as_engine
 from areal_ckpt.engines.contract import Engine, EngineLike
 from areal_ckpt.export.job import ExportTarget, StagedExportSource, begin_export, finish_export, stage_export
 from areal_ckpt.jobs.lifecycle import SaveLifecycle, resolve_async
-from areal_ckpt.jobs.shm_arena import StagedLayout
+from areal_ckpt.jobs.shm_arena import ArenaLayout
 from areal_ckpt.paths import (
     EXPORT_STAGING_PREFIX,
     EXPORT_TRASH_PREFIX,
@@ -241,7 +241,7 @@ class _ExportJob:
     """The background half of an asynchronous export: shards, commit, retention."""
 
     target: ExportTarget
-    layout: StagedLayout
+    layout: ArenaLayout
     keep_last: int | None
 
     def run(self, tensors: dict[str, Any]) -> dict[str, Any]:

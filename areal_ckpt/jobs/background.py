@@ -42,7 +42,7 @@ import torch
 
 from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.jobs.shm_arena import StagedLayout, StagedTensors, StagingArena
+from areal_ckpt.jobs.shm_arena import ArenaLayout, StagedTensors, StagingArena
 from areal_ckpt.lock import held_lock_descriptor
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class BackgroundJob(Protocol):
     """A write job: picklable plain data plus the staged layout of its tensors."""
 
     @property
-    def layout(self) -> StagedLayout | None:
+    def layout(self) -> ArenaLayout | None:
         """Where the job's tensors lie in the shared-memory arena (set when it is submitted)."""
         ...
 

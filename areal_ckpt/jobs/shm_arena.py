@@ -4,7 +4,7 @@ An asynchronous save first copies the state into one shared-memory buffer (the *
 returns; a background process then writes from the same pages (no second copy, no pickling of
 tensor data). The arena is allocated once, grown only when a save needs more room, reused by
 every later save and freed with its owner. What a background process needs to find each tensor
-in it is a :class:`StagedLayout`: plain data (offsets, dtypes, shapes, DTensor placements).
+in it is a :class:`ArenaLayout`: plain data (offsets, dtypes, shapes, DTensor placements).
 
 On CUDA the arena is registered as pinned memory and copies are issued non-blocking, then
 synchronized once; on CPU (no pinned memory) they are plain memory copies.
@@ -57,7 +57,7 @@ class StagedTensor:
 
 
 @dataclass(frozen=True)
-class StagedLayout:
+class ArenaLayout:
     """Name -> :class:`StagedTensor` for one save, in insertion order; picklable plain data."""
 
     tensors: dict[str, StagedTensor]
@@ -77,16 +77,16 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _entries(items: Iterable[tuple[str, torch.dtype, tuple[int, ...], ShardInfo | None]]) -> StagedLayout:
+def _entries(items: Iterable[tuple[str, torch.dtype, tuple[int, ...], ShardInfo | None]]) -> ArenaLayout:
     entries: dict[str, StagedTensor] = {}
     offset = 0
     for name, dtype, shape, shard in items:
         entries[name] = StagedTensor(offset, dtype, shape, shard)
         offset += -(-entries[name].nbytes // _ALIGNMENT) * _ALIGNMENT
-    return StagedLayout(entries)
+    return ArenaLayout(entries)
 
 
-def layout_of(tensors: Mapping[str, torch.Tensor]) -> StagedLayout:
+def arena_layout_of(tensors: Mapping[str, torch.Tensor]) -> ArenaLayout:
     """The layout for staging ``tensors`` as they are (a DTensor stages its local shard)."""
     items = []
     for name, tensor in tensors.items():
@@ -103,7 +103,7 @@ def layout_of(tensors: Mapping[str, torch.Tensor]) -> StagedLayout:
     return _entries(items)
 
 
-def layout_of_specs(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> StagedLayout:
+def arena_layout_of_specs(specs: Iterable[tuple[str, torch.dtype, tuple[int, ...]]]) -> ArenaLayout:
     """The layout for plain tensors known by name, dtype and shape before they exist."""
     return _entries((name, dtype, shape, None) for name, dtype, shape in specs)
 
@@ -120,14 +120,14 @@ class StagingArena:
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
         self._pinned = False
-        self._views: tuple[StagedLayout, dict[str, torch.Tensor]] | None = None
+        self._views: tuple[ArenaLayout, dict[str, torch.Tensor]] | None = None
 
     @property
     def capacity(self) -> int:
         """Bytes currently allocated (0 before the first save and after :meth:`release`)."""
         return 0 if self.buffer is None else self.buffer.numel()
 
-    def stage(self, layout: StagedLayout, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def stage(self, layout: ArenaLayout, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy each ``(name, tensor)`` (CPU or CUDA, plain or DTensor) to its place in ``layout``.
 
         Collective: every rank calls it, and all agree that their arenas could be allocated
@@ -144,7 +144,7 @@ class StagingArena:
         if self._pinned:
             torch.cuda.synchronize()
 
-    def _views_of(self, layout: StagedLayout) -> dict[str, torch.Tensor]:
+    def _views_of(self, layout: ArenaLayout) -> dict[str, torch.Tensor]:
         if self._views is None or self._views[0] != layout:
             buffer = self.buffer
             if buffer is None:
@@ -206,7 +206,7 @@ class StagedTensors:
     def __init__(self) -> None:
         self._meshes: dict[str, DeviceMesh] = {}
 
-    def materialize(self, buffer: torch.Tensor, layout: StagedLayout) -> dict[str, torch.Tensor]:
+    def materialize(self, buffer: torch.Tensor, layout: ArenaLayout) -> dict[str, torch.Tensor]:
         """Name -> tensor view (or DTensor over a view) for every entry of ``layout``."""
         result: dict[str, torch.Tensor] = {}
         for name, entry in layout.tensors.items():

@@ -25,7 +25,7 @@ from areal_ckpt.formats.hf_export import HFFiles
 from areal_ckpt.fsio import FileRecord
 from areal_ckpt.jobs.background import JobOutcome
 from areal_ckpt.jobs.lifecycle import SaveLifecycle, resolve_async
-from areal_ckpt.jobs.shm_arena import layout_of
+from areal_ckpt.jobs.shm_arena import arena_layout_of
 from areal_ckpt.paths import (
     ENGINE_STATE_FILE,
     MODEL_SEPARATOR,
@@ -180,7 +180,7 @@ class RecoverHandler:
     ) -> str:
         """Stage ``tensors`` in shared memory and hand ``job`` to the background writer (the
         generation is discarded if staging failed); collective."""
-        layout = layout_of(tensors)
+        layout = arena_layout_of(tensors)
         try:
             self._jobs.arena.stage(layout, tensors.items())
         except BaseException:

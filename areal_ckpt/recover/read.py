@@ -26,6 +26,7 @@ from areal_ckpt.paths import (
     RECOVER_FORMAT,
     RECOVER_INFO,
     RECOVER_MANIFEST,
+    STEP_FILE,
     generation_step,
 )
 from areal_ckpt.publish import check_files, read_manifest
@@ -82,7 +83,7 @@ def check_one_step(folder: Path, manifest: dict[str, Any], info: RecoverInfo) ->
     records = {
         f"folder name {folder.name}": generation_step(folder.name),
         f"{RECOVER_MANIFEST} step": manifest["step"].get("global_step"),
-        f"{RECOVER_INFO}/step_info.json": info.last_step_info.global_step,
+        f"{RECOVER_INFO}/{STEP_FILE}": info.last_step_info.global_step,
     }
     if len(set(records.values())) != 1:
         described = ", ".join(f"{where}: {step!r}" for where, step in records.items())

@@ -23,7 +23,7 @@ from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchErro
 from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.hf_export import HFFiles
 from areal_ckpt.fsio import FileRecord, write_file_durably
-from areal_ckpt.jobs.shm_arena import StagedLayout
+from areal_ckpt.jobs.shm_arena import ArenaLayout
 from areal_ckpt.paths import HF_FILES, MODEL_SEPARATOR, RECOVER_FORMAT, RECOVER_FORMAT_VERSION
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.store import RecoverStore
@@ -63,7 +63,7 @@ class DumpJob:
     param_groups: dict[str, list[dict[str, Any]]]
     header: dict[str, Any]
     retries: int
-    layout: StagedLayout | None = None
+    layout: ArenaLayout | None = None
 
     def run(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """Write ``tensors`` (``"{model}/{name}"`` -> tensor) and commit the generation.

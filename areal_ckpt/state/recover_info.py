@@ -18,7 +18,7 @@ from typing import Any
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import read_json_file
-from areal_ckpt.paths import rank_state_file
+from areal_ckpt.paths import GLOBAL_FILES, STEP_FILE, rank_state_file
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.components import (
     EPOCH_COMPLETE,
@@ -30,13 +30,6 @@ from areal_ckpt.step import StepInfo
 
 logger = logging.getLogger(__name__)
 
-GLOBAL_FILES = {
-    "saver_info": "saver_info.json",
-    "evaluator_info": "evaluator_info.json",
-    "stats_logger_info": "stats_logger_info.json",
-    "checkpoint_info": "checkpoint_info.json",
-}
-STEP_FILE = "step_info.json"
 RANK_COMPONENTS = ("dataloader", "rng", "client_state")
 
 

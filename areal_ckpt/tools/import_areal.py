@@ -45,10 +45,12 @@ from areal_ckpt.fsio import fsync_dir, read_json_file, write_file_durably
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.paths import (
     ENGINE_STATE_FILE,
+    GLOBAL_FILES,
     HF_FILES,
     RECOVER_CHECKPOINT,
     RECOVER_INFO,
     RECOVER_MANIFEST,
+    STEP_FILE,
     rank_state_file,
     recover_info_link,
 )
@@ -58,7 +60,6 @@ from areal_ckpt.recover.write import dump_header
 from areal_ckpt.schedule import schedule_state
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.plain_pickle import load_plain_pickle
-from areal_ckpt.state.recover_info import GLOBAL_FILES, STEP_FILE
 from areal_ckpt.step import StepInfo
 
 logger = logging.getLogger(__name__)
