@@ -1,13 +1,15 @@
 """Agreement across ranks, typed: every rank reaches the same outcome, or raises the same error.
 
-Three shapes cover every decision the package takes across ranks:
+Four shapes cover every decision the package takes across ranks:
 
 - :func:`decided_by_rank0`: one rank decides (reads ``latest``, creates a folder), every rank
   gets its value;
 - :func:`on_every_rank`: every rank does its share (verifies its files, writes its shards),
   every rank learns whether all went well;
 - :func:`gathered_then_decided`: every rank contributes a small value (its file records), rank 0
-  decides from all of them (commits), every rank gets the result.
+  decides from all of them (commits), every rank gets the result; :func:`gathered_then_dealt`
+  the same with one result per rank (a scatter);
+- :func:`require_same`: a value every rank must hold the same (a step, a tag).
 
 In each, an exception on any rank becomes the same exception on every rank: a failure of this
 package (:class:`~areal_ckpt.errors.CheckpointError` and its subclasses) keeps its class and
@@ -24,7 +26,6 @@ Every function here is collective over the default process group (a world of one
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 from typing import Generic, NoReturn, TypeVar
 
@@ -37,8 +38,6 @@ from areal_ckpt.errors import (
     RankMismatchError,
     TransientError,
 )
-
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 C = TypeVar("C")

@@ -11,7 +11,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -112,9 +111,9 @@ class RecoverHandler:
         one engine or ``{model name: engine}`` (see :mod:`areal_ckpt.engines.contract`).
         Collective: every rank calls it after every step, with its own dataloader and
         ``client_state`` (the loop's own JSON-able state, e.g. a KL coefficient). The model's HF
-        config, ``tokenizer``, ``processor`` and the base model's non-weight files are recorded
-        so that ``areal-ckpt export`` can turn the checkpoint into a complete HuggingFace
-        folder. Returns None when no dump was due (or mode is off), else the generation's path.
+        config, ``tokenizer``, ``processor`` and the base model's other files are recorded so
+        ``areal-ckpt export`` can make a complete HF folder. Returns None when no dump was due
+        (or mode is off), else the generation's path.
 
         Synchronous: blocks until that generation is committed and durable. Asynchronous (mode
         ``async``; ``auto`` / ``on`` when the model is on an accelerator): first waits for the
@@ -364,10 +363,15 @@ class RecoverHandler:
             return None
         found, manifest, info = opened
         folder = self.store.path(found)
+
+        def load_engines() -> None:
+            for name in sorted(engines):
+                load_engine(engines[name], folder / name, manifest, self.config.no_load_optim)
+
         if rollout is None:
-            self._load_engines(engines, folder, manifest)
+            load_engines()
         else:
-            rollout.run(info.last_step_info.global_step + 1, lambda: self._load_engines(engines, folder, manifest))
+            rollout.run(info.last_step_info.global_step + 1, load_engines)
         restore_components(
             info.path,
             {
@@ -396,7 +400,3 @@ class RecoverHandler:
             folder,
         )
         return info
-
-    def _load_engines(self, engines: dict[str, Engine], folder: Path, manifest: dict[str, Any]) -> None:
-        for name in sorted(engines):
-            load_engine(engines[name], folder / name, manifest, self.config.no_load_optim)
