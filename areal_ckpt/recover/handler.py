@@ -15,33 +15,28 @@ from typing import Any
 
 import torch
 
-from areal_ckpt import agree, dist
-from areal_ckpt.config import RecoverConfig, check_path_component
-from areal_ckpt.engines.accept import HFAssets, engines_by_name, export_files, named_engines
-from areal_ckpt.engines.contract import Engine, EnginesLike, RolloutEngine, WeightUpdateMeta
-from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError, TransientError
-from areal_ckpt.formats.hf_export import HFFiles
-from areal_ckpt.fsio import FileRecord
+from areal_ckpt import dist
+from areal_ckpt.config import RecoverConfig
+from areal_ckpt.engines.accept import HFAssets, engines_by_name, named_engines
+from areal_ckpt.engines.contract import EnginesLike, RolloutEngine, WeightUpdateMeta
+from areal_ckpt.errors import CheckpointError, CollectiveError
 from areal_ckpt.jobs.background import JobOutcome
 from areal_ckpt.jobs.lifecycle import SaveLifecycle, resolve_async
 from areal_ckpt.jobs.shm_arena import arena_layout_of
 from areal_ckpt.paths import (
-    ENGINE_STATE_FILE,
-    MODEL_SEPARATOR,
-    RECOVER_INFO,
     default_user,
     recover_info_link,
     trial_root,
 )
+from areal_ckpt.recover.prepare import PreviousDump, prepare_dump
 from areal_ckpt.recover.read import load_engine, open_committed
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.rollout_sync import RolloutSync
 from areal_ckpt.recover.store import RecoverStore
-from areal_ckpt.recover.write import DumpJob, dump_header
+from areal_ckpt.recover.write import DumpJob
 from areal_ckpt.schedule import TriggerSchedule
-from areal_ckpt.state import safe_json
 from areal_ckpt.state.components import Stateful, capture_components, dataloader_state, restore_components
-from areal_ckpt.state.recover_info import RecoverInfo, encode_global_info, encode_rank_state
+from areal_ckpt.state.recover_info import RecoverInfo
 from areal_ckpt.state.rng import capture_rng_state, restore_rng_state
 from areal_ckpt.step import FinetuneSpec, StepInfo
 
@@ -152,7 +147,17 @@ class RecoverHandler:
         what = f"{self.store.root}: recovery dump at global step {step_info.global_step}"
         try:
             job, tensors, fingerprints = retried(
-                lambda: self._prepare(engines, step_info, components, rank_state, assets),
+                lambda: prepare_dump(
+                    self.store,
+                    self.config,
+                    PreviousDump(self._generation, dict(self._fingerprints)),
+                    self._begin,
+                    engines,
+                    step_info,
+                    components,
+                    rank_state,
+                    assets,
+                ),
                 self.config.write_retries,
                 what,
             )
@@ -218,106 +223,11 @@ class RecoverHandler:
         self._generation = generation
         self._fingerprints.update(fingerprints)
 
-    def _prepare(
-        self,
-        engines: dict[str, Engine],
-        step_info: StepInfo,
-        components: dict[str, Any],
-        rank_state: dict[str, Any],
-        assets: dict[str, HFAssets],
-    ) -> tuple[DumpJob, dict[str, torch.Tensor], dict[str, list[int]]]:
-        """Create the generation, write its JSON files, capture the tensors; collective.
-
-        Raises TransientError on every rank (after discarding the generation) when a rank failed.
-        """
-        rank = dist.rank()
-        names = sorted(engines)
-        for name in names:
-            check_path_component(name, "model name")
-        agree.require_same(
-            [step_info.global_step, names], "RecoverHandler.dump: ranks disagree on (global_step, models)"
-        )
-        generation = agree.decided_by_rank0(lambda: self._begin(step_info.global_step, names), "RecoverHandler.dump")
-        records: dict[str, FileRecord] = {}
-        files: dict[str, bytes] = {}
-        hf: dict[str, HFFiles] = {}
-        param_groups: dict[str, list[dict[str, Any]]] = {}
-        tensors: dict[str, torch.Tensor] = {}
-        fingerprints: dict[str, list[int]] = {}
-
-        def capture() -> None:
-            try:
-                for name in names:
-                    if not engines[name].has_optimizer:
-                        fingerprints[name] = engines[name].fingerprint()
-                    model_tensors, model_records = self._prepare_engine(
-                        engines[name], name, generation, fingerprints.get(name), assets[name], files, hf, param_groups
-                    )
-                    records.update(model_records)
-                    tensors.update({f"{name}{MODEL_SEPARATOR}{key}": value for key, value in model_tensors.items()})
-                if rank == 0:
-                    for file_name, data in encode_global_info(step_info, components).items():
-                        files[f"{RECOVER_INFO}/{file_name}"] = data
-                file_name, data = encode_rank_state(rank, rank_state)
-                files[f"{RECOVER_INFO}/{file_name}"] = data
-            except (RankMismatchError, CollectiveError):
-                raise
-            except Exception as error:  # retried, once every rank knows
-                raise TransientError(f"{type(error).__name__}: {error}") from error
-
-        try:
-            agree.on_every_rank(capture, "capturing the state failed")
-        except BaseException:
-            if rank == 0:
-                self.store.discard(generation)
-            raise
-        job = DumpJob(
-            trial=self.store.trial,
-            generation=generation,
-            models=names,
-            records={k: (r.size, r.crc32) for k, r in records.items()},
-            files=files,
-            hf=hf,
-            param_groups=param_groups,
-            header=dump_header(step_info.to_dict(), names),
-            retries=self.config.write_retries,
-        )
-        return job, tensors, fingerprints
-
     def _begin(self, global_step: int, names: list[str]) -> str:
         """Rank 0: create the generation folder (see RecoverStore.begin); local."""
         generation = self.store.begin(global_step, names, loaded=self._generation, first=not self._tidied)
         self._tidied = True
         return generation
-
-    def _prepare_engine(
-        self,
-        engine: Engine,
-        name: str,
-        generation: str,
-        fingerprint: list[int] | None,
-        assets: HFAssets,
-        files: dict[str, bytes],
-        hf: dict[str, HFFiles],
-        param_groups: dict[str, list[dict[str, Any]]],
-    ) -> tuple[dict[str, torch.Tensor], dict[str, FileRecord]]:
-        """This rank's tensors of one model (none when an unchanged frozen model is linked) and
-        the records of the files linked for it; adds the files to write for it to ``files`` and
-        ``hf`` (rank 0), and its optimizer's param groups (for stock readers) to ``param_groups``."""
-        previous = self._fingerprints.get(name)
-        unchanged = fingerprint is not None and previous == fingerprint
-        if dist.all_true(unchanged) and self._generation is not None:
-            return {}, self.store.link_model(self._generation, generation, name) if dist.rank() == 0 else {}
-        include_optimizer = not self.config.no_save_optim
-        tensors, engine_state = engine.recover_state(include_optimizer)
-        if engine_state.get("optimizer_param_groups"):
-            param_groups[name] = engine_state["optimizer_param_groups"]
-        if dist.rank() == 0:
-            engine_state["optimizer_saved"] = include_optimizer and engine.has_optimizer
-            files[f"{name}/{ENGINE_STATE_FILE}"] = safe_json.dumps(engine_state)
-            # what `areal-ckpt export` needs besides the shards
-            hf[name] = export_files(engine, None, assets.tokenizer, assets.processor, assets.base_model_path)
-        return tensors, {}
 
     # -- load -------------------------------------------------------------------------------
 

@@ -1,0 +1,154 @@
+"""The first half of a recovery dump, in the training process: the generation folder, the
+small JSON files, the tensors to write.
+
+The second half (:mod:`areal_ckpt.recover.write`) writes the tensors and commits; the handler
+(:mod:`areal_ckpt.recover.handler`) decides when, retries, and runs the second half here or in
+the background writers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from areal_ckpt import agree, dist
+from areal_ckpt.config import RecoverConfig, check_path_component
+from areal_ckpt.engines.accept import HFAssets, export_files
+from areal_ckpt.engines.contract import Engine
+from areal_ckpt.errors import CollectiveError, RankMismatchError, TransientError
+from areal_ckpt.formats.hf_export import HFFiles
+from areal_ckpt.fsio import FileRecord
+from areal_ckpt.paths import ENGINE_STATE_FILE, MODEL_SEPARATOR, RECOVER_INFO
+from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.recover.write import DumpJob, dump_header
+from areal_ckpt.state import safe_json
+from areal_ckpt.state.recover_info import encode_global_info, encode_rank_state
+from areal_ckpt.step import StepInfo
+
+
+@dataclass(frozen=True)
+class PreviousDump:
+    """What this process committed or loaded last: the generation (None before any) and the
+    weight fingerprints of its frozen models (an unchanged one is hard-linked, not rewritten)."""
+
+    generation: str | None
+    fingerprints: dict[str, list[int]]
+
+
+@dataclass
+class _Files:
+    """What the capture of one dump collects besides the tensors."""
+
+    records: dict[str, FileRecord]  # files linked into the generation (unchanged frozen models)
+    files: dict[str, bytes]  # small files to write, by path in the generation
+    hf: dict[str, HFFiles]  # rank 0: each model's HF files
+    param_groups: dict[str, list[dict[str, Any]]]  # each model's optimizer groups, for stock readers
+
+
+def prepare_dump(
+    store: RecoverStore,
+    config: RecoverConfig,
+    previous: PreviousDump,
+    begin: Callable[[int, list[str]], str],
+    engines: dict[str, Engine],
+    step_info: StepInfo,
+    components: dict[str, Any],
+    rank_state: dict[str, Any],
+    assets: dict[str, HFAssets],
+) -> tuple[DumpJob, dict[str, torch.Tensor], dict[str, list[int]]]:
+    """Create the generation (rank 0, with ``begin``), encode its JSON files, capture the
+    tensors; returns the second half's job, the tensors and the frozen models' fingerprints.
+
+    Collective. Raises RankMismatchError when ranks disagree on the step or the models, the
+    refusal ``begin`` raises, or TransientError on every rank (after discarding the
+    generation) when a rank failed; nothing is written to a committed generation.
+    """
+    rank = dist.rank()
+    names = sorted(engines)
+    for name in names:
+        check_path_component(name, "model name")
+    agree.require_same([step_info.global_step, names], "RecoverHandler.dump: ranks disagree on (global_step, models)")
+    generation = agree.decided_by_rank0(lambda: begin(step_info.global_step, names), "RecoverHandler.dump")
+    collected = _Files({}, {}, {}, {})
+    tensors: dict[str, torch.Tensor] = {}
+    fingerprints: dict[str, list[int]] = {}
+
+    def capture() -> None:
+        try:
+            for name in names:
+                if not engines[name].has_optimizer:
+                    fingerprints[name] = engines[name].fingerprint()
+                model_tensors = _capture_engine(
+                    store,
+                    config,
+                    previous,
+                    engines[name],
+                    name,
+                    generation,
+                    fingerprints.get(name),
+                    assets[name],
+                    collected,
+                )
+                tensors.update({f"{name}{MODEL_SEPARATOR}{key}": value for key, value in model_tensors.items()})
+            if rank == 0:
+                for file_name, data in encode_global_info(step_info, components).items():
+                    collected.files[f"{RECOVER_INFO}/{file_name}"] = data
+            file_name, data = encode_rank_state(rank, rank_state)
+            collected.files[f"{RECOVER_INFO}/{file_name}"] = data
+        except (RankMismatchError, CollectiveError):
+            raise
+        except Exception as error:  # retried, once every rank knows
+            raise TransientError(f"{type(error).__name__}: {error}") from error
+
+    try:
+        agree.on_every_rank(capture, "capturing the state failed")
+    except BaseException:
+        if rank == 0:
+            store.discard(generation)
+        raise
+    job = DumpJob(
+        trial=store.trial,
+        generation=generation,
+        models=names,
+        records={k: (r.size, r.crc32) for k, r in collected.records.items()},
+        files=collected.files,
+        hf=collected.hf,
+        param_groups=collected.param_groups,
+        header=dump_header(step_info.to_dict(), names),
+        retries=config.write_retries,
+    )
+    return job, tensors, fingerprints
+
+
+def _capture_engine(
+    store: RecoverStore,
+    config: RecoverConfig,
+    previous: PreviousDump,
+    engine: Engine,
+    name: str,
+    generation: str,
+    fingerprint: list[int] | None,
+    assets: HFAssets,
+    collected: _Files,
+) -> dict[str, torch.Tensor]:
+    """This rank's tensors of one model (none when an unchanged frozen model is linked: rank 0
+    adds the linked files' records); adds its engine state and HF files (rank 0) and its
+    optimizer's param groups to ``collected``. Collective (one reduction)."""
+    unchanged = fingerprint is not None and previous.fingerprints.get(name) == fingerprint
+    if dist.all_true(unchanged) and previous.generation is not None:
+        if dist.rank() == 0:
+            collected.records.update(store.link_model(previous.generation, generation, name))
+        return {}
+    include_optimizer = not config.no_save_optim
+    tensors, engine_state = engine.recover_state(include_optimizer)
+    if engine_state.get("optimizer_param_groups"):
+        collected.param_groups[name] = engine_state["optimizer_param_groups"]
+    if dist.rank() == 0:
+        engine_state["optimizer_saved"] = include_optimizer and engine.has_optimizer
+        collected.files[f"{name}/{ENGINE_STATE_FILE}"] = safe_json.dumps(engine_state)
+        # what `areal-ckpt export` needs besides the shards
+        collected.hf[name] = export_files(engine, None, assets.tokenizer, assets.processor, assets.base_model_path)
+    return tensors
