@@ -1,6 +1,6 @@
 """The second half of a recovery dump: tensor shards, agreement, commit.
 
-The first half (:mod:`areal_ckpt.recover.handler`) runs in the training process: it creates the
+The first half (:mod:`areal_ckpt.recover.prepare`) runs in the training process: it creates the
 generation folder, encodes the small JSON files and captures the tensors. This half writes the
 tensors through DCP, then the small files, and commits; it runs either in the training process
 (sync) or in the background writers (async, :mod:`areal_ckpt.jobs.background`), collective over
