@@ -26,6 +26,7 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import interruption_in
 from areal_ckpt.formats.dcp_metadata import METADATA_JSON, STOCK_METADATA, tensor_entry
 from areal_ckpt.formats.hf_export import names_of_rank
+from areal_ckpt.state.plain_pickle import REFUSED_PICKLE
 from areal_ckpt.tensors import TensorSpec
 
 _ALLOWED = {
@@ -75,16 +76,7 @@ def read_stock_metadata(folder: Path) -> Metadata:
         metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (stock DCP metadata)") from None
-    except (
-        pickle.UnpicklingError,
-        AttributeError,
-        EOFError,
-        ImportError,
-        IndexError,
-        KeyError,
-        TypeError,
-        ValueError,
-    ) as error:
+    except REFUSED_PICKLE as error:
         raise CheckpointError(f"{path}: refused: {error}; nothing in it was run") from None
     except RecursionError:
         raise CheckpointError(f"{path}: refused: nested too deeply") from None

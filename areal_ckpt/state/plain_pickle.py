@@ -19,6 +19,17 @@ import torch
 
 from areal_ckpt.errors import CheckpointError
 
+#: What an allow-listed unpickler raises on a malformed or refused stream (besides RecursionError).
+REFUSED_PICKLE = (
+    pickle.UnpicklingError,
+    AttributeError,
+    EOFError,
+    ImportError,
+    IndexError,
+    KeyError,
+    TypeError,
+    ValueError,
+)
 MAX_BYTES = 256 << 20  # a dataloader's state is small; a larger file is refused unread
 
 
@@ -61,17 +72,7 @@ def load_plain_pickle(path: Path) -> Any:
         return _PlainDataUnpickler(io.BytesIO(path.read_bytes())).load()
     except OSError as error:
         raise CheckpointError(f"{path}: cannot read: {error.strerror}") from None
-    except (
-        pickle.UnpicklingError,
-        AttributeError,
-        EOFError,
-        ImportError,
-        IndexError,
-        KeyError,
-        TypeError,
-        ValueError,
-        RuntimeError,
-    ) as error:
+    except (*REFUSED_PICKLE, RuntimeError) as error:
         if isinstance(error, RecursionError):
             raise CheckpointError(f"{path}: refused: nested too deeply") from None
         raise CheckpointError(f"{path}: refused: {error}; nothing in it was run") from None
