@@ -7,7 +7,11 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+import threads
+
+threads.pin()  # before torch is imported: every process of the suite gets the same thread count
+
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

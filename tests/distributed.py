@@ -14,6 +14,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import threads
+
+threads.pin()
 # DeepSpeed on CPU; its one-time op build (~40 s) is cached in an ignored folder of the clone
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault(
@@ -45,6 +48,7 @@ def _worker(
 ) -> None:
     import torch.distributed as torch_dist
 
+    threads.pin()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),

@@ -4,7 +4,7 @@ Single process (`python recover_job.py ...`) or under torchrun with FSDP2 (`--wr
 It follows the rules in docs/recovery.md: a DistributedSampler with a seed and set_epoch, a
 dataloader with its own generator, and resume from ``info.last_step_info.next()``. Dropout,
 AdamW and a warm-up + cosine schedule make every piece of state matter. It appends each step's
-loss to ``{out}/losses-rank{r}.jsonl`` and, when it finishes, writes its final weights and
+loss (and the intra-op thread count it ran with) to ``{out}/losses-rank{r}.jsonl`` and, when it finishes, writes its final weights and
 optimizer state to ``{out}/final-rank{r}.safetensors``.
 """
 
@@ -136,7 +136,9 @@ def train(args: argparse.Namespace) -> None:
                 scheduler.step()
                 optimizer.zero_grad()
             noise_scale *= 0.9
-            losses.write(json.dumps({"step": global_step, "loss": loss.item().hex()}) + "\n")
+            losses.write(
+                json.dumps({"step": global_step, "loss": loss.item().hex(), "threads": torch.get_num_threads()}) + "\n"
+            )
             losses.flush()
             step_info = ac.StepInfo(
                 epoch=epoch, epoch_step=epoch_step, global_step=global_step, steps_per_epoch=ft_spec.steps_per_epoch

@@ -15,6 +15,7 @@ import recover_job
 import torch
 from distributed import free_port, run_distributed, start_processes
 from safetensors.torch import load_file
+from threads import THREADS
 
 HERE = Path(__file__).parent
 JOB = HERE / "recover_job.py"
@@ -42,7 +43,7 @@ def run_job_torchrun(fileroot: Path, out: Path, world_size: int, wrap: str, extr
         str(HERE / "recover_job.py"),
         *_args(fileroot, out, wrap, list(extra)),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE)}
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     if completed.returncode != 0 and "--kill-at" not in extra:
         raise AssertionError(f"torchrun job failed ({completed.returncode}):\n{completed.stderr[-4000:]}")
@@ -89,9 +90,18 @@ def losses(out: Path, rank: int = 0) -> dict[int, list[str]]:
     return recorded
 
 
+def thread_counts(out: Path, rank: int = 0) -> set[int]:
+    """The intra-op thread counts the steps of a run were computed with."""
+    lines = (out / f"losses-rank{rank}.jsonl").read_text().splitlines()
+    return {json.loads(line)["threads"] for line in lines}
+
+
 def assert_same_run(reference: Path, resumed: Path, world_size: int) -> None:
-    """Bitwise equal final weights, optimizer state and LR on every rank; every loss equal."""
+    """Every step of both runs computed with the suite's thread count (tests/threads.py), then:
+    bitwise equal final weights, optimizer state and LR on every rank; every loss equal."""
     for rank in range(world_size):
+        counts = thread_counts(reference, rank) | thread_counts(resumed, rank)
+        assert counts == {THREADS}, f"rank {rank}: steps ran with {sorted(counts)} threads, the suite pins {THREADS}"
         expected, actual = (
             load_file(reference / f"final-rank{rank}.safetensors"),
             load_file(resumed / f"final-rank{rank}.safetensors"),
