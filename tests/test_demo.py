@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
+from areal_ckpt.tools.launch import ATTEMPT_VARIABLE
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -39,3 +43,25 @@ def test_demo_is_killed_resumes_by_itself_and_replays_identical_losses(tmp_path)
     assert exports == ["epoch0epochstep7globalstep7", "epoch1epochstep7globalstep15", "epoch2epochstep7globalstep23"]
     assert (tmp_path / "reports/grpo-digits/trial0/report.png").stat().st_size > 10_000
     assert re.search(r"recover +actor,ref +23 ", output)
+
+
+def test_demo_training_run_twice_without_the_launcher_finishes_both_times(tmp_path):
+    """Outside `areal-ckpt launch` the demo's kill step never fires (its --help says so): the
+    first plain run trains to the end, the second resumes after the last step and finishes."""
+    config = yaml.safe_load((ROOT / "configs/demo.yaml").read_text())
+    config["demo"].update(epochs=1, kill_at_step=5)  # 8 steps, the kill step among them
+    (tmp_path / "demo.yaml").write_text(yaml.safe_dump(config))
+    command = [sys.executable, "-m", "areal_ckpt.demo.train", "--config", "demo.yaml", f"cluster.fileroot={tmp_path}"]
+    env = {key: value for key, value in os.environ.items() if key != ATTEMPT_VARIABLE}
+    env["HF_HUB_OFFLINE"] = "1"
+    outputs = []
+    for _ in range(2):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "simulating a crash" not in done.stdout
+        outputs.append(done.stdout)
+    first, second = outputs
+    assert "fresh start" in first and re.search(r"global +7 loss", first)
+    assert "resuming from global step 8 (last dump after step 7" in second
+    assert not re.search(r"global +\d+ loss", second), "the second run trained again"
+    assert re.search(r"generate\('3\+4='\) -> '3\+4=", second)

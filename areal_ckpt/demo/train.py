@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="SIGKILL this process after global step K (default: demo.kill_at_step); only in "
-        "the first attempt under `areal-ckpt launch`, so the relaunched job finishes",
+        "the first attempt under `areal-ckpt launch`, so the relaunched job finishes (run on "
+        "its own, without the launcher, it is never killed)",
     )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. saver.freq_steps=5")
     args = parser.parse_args(argv)
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ac.load_config(args.config, args.overrides)
     demo = (yaml.safe_load(Path(args.config).read_text()) or {}).get("demo", {})
     kill_at_step = args.kill_at_step if args.kill_at_step is not None else demo.get("kill_at_step", -1)
-    if os.environ.get(ATTEMPT_VARIABLE, "0") != "0":
+    if os.environ.get(ATTEMPT_VARIABLE) != "0":  # not the launcher's first attempt (or no launcher)
         kill_at_step = -1
     seed = demo["seed"]
     random.seed(seed)
