@@ -47,6 +47,7 @@ from areal_ckpt.paths import (
 from areal_ckpt.publish import publish, write_manifest
 from areal_ckpt.recover.read import load_engine, verify_checkpoint
 from areal_ckpt.state import safe_json
+from areal_ckpt.state.numerics import numerics_record, warn_if_numerics_changed
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +148,7 @@ def _publish(
         "tag": tag,
         "world_size": dist.world_size(),
         "areal_ckpt_version": __version__,
+        **numerics_record(),
     }
     write_manifest(staging, MANIFEST_NAME, records, header)
     publish(staging, final, root / f".{tag}.trash")
@@ -213,6 +215,8 @@ def load_checkpoint(
         raise CheckpointError(f"{folder}: no such checkpoint tag")
     manifest = verify_checkpoint(folder, MANIFEST_NAME, TAGGED_FORMAT, READABLE_TAGGED_VERSIONS)
     client_state = _client_state(folder, manifest)  # agreed by every rank before any weight is loaded
+    if not load_module_only:  # a continued run, as opposed to weights taken for something else
+        warn_if_numerics_changed(str(folder), manifest, dist.rank())
     load_engine(
         engine,
         folder / TAG_MODEL,

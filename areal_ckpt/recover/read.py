@@ -33,6 +33,7 @@ from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state import safe_json
+from areal_ckpt.state.numerics import warn_if_numerics_changed
 from areal_ckpt.state.recover_info import RecoverInfo, read_recover_info
 from areal_ckpt.state.rng import check_rng_state
 
@@ -72,6 +73,7 @@ def open_committed(
     )
     check_one_step(folder, manifest, info)
     check_restorable(info)  # before any weight is loaded: a failed load changes nothing
+    warn_if_numerics_changed(str(folder), manifest, dist.rank())
     return found, manifest, info
 
 

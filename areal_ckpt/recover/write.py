@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from areal_ckpt import agree, dist
 from areal_ckpt._version import __version__
 from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError, TransientError
@@ -27,6 +25,7 @@ from areal_ckpt.jobs.shm_arena import ArenaLayout
 from areal_ckpt.paths import HF_FILES, MODEL_SEPARATOR, RECOVER_FORMAT, RECOVER_FORMAT_VERSION
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.state.numerics import numerics_record
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +36,7 @@ def dump_header(step: dict[str, int], models: list[str]) -> dict[str, Any]:
         "format": RECOVER_FORMAT,
         "format_version": RECOVER_FORMAT_VERSION,
         "areal_ckpt_version": __version__,
-        "torch_version": torch.__version__,
+        **numerics_record(),
         "world_size": dist.world_size(),
         "models": models,
         "step": step,
