@@ -6,7 +6,7 @@ the machine's default: torch picks 1 on some machines of our kind and 2 on other
 sets 1 by itself. :func:`pin` fixes the count in this process's environment, which every child
 inherits (fork-server workers, torchrun and its ranks, plain subprocesses), and in torch itself
 when it is already imported. conftest.py calls it before torch is imported; distributed.py calls
-it for the scripts that start processes without pytest (torture.py, the benchmarks).
+it for the scripts that start processes without pytest (`make torture`).
 """
 
 from __future__ import annotations
