@@ -51,6 +51,7 @@ _INTERRUPTS: dict[str, type[BaseException]] = {"KeyboardInterrupt": KeyboardInte
 _AGREED = "_areal_ckpt_agreed"
 
 
+@dist.exchanged
 @dataclasses.dataclass(frozen=True)
 class RankFailure:
     """What one rank's peers learn of its failure: the rank, the exception's class and message."""
@@ -65,6 +66,7 @@ class RankFailure:
         return f"rank {self.rank}: {self.kind}: {self.message}"
 
 
+@dist.exchanged
 @dataclasses.dataclass(frozen=True)
 class _Done(Generic[T]):
     """A step that succeeded, with its value."""
@@ -72,6 +74,7 @@ class _Done(Generic[T]):
     value: T
 
 
+@dist.exchanged
 @dataclasses.dataclass(frozen=True)
 class _Failed:
     """A step that failed on the ranks named; ``decided`` when the deciding rank's own decision

@@ -10,8 +10,8 @@ are logical payloads (what the rank contributes and what it gets back), independ
 backend's algorithm. Object collectives pickle over the process group, like torch's own, only
 small in-process values, never anything read from a checkpoint; and they unpickle with an
 allow-list (:class:`_PeerUnpickler`: plain data, DCP's plan and metadata dataclasses and enums,
-our own dataclasses, torch's sizes, dtypes and layouts), so not even a peer can make a rank run
-code. None of them
+the classes this package marks with :func:`exchanged`, torch's sizes, dtypes and layouts), so
+not even a peer can make a rank run code or import a module. None of them
 moves O(world size) bytes to or from a rank except :func:`all_gather_objects`, which the
 package calls only on failure paths, and rank 0's side of :func:`gather_objects` /
 :func:`scatter_objects`.
@@ -19,6 +19,7 @@ package calls only on failure paths, and rank 0's side of :func:`gather_objects`
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import functools
@@ -29,10 +30,21 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as torch_dist
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 
 from areal_ckpt.errors import CollectiveError
+from areal_ckpt.tensors import TORCH_INERT_VALUES
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_T = TypeVar("_T", bound=type)
 
 
 @dataclasses.dataclass
@@ -231,27 +243,53 @@ def _decode(buffer: torch.Tensor) -> Any:
     return _PeerUnpickler(io.BytesIO(data[_HEADER : _HEADER + length])).load()
 
 
-#: Modules whose dataclasses and enums ranks may send each other (plans, write results, failures).
-_DATA_MODULES = ("torch.distributed.checkpoint.", "areal_ckpt.")
-_TORCH_VALUES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+#: Every global a peer's message may name, by (module, qualified name), with the object it
+#: stands for: DCP's save plans and write results (what dcp_save exchanges), torch's Size and
+#: layouts, OrderedDict, and the classes registered by :func:`exchanged`.
+_EXCHANGED: dict[tuple[str, str], Any] = {
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+}
+
+
+def exchanged(cls: _T) -> _T:
+    """Class decorator: ranks may send each other instances of ``cls``, a dataclass or enum of
+    plain fields. Registers its exact module and qualified name with the peer unpickler; a
+    name not registered is refused without importing anything. Local; at import time."""
+    if not (dataclasses.is_dataclass(cls) or issubclass(cls, enum.Enum)):
+        raise TypeError(f"{cls.__qualname__}: only dataclasses and enums travel between ranks")
+    _EXCHANGED[(cls.__module__, cls.__qualname__)] = cls
+    return cls
+
+
+for _dcp_class in (
+    SavePlan,
+    WriteItem,
+    WriteItemType,
+    TensorWriteData,
+    WriteResult,
+    _StorageInfo,
+    MetadataIndex,
+    ChunkStorageMetadata,
+    TensorProperties,
+    _MEM_FORMAT_ENCODING,
+):
+    exchanged(_dcp_class)
 
 
 class _PeerUnpickler(pickle.Unpickler):
-    """Builds what ranks send each other and nothing else: containers and scalars, dataclasses and
-    enums of DCP's planner and metadata modules and of this package, torch's Size, dtypes,
-    memory formats and layouts. Any other global is refused by name before its module is
-    imported, so no payload runs code."""
+    """Builds what ranks send each other and nothing else: containers and scalars, the globals
+    in ``_EXCHANGED`` and torch's dtypes and memory formats. Any other global is refused by name
+    without importing its module or walking its attributes, so no payload runs code."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _TORCH_VALUES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
-            return getattr(torch, name)
-        if module.startswith(_DATA_MODULES):
-            found = super().find_class(module, name)
-            if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
-                return found
-        raise pickle.UnpicklingError(f"refused global {module}.{name}: ranks exchange only plain data")
+        found = _EXCHANGED.get((module, name))
+        if found is None and module == "torch":
+            found = TORCH_INERT_VALUES.get(name)
+        if found is None:
+            raise pickle.UnpicklingError(f"refused global {module}.{name}: ranks exchange only plain data")
+        return found
 
 
 def _broadcast(tensor: torch.Tensor, src: int) -> None:

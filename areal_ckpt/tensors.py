@@ -40,6 +40,13 @@ DTYPES_BY_NAME: dict[str, torch.dtype] = {
     )
 }
 
+#: torch's dtypes and memory formats by attribute name (``float32``, ``channels_last``): inert
+#: values an allow-listed unpickler may return for a global ``torch.<name>``. Read from the
+#: module's namespace, so a name outside it never reaches torch's lazy imports.
+TORCH_INERT_VALUES: dict[str, torch.dtype | torch.memory_format] = {
+    name: value for name, value in vars(torch).items() if isinstance(value, (torch.dtype, torch.memory_format))
+}
+
 #: Names accepted for ``export_dtype``.
 EXPORT_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

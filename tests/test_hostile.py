@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from distributed import run_distributed
 from helpers import saver_config
 from recover_fixtures import SPEC, committed_generation, make_setup, recover_config, step_info, train_step, trial_dir
@@ -341,6 +342,53 @@ def test_a_message_between_ranks_cannot_run_code(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="refused global"):
         dist._decode(dist._as_tensor(hostile, len(hostile)))
     assert not marker.exists()
+
+
+def _naming(module: str, name: str) -> torch.Tensor:
+    """A peer message (as dist encodes one) whose only content is the global ``module.name``."""
+    from areal_ckpt import dist
+
+    payload = b"c" + module.encode() + b"\n" + name.encode() + b"\n."  # pickle's GLOBAL opcode, then STOP
+    framed = len(payload).to_bytes(8, "little") + payload
+    return dist._as_tensor(framed, len(framed))
+
+
+@pytest.mark.parametrize(
+    "module, name",
+    [
+        ("areal_ckpt.__main__", "main"),  # importing it runs the command line
+        ("areal_ckpt.side_effect_probe", "Probe"),  # a module of ours that does not exist
+        ("torch.distributed.checkpoint.planner", "torch.utils._pytree.TreeSpec"),  # a dataclass by attribute walk
+        ("areal_ckpt.agree", "dist.signal.Signals"),  # an enum by attribute walk
+        ("torch", "onnx"),  # one of torch's lazily imported submodules
+        ("areal_ckpt.dist", "Traffic"),  # one of our dataclasses that never travels
+    ],
+)
+def test_a_peer_message_naming_anything_not_exchanged_imports_nothing(module, name):
+    """The peer unpickler's allow-list is exact (module, qualified name) pairs, checked before any
+    import or attribute walk: a name outside it is refused and no module is imported."""
+    import pickle
+
+    from areal_ckpt import dist
+
+    modules_before = set(sys.modules)
+    with pytest.raises(pickle.UnpicklingError, match=f"refused global {module}.{name}: ranks exchange only plain data"):
+        dist._decode(_naming(module, name))
+    assert set(sys.modules) == modules_before
+
+
+def test_exchanged_classes_resolve_by_exact_name_and_only_dataclasses_or_enums_register():
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    from areal_ckpt import agree, dist
+    from areal_ckpt.formats.dcp_storage import Placement
+
+    assert dist._decode(_naming("torch.distributed.checkpoint.planner", "WriteItemType")) is WriteItemType
+    assert dist._decode(_naming("areal_ckpt.formats.dcp_storage", "Placement")) is Placement
+    assert dist._decode(_naming("areal_ckpt.agree", "RankFailure")) is agree.RankFailure
+    assert dist._decode(_naming("torch", "bfloat16")) is torch.bfloat16
+    with pytest.raises(TypeError, match="only dataclasses and enums travel between ranks"):
+        dist.exchanged(dict)
 
 
 class _ExecutesOnLoad:

@@ -155,27 +155,53 @@ def _numel(sizes: Any) -> int:
     return count
 
 
+def check_tiling(fqn: str, entry: TensorStorageMetadata) -> None:
+    """Raise ValueError naming ``fqn`` unless its chunks tile the tensor exactly: each lies inside
+    it, no two overlap, and together they hold its element count (so no element is left out).
+    Pure; a sweep along the axis with the most distinct chunk starts, so the usual row- or
+    column-sharded layouts cost O(chunks log chunks)."""
+    size = list(entry.size)
+    if _numel(size) > _LARGEST:
+        raise ValueError(f"{fqn}: shape {size} has more than 2**48 elements")
+    covered = 0
+    boxes = []
+    for chunk in entry.chunks:
+        offsets, sizes = list(chunk.offsets), list(chunk.sizes)
+        if len(offsets) != len(size) or len(sizes) != len(size):
+            raise ValueError(f"{fqn}: chunk {offsets} / {sizes} has the wrong rank")
+        if any(o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, size)):
+            raise ValueError(f"{fqn}: chunk at {offsets} of {sizes} exceeds {size}")
+        covered += _numel(sizes)
+        if _numel(sizes):
+            boxes.append((offsets, sizes))
+    if covered != _numel(size):
+        raise ValueError(f"{fqn}: chunks hold {covered} elements, the tensor {_numel(size)}")
+    if not size:
+        return
+    axis = max(range(len(size)), key=lambda d: len({offsets[d] for offsets, _ in boxes}))
+    boxes.sort(key=lambda box: box[0][axis])
+    open_boxes: list[tuple[list[int], list[int]]] = []
+    for offsets, sizes in boxes:
+        open_boxes = [(o, n) for o, n in open_boxes if o[axis] + n[axis] > offsets[axis]]
+        for other_offsets, other_sizes in open_boxes:
+            if all(a < c + m and c < a + n for a, n, c, m in zip(offsets, sizes, other_offsets, other_sizes)):
+                raise ValueError(
+                    f"{fqn}: chunks at {other_offsets} of {other_sizes} and at {offsets} of {sizes} overlap, "
+                    "so part of the tensor is in none of them"
+                )
+        open_boxes.append((offsets, sizes))
+
+
 def _check_consistent(tensors: dict[str, TensorStorageMetadata], storage: dict[MetadataIndex, _StorageInfo]) -> None:
-    """Raise ValueError unless every chunk lies inside its tensor, the chunks of a tensor hold
-    exactly its elements, and each stored chunk's byte length matches its shape and dtype. With
-    the data files' sizes checked against the manifest, a forged shape can then never make a
-    reader allocate more than the checkpoint holds."""
+    """Raise ValueError unless the chunks of every tensor tile it (:func:`check_tiling`) and each
+    stored chunk's byte length matches its shape and dtype. With the data files' sizes checked
+    against the manifest, a forged shape can then never make a reader allocate more than the
+    checkpoint holds, nor leave part of a tensor unread."""
     chunk_sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
     for fqn, entry in tensors.items():
-        if _numel(entry.size) > _LARGEST:
-            raise ValueError(f"{fqn}: shape {list(entry.size)} has more than 2**48 elements")
-        covered = 0
+        check_tiling(fqn, entry)
         for chunk in entry.chunks:
-            if len(chunk.offsets) != len(entry.size) or len(chunk.sizes) != len(entry.size):
-                raise ValueError(f"{fqn}: chunk {list(chunk.offsets)} / {list(chunk.sizes)} has the wrong rank")
-            if any(o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, entry.size)):
-                raise ValueError(
-                    f"{fqn}: chunk at {list(chunk.offsets)} of {list(chunk.sizes)} exceeds {list(entry.size)}"
-                )
-            covered += _numel(chunk.sizes)
             chunk_sizes[(fqn, tuple(chunk.offsets))] = tuple(chunk.sizes)
-        if covered != _numel(entry.size):
-            raise ValueError(f"{fqn}: chunks hold {covered} elements, the tensor {_numel(entry.size)}")
     for index, info in storage.items():
         sizes = chunk_sizes.get((index.fqn, tuple(index.offset or ())))
         if sizes is None:

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_metadata import (
     METADATA_JSON,
@@ -59,6 +60,7 @@ _FILLER = 64 << 10  # bytes between two read tensors (record frames) read along,
 _TRAILER = 16 << 20  # bytes after the last read tensor read along so the file's CRC-32 is complete
 
 
+@dist.exchanged
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Where one written entry lies in its data file: its whole ``torch.save`` record (what

@@ -24,10 +24,10 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import interruption_in
-from areal_ckpt.formats.dcp_metadata import METADATA_JSON, STOCK_METADATA, tensor_entry
+from areal_ckpt.formats.dcp_metadata import METADATA_JSON, STOCK_METADATA, check_tiling, tensor_entry
 from areal_ckpt.formats.hf_export import names_of_rank
 from areal_ckpt.state.plain_pickle import REFUSED_PICKLE
-from areal_ckpt.tensors import TensorSpec
+from areal_ckpt.tensors import TORCH_INERT_VALUES, TensorSpec
 
 _ALLOWED = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -58,8 +58,8 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format)):
-            return getattr(torch, name)
+        if module == "torch" and name in TORCH_INERT_VALUES:
+            return TORCH_INERT_VALUES[name]
         raise pickle.UnpicklingError(f"refused global {module}.{name}: not part of DCP's metadata")
 
 
@@ -172,9 +172,9 @@ class StockDcpModelSource:
 
 
 def check_sizes(metadata: Metadata, folder: Path, keys: Sequence[str]) -> None:
-    """Raise CheckpointError unless each of ``keys`` has at least its bytes in records that lie
-    inside their files: a forged shape can then never make a reader allocate more than is on
-    disk. Reads only file sizes."""
+    """Raise CheckpointError unless each of ``keys`` has chunks that tile it and at least its
+    bytes in records that lie inside their files: a forged shape can then never make a reader
+    allocate more than is on disk, nor leave part of a tensor unread. Reads only file sizes."""
     sizes: dict[str, int] = {}
     stored: dict[str, int] = {}
     for index, info in metadata.storage_data.items():
@@ -197,6 +197,10 @@ def check_sizes(metadata: Metadata, folder: Path, keys: Sequence[str]) -> None:
         stored[index.fqn] = stored.get(index.fqn, 0) + length
     for key in keys:
         entry = tensor_entry(metadata, key, folder)
+        try:
+            check_tiling(key, entry)
+        except (TypeError, ValueError) as error:
+            raise CheckpointError(f"{folder / STOCK_METADATA}: {error}") from None
         needed = entry.size.numel() * entry.properties.dtype.itemsize
         if needed > stored.get(key, 0):
             raise CheckpointError(
