@@ -188,11 +188,16 @@ def switch_symlink(pointer: Path, target: str) -> None:
     """Atomically make symlink ``pointer`` point to ``target`` (relative); durable on return.
 
     A new symlink is created beside it and renamed over it, so readers see the old or the new
-    target, never neither.
+    target, never neither. Raises CheckpointError, replacing nothing, when ``pointer`` or the
+    temporary name beside it holds anything but a link (a file or folder of someone else's).
     """
     temporary = pointer.with_name(f".{pointer.name}.new")
-    if temporary.is_symlink() or temporary.exists():
+    if temporary.is_symlink():  # left by an interrupted switch
         temporary.unlink()
+    elif temporary.exists():
+        raise CheckpointError(f"{temporary}: exists and is not a link areal_ckpt made; not replacing it")
+    if pointer.exists() and not pointer.is_symlink():
+        raise CheckpointError(f"{pointer}: exists and is not a link areal_ckpt made; not replacing it")
     os.symlink(target, temporary)
     os.rename(temporary, pointer)
     fsync_dir(pointer.parent)

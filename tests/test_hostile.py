@@ -397,3 +397,47 @@ class _ExecutesOnLoad:
 
     def __reduce__(self):
         return (open, (self.marker, "w"))
+
+
+def test_a_dump_never_writes_or_deletes_through_a_model_folder_link(fileroot, tmp_path, caplog):
+    """``{trial}/default`` as a user-made link to another disk holding files named like ours: a
+    dump commits, places no link through it, says where the checkpoint is, and leaves every file
+    there as it was; the checkpoint loads."""
+    elsewhere = tmp_path / "other-disk"
+    elsewhere.mkdir()
+    (elsewhere / "recover_checkpoint").write_text("user's file")
+    (elsewhere / ".recover_checkpoint.new").write_text("user's other file")
+    trial = trial_dir(fileroot)
+    trial.mkdir(parents=True)
+    (trial / "default").symlink_to(elsewhere)
+    setup = make_setup()
+    train_step(setup, 0)
+    handler = ac.RecoverHandler(recover_config(fileroot), SPEC)
+    assert handler.dump(setup.engine, step_info(0), force=True)
+    handler.close()
+    assert (elsewhere / "recover_checkpoint").read_text() == "user's file"
+    assert (elsewhere / ".recover_checkpoint.new").read_text() == "user's other file"
+    assert sorted(p.name for p in elsewhere.iterdir()) == [".recover_checkpoint.new", "recover_checkpoint"]
+    assert f"{trial / 'default'} is a link (to {elsewhere}) areal_ckpt did not create" in caplog.text
+    assert f"the model's recovery checkpoint is {trial / '.recover/current/default'}" in caplog.text
+    fresh = make_setup(seed=1)
+    assert ac.RecoverHandler(recover_config(fileroot), SPEC).load(fresh.engine) is not None
+    assert all(torch.equal(a, b) for a, b in zip(setup.model.state_dict().values(), fresh.model.state_dict().values()))
+
+
+def test_a_pointer_switch_never_replaces_what_is_not_a_link(tmp_path):
+    from areal_ckpt.publish import switch_symlink
+
+    (tmp_path / "pointer").write_text("a file of someone else's")
+    with pytest.raises(ac.CheckpointError, match=r"pointer: exists and is not a link areal_ckpt made"):
+        switch_symlink(tmp_path / "pointer", "target")
+    (tmp_path / "link").symlink_to("old")
+    (tmp_path / ".link.new").write_text("another file")
+    with pytest.raises(ac.CheckpointError, match=r"\.link\.new: exists and is not a link areal_ckpt made"):
+        switch_symlink(tmp_path / "link", "new")
+    assert (tmp_path / "pointer").read_text() == "a file of someone else's"
+    assert (tmp_path / ".link.new").read_text() == "another file" and os.readlink(tmp_path / "link") == "old"
+    (tmp_path / ".link.new").unlink()
+    (tmp_path / ".link.new").symlink_to("left by an interrupted switch")
+    switch_symlink(tmp_path / "link", "new")
+    assert os.readlink(tmp_path / "link") == "new" and not (tmp_path / ".link.new").is_symlink()

@@ -200,8 +200,12 @@ class RecoverStore:
         write_manifest(self.path(generation), RECOVER_MANIFEST, records, header)
         fsync_dir(self.root)  # the generation's own entry, before anything points to it
         switch_symlink(self.pointer, generation)
-        try:  # housekeeping: the commit above already holds whatever happens here
+        # housekeeping: the commit above already holds whatever happens from here on
+        try:
             self.ensure_links(models)
+        except (OSError, CheckpointError) as error:
+            logger.warning("%s: committed %s, but its fixed links were not placed: %s", self.root, generation, error)
+        try:
             hidden = []
             for name in self._superseded(keep=generation):
                 hide_folder(self.path(name), self.root / f"{RECOVER_TRASH_PREFIX}{name}")
@@ -245,13 +249,25 @@ class RecoverStore:
 
     def ensure_links(self, models: list[str]) -> None:
         """Point ``recover_info`` and each model's ``recover_checkpoint`` at the committed
-        generation, replacing what is there atomically (a link, never a real folder: rename
-        refuses one). Local; durable on return."""
+        generation, replacing an older link atomically. Never through a link: a model folder
+        that is a link (the user's, e.g. exports on another disk) gets no ``recover_checkpoint``
+        link, with a warning naming where the checkpoint is; never over anything but a link
+        (CheckpointError, from :func:`switch_symlink`). Local; durable on return."""
         wanted = {recover_info_link(self.trial): f"{RECOVER_STORE}/{RECOVER_CURRENT}/{RECOVER_INFO}"}
         for model in models:
             wanted[recover_checkpoint_link(self.trial, model)] = f"../{RECOVER_STORE}/{RECOVER_CURRENT}/{model}"
         for link, target in wanted.items():
             if link.is_symlink() and os.readlink(link) == target:
+                continue
+            if link.parent.is_symlink():
+                logger.warning(
+                    "%s is a link (to %s) areal_ckpt did not create: no %s link is placed through it; "
+                    "the model's recovery checkpoint is %s",
+                    link.parent,
+                    os.readlink(link.parent),
+                    link.name,
+                    self.root / RECOVER_CURRENT / link.parent.name,
+                )
                 continue
             link.parent.mkdir(parents=True, exist_ok=True)
             switch_symlink(link, target)
