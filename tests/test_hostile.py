@@ -414,7 +414,10 @@ def test_a_dump_never_writes_or_deletes_through_a_model_folder_link(fileroot, tm
     train_step(setup, 0)
     handler = ac.RecoverHandler(recover_config(fileroot), SPEC)
     assert handler.dump(setup.engine, step_info(0), force=True)
+    train_step(setup, 1)
+    assert handler.dump(setup.engine, step_info(1), force=True)
     handler.close()
+    assert caplog.text.count("areal_ckpt did not create") == 1  # once, not at every dump
     assert (elsewhere / "recover_checkpoint").read_text() == "user's file"
     assert (elsewhere / ".recover_checkpoint.new").read_text() == "user's other file"
     assert sorted(p.name for p in elsewhere.iterdir()) == [".recover_checkpoint.new", "recover_checkpoint"]

@@ -50,6 +50,9 @@ from areal_ckpt.publish import check_files, hide_folder, read_manifest, switch_s
 
 logger = logging.getLogger(__name__)
 
+#: Model folders found to be links, already named in a warning by this process.
+_LINKED_FOLDERS_NAMED: set[Path] = set()
+
 
 class RecoverStore:
     """The recovery generations of one trial."""
@@ -251,7 +254,7 @@ class RecoverStore:
         """Point ``recover_info`` and each model's ``recover_checkpoint`` at the committed
         generation, replacing an older link atomically. Never through a link: a model folder
         that is a link (the user's, e.g. exports on another disk) gets no ``recover_checkpoint``
-        link, with a warning naming where the checkpoint is; never over anything but a link
+        link, with a warning (once per process) naming where the checkpoint is; never over anything but a link
         (CheckpointError, from :func:`switch_symlink`). Local; durable on return."""
         wanted = {recover_info_link(self.trial): f"{RECOVER_STORE}/{RECOVER_CURRENT}/{RECOVER_INFO}"}
         for model in models:
@@ -260,6 +263,9 @@ class RecoverStore:
             if link.is_symlink() and os.readlink(link) == target:
                 continue
             if link.parent.is_symlink():
+                if link.parent in _LINKED_FOLDERS_NAMED:
+                    continue
+                _LINKED_FOLDERS_NAMED.add(link.parent)
                 logger.warning(
                     "%s is a link (to %s) areal_ckpt did not create: no %s link is placed through it; "
                     "the model's recovery checkpoint is %s",
