@@ -10,12 +10,15 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from distributed import run_distributed
-from recover_fixtures import make_setup, recover_config
+from recover_fixtures import committed_generation, make_setup, recover_config
+from test_forged import edit_json
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import areal_ckpt as ac
+from areal_ckpt.state.components import RESUMABLE_POSITION
 
 DATASET = list(range(96))
 BATCH = 2
@@ -79,11 +82,11 @@ def test_the_global_position_carries_to_any_number_of_ranks_exactly_once(old, ne
 # -- through RecoverHandler, real ranks --------------------------------------------------------
 
 
-def _loader(world: int, rank: int, kind: str) -> StatefulDataLoader:
+def _loader(world: int, rank: int, kind: str, seed: int = 3) -> StatefulDataLoader:
     sampler = (
-        ac.ResumableDistributedSampler(DATASET, world, rank, seed=3)
+        ac.ResumableDistributedSampler(DATASET, world, rank, seed=seed)
         if kind == "resumable"
-        else DistributedSampler(DATASET, world, rank, seed=3)
+        else DistributedSampler(DATASET, world, rank, seed=seed)
     )
     sampler.set_epoch(0)
     return StatefulDataLoader(DATASET, batch_size=BATCH, sampler=sampler)
@@ -102,9 +105,9 @@ def elastic_dump(rank: int, world: int, root: str, kind: str, batches: int, repo
     Path(f"{report}.{rank}").write_text(json.dumps(seen))
 
 
-def elastic_load(rank: int, world: int, root: str, kind: str, drop: bool, report: str) -> None:
+def elastic_load(rank: int, world: int, root: str, kind: str, drop: bool, report: str, seed: int = 3) -> None:
     setup = make_setup(seed=1)
-    loader = _loader(world, rank, kind)
+    loader = _loader(world, rank, kind, seed)
     try:
         info = ac.RecoverHandler(recover_config(Path(root)), SPEC).load(
             setup.engine, dataloader=loader, drop_rank_state=drop
@@ -172,3 +175,66 @@ def test_a_resumable_sampler_on_the_same_world_size_resumes_bit_exactly(fileroot
     ac.RecoverHandler(recover_config(fileroot), SPEC).load(make_setup(seed=1).engine, dataloader=fresh)
     fresh.sampler.set_epoch(0)
     assert [batch.tolist() for batch in fresh] == expected
+
+
+@pytest.mark.dist
+def test_a_sampler_with_another_seed_is_refused_on_every_rank_and_the_saved_seed_resumes(tmp_path):
+    """2 -> 1 ranks with seed 9 where 3 was saved would repeat some samples and skip others."""
+    root, report = tmp_path / "root", tmp_path / "report"
+    run_distributed(elastic_dump, 2, str(root), "resumable", 3, str(report), group=True)
+    before = [v for r in range(2) for v in json.loads(Path(f"{report}.{r}").read_text())]
+    run_distributed(elastic_load, 1, str(root), "resumable", True, str(report), 9, group=True)
+    error = json.loads(Path(f"{report}.0").read_text())["error"]
+    assert "rank0.json: the data order was saved by another sampler (seed saved 3, this sampler 9)" in error
+    assert "Build the ResumableDistributedSampler with the saved values" in error
+    run_distributed(elastic_load, 1, str(root), "resumable", True, str(report), 3, group=True)  # the hint
+    assert sorted(before + json.loads(Path(f"{report}.0").read_text())["seen"]) == DATASET
+
+
+def _dumped_with_a_resumable_sampler(fileroot: Path, batches: int = 2) -> None:
+    loader = _loader(1, 0, "resumable")
+    iterator = iter(loader)
+    for _ in range(batches):
+        next(iterator)
+    handler = ac.RecoverHandler(recover_config(fileroot), SPEC)
+    step = ac.StepInfo(0, batches - 1, batches - 1, SPEC.steps_per_epoch)
+    handler.dump(make_setup().engine, step, dataloader=loader, force=True)
+    handler.close()
+
+
+@pytest.mark.parametrize(
+    "seed, dataset, message",
+    [
+        (9, DATASET, "seed saved 3, this sampler 9"),
+        (3, DATASET[:-1], f"dataset_len saved {len(DATASET)}, this sampler {len(DATASET) - 1}"),
+    ],
+)
+def test_another_order_on_the_same_world_size_is_refused_before_anything_is_loaded(fileroot, seed, dataset, message):
+    _dumped_with_a_resumable_sampler(fileroot)
+    fresh = make_setup(seed=1)
+    before = {name: tensor.clone() for name, tensor in fresh.model.state_dict().items()}
+    sampler = ac.ResumableDistributedSampler(dataset, 1, 0, seed=seed)
+    loader = StatefulDataLoader(dataset, batch_size=BATCH, sampler=sampler)
+    with pytest.raises(ac.CheckpointError, match=message):
+        ac.RecoverHandler(recover_config(fileroot), SPEC).load(fresh.engine, dataloader=loader)
+    assert all(torch.equal(before[name], tensor) for name, tensor in fresh.model.state_dict().items())
+    assert ac.RecoverHandler(recover_config(fileroot), SPEC).load(fresh.engine, dataloader=_loader(1, 0, "resumable"))
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("start", -2), ("epoch", -1), ("start", 2.5), ("consumed", 10**6), ("start", "3"), ("seed", True), ("version", 7)],
+)
+def test_a_forged_sampler_position_is_refused_by_name(fileroot, field, value):
+    _dumped_with_a_resumable_sampler(fileroot)
+    edit_json(
+        committed_generation(fileroot),
+        "recover_info/rank0.json",
+        lambda state: state["dataloader"][RESUMABLE_POSITION].update({field: value}),
+    )
+    with pytest.raises(ac.CheckpointError) as caught:
+        ac.RecoverHandler(recover_config(fileroot), SPEC).load(
+            make_setup().engine, dataloader=_loader(1, 0, "resumable")
+        )
+    error = str(caught.value)
+    assert "recover_info/rank0.json" in error and "sampler position" in error and repr(value) in error, error

@@ -268,7 +268,7 @@ class RecoverHandler:
             originals, inference_engine, weight_update_meta, inference_engine_update_from, colocated_rollout
         )
         engines = engines_by_name(engine, "RecoverHandler.load")
-        opened = open_committed(self.store, sorted(engines), drop_rank_state)
+        opened = open_committed(self.store, sorted(engines), drop_rank_state, dataloader)
         if opened is None:
             return None
         found, manifest, info = opened

@@ -33,6 +33,7 @@ from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state import safe_json
+from areal_ckpt.state.components import Stateful, check_dataloader_state
 from areal_ckpt.state.numerics import warn_if_numerics_changed
 from areal_ckpt.state.recover_info import RecoverInfo, read_recover_info
 from areal_ckpt.state.rng import check_rng_state
@@ -53,14 +54,14 @@ def find_committed(store: RecoverStore) -> str | None:
 
 
 def open_committed(
-    store: RecoverStore, models: list[str], drop_rank_state: bool
+    store: RecoverStore, models: list[str], drop_rank_state: bool, dataloader: Stateful | None = None
 ) -> tuple[str, dict[str, Any], RecoverInfo] | None:
     """The committed generation of ``store``, its verified manifest and this rank's recover
     info, or None when there is none. Collective: rank 0 finds it (removing debris), every rank
     verifies its share and reads its info. Raises CheckpointError on every rank when the
     commit record is broken, the trial holds AReaL's folders, a file is damaged, the models
     differ from ``models``, the three records of its step disagree, or a component cannot be
-    restored; nothing is loaded then."""
+    restored (``dataloader``: the one the load restores); nothing is loaded then."""
     found = agree.decided_by_rank0(lambda: find_committed(store), "RecoverHandler.load")
     if found is None:
         return None
@@ -72,7 +73,7 @@ def open_committed(
         folder / RECOVER_INFO, dist.rank(), dist.world_size(), manifest["world_size"], drop_rank_state
     )
     check_one_step(folder, manifest, info)
-    check_restorable(info)  # before any weight is loaded: a failed load changes nothing
+    check_restorable(info, dataloader)  # before any weight is loaded: a failed load changes nothing
     warn_if_numerics_changed(str(folder), manifest, dist.rank())
     return found, manifest, info
 
@@ -247,11 +248,13 @@ def check_if_recover(config: RecoverConfig, run_id: int = 0) -> bool:
     return config.enabled and check_if_auto_recover(config)
 
 
-def check_restorable(info: RecoverInfo) -> None:
-    """Raise CheckpointError (on every rank) unless this rank's RNG state and the trigger state
-    of ``info`` can be restored; checked on scratch objects, so nothing changes. Collective."""
+def check_restorable(info: RecoverInfo, dataloader: Stateful | None = None) -> None:
+    """Raise CheckpointError (on every rank) unless this rank's RNG state, its data position
+    (into ``dataloader``) and the trigger state of ``info`` can be restored; checked on scratch
+    objects or read-only, so nothing changes. Collective."""
 
     def check() -> None:
+        check_dataloader_state(f"{info.path}/{RECOVER_INFO}/rank{dist.rank()}.json", info.dataloader_info, dataloader)
         try:
             if info.rng_state is not None:
                 check_rng_state(info.rng_state)

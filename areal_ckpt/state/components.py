@@ -9,7 +9,7 @@ import logging
 from typing import Any, Protocol
 
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.state.sampler import ResumableDistributedSampler
+from areal_ckpt.state.sampler import ORDER_KEYS, ResumableDistributedSampler, check_position, check_same_order
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +62,31 @@ def dataloader_state(dataloader: Stateful | None, epoch_ended: bool) -> Any:
     return state
 
 
-def resharded_dataloader_state(epoch: int, start: int) -> dict[str, Any]:
+def resharded_dataloader_state(epoch: int, start: int, order: dict[str, Any]) -> dict[str, Any]:
     """The dataloader state a rank of a job on another number of ranks restores: the global
-    position only (see :func:`restore_components`)."""
-    return {RESHARDED: {"epoch": epoch, "start": start}}
+    position, and what ordered the data (:data:`ORDER_KEYS` of the saved position), to be
+    compared with the live sampler (see :func:`check_dataloader_state`)."""
+    return {RESHARDED: {"epoch": epoch, "start": start, **{key: order[key] for key in ORDER_KEYS}}}
+
+
+def check_dataloader_state(source: str, state: Any, dataloader: Stateful | None) -> None:
+    """Raise CheckpointError naming ``source`` unless ``dataloader`` can take ``state`` as a
+    ResumableDistributedSampler's position: a well-formed position (:func:`check_position`)
+    saved by a sampler that orders the data as this loader's does (:func:`check_same_order`).
+    Other states pass (their loader checks them). Pure: nothing is restored."""
+    if dataloader is None or not isinstance(state, dict) or not (RESHARDED in state or RESUMABLE_POSITION in state):
+        return
+    sampler = getattr(dataloader, "sampler", None)
+    if not isinstance(sampler, ResumableDistributedSampler):
+        raise CheckpointError(
+            f"{source}: the dataloader was saved over a ResumableDistributedSampler; give it one "
+            f"again (this one has {type(sampler).__name__})"
+        )
+    try:
+        saved = state[RESHARDED] if RESHARDED in state else check_position(state[RESUMABLE_POSITION], source)
+        check_same_order(saved, sampler, source)
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
 
 
 def restore_components(source: str, states: dict[str, Any], targets: dict[str, Stateful | None]) -> None:
@@ -94,12 +115,8 @@ def restore_components(source: str, states: dict[str, Any], targets: dict[str, S
 def _restore_resumable(source: str, dataloader: Any, state: dict[str, Any]) -> None:
     """Same world size: the sampler's position, then the loader's own state (they agree). Another
     world size: the sampler resumes the epoch at the global position; the loader starts fresh."""
-    sampler = getattr(dataloader, "sampler", None)
-    if not isinstance(sampler, ResumableDistributedSampler):
-        raise CheckpointError(
-            f"{source}: the dataloader was saved over a ResumableDistributedSampler; give it one "
-            f"again (this one has {type(sampler).__name__})"
-        )
+    check_dataloader_state(source, state, dataloader)
+    sampler = dataloader.sampler
     if RESHARDED in state:
         position = state[RESHARDED]
         sampler.resume_at(int(position["epoch"]), int(position["start"]))

@@ -220,7 +220,7 @@ def _resharded_dataloader(
             start,
             epoch,
         )
-        return resharded_dataloader_state(epoch, start)
+        return resharded_dataloader_state(epoch, start, value[RESUMABLE_POSITION])
     if drop_rank_state:
         logger.warning(
             "world size changed (%d -> %d): the dataloader position was not restored (drop_rank_state=True): "

@@ -105,12 +105,14 @@ class ResumableDistributedSampler(Sampler[int]):
     def position(self, consumed: int | None = None) -> dict[str, Any]:
         """This rank's position, JSON-able: the epoch, where its current iteration began in the
         epoch's order, and how many samples this rank consumed since (``consumed``, e.g. batches
-        yielded times the batch size; default: what this sampler yielded)."""
+        yielded times the batch size, at most what the iteration holds; default: what this
+        sampler yielded)."""
+        start = self._iteration_start
         return {
             "version": _VERSION,
             "epoch": self.epoch,
-            "start": self._iteration_start,
-            "consumed": self._yielded if consumed is None else consumed,
+            "start": start,
+            "consumed": self._yielded if consumed is None else min(consumed, self._count(len(self.dataset) - start)),
             "num_replicas": self.num_replicas,
             "dataset_len": len(self.dataset),
             "seed": self.seed,
@@ -125,16 +127,69 @@ class ResumableDistributedSampler(Sampler[int]):
         self._iteration_start = start
 
 
+#: What a saved position and the live sampler must agree on: with any of them changed, the
+#: epoch's order (or how it is split) is another one, and resuming would skip or repeat samples.
+ORDER_KEYS = ("dataset_len", "seed", "shuffle", "drop_last")
+_KEYS = ("version", "epoch", "start", "consumed", "num_replicas", *ORDER_KEYS)
+
+
+def _is_int(value: Any, low: int, high: int | None = None) -> bool:
+    return type(value) is int and value >= low and (high is None or value <= high)
+
+
+def check_position(position: Any, source: str) -> dict[str, Any]:
+    """``position`` (a :meth:`ResumableDistributedSampler.position` read from a file) when every
+    field has its type and range: the epoch, seed and counts are integers, ``start`` lies in the
+    dataset, ``consumed`` in what one rank takes of the rest of the epoch. ValueError naming
+    ``source`` and the field otherwise. Pure."""
+    if not isinstance(position, dict) or any(key not in position for key in _KEYS):
+        raise ValueError(f"{source}: not a ResumableDistributedSampler position")
+    length, replicas = position["dataset_len"], position["num_replicas"]
+    if position["version"] != _VERSION or not _is_int(length, 0) or not _is_int(replicas, 1):
+        raise ValueError(
+            f"{source}: sampler position has version {position['version']!r}, dataset_len {length!r}, "
+            f"num_replicas {replicas!r} (expected version {_VERSION} and counts)"
+        )
+    start = position["start"]
+    checks = {
+        "epoch": _is_int(position["epoch"], 0),
+        "seed": type(position["seed"]) is int,
+        "shuffle": type(position["shuffle"]) is bool,
+        "drop_last": type(position["drop_last"]) is bool,
+        "start": _is_int(start, 0, length),
+    }
+    if checks["start"]:
+        checks["consumed"] = _is_int(position["consumed"], 0, math.ceil((length - start) / replicas))
+    for key, valid in checks.items():
+        if not valid:
+            raise ValueError(f"{source}: sampler position field {key} = {position[key]!r} is out of type or range")
+    return position
+
+
+def check_same_order(saved: dict[str, Any], sampler: ResumableDistributedSampler, source: str) -> None:
+    """Raise ValueError naming ``source``, each differing field and both values, unless
+    ``sampler`` orders its data as the one that saved ``saved`` did (:data:`ORDER_KEYS`). Pure."""
+    live = {"dataset_len": len(sampler.dataset), "seed": sampler.seed, "shuffle": sampler.shuffle}
+    live["drop_last"] = sampler.drop_last
+    differing = [
+        f"{key} saved {saved[key]!r}, this sampler {live[key]!r}" for key in ORDER_KEYS if saved[key] != live[key]
+    ]
+    if differing:
+        raise ValueError(
+            f"{source}: the data order was saved by another sampler ({'; '.join(differing)}): resuming would skip "
+            "or repeat samples. Build the ResumableDistributedSampler with the saved values."
+        )
+
+
 def global_position(positions: list[dict[str, Any]], source: str) -> tuple[int, int]:
     """(epoch, samples of its order consumed by all saved ranks together) from every saved rank's
-    :meth:`ResumableDistributedSampler.position`; ValueError naming ``source`` when they do not
-    describe one synchronous position (ranks at different epochs, starts or counts)."""
-    first = positions[0]
-    keys = ("version", "epoch", "start", "consumed", "num_replicas", "dataset_len", "seed", "shuffle", "drop_last")
+    :meth:`ResumableDistributedSampler.position`; ValueError naming ``source`` when one is
+    malformed (:func:`check_position`) or they do not describe one synchronous position (ranks
+    at different epochs, starts or counts)."""
+    first = check_position(positions[0], f"{source}: rank 0")
     for index, position in enumerate(positions):
-        if not isinstance(position, dict) or any(key not in position for key in keys):
-            raise ValueError(f"{source}: rank {index}: not a ResumableDistributedSampler position")
-        differing = [key for key in keys if position[key] != first[key]]
+        check_position(position, f"{source}: rank {index}")
+        differing = [key for key in _KEYS if position[key] != first[key]]
         if differing:
             raise ValueError(
                 f"{source}: ranks 0 and {index} were at different data positions ({differing}); "
