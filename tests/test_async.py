@@ -224,6 +224,37 @@ def test_a_dead_writer_is_reported_and_the_next_dump_starts_a_new_one(fileroot):
         assert torch.equal(tensor, resumed.model.state_dict()[name]), name
 
 
+def test_a_writer_killed_right_after_its_commit_counts_as_committed_and_dumps_go_on(fileroot, monkeypatch, caplog):
+    """The job committed, then its writer died before reporting: the handler learns what its
+    writer committed (it is the loaded generation from now on), later dumps start a new writer
+    and commit, and a restart resumes from the newest."""
+    from writer_faults import DiesAfterCommitting
+
+    from areal_ckpt.jobs.background import BackgroundWriter
+
+    setup = make_setup()
+    handler = ac.RecoverHandler(recover_config(fileroot, mode="async"), SPEC)
+    handler.dump(setup.engine, step_info(0), force=True)
+    handler.wait()
+    submit = BackgroundWriter.submit
+    monkeypatch.setattr(BackgroundWriter, "submit", lambda writer, job: submit(writer, DiesAfterCommitting(job)))
+    train_step(setup, 1)
+    path = handler.dump(setup.engine, step_info(1), force=True)
+    handler.wait()  # no error: the dump is committed
+    assert committed_generation(fileroot) == Path(path)
+    assert f"recovery checkpoint {path} committed, although a background writer failed after its commit" in caplog.text
+    monkeypatch.undo()
+    train_step(setup, 2)
+    path = handler.dump(setup.engine, step_info(2), force=True)
+    handler.close()
+    assert committed_generation(fileroot) == Path(path)
+    assert sorted(p.name for p in committed_generation(fileroot).parent.iterdir()) == ["current", Path(path).name]
+    resumed = make_setup(seed=1)
+    assert ac.RecoverHandler(recover_config(fileroot), SPEC).load(resumed.engine).last_step_info.global_step == 2
+    for name, tensor in setup.model.state_dict().items():
+        assert torch.equal(tensor, resumed.model.state_dict()[name]), name
+
+
 def staging_agreement_worker(rank: int, world_size: int, report: str) -> None:
     from areal_ckpt.jobs.shm_arena import arena_layout_of_specs, shared_memory_free
 

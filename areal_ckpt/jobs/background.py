@@ -213,7 +213,7 @@ class BackgroundWriter:
         self.stop()
         return CheckpointError(
             f"{self.label}: background writer process {getattr(process, 'pid', '?')} died ({detail}); "
-            "the save it was running did not finish: the last committed checkpoint is the one on disk"
+            "the save it was running did not report back; the last checkpoint committed on disk stands"
         )
 
     def _drain_at_exit(self) -> None:

@@ -13,6 +13,8 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from areal_ckpt import dist
+from areal_ckpt.errors import CheckpointError
 from areal_ckpt.jobs.background import BackgroundJob, BackgroundWriter, JobOutcome
 from areal_ckpt.jobs.shm_arena import StagingArena
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
@@ -32,6 +34,7 @@ class SaveLifecycle:
         self.trial = trial
         self.last_metrics: dict[str, float] = {}
         self._on_collected: Callable[[JobOutcome], str] | None = None
+        self._committed_anyway: Callable[[], str | None] | None = None
         self._locked = lock
         if lock:
             acquire_trial_lock(trial)
@@ -53,19 +56,41 @@ class SaveLifecycle:
         logger.info("%s (%s)", what, describe_metrics(self.last_metrics))
 
     def submit(
-        self, job: BackgroundJob, blocking_seconds: float, nbytes: int, on_collected: Callable[[JobOutcome], str]
+        self,
+        job: BackgroundJob,
+        blocking_seconds: float,
+        nbytes: int,
+        on_collected: Callable[[JobOutcome], str],
+        committed_anyway: Callable[[], str | None] | None = None,
     ) -> None:
         """Hand ``job`` (its tensors staged) to the background writer; ``on_collected`` runs
-        when it is collected and returns what to log. Local, non-blocking."""
+        when it is collected and returns what to log. ``committed_anyway`` (collective, every
+        rank) is asked when a writer failed or died: it returns what to log when the job's
+        commit took effect all the same (a writer killed after committing), else None. Local,
+        non-blocking."""
         self.writer.submit(job)
         self._on_collected = on_collected
+        self._committed_anyway = committed_anyway
         self.last_metrics = saving_metrics(blocking_seconds, nbytes)
 
     def wait(self) -> None:
         """Block until the job in flight is committed, then run its ``on_collected``; no-op
         without one. Collective in effect: every rank's writer commits together. Raises the
-        background error when the job failed."""
-        outcome = self.writer.wait()
+        background error when the job failed; with ``committed_anyway`` given at submit, the
+        ranks first agree whether any writer failed, and if one did, every writer is stopped
+        (the next submit starts new ones) and the job counts as done when its commit took
+        effect regardless."""
+        in_flight = self._on_collected is not None
+        committed_anyway, self._committed_anyway = self._committed_anyway, None
+        try:
+            outcome = self.writer.wait()
+        except CheckpointError as error:
+            if committed_anyway is None:
+                raise
+            self._settle(committed_anyway, error)
+            return
+        if in_flight and committed_anyway is not None:
+            self._settle(committed_anyway, None)
         if outcome is None:
             return
         on_collected, self._on_collected = self._on_collected, None
@@ -76,6 +101,21 @@ class SaveLifecycle:
         }
         what = on_collected(outcome) if on_collected is not None else str(outcome.result.get("path"))
         logger.info("%s in the background (%s)", what, describe_metrics(self.last_metrics))
+
+    def _settle(self, committed_anyway: Callable[[], str | None], failure: CheckpointError | None) -> None:
+        """Collective: agree whether any rank's writer failed; if one did, stop every writer and
+        either log that the job committed all the same or raise (``failure`` where this rank's
+        writer failed, a CheckpointError naming the peers' failure elsewhere)."""
+        if dist.all_reduce_ints([int(failure is not None)], "max")[0] == 0:
+            return
+        self._on_collected = None
+        self.writer.stop()
+        what = committed_anyway()
+        if what is None:
+            raise failure or CheckpointError(
+                f"{self.writer.label}: another rank's background writer failed; the save did not commit"
+            )
+        logger.warning("%s, although a background writer failed after its commit (%s)", what, failure or "on a peer")
 
     def close(self, then: Callable[[], None] | None = None) -> None:
         """Wait for the job in flight, stop the writer, free its shared memory, run ``then``

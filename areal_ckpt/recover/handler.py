@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from areal_ckpt import dist
+from areal_ckpt import agree, dist
 from areal_ckpt.config import RecoverConfig
 from areal_ckpt.engines.accept import HFAssets, engines_by_name, named_engines
 from areal_ckpt.engines.contract import EnginesLike, RolloutEngine, WeightUpdateMeta
@@ -196,8 +196,18 @@ class RecoverHandler:
             self._committed(job.generation, fingerprints)
             return f"recovery checkpoint {outcome.result['path']} committed"
 
+        def committed_anyway() -> str | None:
+            if not agree.decided_by_rank0(lambda: self.store.committed() == job.generation, "RecoverHandler.wait"):
+                return None
+            self._committed(job.generation, fingerprints)
+            return f"recovery checkpoint {self.store.path(job.generation)} committed"
+
         self._jobs.submit(
-            dataclasses.replace(job, layout=layout), time.perf_counter() - start, layout.nbytes, collected
+            dataclasses.replace(job, layout=layout),
+            time.perf_counter() - start,
+            layout.nbytes,
+            collected,
+            committed_anyway,
         )
         return str(self.store.path(job.generation))
 
