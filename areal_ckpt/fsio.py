@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import errno
 import json
 import os
+import stat
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from areal_ckpt.errors import CheckpointError
 
@@ -181,12 +183,55 @@ def write_file_durably(path: Path, data: bytes) -> FileRecord:
     return writer.close()
 
 
+def open_regular_file(path: Path) -> BinaryIO:
+    """``path`` opened for reading, if it is a regular file (links followed); OSError naming the
+    cause otherwise. A FIFO, device or folder is refused before anything is read from it, and
+    opening never blocks (a FIFO with no writer would block a plain open). Local."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        kind = os.fstat(fd).st_mode
+        if not stat.S_ISREG(kind):
+            raise OSError(errno.EINVAL, f"not a regular file (a {_KINDS.get(stat.S_IFMT(kind), 'special file')})")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+_KINDS = {stat.S_IFIFO: "FIFO", stat.S_IFCHR: "device", stat.S_IFBLK: "device", stat.S_IFDIR: "folder"}
+
+
+def regular_file_size(path: Path) -> int:
+    """The size of the regular file ``path`` (links followed); CheckpointError naming it when
+    it cannot be read or is not a regular file (a FIFO or device reports a size that means
+    nothing). Local, reads only its inode."""
+    try:
+        info = os.stat(path)
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot read: {error.strerror}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointError(f"{path}: not a regular file (a {_KINDS.get(stat.S_IFMT(info.st_mode), 'special file')})")
+    return info.st_size
+
+
+def read_regular_file(path: Path, limit: int | None = None) -> bytes:
+    """The bytes of the regular file ``path`` (:func:`open_regular_file`); OSError when it is
+    not one or holds more than ``limit`` bytes (checked while reading, so a file that grows
+    meanwhile is bounded too). Local, read-only."""
+    with open_regular_file(path) as stream:
+        data = stream.read() if limit is None else stream.read(limit + 1)
+    if limit is not None and len(data) > limit:
+        raise OSError(errno.EFBIG, f"more than {limit} bytes")
+    return data
+
+
 def read_json_file(path: Path, what: str, missing: str = "missing") -> tuple[bytes, Any]:
     """``path``'s bytes and their JSON value; CheckpointError naming ``path`` and ``what`` it
-    is when the file is missing (``missing`` says what that means), unreadable, not JSON, or
-    nested too deeply to parse. Local, read-only."""
+    is when the file is missing (``missing`` says what that means), not a regular file,
+    unreadable, not JSON, or nested too deeply to parse. Local, read-only."""
     try:
-        raw = path.read_bytes()
+        raw = read_regular_file(path)
         return raw, json.loads(raw)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: {what} {missing}") from None

@@ -8,6 +8,8 @@ import hashlib
 import json
 import os
 import pickle
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -260,3 +262,90 @@ def test_the_dataloader_unpickler_reads_tensors_but_not_gradients():
     assert _PlainDataUnpickler(io.BytesIO(pickle.dumps(state))).load()["generator"].equal(state["generator"])
     with pytest.raises(pickle.UnpicklingError, match="may not require gradients"):
         _PlainDataUnpickler(io.BytesIO(pickle.dumps(torch.ones(2, requires_grad=True)))).load()
+
+
+@pytest.mark.parametrize("linked", ["areal_original", "areal_original/default"])
+def test_the_originals_are_never_moved_through_a_link_and_nothing_is_imported(tmp_path, areal_trial, capsys, linked):
+    trial, _ = areal_trial
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (trial / linked).parent.mkdir(parents=True, exist_ok=True)
+    (trial / linked).symlink_to(outside)
+    before = _snapshot(trial)
+    assert cli_main(["import-areal", str(trial), "--remove-original"]) == 2
+    error = capsys.readouterr().err
+    assert f"{trial / linked}: is a link or a file, not a folder this import made" in error
+    assert "Move it away and run the import again" in error
+    assert list(outside.iterdir()) == [] and _snapshot(trial) == before and not (trial / ".recover").exists()
+    (trial / linked).unlink()  # the hint
+    assert cli_main(["import-areal", str(trial), "--remove-original"]) == 0
+    assert not (trial / "areal_original").exists() and list(outside.iterdir()) == []
+
+
+@pytest.mark.parametrize("planted", ["recover_info/dataloader_info.pkl", "default/recover_checkpoint/.metadata"])
+def test_a_fifo_in_place_of_a_file_is_refused_at_once(tmp_path, areal_trial, planted):
+    """A FIFO with no writer would block a plain open forever; run as a user runs it, with a
+    limit so a regression fails instead of hanging the suite."""
+    trial, _ = areal_trial
+    (trial / planted).unlink()
+    os.mkfifo(trial / planted)
+    done = subprocess.run(
+        [sys.executable, "-m", "areal_ckpt", "import-areal", str(trial)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"{trial / planted}: " in done.stderr and "not a regular file (a FIFO)" in done.stderr
+    assert not (trial / ".recover").exists()
+
+
+def test_a_device_linked_in_place_of_the_pickle_is_refused(areal_trial, capsys):
+    trial, _ = areal_trial
+    pickle_path = trial / "recover_info/dataloader_info.pkl"
+    pickle_path.unlink()
+    pickle_path.symlink_to("/dev/zero")
+    assert cli_main(["import-areal", str(trial)]) == 2
+    assert f"{pickle_path}: cannot read: not a regular file (a device)" in capsys.readouterr().err
+
+
+def _dag(levels: int) -> list:
+    node: list = []
+    for _ in range(levels):
+        node = [node, node]  # each level doubles the written-out size; the pickle grows by a few bytes
+    return node
+
+
+def _self_referencing() -> list:
+    node: list = []
+    node.append(node)
+    return node
+
+
+@pytest.mark.parametrize(
+    "position, message",
+    [
+        (_dag(40), "it expands to more than 16777216 values"),
+        (_self_referencing(), "it contains itself"),
+        (torch.zeros(1).as_strided((2**40,), (0,)), "it expands to more than 16777216 values"),
+    ],
+    ids=["memo-dag", "self-reference", "stride-0-tensor"],
+)
+def test_a_pickle_that_expands_without_bound_is_refused_by_name(areal_trial, capsys, position, message):
+    trial, _ = areal_trial
+    payload = pickle.dumps(position)
+    assert len(payload) < 1000
+    (trial / "recover_info/dataloader_info.pkl").write_bytes(payload)
+    before = _snapshot(trial)
+    assert cli_main(["import-areal", str(trial)]) == 2
+    error = capsys.readouterr().err
+    assert f"dataloader_info.pkl: refused: {message}; nothing in it was run" in error and "Traceback" not in error
+    assert _snapshot(trial) == before
+
+
+@pytest.mark.parametrize("edit", [('"steps": 5', '"steps": Infinity'), ('"last_time": 0.0', '"last_time": -1e400')])
+def test_trigger_state_with_infinite_values_counts_afresh_and_the_import_goes_on(areal_trial, caplog, edit):
+    trial, _ = areal_trial
+    path = trial / "recover_info/saver_info.json"
+    path.write_text(path.read_text().replace(*edit))
+    assert edit[1] in path.read_text()
+    imported = ac.import_areal_trial(trial)
+    assert imported.step_info.global_step == DUMP_AFTER
+    assert f"{path}: not AReaL's trigger state; those triggers count afresh" in caplog.text

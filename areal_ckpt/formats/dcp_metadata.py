@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.fsio import read_json_file
+from areal_ckpt.fsio import read_json_file, regular_file_size
 from areal_ckpt.tensors import DTYPES_BY_NAME
 
 METADATA_JSON = "dcp_metadata.json"
@@ -227,10 +227,7 @@ def check_within_files(metadata: Metadata, folder: Path) -> None:
     sizes: dict[str, int] = {}
     for index, info in metadata.storage_data.items():
         if info.relative_path not in sizes:
-            try:
-                sizes[info.relative_path] = (folder / info.relative_path).stat().st_size
-            except OSError as error:
-                raise CheckpointError(f"{folder / info.relative_path}: cannot read: {error.strerror}") from None
+            sizes[info.relative_path] = regular_file_size(folder / info.relative_path)
         if info.offset + info.length > sizes[info.relative_path]:
             raise CheckpointError(
                 f"{folder / METADATA_JSON}: places {index.fqn} at bytes {info.offset}-{info.offset + info.length} of "

@@ -26,6 +26,7 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import interruption_in
 from areal_ckpt.formats.dcp_metadata import METADATA_JSON, STOCK_METADATA, check_tiling, tensor_entry
 from areal_ckpt.formats.hf_export import names_of_rank
+from areal_ckpt.fsio import read_regular_file, regular_file_size
 from areal_ckpt.state.plain_pickle import REFUSED_PICKLE
 from areal_ckpt.tensors import TORCH_INERT_VALUES, TensorSpec
 
@@ -73,9 +74,11 @@ def read_stock_metadata(folder: Path) -> Metadata:
     naming ``.metadata`` and the refused global (or other cause). Local, read-only."""
     path = Path(folder) / STOCK_METADATA
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
+        metadata = _MetadataUnpickler(io.BytesIO(read_regular_file(path))).load()
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (stock DCP metadata)") from None
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot read: {error.strerror}") from None
     except REFUSED_PICKLE as error:
         raise CheckpointError(f"{path}: refused: {error}; nothing in it was run") from None
     except RecursionError:
@@ -188,10 +191,7 @@ def check_sizes(metadata: Metadata, folder: Path, keys: Sequence[str]) -> None:
         ):
             raise CheckpointError(f"{folder / STOCK_METADATA}: malformed storage entry for {index.fqn}")
         if relative not in sizes:
-            try:
-                sizes[relative] = (folder / relative).stat().st_size
-            except OSError as error:
-                raise CheckpointError(f"{folder / relative}: cannot read: {error.strerror}") from None
+            sizes[relative] = regular_file_size(folder / relative)
         if offset < 0 or length < 0 or offset + length > sizes[relative]:
             raise CheckpointError(f"{folder / STOCK_METADATA}: places {index.fqn} past the end of {relative}")
         stored[index.fqn] = stored.get(index.fqn, 0) + length

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import shutil
 import time
 import warnings
@@ -41,7 +42,7 @@ from areal_ckpt.formats.dcp_metadata import tensor_entry
 from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.hf_export import copy_base_model_assets
 from areal_ckpt.formats.stock_dcp import SafeFileSystemReader, check_sizes, read_stock_metadata
-from areal_ckpt.fsio import fsync_dir, read_json_file, write_file_durably
+from areal_ckpt.fsio import fsync_dir, open_regular_file, read_json_file, write_file_durably
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.paths import (
     ENGINE_STATE_FILE,
@@ -112,6 +113,7 @@ def import_areal_trial(trial: Path, config_from: Path | None = None, remove_orig
         models = sorted(path.parent.name for path in found if path.name == RECOVER_CHECKPOINT)
         if not models:
             raise CheckpointError(f"{trial}: holds AReaL's recover_info/ but no {{name}}/{RECOVER_CHECKPOINT}/")
+        _moves(store, found)  # where AReaL's folders go is checked before anything is written
         step_info, files, world_size = _read_recover_info(info, models)
         sources = {name: trial / name / RECOVER_CHECKPOINT for name in models}
         for folder in sources.values():  # every check that needs no tensor, before anything is written
@@ -136,14 +138,18 @@ def import_areal_trial(trial: Path, config_from: Path | None = None, remove_orig
 def _schedule(areal: Any, path: Path) -> dict[str, Any] | None:
     """Our trigger state from the state of AReaL's ``EpochStepTimeFreqCtl`` (epochs and steps
     since each trigger fired; the time since the time trigger did, counted up to now); None,
-    logged, when it has another shape (the triggers then count afresh)."""
+    logged, when it has another shape or a count or time that is not finite (the triggers then
+    count afresh)."""
     try:
+        last_time = float(areal["time"]["last_time"])
+        if not math.isfinite(last_time):
+            raise ValueError(f"last_time {last_time}")
         return schedule_state(
             int(areal["epoch"]["steps"] - areal["epoch"]["last_steps"]),
             int(areal["step"]["steps"] - areal["step"]["last_steps"]),
-            max(0.0, time.time() - float(areal["time"]["last_time"])),
+            max(0.0, time.time() - last_time),
         )
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # int() of an infinite count overflows
         logger.warning("%s: not AReaL's trigger state; those triggers count afresh", path)
         return None
 
@@ -256,7 +262,7 @@ def _read_value(metadata: Metadata, key: str, folder: Path) -> Any:
     if path.resolve().parent != folder.resolve() or info.length > (1 << 20):
         raise CheckpointError(f"{folder}: refused the record of {key!r} ({info.relative_path}, {info.length} bytes)")
     try:
-        with open(path, "rb") as stream:
+        with open_regular_file(path) as stream:
             stream.seek(info.offset)
             data = stream.read(info.length)
         return torch.load(io.BytesIO(data), weights_only=True)
@@ -296,14 +302,32 @@ def _write(
     return {**header, "world_size": world_size, "imported_from": IMPORTED_FROM}
 
 
+def _moves(store: RecoverStore, found: list[Path]) -> dict[Path, Path]:
+    """Where each of AReaL's folders ``found`` goes under ``{trial}/areal_original/``; read-only.
+    CheckpointError naming the path when a folder on the way is a link (nothing is moved
+    through a link this import did not create) or not a folder, or the place is taken."""
+    originals = store.trial / ORIGINALS
+    moves = {}
+    for path in found:
+        relative = path.relative_to(store.trial)  # recover_info, or {name}/recover_checkpoint
+        target = originals / relative
+        for folder in [originals, *(originals / parent for parent in reversed(relative.parents[:-1]))]:
+            if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+                raise CheckpointError(
+                    f"{folder}: is a link or a file, not a folder this import made; AReaL's folders are not "
+                    "moved through it. Move it away and run the import again"
+                )
+        if target.exists() or target.is_symlink():
+            raise CheckpointError(f"{target}: already exists; move it away and run the import again")
+        moves[path] = target
+    return moves
+
+
 def _finish(store: RecoverStore, generation: str, header: dict[str, Any], remove_original: bool) -> ImportedTrial:
     """After the commit: move AReaL's folders away (or remove them), then put our links."""
     originals = store.trial / ORIGINALS
-    for path in store.foreign_recovery_layout():
-        target = originals / path.relative_to(store.trial)
+    for path, target in _moves(store, store.foreign_recovery_layout()).items():
         target.parent.mkdir(parents=True, exist_ok=True)
-        if target.exists():
-            raise CheckpointError(f"{target}: already exists; move it away and run the import again")
         path.rename(target)
         fsync_dir(path.parent)
         fsync_dir(target.parent)
