@@ -9,9 +9,17 @@ own (``torchrun ...``, ``python train.py ...``). Policy:
 - a failure before the job's first dump (no new recovery checkpoint was committed during the
   attempt) with the same error as the attempt before, which also made no dump: not relaunched,
   since a third try would fail the same way (a bad config, a missing file);
-- Ctrl-C or SIGTERM to the launcher: forwarded to the job once (a second one kills it); no
-  relaunch;
+- Ctrl-C, SIGTERM or SIGHUP (its terminal closed) to the launcher: forwarded to the job's whole
+  process group once (a second one kills the group); no relaunch;
 - recovery disabled: the job runs once.
+
+Each attempt runs in a process group of its own. It is over when its main process exits: what
+it left in its group (a rollout server, a worker) gets SIGTERM, and SIGKILL after a grace
+period, so nothing of it holds the trial, its ports or its GPUs when the next attempt starts,
+and a process outside the group that still holds the job's stderr is no longer waited for. If
+the launcher itself dies (even by SIGKILL), the kernel sends the job's main process SIGTERM
+(a parent-death signal), so the job does not run on unsupervised; torchrun ends its workers
+then, a wrapper shell may not end what it started.
 
 The launcher exits with the last attempt's status (128 + N for death by signal N, as a shell
 reports it). Each attempt sees ``AREAL_CKPT_LAUNCH_ATTEMPT`` (0 for the first). Messages go
@@ -20,12 +28,16 @@ to stderr, prefixed ``areal-ckpt launch:``.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import os
 import re
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO
@@ -36,6 +48,12 @@ from areal_ckpt.recover.store import RecoverStore
 
 #: Environment variable telling each attempt its number (0 for the first).
 ATTEMPT_VARIABLE = "AREAL_CKPT_LAUNCH_ATTEMPT"
+#: Signals to the launcher that end the job and the launch (forwarded to the job's group).
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: Seconds what an attempt left in its process group gets after SIGTERM, before SIGKILL.
+_GRACE_SECONDS = 10.0
+_PR_SET_PDEATHSIG = 1
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the forked child only calls it
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure)\b(: .*)?$")
 
 
@@ -57,8 +75,8 @@ class Outcome:
 def launch(recover: RecoverConfig, command: Sequence[str], err: IO[str] = sys.stderr) -> int:
     """Run ``command`` until it succeeds or the policy above stops it; returns the exit status.
 
-    Blocking; forwards SIGINT / SIGTERM to the job while it runs (installs handlers on the
-    main thread and restores them on return).
+    Blocking; forwards SIGINT / SIGTERM / SIGHUP to the job's process group while it runs
+    (installs handlers on the main thread and restores them on return).
     """
     if not command:
         raise ValueError("areal-ckpt launch: no command given after '--'")
@@ -109,32 +127,68 @@ def _run_once(command: Sequence[str], attempt: int, err: IO[str]) -> tuple[int, 
     interrupted by a signal to the launcher)."""
     env = {**os.environ, ATTEMPT_VARIABLE: str(attempt)}
     child = subprocess.Popen(
-        list(command), env=env, stderr=subprocess.PIPE, text=True, errors="replace", process_group=0
+        list(command),
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        process_group=0,
+        preexec_fn=functools.partial(_end_with, os.getpid()),
     )
     received: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
         received.append(signum)
         try:
-            if len(received) == 1:
-                child.send_signal(signum)
-            else:
-                os.killpg(child.pid, signal.SIGKILL)
+            os.killpg(child.pid, signum if len(received) == 1 else signal.SIGKILL)
         except ProcessLookupError:
             pass
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
     first_error: list[str] = []
     reader = threading.Thread(target=_tee, args=(child.stderr, err, first_error), daemon=True)
     reader.start()
     try:
         code = child.wait()
+        _end_group(child.pid)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    reader.join()
+    reader.join(_GRACE_SECONDS)
+    if reader.is_alive():
+        _say(err, "a process outside the job's process group still holds its stderr; no longer waiting for it")
     status = 128 - code if code < 0 else code
     return status, (first_error[0] if first_error else None), bool(received)
+
+
+def _end_with(launcher: int) -> None:
+    """In the forked child, before the job's command runs: ask for SIGTERM when the launcher
+    dies, and exit at once if it already has."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != launcher:
+        os._exit(1)
+
+
+def _end_group(group: int) -> None:
+    """After an attempt's main process exited: SIGTERM to what is left in its process group,
+    SIGKILL to what is still there after the grace period. Blocking, at most that long."""
+    try:
+        os.killpg(group, signal.SIGTERM)
+    except ProcessLookupError:
+        return  # nothing left
+    deadline = time.monotonic() + _GRACE_SECONDS
+    while _group_exists(group) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, signal.SIGKILL)
+
+
+def _group_exists(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _tee(source: IO[str] | None, sink: IO[str], first_error: list[str]) -> None:

@@ -1,0 +1,121 @@
+"""`areal-ckpt launch` never leaves a job behind: a closed terminal (SIGHUP), a SIGKILLed
+launcher, a wrapper shell and an attempt's leftover children all end the processes they should,
+and a leftover holding the job's stderr does not stop the relaunch. Every wait is for an event
+(a file the job writes, a process ending), bounded so that a regression fails instead of hanging."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_areal_dropin import _job_yaml
+
+DEADLINE = 120.0
+
+
+def _launcher(config: Path, *job: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "areal_ckpt.tools.cli", "launch", "--config", str(config), "--", *job]
+    return subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+
+
+def _python_job(pid_file: Path, then: str = "while True: time.sleep(0.05)") -> list[str]:
+    """A job that writes its pid to ``pid_file`` (the event the test waits for), then ``then``."""
+    script = f"import os, pathlib, time; pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))\n{then}\n"
+    return [sys.executable, "-c", script]
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` is a live process (not gone, not a zombie awaiting its reaper)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def _wait_for(condition, launcher: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not condition():
+        if launcher is not None and launcher.poll() is not None:
+            raise AssertionError(f"the launcher ended first: {launcher.stderr.read()}")
+        assert time.monotonic() < deadline, "the awaited event never came"
+        time.sleep(0.02)
+
+
+def _pid(pid_file: Path) -> int:
+    return int(pid_file.read_text())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_a_hangup_or_term_to_the_launcher_ends_the_job_and_does_not_relaunch(tmp_path, fileroot, sig):
+    pid_file = tmp_path / "job.pid"
+    launcher = _launcher(_job_yaml(tmp_path, fileroot, retries=5), *_python_job(pid_file))
+    try:
+        _wait_for(pid_file.exists, launcher)
+        launcher.send_signal(sig)
+        stderr = launcher.communicate(timeout=DEADLINE)[1]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + sig
+    assert "interrupted, not relaunching" in stderr and stderr.count("areal-ckpt launch: attempt ") == 2
+    assert not _running(_pid(pid_file))
+
+
+def test_a_killed_launcher_takes_its_job_with_it(tmp_path, fileroot):
+    pid_file = tmp_path / "job.pid"
+    launcher = _launcher(_job_yaml(tmp_path, fileroot, retries=5), *_python_job(pid_file))
+    try:
+        _wait_for(pid_file.exists, launcher)
+        launcher.kill()  # SIGKILL: no handler of the launcher's runs
+        launcher.wait()
+        _wait_for(lambda: not _running(_pid(pid_file)))
+    finally:
+        if pid_file.exists() and _running(_pid(pid_file)):
+            os.kill(_pid(pid_file), signal.SIGKILL)
+
+
+def test_a_term_reaches_the_job_behind_a_wrapper_shell(tmp_path, fileroot):
+    pid_file = tmp_path / "job.pid"
+    shell = f"{shlex.join(_python_job(pid_file))}; echo after"
+    launcher = _launcher(_job_yaml(tmp_path, fileroot, retries=5), "bash", "-c", shell)
+    try:
+        _wait_for(pid_file.exists, launcher)
+        launcher.send_signal(signal.SIGTERM)
+        launcher.communicate(timeout=DEADLINE)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        if pid_file.exists() and _running(_pid(pid_file)):
+            os.kill(_pid(pid_file), signal.SIGKILL)
+    assert launcher.returncode != 0 and not _running(_pid(pid_file))
+
+
+def test_an_attempt_that_leaves_a_child_holding_its_stderr_is_relaunched_and_the_child_ended(tmp_path, fileroot):
+    """Attempt 0 starts a long sleeper that inherits its stderr, then fails; attempt 1 succeeds.
+    The sleeper is ended with its attempt, so the relaunch happens and the launch finishes."""
+    sleeper_file = tmp_path / "sleeper.pid"
+    script = (
+        "import os, pathlib, subprocess, sys\n"
+        "if os.environ['AREAL_CKPT_LAUNCH_ATTEMPT'] == '0':\n"
+        "    sleeper = subprocess.Popen(['sleep', '600'])\n"
+        f"    pathlib.Path({str(sleeper_file)!r}).write_text(str(sleeper.pid))\n"
+        "    sys.exit(5)\n"
+    )
+    launcher = _launcher(_job_yaml(tmp_path, fileroot, retries=1), sys.executable, "-c", script)
+    try:
+        stderr = launcher.communicate(timeout=DEADLINE)[1]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        if sleeper_file.exists() and _running(_pid(sleeper_file)):
+            os.kill(_pid(sleeper_file), signal.SIGKILL)
+    assert launcher.returncode == 0, stderr
+    assert "attempt 1 failed with exit status 5; relaunch 1 of recover.retries=1" in stderr
+    assert not _running(_pid(sleeper_file))
