@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -253,6 +254,32 @@ def test_a_writer_killed_right_after_its_commit_counts_as_committed_and_dumps_go
     assert ac.RecoverHandler(recover_config(fileroot), SPEC).load(resumed.engine).last_step_info.global_step == 2
     for name, tensor in setup.model.state_dict().items():
         assert torch.equal(tensor, resumed.model.state_dict()[name]), name
+
+
+def writers_meeting_worker(rank: int, world_size: int, root: str, report: str) -> None:
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    setup = make_setup()
+    handler = ac.RecoverHandler(recover_config(Path(root), mode="async"), SPEC)
+    handler.dump(setup.engine, step_info(0), force=True)
+    handler.wait()
+    handler.close()
+    store = _get_default_store()
+    while isinstance(store, torch.distributed.PrefixStore):
+        store = store.underlying_store  # the job's TCPStore itself, all its keys
+    keys = [key for key in store.list_keys() if key.startswith("areal_ckpt/writers/recover/")]
+    torch.distributed.barrier()  # rank 0 serves the store: it stays until every rank has listed
+    Path(f"{report}.{rank}").write_text(json.dumps(keys))
+
+
+@pytest.mark.dist
+def test_the_writers_meet_on_the_jobs_own_store_and_open_no_store_of_their_own(tmp_path):
+    """Two ranks' writers form their group under a fresh prefix in the training job's TCPStore,
+    so no writer serves a store of its own (an unauthenticated port on every interface)."""
+    run_distributed(writers_meeting_worker, 2, str(tmp_path / "root"), str(tmp_path / "keys"))
+    seen = [json.loads(Path(f"{tmp_path / 'keys'}.{rank}").read_text()) for rank in range(2)]
+    assert seen[0] and seen[0] == seen[1]
+    assert len({key.split("/")[3] for key in seen[0]}) == 1  # one start, one prefix
 
 
 def staging_agreement_worker(rank: int, world_size: int, report: str) -> None:

@@ -32,6 +32,7 @@ import sys
 import time
 import traceback
 import types
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -112,12 +113,12 @@ class BackgroundWriter:
         return self._in_flight and self._process.is_alive() and not self._conn.poll(0)
 
     def _start(self) -> None:
-        """Start the writer process; collective (rank 0 picks the port the writers meet on).
+        """Start the writer process; collective (rank 0 names where the writers meet).
         Returns without waiting for the writer to finish starting."""
-        address = None
+        meeting = None
         if dist.rank() == 0:
-            address = (os.environ.get("MASTER_ADDR") or socket.gethostname(), _free_port())
-        host, port = dist.broadcast_object(address, src=0)
+            meeting = _meeting_place(self.label)
+        meeting = dist.broadcast_object(meeting, src=0)
         context = multiprocessing.get_context("spawn")
         parent_end, child_end = context.Pipe()
         lock_fd = held_lock_descriptor(self.trial)
@@ -127,8 +128,7 @@ class BackgroundWriter:
                 child_end,
                 dist.rank(),
                 dist.world_size(),
-                host,
-                port,
+                meeting,
                 os.getpid(),
                 None if lock_fd is None else _InheritedDescriptor(lock_fd),
                 logging.getLogger("areal_ckpt").getEffectiveLevel(),
@@ -243,10 +243,46 @@ def _without_main_module() -> Iterator[None]:
         sys.modules["__main__"] = main
 
 
-def _free_port() -> int:
+@dist.exchanged
+@dataclass(frozen=True)
+class _Meeting:
+    """Where the writers of a job form their process group: under ``prefix`` in the TCPStore
+    at ``host``:``port``, which is the training job's own store (``own`` False) or, when the job
+    rendezvoused some other way, one the writers' rank 0 serves (``own`` True)."""
+
+    host: str
+    port: int
+    prefix: str
+    own: bool
+
+
+def _meeting_place(label: str) -> _Meeting:
+    """Rank 0: where this start's writers meet. The job's own TCPStore when it has one, so the
+    writers open no port of their own; a fresh key prefix per start, so a restarted group never
+    reads an earlier one's keys. Local."""
+    prefix = f"areal_ckpt/writers/{label}/{uuid.uuid4().hex}"
+    store: Any = None
+    with contextlib.suppress(ValueError, RuntimeError, AttributeError):
+        store = torch.distributed.distributed_c10d._get_default_store()
+    while isinstance(store, torch.distributed.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, torch.distributed.TCPStore):
+        return _Meeting(store.host, store.port, prefix, own=False)
+    host = os.environ.get("MASTER_ADDR") or socket.gethostname()
     with socket.socket() as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
+        sock.bind((host, 0))
+        return _Meeting(host, int(sock.getsockname()[1]), prefix, own=True)
+
+
+def _writers_store(meeting: _Meeting, rank: int, world: int) -> Any:
+    """The store the writers' process group rendezvouses on, seen from writer ``rank``."""
+    if meeting.own:
+        store = torch.distributed.TCPStore(
+            meeting.host, meeting.port, world, is_master=rank == 0, timeout=_STORE_TIMEOUT
+        )
+    else:
+        store = torch.distributed.TCPStore(meeting.host, meeting.port, is_master=False, timeout=_STORE_TIMEOUT)
+    return torch.distributed.PrefixStore(meeting.prefix, store)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -258,7 +294,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def _serve(
-    conn: Any, rank: int, world: int, host: str, port: int, parent_pid: int, lock_fd: int | None, log_level: int
+    conn: Any, rank: int, world: int, meeting: _Meeting, parent_pid: int, lock_fd: int | None, log_level: int
 ) -> None:
     """The writer process: join the writers' group, then run jobs until told to stop."""
     _die_with_parent(parent_pid)
@@ -270,7 +306,7 @@ def _serve(
     package_logger.addHandler(handler)
     package_logger.setLevel(log_level)
     if world > 1:
-        store = torch.distributed.TCPStore(host, port, world, is_master=rank == 0, timeout=_STORE_TIMEOUT)
+        store = _writers_store(meeting, rank, world)
         torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world)
     buffer: torch.Tensor | None = None
     staged = StagedTensors()
