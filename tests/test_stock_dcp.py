@@ -90,3 +90,72 @@ def test_a_forged_shape_in_stock_metadata_allocates_nothing(tmp_path, capsys):
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
     assert cli_main(["export", str(folder), str(tmp_path / "hf"), "--config-from", str(base)]) == 2
     assert "model.lm_head.weight claims 4398046511104 bytes" in capsys.readouterr().err
+
+
+def _forged(metadata, change):
+    change(metadata)
+    return metadata
+
+
+FORGED_STRUCTURE = {
+    "size as a list": (
+        lambda m: setattr(m.state_dict_metadata["model.lm_head.weight"], "size", [48, 64]),
+        "entry 'model.lm_head.weight': size [48, 64] is not a torch.Size",
+    ),
+    "properties None": (
+        lambda m: setattr(m.state_dict_metadata["model.lm_head.weight"], "properties", None),
+        "entry 'model.lm_head.weight': properties None name no dtype",
+    ),
+    "an int key": (
+        lambda m: m.state_dict_metadata.update({7: m.state_dict_metadata["model.lm_head.weight"]}),
+        "entry 7: its name is not a string",
+    ),
+    "a storage key that is not a MetadataIndex": (
+        lambda m: m.storage_data.update({"model.lm_head.weight": next(iter(m.storage_data.values()))}),
+        "storage key model.lm_head.weight is not a MetadataIndex",
+    ),
+}
+
+
+@pytest.mark.parametrize("forgery", sorted(FORGED_STRUCTURE))
+@pytest.mark.parametrize("command", ["export", "inspect"])
+def test_stock_metadata_of_the_wrong_shape_is_named_not_a_traceback(tmp_path, capsys, forgery, command):
+    from areal_ckpt.formats.stock_dcp import read_stock_metadata
+
+    folder, base = tmp_path / "dcp", tmp_path / "base"
+    _stock_save(folder, LAYOUTS["plain"])
+    make_setup().model.config.save_pretrained(base)
+    change, message = FORGED_STRUCTURE[forgery]
+    (folder / ".metadata").write_bytes(pickle.dumps(_forged(read_stock_metadata(folder), change)))
+    args = (
+        ["export", str(folder), str(tmp_path / "hf"), "--config-from", str(base)]
+        if command == "export"
+        else ["inspect", str(folder)]
+    )
+    assert cli_main(args) == 2
+    error = capsys.readouterr().err
+    assert f"{folder / '.metadata'}: {message}" in error and "Traceback" not in error, error
+
+
+def test_many_records_claiming_the_same_bytes_are_refused_before_anything_is_allocated(tmp_path, capsys):
+    """13,000 storage entries over one small file, each inside it: together they claim far more
+    than the file holds, so a shape backed by them is refused."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    from areal_ckpt.formats.stock_dcp import read_stock_metadata
+
+    folder, base = tmp_path / "dcp", tmp_path / "base"
+    _stock_save(folder, LAYOUTS["plain"])
+    make_setup().model.config.save_pretrained(base)
+    metadata = read_stock_metadata(folder)
+    entry = metadata.state_dict_metadata["model.lm_head.weight"]
+    record = metadata.storage_data[MetadataIndex("model.lm_head.weight", torch.Size([0, 0]))]
+    rows = 13_000
+    entry.size = torch.Size([rows * 48, 64])
+    entry.chunks = [ChunkStorageMetadata(torch.Size([48 * r, 0]), torch.Size([48, 64])) for r in range(rows)]
+    for r in range(1, rows):
+        metadata.storage_data[MetadataIndex("model.lm_head.weight", torch.Size([48 * r, 0]))] = record
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    assert cli_main(["export", str(folder), str(tmp_path / "hf"), "--config-from", str(base)]) == 2
+    error = capsys.readouterr().err
+    assert "the records of model.lm_head.weight and model.lm_head.weight share bytes of" in error, error

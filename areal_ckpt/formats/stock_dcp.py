@@ -20,7 +20,15 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import interruption_in
@@ -89,7 +97,45 @@ def read_stock_metadata(folder: Path) -> Metadata:
         or not isinstance(metadata.storage_data, dict)
     ):
         raise CheckpointError(f"{path}: refused: not DCP metadata (got {type(metadata).__name__})")
+    _check_structure(metadata, path)
     return metadata
+
+
+def _is_shape(value: Any) -> bool:
+    return isinstance(value, torch.Size) and all(type(v) is int and v >= 0 for v in value)
+
+
+def _check_structure(metadata: Metadata, path: Path) -> None:
+    """Raise CheckpointError naming ``path`` and the entry unless every entry has the types DCP
+    itself writes (names as strings, shapes as ``torch.Size``, dtypes, chunk lists, storage keys
+    as ``MetadataIndex`` and records as file, offset and length), so every later reader can rely
+    on them. Pure."""
+    for key, entry in metadata.state_dict_metadata.items():
+        where = f"{path}: entry {key!r}"
+        if not isinstance(key, str):
+            raise CheckpointError(f"{where}: its name is not a string")
+        if isinstance(entry, BytesStorageMetadata):
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(f"{where}: {type(entry).__name__} is neither a tensor nor a bytes entry")
+        if not isinstance(entry.properties, TensorProperties) or not isinstance(entry.properties.dtype, torch.dtype):
+            raise CheckpointError(f"{where}: properties {entry.properties!r} name no dtype")
+        if not _is_shape(entry.size):
+            raise CheckpointError(f"{where}: size {entry.size!r} is not a torch.Size of non-negative integers")
+        chunks = entry.chunks if isinstance(entry.chunks, list) else None
+        if chunks is None or not all(
+            isinstance(c, ChunkStorageMetadata) and _is_shape(c.offsets) and _is_shape(c.sizes) for c in chunks
+        ):
+            raise CheckpointError(f"{where}: chunks {str(entry.chunks)[:200]} are not DCP chunk records")
+    for index, info in metadata.storage_data.items():
+        if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
+            raise CheckpointError(f"{path}: storage key {str(index)[:200]} is not a MetadataIndex")
+        relative = getattr(info, "relative_path", None)
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not isinstance(relative, str) or "/" in relative or not (type(offset) is int and type(length) is int):
+            raise CheckpointError(f"{path}: malformed storage entry for {index.fqn}")
+        if offset < 0 or length < 0:
+            raise CheckpointError(f"{path}: storage entry for {index.fqn} at {offset} of {length} bytes")
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -180,21 +226,22 @@ def check_sizes(metadata: Metadata, folder: Path, keys: Sequence[str]) -> None:
     allocate more than is on disk, nor leave part of a tensor unread. Reads only file sizes."""
     sizes: dict[str, int] = {}
     stored: dict[str, int] = {}
+    spans: dict[str, list[tuple[int, int, str]]] = {}
     for index, info in metadata.storage_data.items():
-        relative = getattr(info, "relative_path", None)
-        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-        if (
-            not isinstance(relative, str)
-            or "/" in relative
-            or not isinstance(offset, int)
-            or not isinstance(length, int)
-        ):
-            raise CheckpointError(f"{folder / STOCK_METADATA}: malformed storage entry for {index.fqn}")
+        relative, offset, length = info.relative_path, info.offset, info.length  # typed by read_stock_metadata
         if relative not in sizes:
             sizes[relative] = regular_file_size(folder / relative)
-        if offset < 0 or length < 0 or offset + length > sizes[relative]:
+        if offset + length > sizes[relative]:
             raise CheckpointError(f"{folder / STOCK_METADATA}: places {index.fqn} past the end of {relative}")
         stored[index.fqn] = stored.get(index.fqn, 0) + length
+        spans.setdefault(relative, []).append((offset, offset + length, index.fqn))
+    for relative, placed in spans.items():  # records never share bytes: together they fit in their files
+        placed.sort()
+        for (_, end, first), (start, _, second) in zip(placed, placed[1:]):
+            if start < end:
+                raise CheckpointError(
+                    f"{folder / STOCK_METADATA}: the records of {first} and {second} share bytes of {relative}"
+                )
     for key in keys:
         entry = tensor_entry(metadata, key, folder)
         try:
