@@ -48,9 +48,22 @@ def trial_root(fileroot: str | Path, user: str, experiment_name: str, trial_name
     return Path(fileroot) / "checkpoints" / user / experiment_name / trial_name
 
 
+def check_model_name(name: str) -> str:
+    """``name`` if it can name a model's folder (``actor``, ``default``); ValueError naming it
+    when it is not a safe folder name or is one a trial and a generation already use for
+    something else (``recover_info``)."""
+    check_path_component(name, "model name")
+    if name == RECOVER_INFO:
+        raise ValueError(
+            f"model name {name!r} is taken: a trial and each recovery dump keep their {RECOVER_INFO}/ there"
+        )
+    return name
+
+
 def model_root(trial: Path, name: str) -> Path:
-    """Folder of one model name (``actor``, ``default``) inside a trial."""
-    return trial / check_path_component(name, "model name")
+    """Folder of one model name (``actor``, ``default``) inside a trial; ValueError for a name
+    :func:`check_model_name` refuses."""
+    return trial / check_model_name(name)
 
 
 def export_leaf(epoch: int, epoch_step: int, global_step: int) -> str:

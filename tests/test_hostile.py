@@ -444,3 +444,56 @@ def test_a_pointer_switch_never_replaces_what_is_not_a_link(tmp_path):
     (tmp_path / ".link.new").symlink_to("left by an interrupted switch")
     switch_symlink(tmp_path / "link", "new")
     assert os.readlink(tmp_path / "link") == "new" and not (tmp_path / ".link.new").is_symlink()
+
+
+def _resigned(generation: Path, change) -> None:
+    from areal_ckpt.publish import render_manifest
+
+    path = generation / "recover_info/areal_ckpt_manifest.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_bytes(render_manifest(manifest))
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        (lambda m: m.update(files={}), "recover_info/step_info.json: not in the manifest"),
+        (lambda m: m.update(models=["../elsewhere"]), "model name '../elsewhere' cannot be used as a folder name"),
+    ],
+    ids=["no files", "a model outside the trial"],
+)
+def test_recover_pointer_skips_a_resigned_manifest_before_switching_anything(fileroot, capsys, change, problem):
+    _two_dumps(fileroot)
+    good = committed_generation(fileroot)
+    newer = good.parent / "gen-00000009-0badf00d"
+    shutil.copytree(good, newer)
+    _resigned(newer, change)
+    (good.parent / "current").unlink()
+    assert cli_main(["recover-pointer", str(trial_dir(fileroot))]) == 0
+    out = capsys.readouterr().out
+    assert f"SKIP {newer.name}: " in out and problem in out, out
+    assert committed_generation(fileroot) == good
+    assert not (trial_dir(fileroot).parent / "elsewhere").exists()
+
+
+def test_recover_pointer_names_two_generations_of_the_same_step(fileroot, caplog):
+    _two_dumps(fileroot)
+    good = committed_generation(fileroot)
+    twin = good.parent / f"{good.name.rsplit('-', 1)[0]}-0badf00d"
+    shutil.copytree(good, twin)
+    (good.parent / "current").unlink()
+    assert cli_main(["recover-pointer", str(trial_dir(fileroot))]) == 0
+    chosen = committed_generation(fileroot).name
+    other = ({good.name, twin.name} - {chosen}).pop()
+    assert f"{chosen} and ['{other}'] hold the same global step 1; pointing at {chosen}" in caplog.text
+
+
+def test_a_model_named_recover_info_is_refused_before_anything_is_written(fileroot):
+    setup = make_setup()
+    handler = ac.RecoverHandler(recover_config(fileroot), SPEC)
+    with pytest.raises(ValueError, match="model name 'recover_info' is taken"):
+        handler.dump({"recover_info": setup.engine}, step_info(0), force=True)
+    handler.close()
+    store = trial_dir(fileroot) / ".recover"
+    assert not store.exists() or list(store.iterdir()) == []

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import warnings
@@ -349,3 +350,42 @@ def test_trigger_state_with_infinite_values_counts_afresh_and_the_import_goes_on
     imported = ac.import_areal_trial(trial)
     assert imported.step_info.global_step == DUMP_AFTER
     assert f"{path}: not AReaL's trigger state; those triggers count afresh" in caplog.text
+
+
+def test_an_import_killed_after_moving_the_originals_but_before_the_links_is_finished_by_running_it_again(
+    fileroot, areal_trial
+):
+    trial, _ = areal_trial
+    assert cli_main(["import-areal", str(trial)]) == 0
+    (trial / "recover_info").unlink()  # the state a kill right after the moves leaves
+    (trial / "default/recover_checkpoint").unlink()
+    assert cli_main(["import-areal", str(trial)]) == 0
+    assert (trial / "recover_info").is_symlink() and (trial / "default/recover_checkpoint").is_symlink()
+    info = ac.RecoverHandler(recover_config(fileroot), SPEC).load(make_setup(seed=1).engine)
+    assert info.last_step_info.global_step == DUMP_AFTER
+
+
+def test_an_import_killed_before_its_commit_is_refused_by_recover_pointer_and_finished_by_the_import(
+    tmp_path, fileroot, areal_trial, capsys
+):
+    """A kill between the manifest and the pointer switch leaves a complete generation beside
+    AReaL's folders, with no `current`. recover-pointer changes nothing and names the command
+    that finishes it; that command does."""
+    trial, _ = areal_trial
+    before = tmp_path / "before"
+    shutil.copytree(trial, before, symlinks=True)
+    assert cli_main(["import-areal", str(trial)]) == 0
+    (generation,) = [p for p in (trial / ".recover").iterdir() if p.name.startswith("gen-")]
+    shutil.copytree(generation, tmp_path / generation.name)
+    shutil.rmtree(trial)
+    shutil.copytree(before, trial, symlinks=True)
+    shutil.copytree(tmp_path / generation.name, trial / ".recover" / generation.name)
+    capsys.readouterr()
+    assert cli_main(["recover-pointer", str(trial)]) == 2
+    error = capsys.readouterr().err
+    assert "holds a recovery checkpoint written by AReaL" in error and "Traceback" not in error
+    assert not (trial / ".recover/current").is_symlink() and (trial / "recover_info").is_dir()
+    assert f"areal-ckpt import-areal {trial}" in error
+    assert cli_main(["import-areal", str(trial)]) == 0  # the hint
+    info = ac.RecoverHandler(recover_config(fileroot), SPEC).load(make_setup(seed=1).engine)
+    assert info.last_step_info.global_step == DUMP_AFTER

@@ -15,13 +15,13 @@ from typing import Any
 import torch
 
 from areal_ckpt import agree, dist
-from areal_ckpt.config import RecoverConfig, check_path_component
+from areal_ckpt.config import RecoverConfig
 from areal_ckpt.engines.accept import HFAssets, export_files
 from areal_ckpt.engines.contract import Engine
 from areal_ckpt.errors import CollectiveError, RankMismatchError, TransientError
 from areal_ckpt.formats.hf_export import HFFiles
 from areal_ckpt.fsio import FileRecord
-from areal_ckpt.paths import ENGINE_STATE_FILE, MODEL_SEPARATOR, RECOVER_INFO
+from areal_ckpt.paths import ENGINE_STATE_FILE, MODEL_SEPARATOR, RECOVER_INFO, check_model_name
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.write import DumpJob, dump_header
 from areal_ckpt.state import safe_json
@@ -69,7 +69,7 @@ def prepare_dump(
     rank = dist.rank()
     names = sorted(engines)
     for name in names:
-        check_path_component(name, "model name")
+        check_model_name(name)
     agree.require_same([step_info.global_step, names], "RecoverHandler.dump: ranks disagree on (global_step, models)")
     generation = agree.decided_by_rank0(lambda: begin(step_info.global_step, names), "RecoverHandler.dump")
     collected = _Files({}, {}, {}, {})

@@ -46,7 +46,7 @@ from areal_ckpt.paths import (
     recover_store,
     trial_root,
 )
-from areal_ckpt.publish import check_files, hide_folder, read_manifest, switch_symlink, write_manifest
+from areal_ckpt.publish import hide_folder, read_manifest, switch_symlink, write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class RecoverStore:
         missing although complete generations are there (e.g. a copy that dropped symlinks).
         Read-only.
         """
-        self._check_root()
+        self.check_root()
         if not self.pointer.is_symlink():
             if self.pointer.exists():
                 raise CheckpointError(f"{self.pointer}: expected a symlink to a generation, found a regular entry")
@@ -100,7 +100,7 @@ class RecoverStore:
             )
         return target
 
-    def _check_root(self) -> None:
+    def check_root(self) -> None:
         """Raise CheckpointError unless the store is absent or a real folder."""
         if self.root.is_symlink():
             where = os.readlink(self.root)
@@ -310,28 +310,6 @@ class RecoverStore:
         if removed:
             fsync_dir(self.root)
         return removed
-
-    def repoint_newest_verified(self) -> tuple[str, dict[str, list[str]]]:
-        """Point ``current`` at the newest generation whose every file matches its manifest
-        (sizes and CRC-32, all read); returns it and the problems of the newer ones skipped.
-        Durable on return. One process only, with the trial lock held. Raises CheckpointError
-        when the store is not a real folder or no generation verifies; then nothing changes."""
-        self._check_root()
-        skipped: dict[str, list[str]] = {}
-        for name in reversed(self.generations()):
-            try:
-                manifest = read_manifest(self.path(name), RECOVER_MANIFEST)
-            except CheckpointError as error:
-                skipped[name] = [str(error)]
-                continue
-            problems = check_files(self.path(name), manifest["files"], manifest["files"])
-            if problems:
-                skipped[name] = problems
-                continue
-            switch_symlink(self.pointer, name)
-            self.ensure_links(list(manifest.get("models") or []))
-            return name, skipped
-        raise CheckpointError(f"{self.root}: no recovery generation verifies: {skipped or 'there is none'}")
 
     def foreign_recovery_layout(self) -> list[Path]:
         """AReaL's own recovery folders in this trial: a real ``recover_info/`` folder or a real

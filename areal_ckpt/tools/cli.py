@@ -21,6 +21,7 @@ from areal_ckpt.config_loader import load_config
 from areal_ckpt.errors import CheckpointError, ConfigError
 from areal_ckpt.formats.stock_dcp import is_stock_dcp
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
+from areal_ckpt.recover.repoint import repoint_newest_verified
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.tensors import EXPORT_DTYPES
 from areal_ckpt.tools.convert import export_deepspeed, export_recovery, export_stock_dcp
@@ -196,7 +197,7 @@ def cmd_recover_pointer(args: argparse.Namespace) -> int:
             return 0
     acquire_trial_lock(store.trial)
     try:
-        generation, skipped = store.repoint_newest_verified()
+        generation, skipped = repoint_newest_verified(store)
     finally:
         release_trial_lock(store.trial)
     for name, problems in skipped.items():

@@ -53,9 +53,11 @@ from areal_ckpt.paths import (
     RECOVER_MANIFEST,
     STEP_FILE,
     rank_state_file,
+    recover_checkpoint_link,
     recover_info_link,
 )
-from areal_ckpt.publish import read_manifest, switch_symlink, write_manifest
+from areal_ckpt.publish import check_files, read_manifest, switch_symlink, write_manifest
+from areal_ckpt.recover.repoint import missing_parts
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.write import dump_header
 from areal_ckpt.schedule import schedule_state
@@ -91,16 +93,22 @@ def import_areal_trial(trial: Path, config_from: Path | None = None, remove_orig
     that ``areal-ckpt export`` needs no ``--config-from`` later. Local: one process, holding the
     trial's lock. Raises CheckpointError naming the file and cause when the trial is not an
     AReaL trial, already ours, or holds anything refused; the trial is then left as it was.
+    Run again on a trial whose import was committed but interrupted (its originals or links
+    not all in place yet) it finishes that import; on one that has trained on since, it
+    refuses (nothing to import).
     """
     trial = Path(trial)
     acquire_trial_lock(trial)
     try:
         store = RecoverStore(trial)
         found = store.foreign_recovery_layout()
-        committed = store.committed()
+        try:
+            committed = store.committed()
+        except CheckpointError as lost:  # no commit record beside complete generations: maybe our own
+            committed = _commit_interrupted_import(store, lost)
         if committed is not None:
             header = read_manifest(store.path(committed), RECOVER_MANIFEST)
-            if header.get("imported_from") == IMPORTED_FROM and found:
+            if header.get("imported_from") == IMPORTED_FROM and _unfinished(store, header, found):
                 logger.info("%s: finishing the import committed as %s", trial, committed)
                 return _finish(store, committed, header, remove_original)
             raise CheckpointError(
@@ -133,6 +141,29 @@ def import_areal_trial(trial: Path, config_from: Path | None = None, remove_orig
         return _finish(store, generation, header, remove_original)
     finally:
         release_trial_lock(trial)
+
+
+def _commit_interrupted_import(store: RecoverStore, lost: CheckpointError) -> str:
+    """An import killed between its manifest and its commit: commit the newest complete
+    generation that an import wrote, once every file of it verifies, and return it. Raises
+    ``lost`` (the store's error: its commit record is missing) when there is none."""
+    for name in reversed(store.complete_generations()):
+        manifest = read_manifest(store.path(name), RECOVER_MANIFEST)
+        if manifest.get("imported_from") != IMPORTED_FROM:
+            break  # a generation of a job that trained: recover-pointer's case, not ours
+        problems = missing_parts(manifest) or check_files(store.path(name), manifest["files"], manifest["files"])
+        if problems:
+            raise CheckpointError(f"{store.path(name)}: an interrupted import's generation is damaged: {problems}")
+        switch_symlink(store.pointer, name)
+        logger.info("%s: committed %s, which an interrupted import had written", store.trial, name)
+        return name
+    raise lost
+
+
+def _unfinished(store: RecoverStore, header: dict[str, Any], found: list[Path]) -> bool:
+    """True when a committed import still has AReaL's folders in place or misses a link."""
+    links = [recover_info_link(store.trial), *(recover_checkpoint_link(store.trial, m) for m in header["models"])]
+    return bool(found) or not all(link.is_symlink() for link in links)
 
 
 def _schedule(areal: Any, path: Path) -> dict[str, Any] | None:
