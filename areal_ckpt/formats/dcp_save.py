@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_storage import RawStorageWriter
+from areal_ckpt.formats.replicas import check_replicas, check_replicas_sampled, fingerprints
 from areal_ckpt.fsio import FileRecord
 
 
@@ -43,6 +44,7 @@ class _CachedPlan:
     local_items: list[WriteItem]
     central: SavePlan  # this rank's part of the global plan
     metadata: Metadata | None  # rank 0: the global metadata (storage positions are refilled)
+    replicated: list[str]  # names every rank holds as plain tensors, checked again at each save
 
 
 _PLANS: dict[str, _CachedPlan] = {}
@@ -71,7 +73,7 @@ def save_tensors(
         raise CheckpointError(f"only tensors go through DCP; not tensors: {non_tensors[:5]}")
     writer = RawStorageWriter(folder)
     planner = DefaultSavePlanner()
-    central, metadata = _plan(_stored_layout(tensors, param_groups), writer, planner, plan_key, folder)
+    central, metadata = _plan(tensors, _stored_layout(tensors, param_groups), writer, planner, plan_key, folder)
     agree.gathered_then_decided(  # the write results go to rank 0, which writes the metadata
         lambda: writer.write_data(planner.finish_plan(central), planner).value(),
         lambda results: writer.finish(_global(metadata, folder), results),
@@ -90,11 +92,17 @@ def _global(metadata: Metadata | None, folder: Path) -> Metadata:
 
 
 def _plan(
-    state: dict[str, Any], writer: RawStorageWriter, planner: DefaultSavePlanner, plan_key: str | None, folder: Path
+    tensors: dict[str, torch.Tensor],
+    state: dict[str, Any],
+    writer: RawStorageWriter,
+    planner: DefaultSavePlanner,
+    plan_key: str | None,
+    folder: Path,
 ) -> tuple[SavePlan, Metadata | None]:
     """This rank's part of the global plan (and, on rank 0, the global metadata): the cached one
-    when every rank's local plan is unchanged, else made by rank 0 from all local plans.
-    Collective."""
+    when every rank's local plan is unchanged, else made by rank 0 from all local plans. Either
+    way only once the names several ranks hold have the same value on each (exactly when a plan
+    is made, by samples when it is reused: :mod:`areal_ckpt.formats.replicas`). Collective."""
     placement = (dist.rank(), dist.world_size())
     cached = _PLANS.get(plan_key) if plan_key is not None else None
     local: SavePlan | None = None
@@ -109,22 +117,25 @@ def _plan(
         local is not None and cached is not None and cached.placement == placement and cached.local_items == local.items
     )
     if dist.all_true(unchanged) and cached is not None:
+        check_replicas_sampled(tensors, cached.replicated, folder)
         return cached.central, cached.metadata
     metadata: list[Metadata] = []  # rank 0's global metadata, set by `decide`
+    replicated: list[str] = []  # rank 0's names every rank holds, set by `decide`
 
-    def contribute() -> SavePlan:
+    def contribute() -> tuple[SavePlan, dict[str, int]]:
         if failure is not None or local is None:
             raise failure or CheckpointError(f"{folder}: no local plan")
-        return local
+        return local, fingerprints(tensors) if dist.world_size() > 1 else {}
 
-    def decide(plans: list[SavePlan]) -> list[SavePlan]:
-        global_plans, global_metadata = planner.create_global_plan(plans)
+    def decide(contributions: list[tuple[SavePlan, dict[str, int]]]) -> list[tuple[SavePlan, list[str]]]:
+        replicated.extend(check_replicas([prints for _, prints in contributions], folder))
+        global_plans, global_metadata = planner.create_global_plan([plan for plan, _ in contributions])
         metadata.append(global_metadata)
-        return list(writer.prepare_global_plan(global_plans))
+        return [(plan, replicated) for plan in writer.prepare_global_plan(global_plans)]
 
-    central = agree.gathered_then_dealt(contribute, decide, f"{folder}: planning DCP shards failed")
+    central, shared = agree.gathered_then_dealt(contribute, decide, f"{folder}: planning DCP shards failed")
     if plan_key is not None and local is not None:
-        _PLANS[plan_key] = _CachedPlan(placement, list(local.items), central, metadata[0] if metadata else None)
+        _PLANS[plan_key] = _CachedPlan(placement, list(local.items), central, metadata[0] if metadata else None, shared)
     return central, metadata[0] if metadata else None
 
 

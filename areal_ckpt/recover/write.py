@@ -83,7 +83,11 @@ class DumpJob:
                 store.discard(self.generation)
 
         what = f"{store.root}: recovery dump at global step {self.header['step']['global_step']}"
-        written, hidden = retried(lambda: self._attempt(store, by_model), self.retries, what, give_up=discard)
+        try:
+            written, hidden = retried(lambda: self._attempt(store, by_model), self.retries, what, give_up=discard)
+        except RankMismatchError:  # refused before anything was written: no debris either
+            discard()
+            raise
         store.delete_rank_files(hidden, dist.rank(), self.models)  # every rank its own share
         return {"path": str(store.path(self.generation)), "bytes": written}
 
