@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,57 @@ def test_convert_deepspeed_without_a_config_says_what_is_missing(tmp_path, capsy
     (tmp_path / "ds/latest").write_text("global_step1")
     assert main(["convert-deepspeed", str(tmp_path / "ds"), str(tmp_path / "out")]) == 2
     assert "config.json: missing" in capsys.readouterr().err
+
+
+def moe_worker(rank: int, world_size: int, root: str, report: str) -> None:
+    """DeepSpeed's own MoE layer with ep_size=2 under ZeRO-2: each rank holds another expert
+    under the same parameter name."""
+    import json
+
+    import deepspeed
+    from deepspeed.moe.layer import MoE
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    from areal_ckpt.demo.tiny import build_model
+
+    torch.manual_seed(0)
+    model = build_model(48)
+    hidden = model.config.hidden_size
+
+    class Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.moe = MoE(hidden_size=hidden, expert=torch.nn.Linear(hidden, hidden), num_experts=2, ep_size=2, k=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.moe(x)[0]
+
+    model.model.layers[0].mlp = Experts()
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()), "name": "p"})
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 2}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3), config=config)
+    tokens = torch.randint(0, 48, (2, 8), generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+    engine.step()
+    try:
+        ac.save_checkpoint(ac.DeepSpeedEngine(engine), root, tag="step1")
+        outcome = "saved"
+    except ac.CheckpointError as error:
+        outcome = f"{type(error).__name__}: {error}"
+    Path(f"{report}.{rank}").write_text(json.dumps({"outcome": outcome, "entries": sorted(os.listdir(root))}))
+
+
+def test_expert_parallel_moe_is_refused_loudly_never_saved_with_one_ranks_experts(tmp_path):
+    """Until experts are saved per expert, a checkpoint that would keep one rank's experts for
+    every rank is refused on every rank, naming the expert tensors; nothing is published."""
+    import json
+
+    root = tmp_path / "ds"
+    root.mkdir()
+    run_distributed(moe_worker, WORLD, str(root), str(tmp_path / "report"), timeout=600)
+    reports = [json.loads((tmp_path / f"report.{rank}").read_text()) for rank in range(WORLD)]
+    assert reports[0]["outcome"] == reports[1]["outcome"]
+    outcome = reports[0]["outcome"]
+    assert outcome.startswith("RankMismatchError: ") and "hold different values on different ranks" in outcome
+    assert "deepspeed_experts.0.weight (ranks 0 | 1 hold different values)" in outcome
+    assert "step1" not in reports[0]["entries"] and "latest" not in reports[0]["entries"]
