@@ -132,8 +132,9 @@ def _write_rank_files(
     if dist.rank() == 0:
         engine_state["optimizer_saved"] = engine.has_optimizer
         write_file_durably(staging / TAG_MODEL / ENGINE_STATE_FILE, safe_json.dumps(engine_state))
-        (staging / TAG_MODEL / HF_FILES).mkdir()  # what convert-deepspeed needs for config.json
-        export_files(engine, None).write(staging / TAG_MODEL / HF_FILES)
+        if engine.config is not None:  # what convert-deepspeed needs for config.json
+            (staging / TAG_MODEL / HF_FILES).mkdir()
+            export_files(engine, None).write(staging / TAG_MODEL / HF_FILES)
     return tensors, engine_state, {own: (record.size, record.crc32)}
 
 

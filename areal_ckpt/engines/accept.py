@@ -124,7 +124,17 @@ def export_files(
     assets: str | None = None,
 ) -> HFFiles:
     """The HF files (config, generation config, tokenizer, processor, base model files) of an
-    export of ``source`` in ``dtype`` (see :func:`areal_ckpt.formats.hf_export.hf_files`); local."""
+    export of ``source`` in ``dtype`` (see :func:`areal_ckpt.formats.hf_export.hf_files`); local.
+    CheckpointError saying how to export instead when ``source`` has no HF config (a plain
+    ``nn.Module``)."""
+    if source.config is None:
+        raise CheckpointError(
+            f"{source.architecture} has no HF config (.config): an HF export needs a transformers "
+            "PreTrainedModel. Recovery dumps and save_checkpoint need none; to write their weights as an HF "
+            "folder, use `areal-ckpt export CHECKPOINT OUT --config-from HF_DIR` (recovery) or `areal-ckpt "
+            "convert-deepspeed DIR OUT --config HF_DIR` (save_checkpoint), HF_DIR holding a config.json whose "
+            "model has these parameter names"
+        )
     return hf_files(
         source.config,
         source.generation_config,

@@ -40,7 +40,7 @@ class ExportSource(TensorSource, Protocol):
     (:class:`~areal_ckpt.formats.hf_export.TensorSource`), their specs, and the model's config."""
 
     @property
-    def config(self) -> Any: ...  # the model's transformers PretrainedConfig
+    def config(self) -> Any: ...  # the model's transformers PretrainedConfig; None: no HF export
 
     @property
     def generation_config(self) -> Any | None: ...  # its GenerationConfig, when it generates

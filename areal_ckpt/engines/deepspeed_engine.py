@@ -65,7 +65,7 @@ class DeepSpeedEngine:
 
     @property
     def config(self) -> Any:
-        """The model's ``PretrainedConfig``."""
+        """The model's ``PretrainedConfig``; None for a plain ``nn.Module``."""
         return self._torch.config
 
     @property

@@ -45,9 +45,10 @@ def original_class(module: nn.Module) -> type:
 class TorchEngine:
     """What the Saver and RecoverHandler need from a torch training setup.
 
-    ``model`` is a transformers ``PreTrainedModel``, optionally wrapped in DDP, compiled, or
-    sharded with FSDP2 ``fully_shard``. Construction is local; :meth:`gather_round` is collective
-    when the model is sharded.
+    ``model`` is any ``nn.Module``, optionally wrapped in DDP, compiled, or sharded with FSDP2
+    ``fully_shard``; recovery needs nothing more. An HF export also needs a transformers
+    ``PreTrainedModel`` (its ``.config``); a plain module's export is refused by name.
+    Construction is local; :meth:`gather_round` is collective when the model is sharded.
     """
 
     def __init__(
@@ -60,11 +61,6 @@ class TorchEngine:
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.module = unwrap_model(model)
-        if not hasattr(self.module, "config"):
-            raise TypeError(
-                f"TorchEngine: {type(self.module).__name__} has no .config; "
-                "HF export needs a transformers PreTrainedModel"
-            )
 
     @property
     def on_accelerator(self) -> bool:
@@ -78,8 +74,8 @@ class TorchEngine:
 
     @property
     def config(self) -> Any:
-        """The model's ``PretrainedConfig``."""
-        return self.module.config
+        """The model's ``PretrainedConfig``; None for a plain ``nn.Module``."""
+        return getattr(self.module, "config", None)
 
     @property
     def generation_config(self) -> Any | None:

@@ -33,7 +33,9 @@ class DcpModelSource:
         self.folder = folder
         if not (hf_folder / "config.json").is_file():
             raise CheckpointError(
-                f"{hf_folder / 'config.json'}: missing; this checkpoint did not record the model's HF config"
+                f"{hf_folder / 'config.json'}: missing; this checkpoint did not record the model's HF config (a plain "
+                "nn.Module has none): name a folder holding one with --config-from (areal-ckpt export) or --config "
+                "(areal-ckpt convert-deepspeed)"
             )
         self.config = AutoConfig.from_pretrained(hf_folder, local_files_only=True)
         generation = hf_folder / "generation_config.json"

@@ -149,6 +149,6 @@ def _capture_engine(
     if dist.rank() == 0:
         engine_state["optimizer_saved"] = include_optimizer and engine.has_optimizer
         collected.files[f"{name}/{ENGINE_STATE_FILE}"] = safe_json.dumps(engine_state)
-        # what `areal-ckpt export` needs besides the shards
-        collected.hf[name] = export_files(engine, None, assets.tokenizer, assets.processor, assets.base_model_path)
+        if engine.config is not None:  # what `areal-ckpt export` needs besides the shards
+            collected.hf[name] = export_files(engine, None, assets.tokenizer, assets.processor, assets.base_model_path)
     return tensors

@@ -165,6 +165,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             dtype=dtype,
             max_shard_size=parse_size(args.max_shard_size),
             progress=_progress("shard"),
+            config_from=Path(args.config_from) if args.config_from else None,
         )
     print(f"exported {_size(result.bytes)} in {result.seconds:.2f} s to {result.path}")
     return 0
@@ -277,7 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_options(export)
     export.add_argument("--name", help="model to export when the checkpoint holds several")
     export.add_argument(
-        "--config-from", help="for a stock DCP folder: the model's HF folder (config, tokenizer), e.g. the base model"
+        "--config-from",
+        help="the model's HF folder (config, tokenizer), e.g. the base model: needed for a stock DCP folder and "
+        "for a dump of a plain nn.Module; otherwise it replaces what the dump recorded",
     )
     export.set_defaults(run=cmd_export)
 
@@ -286,7 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_options(convert)
     convert.add_argument("--tag", help="checkpoint tag (default: what 'latest' names)")
     convert.add_argument(
-        "--config", help="folder with the model's config.json, for DeepSpeed's own layout (default: DS_DIR)"
+        "--config",
+        help="folder with the model's config.json: needed for DeepSpeed's own layout (default: DS_DIR) and for a "
+        "save_checkpoint of a plain nn.Module",
     )
     convert.set_defaults(run=cmd_convert_deepspeed)
 

@@ -34,12 +34,15 @@ def export_recovery(
     dtype: torch.dtype | None = None,
     max_shard_size: int = 5 * 10**9,
     progress: Callable[[Iterable[int]], Iterable[int]] = iter,
+    config_from: Path | None = None,
 ) -> ExportResult:
     """Write model ``name`` of the recovery checkpoint at ``path`` as an HF folder ``out_dir``.
 
     Local, single process, blocking; verifies the model's files against the manifest first,
     streams one output shard at a time, and publishes ``out_dir`` atomically. Refuses to
-    replace an existing ``out_dir``.
+    replace an existing ``out_dir``. The config, tokenizer and other files come from
+    ``config_from`` when given, else from what the dump recorded (nothing, for a plain
+    ``nn.Module``: then ``config_from`` is needed).
     """
     generation, named = resolve_recovery(path)
     manifest = read_manifest(generation, RECOVER_MANIFEST)
@@ -53,8 +56,9 @@ def export_recovery(
     problems = check_files(generation, files, [f for f in files if f.startswith(f"{model}/")])
     if problems:
         raise CheckpointError(f"{generation}: model {model!r} is damaged: " + "; ".join(problems))
+    hf_folder = Path(config_from) if config_from is not None else generation / model / HF_FILES
+    source = DcpModelSource(generation / model, hf_folder)
     out_dir = _new_output(out_dir)
-    source = DcpModelSource(generation / model, generation / model / HF_FILES)
     step = manifest.get("step", {})
     logger.info("exporting model %r of %s (global step %s) to %s", model, generation, step.get("global_step"), out_dir)
     return write_export(
@@ -62,7 +66,7 @@ def export_recovery(
         out_dir,
         max_shard_size=max_shard_size,
         dtype=dtype,
-        assets=str(generation / model / HF_FILES),  # config, tokenizer, processor, base model files
+        assets=str(hf_folder),  # config, tokenizer, processor, base model files
         header={"name": model, "step": step, "converted_from": str(generation)},
         progress=progress,
     )
@@ -207,7 +211,8 @@ def export_deepspeed(
     HF folder ``out_dir``; local, single process, blocking; ``out_dir`` must not exist.
 
     Our layout (``areal_ckpt.save_checkpoint``) streams one output shard at a time and takes
-    config.json from the checkpoint. DeepSpeed's own layout is rebuilt to full fp32 tensors by
+    config.json from ``config_dir`` when given, else from the checkpoint (which has none for a
+    plain ``nn.Module``). DeepSpeed's own layout is rebuilt to full fp32 tensors by
     DeepSpeed's ``zero_to_fp32`` (all in memory, as that tool does), read with the weights-only
     unpickler; its config.json comes from ``config_dir`` (default: ``ds_dir``).
     """
@@ -230,14 +235,15 @@ def export_deepspeed(
         )
         if problems:
             raise CheckpointError(f"{folder}: damaged: " + "; ".join(problems))
-        source: Any = DcpModelSource(folder / "model", folder / "model" / HF_FILES)
+        hf_folder = Path(config_dir) if config_dir is not None else folder / "model" / HF_FILES
+        source: Any = DcpModelSource(folder / "model", hf_folder)
         header = {"name": "default", "step": {"tag": tag}, "converted_from": str(folder)}
         return write_export(
             source,
             _new_output(out_dir),
             max_shard_size=max_shard_size,
             dtype=dtype,
-            assets=str(folder / "model" / HF_FILES),
+            assets=str(hf_folder),
             header=header,
             progress=progress,
         )
