@@ -130,7 +130,38 @@ def test_cli_inspects_and_verifies_a_tagged_checkpoint(tmp_path, capsys):
 def test_a_client_state_that_cannot_be_stored_safely_is_refused_and_nothing_is_written(tmp_path):
     setup = make_setup()
     ac.save_checkpoint(setup.engine, tmp_path, tag="good", client_state={"baseline": torch.zeros(2)})
-    with pytest.raises(ac.CheckpointError, match=r"checkpoint not saved: rank 0: .*client_state|state_dict\(\) values"):
+    with pytest.raises(ac.CheckpointError) as refused:
         ac.save_checkpoint(setup.engine, tmp_path, tag="bad", client_state={"sampler": object()})
+    assert "checkpoint not saved (earlier tags and latest are untouched): rank 0: " in str(refused.value)
+    assert "state.sampler: cannot store a builtins.object without pickle" in str(refused.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good", "latest"]
     assert (tmp_path / "latest").read_text().strip() == "good"
+
+
+def test_client_state_of_the_types_deepspeed_users_keep_round_trips_exactly(tmp_path):
+    """numpy scalars and arrays, tuples, sets, frozensets, tensors: each comes back as it went
+    in, type and dtype included (an np.float64 is not turned into a float)."""
+    import numpy as np
+
+    setup = make_setup()
+    client_state = {
+        "kl": np.float64(0.125),
+        "iteration": np.int32(7),
+        "done": np.bool_(False),
+        "returns": np.arange(4, dtype=np.float32),
+        "shape": (2, [3, 4]),
+        "seen": {3, 1, (2, "a")},
+        "tags": frozenset({"x", "y"}),
+        "baseline": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),
+    }
+    ac.save_checkpoint(setup.engine, tmp_path, tag="step1", client_state=client_state)
+    _, loaded = ac.load_checkpoint(make_setup(seed=1).engine, tmp_path)
+    assert loaded.keys() == client_state.keys()
+    for key, value in client_state.items():
+        assert type(loaded[key]) is type(value), key
+        if isinstance(value, np.ndarray):
+            assert loaded[key].dtype == value.dtype and np.array_equal(loaded[key], value)
+        elif isinstance(value, torch.Tensor):
+            assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value)
+        else:
+            assert loaded[key] == value, key

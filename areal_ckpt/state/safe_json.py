@@ -1,8 +1,9 @@
 """Pickle-free encoding of ``state_dict()`` values as JSON.
 
 Covers what optimizers' param groups, LR schedulers, dataloaders and RNGs put in their states:
-None, bool, int, float (including inf / nan), str, lists, tuples, dicts (any hashable scalar
-keys), small torch tensors and numpy arrays / scalars. Tensors and arrays are stored inline as
+None, bool, int, float (including inf / nan), str, lists, tuples, sets and frozensets, dicts
+(any hashable scalar keys), small torch tensors and numpy arrays / scalars (each kept with its
+numpy dtype: an ``np.float64`` comes back as one, not as a ``float``). Tensors and arrays are stored inline as
 base64 with dtype and shape, so this is meant for small state; model and optimizer tensors go
 through DCP. Decoding builds only those types: nothing in a file can name a class or run code.
 """
@@ -29,6 +30,8 @@ class StateEncodingError(TypeError):
 
 def encode(value: Any, path: str = "state") -> Any:
     """Turn ``value`` into JSON-compatible data; raises StateEncodingError naming the bad key path."""
+    if isinstance(value, np.generic):  # first: np.float64 is also a float
+        return {**_encode_array(np.asarray(value), path), _MARK: "npscalar"}
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
@@ -39,8 +42,10 @@ def encode(value: Any, path: str = "state") -> Any:
         return _encode_tensor(value, path)
     if isinstance(value, np.ndarray):
         return _encode_array(value, path)
-    if isinstance(value, np.generic):
-        return encode(value.item(), path)
+    if isinstance(value, set | frozenset):
+        kind = "set" if isinstance(value, set) else "frozenset"
+        items = [encode(item, f"{path}{{{i}}}") for i, item in enumerate(value)]
+        return {_MARK: kind, "items": sorted(items, key=lambda item: json.dumps(item, sort_keys=True))}  # one order
     if isinstance(value, tuple):
         return {_MARK: "tuple", "items": [encode(item, f"{path}[{i}]") for i, item in enumerate(value)]}
     if isinstance(value, list):
@@ -54,7 +59,7 @@ def encode(value: Any, path: str = "state") -> Any:
         }
     raise StateEncodingError(
         f"{path}: cannot store a {type(value).__module__}.{type(value).__qualname__} without pickle; "
-        "state_dict() values must be numbers, strings, lists, dicts, tensors or numpy arrays"
+        "state values must be numbers, strings, lists, tuples, sets, dicts, tensors or numpy arrays and scalars"
     )
 
 
@@ -100,12 +105,16 @@ def decode(value: Any, path: str = "state") -> Any:
             raw = bytearray(base64.b64decode(value["data"], validate=True))
             flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
             return flat.view(dtype).reshape(value["shape"]).clone()
-        if kind == "ndarray":
+        if kind in ("ndarray", "npscalar"):
             array_dtype = np.dtype(value["dtype"])
             if array_dtype.kind not in _NUMPY_KINDS:
                 raise ValueError(f"unsupported numpy dtype {array_dtype}")
             data = base64.b64decode(value["data"], validate=True)
-            return np.frombuffer(data, dtype=array_dtype).reshape(value["shape"]).copy()
+            array = np.frombuffer(data, dtype=array_dtype).reshape(value["shape"]).copy()
+            return array[()] if kind == "npscalar" else array
+        if kind in ("set", "frozenset"):
+            items = [decode(item, f"{path}{{{i}}}") for i, item in enumerate(value["items"])]
+            return set(items) if kind == "set" else frozenset(items)
     except (KeyError, TypeError, ValueError, RuntimeError) as error:
         raise ValueError(f"{path}: malformed {kind} entry: {error}") from None
     raise ValueError(f"{path}: unknown entry kind {kind!r}")
