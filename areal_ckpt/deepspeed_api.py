@@ -59,6 +59,24 @@ def _default_tag(engine: Engine) -> str:
     return f"global_step{step}"
 
 
+def _agreed_tag(engine: Engine, tag: str) -> str:
+    """The tag every rank saves under (see :func:`save_checkpoint`); collective."""
+    check_path_component(tag, "tag")
+    mode = engine.tag_validation()
+    if mode == "Fail":
+        agree.require_same(tag, "save_checkpoint: ranks disagree on the tag (nothing was written)")
+        return tag
+    chosen: str = dist.broadcast_object(tag, src=0)
+    if not dist.all_true(tag == chosen) and mode == "Warn":
+        logger.warning(
+            "save_checkpoint: ranks passed different tags (this rank %r); every rank saves under rank 0's %r "
+            "(checkpoint.tag_validation=Warn)",
+            tag,
+            chosen,
+        )
+    return chosen
+
+
 def save_checkpoint(
     engine: EngineLike,
     save_dir: str | os.PathLike[str],
@@ -70,18 +88,18 @@ def save_checkpoint(
     """Save model, optimizer, LR scheduler and this rank's ``client_state`` as ``save_dir/tag``.
 
     Collective: every rank calls it. ``tag`` defaults to ``global_step{N}`` (DeepSpeed's
-    counter) and must be the same on every rank: a mismatch raises RankMismatchError on every
-    rank before anything is written. ``client_state`` must be what JSON state can hold (dicts,
-    lists, numbers, strings, small tensors and numpy arrays; no other objects: nothing is
-    pickled). With ``exclude_frozen_parameters`` parameters that do
+    counter). Ranks that pass different tags follow the engine's ``tag_validation`` (DeepSpeed's
+    ``checkpoint.tag_validation``): ``Fail`` raises RankMismatchError on every rank before
+    anything is written; ``Warn`` logs it and ``Ignore`` does not, and both save every rank's
+    state under rank 0's tag, so no checkpoint is ever mixed from two tags. ``client_state``
+    must be what JSON state can hold (see :mod:`areal_ckpt.state.safe_json`; other objects are
+    refused naming the key: nothing is pickled). With ``exclude_frozen_parameters`` parameters that do
     not require grad are left out. Durable on return, then ``latest`` names ``tag`` (when
     ``save_latest``). Returns True; on failure raises on every rank, leaving earlier tags and
     ``latest`` as they were.
     """
     engine = as_engine(engine, "save_checkpoint")
-    tag = tag if tag is not None else _default_tag(engine)
-    check_path_component(tag, "tag")
-    agree.require_same(tag, "save_checkpoint: ranks disagree on the tag (nothing was written)")
+    tag = _agreed_tag(engine, tag if tag is not None else _default_tag(engine))
     root = Path(save_dir)
     final, staging = root / tag, root / f".{tag}.staging"
     agree.decided_by_rank0(lambda: _prepare(staging), "save_checkpoint")

@@ -168,3 +168,47 @@ def test_expert_parallel_moe_is_refused_loudly_never_saved_with_one_ranks_expert
     assert outcome.startswith("RankMismatchError: ") and "hold different values on different ranks" in outcome
     assert "deepspeed_experts.0.weight (ranks 0 | 1 hold different values)" in outcome
     assert "step1" not in reports[0]["entries"] and "latest" not in reports[0]["entries"]
+
+
+def tag_validation_worker(rank: int, world_size: int, root: str, report: str) -> None:
+    """Each mode of DeepSpeed's checkpoint.tag_validation, with ranks passing different tags."""
+    import json
+    import logging
+
+    import deepspeed
+
+    outcomes = {}
+    for mode in ("Fail", "Warn", "Ignore"):
+        torch.manual_seed(0)
+        module = torch.nn.Linear(4, 4)
+        config = {"train_micro_batch_size_per_gpu": 1, "checkpoint": {"tag_validation": mode}}
+        engine, *_ = deepspeed.initialize(
+            model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1), config=config
+        )
+        records: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+        logging.getLogger("areal_ckpt").addHandler(handler)
+        folder = Path(root) / mode
+        try:
+            ac.save_checkpoint(engine, folder, tag=f"rank{rank}-tag")
+            outcome = sorted(os.listdir(folder))
+        except ac.CheckpointError as error:
+            outcome = f"{type(error).__name__}: {error}"
+        finally:
+            logging.getLogger("areal_ckpt").removeHandler(handler)
+        outcomes[mode] = {"outcome": outcome, "warned": any("ranks passed different tags" in r for r in records)}
+    Path(f"{report}.{rank}").write_text(json.dumps(outcomes))
+
+
+def test_tag_validation_modes_as_deepspeed_defines_them_never_a_mixed_checkpoint(tmp_path):
+    import json
+
+    run_distributed(tag_validation_worker, WORLD, str(tmp_path / "ds"), str(tmp_path / "report"), timeout=600)
+    reports = [json.loads((tmp_path / f"report.{rank}").read_text()) for rank in range(WORLD)]
+    for rank, outcomes in enumerate(reports):
+        assert outcomes["Fail"]["outcome"].startswith("RankMismatchError: save_checkpoint: ranks disagree on the tag")
+        for mode in ("Warn", "Ignore"):
+            assert outcomes[mode]["outcome"] == ["latest", "rank0-tag"], (rank, mode)  # rank 0's tag, for all
+        assert outcomes["Warn"]["warned"] and not outcomes["Ignore"]["warned"]  # every rank says so, as DeepSpeed
+    assert (tmp_path / "ds/Warn/latest").read_text().strip() == "rank0-tag"

@@ -69,6 +69,8 @@ class DumpSource(Protocol):
 
     def step_counter(self) -> int | None: ...  # the engine's own global step, None if it keeps none
 
+    def tag_validation(self) -> str: ...  # when ranks pass save_checkpoint different tags: Ignore, Warn or Fail
+
 
 @runtime_checkable
 class LoadTarget(Protocol):
@@ -112,6 +114,10 @@ class DeepSpeedLike(Protocol):
     device: torch.device
 
     def zero_optimization_stage(self) -> int: ...
+
+    def checkpoint_tag_validation_enabled(self) -> bool: ...
+
+    def checkpoint_tag_validation_fail(self) -> bool: ...
 
 
 #: Anything accepted where an engine is expected (see :func:`areal_ckpt.engines.accept.as_engine`).

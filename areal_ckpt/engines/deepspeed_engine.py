@@ -145,6 +145,12 @@ class DeepSpeedEngine:
         """DeepSpeed's ``global_steps``."""
         return int(self.ds_engine.global_steps)
 
+    def tag_validation(self) -> str:
+        """The engine's ``checkpoint.tag_validation`` (DeepSpeed's default: ``Warn``)."""
+        if not self.ds_engine.checkpoint_tag_validation_enabled():
+            return "Ignore"
+        return "Fail" if self.ds_engine.checkpoint_tag_validation_fail() else "Warn"
+
     def recover_state(self, include_optimizer: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """This rank's state for a dump: live tensors (no copies) and the JSON-able rest; local.
 

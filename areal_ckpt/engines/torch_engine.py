@@ -128,6 +128,10 @@ class TorchEngine:
         """None: a torch training setup keeps no global step counter of its own."""
         return None
 
+    def tag_validation(self) -> str:
+        """``Fail``: ranks that pass ``save_checkpoint`` different tags are refused."""
+        return "Fail"
+
     def recover_state(self, include_optimizer: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """This rank's state for a dump: flat tensors and the non-tensor rest; local.
 
