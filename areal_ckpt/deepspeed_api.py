@@ -62,7 +62,7 @@ def _default_tag(engine: Engine) -> str:
 def _agreed_tag(engine: Engine, tag: str) -> str:
     """The tag every rank saves under (see :func:`save_checkpoint`); collective."""
     check_path_component(tag, "tag")
-    mode = engine.tag_validation()
+    mode = engine.checkpoint_options().tag_validation
     if mode == "Fail":
         agree.require_same(tag, "save_checkpoint: ranks disagree on the tag (nothing was written)")
         return tag
@@ -99,6 +99,12 @@ def save_checkpoint(
     ``latest`` as they were.
     """
     engine = as_engine(engine, "save_checkpoint")
+    if engine.checkpoint_options().node_local_storage:
+        raise CheckpointError(
+            "save_checkpoint: checkpoint.use_node_local_storage is set, so each node would keep only its own "
+            "ranks' shards; areal_ckpt commits one checkpoint that every rank can read, so it needs one save_dir "
+            "on storage every node shares. Set use_node_local_storage to false (nothing was written)"
+        )
     tag = _agreed_tag(engine, tag if tag is not None else _default_tag(engine))
     root = Path(save_dir)
     final, staging = root / tag, root / f".{tag}.staging"

@@ -212,3 +212,39 @@ def test_tag_validation_modes_as_deepspeed_defines_them_never_a_mixed_checkpoint
             assert outcomes[mode]["outcome"] == ["latest", "rank0-tag"], (rank, mode)  # rank 0's tag, for all
         assert outcomes["Warn"]["warned"] and not outcomes["Ignore"]["warned"]  # every rank says so, as DeepSpeed
     assert (tmp_path / "ds/Warn/latest").read_text().strip() == "rank0-tag"
+
+
+def node_local_worker(rank: int, world_size: int, root: str, report: str) -> None:
+    import json
+
+    import deepspeed
+
+    outcomes = {}
+    for node_local in (True, False):
+        torch.manual_seed(0)
+        module = torch.nn.Linear(4, 4)
+        config = {"train_micro_batch_size_per_gpu": 1, "checkpoint": {"use_node_local_storage": node_local}}
+        engine, *_ = deepspeed.initialize(
+            model=module, optimizer=torch.optim.SGD(module.parameters(), lr=0.1), config=config
+        )
+        folder = Path(root) / str(node_local)
+        try:
+            ac.save_checkpoint(engine, folder, tag="step1")
+            outcomes[str(node_local)] = sorted(os.listdir(folder))
+        except ac.CheckpointError as error:
+            outcomes[str(node_local)] = f"{error}|{folder.exists()}"
+    Path(f"{report}.{rank}").write_text(json.dumps(outcomes))
+
+
+def test_node_local_storage_is_refused_before_anything_is_written_and_the_default_saves(tmp_path):
+    import json
+
+    run_distributed(node_local_worker, WORLD, str(tmp_path / "ds"), str(tmp_path / "report"), timeout=600)
+    for rank in range(WORLD):
+        outcomes = json.loads((tmp_path / f"report.{rank}").read_text())
+        refused, existed = outcomes["True"].rsplit("|", 1)
+        assert (
+            "checkpoint.use_node_local_storage is set" in refused and "Set use_node_local_storage to false" in refused
+        )
+        assert existed == "False"  # nothing was written
+        assert outcomes["False"] == ["latest", "step1"]  # the hint followed

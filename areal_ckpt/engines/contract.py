@@ -18,6 +18,7 @@ rollout server, the weight update), as far as a load uses them.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
@@ -54,6 +55,14 @@ class ExportSource(TensorSource, Protocol):
     def export_specs(self) -> list[TensorSpec]: ...
 
 
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """How ``save_checkpoint`` treats an engine: DeepSpeed's ``checkpoint`` config section."""
+
+    tag_validation: str = "Fail"  # ranks that pass different tags: "Ignore", "Warn" or "Fail"
+    node_local_storage: bool = False  # each node saves to a save_dir of its own
+
+
 @runtime_checkable
 class DumpSource(Protocol):
     """What a recovery dump (and ``save_checkpoint``) captures from an engine."""
@@ -69,7 +78,7 @@ class DumpSource(Protocol):
 
     def step_counter(self) -> int | None: ...  # the engine's own global step, None if it keeps none
 
-    def tag_validation(self) -> str: ...  # when ranks pass save_checkpoint different tags: Ignore, Warn or Fail
+    def checkpoint_options(self) -> CheckpointOptions: ...  # how save_checkpoint treats it
 
 
 @runtime_checkable
@@ -118,6 +127,8 @@ class DeepSpeedLike(Protocol):
     def checkpoint_tag_validation_enabled(self) -> bool: ...
 
     def checkpoint_tag_validation_fail(self) -> bool: ...
+
+    def use_node_local_storage(self) -> bool: ...
 
 
 #: Anything accepted where an engine is expected (see :func:`areal_ckpt.engines.accept.as_engine`).

@@ -27,7 +27,7 @@ import torch
 from torch.distributed.tensor import DeviceMesh
 
 from areal_ckpt import dist
-from areal_ckpt.engines.contract import DeepSpeedLike
+from areal_ckpt.engines.contract import CheckpointOptions, DeepSpeedLike
 from areal_ckpt.engines.torch_engine import TorchEngine, unwrap_model
 from areal_ckpt.engines.zero3 import flat_shard, flat_views, scatter_whole, unflattened, whole_templates
 from areal_ckpt.fsio import crc32
@@ -145,11 +145,14 @@ class DeepSpeedEngine:
         """DeepSpeed's ``global_steps``."""
         return int(self.ds_engine.global_steps)
 
-    def tag_validation(self) -> str:
-        """The engine's ``checkpoint.tag_validation`` (DeepSpeed's default: ``Warn``)."""
+    def checkpoint_options(self) -> CheckpointOptions:
+        """The engine's ``checkpoint`` config: ``tag_validation`` (DeepSpeed's default: ``Warn``)
+        and ``use_node_local_storage``."""
         if not self.ds_engine.checkpoint_tag_validation_enabled():
-            return "Ignore"
-        return "Fail" if self.ds_engine.checkpoint_tag_validation_fail() else "Warn"
+            validation = "Ignore"
+        else:
+            validation = "Fail" if self.ds_engine.checkpoint_tag_validation_fail() else "Warn"
+        return CheckpointOptions(validation, bool(self.ds_engine.use_node_local_storage()))
 
     def recover_state(self, include_optimizer: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """This rank's state for a dump: live tensors (no copies) and the JSON-able rest; local.

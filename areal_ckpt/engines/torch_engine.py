@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from areal_ckpt.engines.contract import CheckpointOptions
 from areal_ckpt.engines.gather import round_of_files
 from areal_ckpt.fsio import crc32
 from areal_ckpt.paths import MODEL_PREFIX, OPTIM_PREFIX
@@ -128,9 +129,9 @@ class TorchEngine:
         """None: a torch training setup keeps no global step counter of its own."""
         return None
 
-    def tag_validation(self) -> str:
-        """``Fail``: ranks that pass ``save_checkpoint`` different tags are refused."""
-        return "Fail"
+    def checkpoint_options(self) -> CheckpointOptions:
+        """The defaults: ranks that pass ``save_checkpoint`` different tags are refused."""
+        return CheckpointOptions()
 
     def recover_state(self, include_optimizer: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """This rank's state for a dump: flat tensors and the non-tensor rest; local.
