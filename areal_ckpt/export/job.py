@@ -31,6 +31,7 @@ from areal_ckpt.formats.hf_export import (
     write_metadata,
     write_rank_shards,
 )
+from areal_ckpt.formats.hf_keys import check_loadable
 from areal_ckpt.fsio import FileRecord
 from areal_ckpt.jobs.shm_arena import ArenaLayout, StagingArena, arena_layout_of_specs
 from areal_ckpt.paths import EXPORT_FORMAT, MANIFEST_NAME, export_staging, export_trash
@@ -122,10 +123,14 @@ def begin_export(
 ) -> ExportTarget:
     """Plan the export and have rank 0 create the staging folder with the config, index,
     tokenizer, processor and base model assets in it (see :class:`HFFiles`). Collective;
-    blocking; raises on every rank if rank 0 could not."""
+    blocking; raises on every rank if rank 0 could not, and on every rank before anything is
+    written when ``from_pretrained`` would not load the export's names (:func:`check_loadable`)."""
+    specs = source.export_specs()
+    if source.config is not None:  # without one, export_files below says how to export
+        check_loadable(source.config, source.architecture, [spec.name for spec in specs], str(final))
     target = ExportTarget(
         final=final,
-        plan=plan_export(source.export_specs(), max_shard_size, dtype),
+        plan=plan_export(specs, max_shard_size, dtype),
         dtype=dtype,
         header={
             "format": EXPORT_FORMAT,

@@ -19,6 +19,7 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import load_tensors, tensor_index
 from areal_ckpt.formats.dcp_metadata import check_within_files, read_metadata_json
 from areal_ckpt.formats.hf_export import names_of_rank
+from areal_ckpt.formats.hf_keys import architecture_of
 from areal_ckpt.paths import ENGINE_STATE_FILE, MODEL_PREFIX, OPTIM_PREFIX
 from areal_ckpt.state import safe_json
 from areal_ckpt.tensors import TensorSpec
@@ -42,8 +43,7 @@ class DcpModelSource:
         self.generation_config = (
             GenerationConfig.from_pretrained(hf_folder, local_files_only=True) if generation.is_file() else None
         )
-        architectures = getattr(self.config, "architectures", None) or []
-        self.architecture = architectures[0] if architectures else type(self.config).__name__
+        self.architecture = architecture_of(self.config)
         self.on_accelerator = False
         self._metadata = read_metadata_json(folder)
         check_within_files(self._metadata, folder)  # before any tensor is allocated from it

@@ -18,6 +18,7 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.export.job import ExportResult, write_export
 from areal_ckpt.formats.dcp_source import DcpModelSource, tied_names
 from areal_ckpt.formats.hf_export import names_of_rank
+from areal_ckpt.formats.hf_keys import architecture_of
 from areal_ckpt.formats.stock_dcp import StockDcpModelSource
 from areal_ckpt.paths import HF_FILES, MANIFEST_NAME, RECOVER_MANIFEST, TAGGED_FORMAT
 from areal_ckpt.publish import check_files, read_manifest
@@ -97,13 +98,7 @@ def export_stock_dcp(
     with torch.device("meta"):
         names = list(AutoModelForCausalLM.from_config(config).state_dict())
     tied = tied_names(config)
-    architectures = getattr(config, "architectures", None) or []
-    source = StockDcpModelSource(
-        folder,
-        config,
-        [n for n in names if n not in tied],
-        architectures[0] if architectures else type(config).__name__,
-    )
+    source = StockDcpModelSource(folder, config, [n for n in names if n not in tied], architecture_of(config))
     header = {"name": "default", "step": None, "converted_from": str(folder)}
     return write_export(
         source,
@@ -130,8 +125,7 @@ class _StateDictSource:
     def __init__(self, config: Any, tensors: dict[str, torch.Tensor]) -> None:
         self.config = config
         self.generation_config = None
-        architectures = getattr(config, "architectures", None) or []
-        self.architecture = architectures[0] if architectures else type(config).__name__
+        self.architecture = architecture_of(config)
         self.on_accelerator = False
         tied = tied_names(config)
         self.tensors = {name: tensor for name, tensor in tensors.items() if name not in tied}
