@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from recover_fixtures import SPEC, VOCAB, make_setup, recover_config, trial_dir
+from recover_fixtures import SPEC, VOCAB, make_setup, recover_config, step_info, trial_dir
 from test_dcp_interop import _AReaLShapedState, _assert_bitwise, _flat
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -389,3 +389,40 @@ def test_an_import_killed_before_its_commit_is_refused_by_recover_pointer_and_fi
     assert cli_main(["import-areal", str(trial)]) == 0  # the hint
     info = ac.RecoverHandler(recover_config(fileroot), SPEC).load(make_setup(seed=1).engine)
     assert info.last_step_info.global_step == DUMP_AFTER
+
+
+def _generation_layout_trial(trial: Path) -> None:
+    """AReaL's newer crash-safe layout (its PR #1616, as described there): a LATEST pointer
+    over checkpoint_generations/generation_step%08d/{manifest/, payloads/<engine>/}."""
+    generation = trial / "checkpoint_generations/generation_step00000004"
+    (generation / "manifest").mkdir(parents=True)
+    (generation / "payloads/default").mkdir(parents=True)
+    (generation / "manifest/manifest.json").write_text(json.dumps({"global_step": 4, "engines": ["default"]}))
+    (generation / "payloads/default/weights.bin").write_bytes(b"\0" * 64)
+    latest = {"format_version": 1, "generation": generation.name, "global_step": 4, "engines": ["default"]}
+    (trial / "LATEST").write_text(json.dumps(latest))
+
+
+def test_areals_generation_layout_is_never_taken_for_a_fresh_trial(fileroot, tmp_path, capsys):
+    trial = trial_dir(fileroot)
+    _generation_layout_trial(trial)
+    before = _snapshot(trial)
+    setup = make_setup()
+    handler = ac.RecoverHandler(recover_config(fileroot), SPEC)
+    for attempt in (lambda: ac.check_if_recover(recover_config(fileroot)), lambda: handler.load(setup.engine)):
+        with pytest.raises(
+            ac.CheckpointError, match="holds a recovery checkpoint in AReaL's generation layout"
+        ) as refused:
+            attempt()
+        assert "LATEST" in str(refused.value) and "checkpoint_generations" in str(refused.value)
+    with pytest.raises(ac.CheckpointError, match="AReaL's generation layout"):
+        handler.dump(setup.engine, step_info(0), force=True)
+    handler.close()
+    assert cli_main(["import-areal", str(trial)]) == 2
+    assert "cannot be imported yet; nothing was changed" in capsys.readouterr().err
+    assert _snapshot(trial) == before
+    trial.rename(trial.with_name("trial.areal"))  # the hint: move it away, then start afresh
+    fresh = ac.RecoverHandler(recover_config(fileroot), SPEC)
+    assert fresh.load(setup.engine) is None
+    assert fresh.dump(setup.engine, step_info(0), force=True)
+    fresh.close()

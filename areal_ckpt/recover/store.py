@@ -54,6 +54,10 @@ logger = logging.getLogger(__name__)
 _LINKED_FOLDERS_NAMED: set[Path] = set()
 
 
+#: The entries of AReaL's newer crash-safe layout (a ``LATEST`` pointer over generation folders).
+AREAL_GENERATION_LAYOUT = ("LATEST", "checkpoint_generations")
+
+
 class RecoverStore:
     """The recovery generations of one trial."""
 
@@ -313,8 +317,9 @@ class RecoverStore:
 
     def foreign_recovery_layout(self) -> list[Path]:
         """AReaL's own recovery folders in this trial: a real ``recover_info/`` folder or a real
-        ``{name}/recover_checkpoint/`` folder where ours are links. Read-only; [] when none."""
-        found = []
+        ``{name}/recover_checkpoint/`` folder where ours are links, or the entries of AReaL's
+        newer layout (:data:`AREAL_GENERATION_LAYOUT`). Read-only; [] when none."""
+        found = [self.trial / name for name in AREAL_GENERATION_LAYOUT if os.path.lexists(self.trial / name)]
         info = recover_info_link(self.trial)
         if info.exists() and not info.is_symlink():
             found.append(info)
@@ -339,6 +344,13 @@ class RecoverStore:
                 if checkpoints
                 else ""
             )
+            if any(path.name in AREAL_GENERATION_LAYOUT for path in found):
+                raise CheckpointError(
+                    f"{self.trial}: holds a recovery checkpoint in AReaL's generation layout ({names}); areal_ckpt "
+                    f"cannot resume from or import that layout yet and leaves it untouched. Resume it with AReaL, or "
+                    f"start afresh: move that trial folder away (e.g. mv {self.trial} {self.trial}.areal) or use "
+                    "another trial_name"
+                )
             raise CheckpointError(
                 f"{self.trial}: holds a recovery checkpoint written by AReaL ({names}); areal_ckpt does "
                 f"not resume from it as it is and leaves it untouched. To resume from AReaL's step, convert it "

@@ -58,7 +58,7 @@ from areal_ckpt.paths import (
 )
 from areal_ckpt.publish import check_files, read_manifest, switch_symlink, write_manifest
 from areal_ckpt.recover.repoint import missing_parts
-from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.recover.store import AREAL_GENERATION_LAYOUT, RecoverStore
 from areal_ckpt.recover.write import dump_header
 from areal_ckpt.schedule import schedule_state
 from areal_ckpt.state import safe_json
@@ -114,6 +114,11 @@ def import_areal_trial(trial: Path, config_from: Path | None = None, remove_orig
             raise CheckpointError(
                 f"{store.path(committed)}: the trial already holds areal_ckpt's recovery "
                 "checkpoints; there is nothing to import"
+            )
+        if any(path.name in AREAL_GENERATION_LAYOUT for path in found):
+            raise CheckpointError(
+                f"{trial}: holds AReaL's generation layout ({', '.join(AREAL_GENERATION_LAYOUT)}), which cannot be "
+                "imported yet; nothing was changed"
             )
         info = recover_info_link(trial)
         if info not in found:
