@@ -100,6 +100,9 @@ class _TimerBlock(BaseModel):
         return value
 
 
+SAVER_MODES = ("auto", "sync", "async")
+
+
 class SaverConfig(_TimerBlock):
     """``saver:`` block: HuggingFace exports on epoch / step / time triggers."""
 
@@ -112,6 +115,13 @@ class SaverConfig(_TimerBlock):
     max_shard_size: int = 5 * 10**9
     # Exported floating-point dtype; None keeps the trained dtype.
     export_dtype: Literal["bfloat16", "float16", "float32"] | None = None
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _known_mode(cls, value: Any) -> Any:
+        if value not in SAVER_MODES:  # AReaL's text, which AReaL's tests match on
+            raise ValueError(f"Invalid mode '{value}'. Valid options: {', '.join(SAVER_MODES)}")
+        return value
 
     @field_validator("max_shard_size", mode="before")
     @classmethod
@@ -150,8 +160,8 @@ class RecoverConfig(_TimerBlock):
             return "off"
         if value not in RECOVER_MODES:
             raise ValueError(
-                f"invalid recover mode {value!r}: use one of {', '.join(RECOVER_MODES)} "
-                "(the 'fault' and 'resume' modes were removed, as in AReaL)"
+                f"Invalid recover mode '{value}'. Valid options: {', '.join(RECOVER_MODES)}. "
+                "Note: the 'fault' and 'resume' modes were removed, as in AReaL"
             )
         return value
 

@@ -149,10 +149,24 @@ def test_unquoted_on_and_off_mean_the_modes(tmp_path, written, mode):
     assert cfg.recover.mode == mode
 
 
-@pytest.mark.parametrize("mode", ["fault", "resume"])
-def test_removed_areal_modes_raise_a_value_error_that_says_so(mode):
-    with pytest.raises(ValueError, match=f"invalid recover mode '{mode}'.*'fault' and 'resume' modes were removed"):
+@pytest.mark.parametrize("mode", ["fault", "resume", "bogus"])
+def test_an_invalid_recover_mode_raises_areals_value_error_text(mode):
+    """AReaL's own tests match on these words: `Invalid recover mode '<mode>'`, and the note
+    that the fault and resume modes were removed."""
+    with pytest.raises(ValueError) as refused:
         ac.RecoverConfig(experiment_name="e", trial_name="t", fileroot="/r", mode=mode)
+    message = str(refused.value)
+    assert f"Invalid recover mode '{mode}'" in message and "fault" in message and "resume" in message
+
+
+def test_an_invalid_saver_mode_raises_areals_value_error_text():
+    with pytest.raises(ValueError, match="Invalid mode 'fast'. Valid options: auto, sync, async"):
+        ac.SaverConfig(experiment_name="e", trial_name="t", fileroot="/r", mode="fast")
+
+
+def test_check_if_recover_takes_areals_parameter_name(fileroot):
+    config = ac.RecoverConfig(experiment_name="e", trial_name="t", fileroot=str(fileroot), user="u", mode="on")
+    assert ac.check_if_recover(config, _run_id=0) is False
 
 
 def test_defaults_equal_areals():

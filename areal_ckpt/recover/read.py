@@ -241,10 +241,10 @@ def check_if_auto_recover(config: RecoverConfig) -> bool:
     return True
 
 
-def check_if_recover(config: RecoverConfig, run_id: int = 0) -> bool:
+def check_if_recover(config: RecoverConfig, _run_id: int = 0) -> bool:
     """True when recovery is enabled (mode on/auto/sync/async) and the trial has a committed
-    recovery checkpoint (see :func:`check_if_auto_recover`); local. ``run_id`` is unused, as in
-    AReaL (kept so AReaL's two-argument call runs unchanged)."""
+    recovery checkpoint (see :func:`check_if_auto_recover`); local. ``_run_id`` is unused, as in
+    AReaL (kept, under AReaL's name, so AReaL's call runs unchanged)."""
     return config.enabled and check_if_auto_recover(config)
 
 
