@@ -406,13 +406,22 @@ def test_weight_sync_arguments_are_checked_before_anything_is_loaded(fileroot):
         handler.load(Actor(fresh, []), inference_engine=Rollout(fresh.model))
     with pytest.raises(ac.CheckpointError, match="engine 'default': Holder must provide connect_engine"):
         handler.load(Holder(fresh.model), inference_engine=Rollout(fresh.model), weight_update_meta=Meta())
-    with pytest.raises(ac.CheckpointError, match="inference_engine: Rollout must provide .*pause_generation_sync"):
-        handler.load(
+    with pytest.raises(NotImplementedError, match="lacks pause_generation_sync\\(\\), offload\\(tags=...\\)"):
+        handler.load(  # AReaL's exception type and check
             Actor(fresh, []),
             inference_engine=Rollout(fresh.model),
             weight_update_meta=Meta("awex"),
             colocated_rollout=True,
         )
+    untagged = Rollout(fresh.model, colocated=True)
+    untagged.offload = lambda: untagged.events.append("offload")  # no tags: would fail after pause()
+    with pytest.raises(
+        NotImplementedError, match=r"Rollout lacks offload\(tags=...\), which .* nothing was paused or loaded"
+    ):
+        handler.load(
+            Actor(fresh, []), inference_engine=untagged, weight_update_meta=Meta("awex"), colocated_rollout=True
+        )
+    assert untagged.events == []
     with pytest.raises(ac.CheckpointError, match="inference_engine_update_from='critic' is not one of"):
         handler.load(
             Actor(fresh, []),

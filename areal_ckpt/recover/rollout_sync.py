@@ -6,6 +6,7 @@ Only the objects' own methods are called (see the Protocols in
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -17,6 +18,26 @@ from areal_ckpt.engines.contract import (
     require,
 )
 from areal_ckpt.errors import CheckpointError, ConfigError
+
+
+def _require_colocation_protocol(rollout: object) -> None:
+    """NotImplementedError, as AReaL raises it, naming what a colocated (AWEX) rollout engine
+    lacks of ``pause_generation_sync()`` and ``offload(tags=...)``."""
+    missing = []
+    if not callable(getattr(rollout, "pause_generation_sync", None)):
+        missing.append("pause_generation_sync()")
+    offload = getattr(rollout, "offload", None)
+    try:
+        takes_tags = callable(offload) and "tags" in inspect.signature(offload).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): trust it, as AReaL does
+        takes_tags = True
+    if not takes_tags:
+        missing.append("offload(tags=...)")
+    if missing:
+        raise NotImplementedError(
+            f"RecoverHandler.load: the colocated rollout engine {type(rollout).__name__} lacks {', '.join(missing)}, "
+            "which recovery with colocated_rollout and an awex weight update needs; nothing was paused or loaded"
+        )
 
 
 @dataclass(frozen=True)
@@ -41,7 +62,9 @@ class RolloutSync:
         """The weight update a load ends with (None without an ``inference_engine``), its
         arguments checked before anything is loaded; ``engines`` are the load's engines as the
         caller gave them, by model name. Raises ConfigError for a missing ``meta`` (AReaL's
-        ValueError) and CheckpointError naming what else is missing. Pure."""
+        ValueError), NotImplementedError (AReaL's) when a colocated rollout engine lacks
+        ``pause_generation_sync()`` or an ``offload`` taking ``tags``, and CheckpointError naming
+        what else is missing. Pure: nothing is paused or loaded before these checks."""
         if inference_engine is None:
             return None
         if meta is None:
@@ -54,6 +77,8 @@ class RolloutSync:
         update = require(meta, WeightUpdateMeta, "RecoverHandler.load: weight_update_meta")
         source = require(engines[update_from], WeightSource, f"RecoverHandler.load: engine {update_from!r}")
         awex = colocated and update.type == "awex"
+        if awex:
+            _require_colocation_protocol(inference_engine)
         rollout = require(
             inference_engine, ColocatedRolloutEngine if awex else RolloutEngine, "RecoverHandler.load: inference_engine"
         )
