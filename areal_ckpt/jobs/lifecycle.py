@@ -89,8 +89,8 @@ class SaveLifecycle:
                 raise
             self._settle(committed_anyway, error)
             return
-        if in_flight and committed_anyway is not None:
-            self._settle(committed_anyway, None)
+        if in_flight and committed_anyway is not None and self._settle(committed_anyway, None):
+            return  # a peer's writer failed after the commit: settled and logged
         if outcome is None:
             return
         on_collected, self._on_collected = self._on_collected, None
@@ -102,12 +102,13 @@ class SaveLifecycle:
         what = on_collected(outcome) if on_collected is not None else str(outcome.result.get("path"))
         logger.info("%s in the background (%s)", what, describe_metrics(self.last_metrics))
 
-    def _settle(self, committed_anyway: Callable[[], str | None], failure: CheckpointError | None) -> None:
-        """Collective: agree whether any rank's writer failed; if one did, stop every writer and
-        either log that the job committed all the same or raise (``failure`` where this rank's
-        writer failed, a CheckpointError naming the peers' failure elsewhere)."""
+    def _settle(self, committed_anyway: Callable[[], str | None], failure: CheckpointError | None) -> bool:
+        """Collective: agree whether any rank's writer failed; False when none did. If one did,
+        stop every writer and either log that the job committed all the same (True) or raise
+        (``failure`` where this rank's writer failed, a CheckpointError naming the peers'
+        failure elsewhere)."""
         if dist.all_reduce_ints([int(failure is not None)], "max")[0] == 0:
-            return
+            return False
         self._on_collected = None
         self.writer.stop()
         what = committed_anyway()
@@ -116,6 +117,7 @@ class SaveLifecycle:
                 f"{self.writer.label}: another rank's background writer failed; the save did not commit"
             )
         logger.warning("%s, although a background writer failed after its commit (%s)", what, failure or "on a peer")
+        return True
 
     def close(self, then: Callable[[], None] | None = None) -> None:
         """Wait for the job in flight, stop the writer, free its shared memory, run ``then``
