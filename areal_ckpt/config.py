@@ -6,9 +6,12 @@ Pure data: no I/O here (YAML reading lives in :mod:`areal_ckpt.config_loader`).
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from areal_ckpt.errors import ConfigError
 
 PositiveInt = Annotated[int, Field(gt=0, strict=True)]
 StrictBool = Annotated[bool, Field(strict=True)]
@@ -68,6 +71,27 @@ class _TimerBlock(BaseModel):
     """Fields shared by ``saver:`` and ``recover:``: where checkpoints go and when they are taken."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @classmethod
+    def of(cls, config: Any) -> Self:
+        """``config`` as this class: itself when it is one, else any object holding AReaL's
+        fields (AReaL's own dataclass, an OmegaConf DictConfig, a namespace, a mapping). Each of
+        this class's fields the object has is read (ours it lacks keep our defaults) and
+        validated as YAML is; ConfigError (a ValueError) naming the field otherwise. Pure."""
+        if isinstance(config, cls):
+            return config
+        fields = {}
+        for name in cls.model_fields:
+            if isinstance(config, Mapping):
+                if name in config:
+                    fields[name] = config[name]
+            elif hasattr(config, name):
+                fields[name] = getattr(config, name)
+        try:
+            return cls(**fields)
+        except ValidationError as error:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+            raise ConfigError(f"{cls.__name__} from a {type(config).__name__}: {problems}") from None
 
     experiment_name: str
     trial_name: str

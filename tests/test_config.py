@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import types
 from pathlib import Path
 
 import pytest
@@ -195,3 +197,62 @@ def test_hydra_append_of_a_set_key_is_refused_and_its_hint_works(tmp_path):
         ac.load_config(path, ["+saver.freq_steps=9"])
     hint = str(caught.value).split("use ", 1)[1].split(" ", 1)[0]
     assert ac.load_config(path, [hint]).saver.freq_steps == 9
+
+
+# AReaL's own config dataclasses, as areal/api/cli_args.py declares their fields and defaults
+# (the field lists, not AReaL's code): what an AReaL trainer passes as config.saver / config.recover.
+@dataclasses.dataclass
+class ArealTimer:
+    experiment_name: str = ""
+    trial_name: str = ""
+    fileroot: str = ""
+    freq_epochs: int | None = None
+    freq_steps: int | None = None
+    freq_secs: int | None = None
+
+
+@dataclasses.dataclass
+class ArealSaverConfig(ArealTimer):
+    mode: str = "auto"
+
+
+@dataclasses.dataclass
+class ArealRecoverConfig(ArealTimer):
+    mode: str = "disabled"
+    retries: int = 3
+    no_save_optim: bool = False
+    no_load_optim: bool = False
+
+
+def test_areals_own_config_objects_drive_saver_recover_handler_and_check_if_recover(fileroot, tokenizer):
+    from recover_fixtures import SPEC, make_setup, step_info
+
+    names = {"experiment_name": "exp", "trial_name": "trial", "fileroot": str(fileroot)}
+    setup = make_setup()
+    saver = ac.Saver(ArealSaverConfig(**names, freq_steps=1, mode="sync"), SPEC)
+    assert saver.config.keep_last is None and saver.config.mode == "sync"  # ours: our defaults
+    assert saver.save(setup.engine, 0, 0, 0, tokenizer=tokenizer)
+    saver.finalize()
+    recover = ArealRecoverConfig(**names, freq_steps=1, mode="on", no_load_optim=True)
+    assert ac.check_if_recover(recover, 0) is False
+    handler = ac.RecoverHandler(recover, SPEC)
+    assert handler.config.no_load_optim and handler.config.write_retries == 3
+    handler.dump(setup.engine, step_info(0))
+    handler.close()
+    assert ac.check_if_recover(recover, 0) and ac.check_if_auto_recover(recover)
+    namespace = types.SimpleNamespace(**names, mode="on", freq_epochs=None, freq_steps=None, freq_secs=None)
+    info = ac.RecoverHandler(namespace, SPEC).load(make_setup(seed=1).engine)
+    assert info is not None and info.last_step_info.global_step == 0
+
+
+def test_an_areal_config_object_is_validated_as_strictly_as_yaml(fileroot):
+    names = {"experiment_name": "exp", "trial_name": "trial", "fileroot": str(fileroot)}
+    with pytest.raises(ValueError, match="Invalid recover mode 'fault'"):
+        ac.RecoverHandler(ArealRecoverConfig(**names, mode="fault"), ac.FinetuneSpec(1, 4, 2))
+    with pytest.raises(ac.ConfigError, match=r"SaverConfig from a ArealSaverConfig: .*freq_steps"):
+        ac.Saver(ArealSaverConfig(**names, freq_steps=0), ac.FinetuneSpec(1, 4, 2))
+    with pytest.raises(ac.ConfigError, match="trial_name"):
+        ac.Saver(
+            ArealSaverConfig(experiment_name="exp", trial_name="../up", fileroot=str(fileroot)),
+            ac.FinetuneSpec(1, 4, 2),
+        )

@@ -55,8 +55,8 @@ class Saver:
     named ``epoch{E}epochstep{S}globalstep{G}`` is always complete.
     """
 
-    def __init__(self, config: SaverConfig, ft_spec: FinetuneSpec) -> None:
-        self.config = config
+    def __init__(self, config: SaverConfig | Any, ft_spec: FinetuneSpec) -> None:
+        self.config = config = SaverConfig.of(config)
         self.ft_spec = ft_spec
         self.trial_root = trial_root(
             config.fileroot, config.user or default_user(), config.experiment_name, config.trial_name

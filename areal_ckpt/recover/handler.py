@@ -53,8 +53,8 @@ class RecoverHandler:
     calling process or, asynchronously, by a background writer (see ``dump``).
     """
 
-    def __init__(self, config: RecoverConfig, ft_spec: FinetuneSpec) -> None:
-        self.config = config
+    def __init__(self, config: RecoverConfig | Any, ft_spec: FinetuneSpec) -> None:
+        self.config = config = RecoverConfig.of(config)
         self.ft_spec = ft_spec
         self.enabled = config.enabled
         self.store = RecoverStore.of(config)

@@ -225,14 +225,14 @@ def load_engine(
         ) from None
 
 
-def check_if_auto_recover(config: RecoverConfig) -> bool:
+def check_if_auto_recover(config: RecoverConfig | Any) -> bool:
     """True when the trial has a committed recovery checkpoint (whatever ``mode`` says); local.
 
     Raises CheckpointError when a commit record exists but is broken, or when the trial holds
     AReaL's own recovery folders, so a launcher never mistakes a checkpoint for a fresh trial.
     Checksums are verified by ``RecoverHandler.load``.
     """
-    store = RecoverStore.of(config)
+    store = RecoverStore.of(RecoverConfig.of(config))
     store.refuse_foreign_layout()
     generation = store.committed()
     if generation is None:
@@ -241,10 +241,11 @@ def check_if_auto_recover(config: RecoverConfig) -> bool:
     return True
 
 
-def check_if_recover(config: RecoverConfig, _run_id: int = 0) -> bool:
+def check_if_recover(config: RecoverConfig | Any, _run_id: int = 0) -> bool:
     """True when recovery is enabled (mode on/auto/sync/async) and the trial has a committed
     recovery checkpoint (see :func:`check_if_auto_recover`); local. ``_run_id`` is unused, as in
     AReaL (kept, under AReaL's name, so AReaL's call runs unchanged)."""
+    config = RecoverConfig.of(config)
     return config.enabled and check_if_auto_recover(config)
 
 
