@@ -63,6 +63,8 @@ def test_a_hangup_or_term_to_the_launcher_ends_the_job_and_does_not_relaunch(tmp
     finally:
         if launcher.poll() is None:
             launcher.kill()
+        if pid_file.exists() and _running(_pid(pid_file)):  # never leave the job behind, whatever failed
+            os.kill(_pid(pid_file), signal.SIGKILL)
     assert launcher.returncode == 128 + sig
     assert "interrupted, not relaunching" in stderr and stderr.count("areal-ckpt launch: attempt ") == 2
     assert not _running(_pid(pid_file))
