@@ -121,3 +121,35 @@ def test_an_attempt_that_leaves_a_child_holding_its_stderr_is_relaunched_and_the
     assert launcher.returncode == 0, stderr
     assert "attempt 1 failed with exit status 5; relaunch 1 of recover.retries=1" in stderr
     assert not _running(_pid(sleeper_file))
+
+
+def test_a_launcher_started_under_nohup_keeps_ignoring_sighup(tmp_path, fileroot):
+    """Started with SIGHUP ignored (nohup), the launcher and its job stay deaf to it, as any
+    program would: the job then ends by the SIGTERM sent after the SIGHUP (143), which could
+    not be had if the SIGHUP had been forwarded (129, or 137 for the second signal)."""
+    pid_file = tmp_path / "job.pid"
+    command = [
+        sys.executable,
+        "-m",
+        "areal_ckpt.tools.cli",
+        "launch",
+        "--config",
+        str(_job_yaml(tmp_path, fileroot, retries=5)),
+        "--",
+        *_python_job(pid_file),
+    ]
+    launcher = subprocess.Popen(
+        command, stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    )
+    try:
+        _wait_for(pid_file.exists, launcher)
+        launcher.send_signal(signal.SIGHUP)
+        launcher.send_signal(signal.SIGTERM)
+        stderr = launcher.communicate(timeout=DEADLINE)[1]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        if pid_file.exists() and _running(_pid(pid_file)):
+            os.kill(_pid(pid_file), signal.SIGKILL)
+    assert launcher.returncode == 128 + signal.SIGTERM, stderr
+    assert "interrupted, not relaunching" in stderr and not _running(_pid(pid_file))

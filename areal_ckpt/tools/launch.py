@@ -10,7 +10,9 @@ own (``torchrun ...``, ``python train.py ...``). Policy:
   attempt) with the same error as the attempt before, which also made no dump: not relaunched,
   since a third try would fail the same way (a bad config, a missing file);
 - Ctrl-C, SIGTERM or SIGHUP (its terminal closed) to the launcher: forwarded to the job's whole
-  process group once (a second one kills the group); no relaunch;
+  process group once (a second one kills the group); no relaunch. A signal the launcher was
+  started ignoring (SIGHUP under ``nohup``, SIGINT in a background job) stays ignored, for it and
+  for the job, as for any program;
 - recovery disabled: the job runs once.
 
 Each attempt runs in a process group of its own. It is over when its main process exits: what
@@ -144,7 +146,7 @@ def _run_once(command: Sequence[str], attempt: int, err: IO[str]) -> tuple[int, 
         except ProcessLookupError:
             pass
 
-    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
+    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED if signal.getsignal(sig) is not signal.SIG_IGN}
     first_error: list[str] = []
     reader = threading.Thread(target=_tee, args=(child.stderr, err, first_error), daemon=True)
     reader.start()
