@@ -19,9 +19,9 @@ from test_areal_dropin import _job_yaml
 DEADLINE = 120.0
 
 
-def _launcher(config: Path, *job: str) -> subprocess.Popen:
+def _launcher(config: Path, *job: str, **popen) -> subprocess.Popen:
     command = [sys.executable, "-m", "areal_ckpt.tools.cli", "launch", "--config", str(config), "--", *job]
-    return subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(command, stderr=subprocess.PIPE, text=True, **popen)
 
 
 def _python_job(pid_file: Path, then: str = "while True: time.sleep(0.05)") -> list[str]:
@@ -128,19 +128,8 @@ def test_a_launcher_started_under_nohup_keeps_ignoring_sighup(tmp_path, fileroot
     program would: the job then ends by the SIGTERM sent after the SIGHUP (143), which could
     not be had if the SIGHUP had been forwarded (129, or 137 for the second signal)."""
     pid_file = tmp_path / "job.pid"
-    command = [
-        sys.executable,
-        "-m",
-        "areal_ckpt.tools.cli",
-        "launch",
-        "--config",
-        str(_job_yaml(tmp_path, fileroot, retries=5)),
-        "--",
-        *_python_job(pid_file),
-    ]
-    launcher = subprocess.Popen(
-        command, stderr=subprocess.PIPE, text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    )
+    ignore_hangups = lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    launcher = _launcher(_job_yaml(tmp_path, fileroot, retries=5), *_python_job(pid_file), preexec_fn=ignore_hangups)
     try:
         _wait_for(pid_file.exists, launcher)
         launcher.send_signal(signal.SIGHUP)
