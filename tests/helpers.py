@@ -12,7 +12,8 @@ import areal_ckpt as ac
 
 
 def saver_config(fileroot: Path, **fields) -> ac.SaverConfig:
-    return ac.SaverConfig(experiment_name="exp", trial_name="trial", fileroot=str(fileroot), user="tester", **fields)
+    defaults = {"experiment_name": "exp", "trial_name": "trial", "fileroot": str(fileroot), "user": "tester"}
+    return ac.SaverConfig(**{**defaults, **fields})
 
 
 def read_export_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -42,7 +43,8 @@ def wrap_model(model: torch.nn.Module, kind: str) -> torch.nn.Module:
     if kind == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        for layer in model.model.layers:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT model's
+        for layer in base.model.layers:
             fully_shard(layer)
         fully_shard(model)
         return model

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats.hf_export import TensorSource
+from areal_ckpt.formats.hf_export import ExportPlan, FolderFiles, TensorSource
 from areal_ckpt.tensors import TensorSpec
 
 P = TypeVar("P")
@@ -53,6 +53,20 @@ class ExportSource(TensorSource, Protocol):
     def on_accelerator(self) -> bool: ...  # weights off the CPU: auto mode saves asynchronously
 
     def export_specs(self) -> list[TensorSpec]: ...
+
+
+@runtime_checkable
+class SelfPlannedExport(ExportSource, Protocol):
+    """An export source that lays out its own folder (a PEFT model's adapter files) instead of
+    one HF model's shards: its file plan, its non-tensor files, and its own loadability check."""
+
+    def plan(self, max_shard_size: int, dtype: torch.dtype | None) -> ExportPlan: ...
+
+    def folder_files(
+        self, dtype: torch.dtype | None, tokenizer: Any | None, processor: Any | None, assets: str | None
+    ) -> FolderFiles: ...
+
+    def check(self, where: str) -> None: ...  # CheckpointError naming where if it would not load
 
 
 @dataclass(frozen=True)

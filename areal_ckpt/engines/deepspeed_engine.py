@@ -28,6 +28,7 @@ from torch.distributed.tensor import DeviceMesh
 
 from areal_ckpt import dist
 from areal_ckpt.engines.contract import CheckpointOptions, DeepSpeedLike
+from areal_ckpt.engines.peft_configs import adapter_configs, check_same_adapters
 from areal_ckpt.engines.torch_engine import TorchEngine, unwrap_model
 from areal_ckpt.engines.zero3 import flat_shard, flat_views, scatter_whole, unflattened, whole_templates
 from areal_ckpt.fsio import crc32
@@ -182,6 +183,8 @@ class DeepSpeedEngine:
             }
         if self.stage > 0 and include_optimizer and self.optimizer is not None:
             engine_state["deepspeed"]["masters"] = self._master_layout()
+        if (adapters := adapter_configs(self.module)) is not None:
+            engine_state["peft"] = adapters
         return tensors, engine_state
 
     def _master_layout(self) -> list[list[dict[str, Any]]]:
@@ -314,10 +317,12 @@ class DeepSpeedEngine:
         dump. The model loads across every ZeRO stage and world size (the files hold whole
         parameters: a ZeRO-3 dump's flattened ones are reshaped or resharded, whole tensors are
         scattered into ZeRO-3 partitions); the optimizer needs the same world size, and stages
-        whose partitions match (0 with 0; 1 and 2 with each other; 3 with 3)."""
+        whose partitions match (0 with 0; 1 and 2 with each other; 3 with 3). A PEFT model's
+        adapters must have the dump's configurations. Local."""
         saved = engine_state.get("deepspeed")
         if saved is None:
             raise ValueError("not written by a DeepSpeed engine; load it with areal_ckpt.TorchEngine")
+        check_same_adapters(engine_state.get("peft"), adapter_configs(self.module))
         stage, world = saved["zero_stage"], saved["world_size"]
         if not include_optimizer:
             return

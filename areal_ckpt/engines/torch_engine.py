@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from areal_ckpt.engines.contract import CheckpointOptions
 from areal_ckpt.engines.gather import round_of_files
+from areal_ckpt.engines.peft_configs import adapter_configs, check_same_adapters
 from areal_ckpt.fsio import crc32
 from areal_ckpt.paths import MODEL_PREFIX, OPTIM_PREFIX
 from areal_ckpt.tensors import TensorSpec
@@ -138,7 +139,7 @@ class TorchEngine:
 
         Tensors are ``{"model.<fqn>" | "optim.<fqn>.<key>": tensor}``, the live ones (DTensors
         under FSDP2), not copies. The rest holds optimizer param groups and scalar entries and
-        the LR scheduler. An optimizer without state (stateless, or never stepped) contributes
+        the LR scheduler, and a PEFT model's adapter configurations. An optimizer without state (stateless, or never stepped) contributes
         only its param groups: asking torch for its state dict would first allocate a zero
         gradient for every parameter, a hidden full copy of the model.
         """
@@ -162,6 +163,8 @@ class TorchEngine:
                 engine_state["optimizer_scalars"] = {}
         if self.lr_scheduler is not None:
             engine_state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        if (adapters := adapter_configs(self.module)) is not None:
+            engine_state["peft"] = adapters
         return tensors, engine_state
 
     def _model_state(self) -> dict[str, torch.Tensor]:
@@ -226,9 +229,11 @@ class TorchEngine:
         return tensors
 
     def validate_recover_state(self, engine_state: dict[str, Any], include_optimizer: bool) -> None:
-        """Raise ValueError when ``engine_state`` (a dump's non-tensor state) cannot be applied here."""
+        """Raise ValueError when ``engine_state`` (a dump's non-tensor state) cannot be applied
+        here: written by DeepSpeed, or by a PEFT model with other adapters. Local."""
         if "deepspeed" in engine_state:
             raise ValueError("written by a DeepSpeed engine; load it with areal_ckpt.DeepSpeedEngine")
+        check_same_adapters(engine_state.get("peft"), adapter_configs(self.module))
 
     def load_recover_state(
         self,

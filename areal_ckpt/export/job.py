@@ -6,6 +6,7 @@ only makes a complete, checksummed, durable folder appear under its final name.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import shutil
@@ -20,11 +21,11 @@ import torch
 from areal_ckpt import agree, dist
 from areal_ckpt._version import __version__
 from areal_ckpt.engines.accept import export_files
-from areal_ckpt.engines.contract import ExportSource
+from areal_ckpt.engines.contract import ExportSource, SelfPlannedExport
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.hf_export import (
     ExportPlan,
-    HFFiles,
+    FolderFiles,
     TensorSource,
     names_of_rank,
     plan_export,
@@ -124,13 +125,22 @@ def begin_export(
     """Plan the export and have rank 0 create the staging folder with the config, index,
     tokenizer, processor and base model assets in it (see :class:`HFFiles`). Collective;
     blocking; raises on every rank if rank 0 could not, and on every rank before anything is
-    written when ``from_pretrained`` would not load the export's names (:func:`check_loadable`)."""
-    specs = source.export_specs()
-    if source.config is not None:  # without one, export_files below says how to export
-        check_loadable(source.config, source.architecture, [spec.name for spec in specs], str(final))
+    written when ``from_pretrained`` would not load the export's names (:func:`check_loadable`,
+    or the source's own check when it plans its own folder: a PEFT model's)."""
+    files: Callable[[], FolderFiles]
+    if isinstance(source, SelfPlannedExport):
+        source.check(str(final))
+        plan = source.plan(max_shard_size, dtype)
+        files = functools.partial(source.folder_files, dtype, tokenizer, processor, assets)
+    else:
+        specs = source.export_specs()
+        if source.config is not None:  # without one, export_files below says how to export
+            check_loadable(source.config, source.architecture, [spec.name for spec in specs], str(final))
+        plan = plan_export(specs, max_shard_size, dtype)
+        files = functools.partial(export_files, source, dtype, tokenizer, processor, assets)
     target = ExportTarget(
         final=final,
-        plan=plan_export(specs, max_shard_size, dtype),
+        plan=plan,
         dtype=dtype,
         header={
             "format": EXPORT_FORMAT,
@@ -141,7 +151,7 @@ def begin_export(
         },
     )
     agree.decided_by_rank0(
-        lambda: _prepare_staging(target, lambda: export_files(source, dtype, tokenizer, processor, assets)),
+        lambda: _prepare_staging(target, files),
         f"{target.staging}: could not prepare the export (nothing was published)",
     )
     return target
@@ -196,7 +206,7 @@ def finish_export(
     return target.plan.total_size
 
 
-def _prepare_staging(target: ExportTarget, files: Callable[[], HFFiles]) -> None:
+def _prepare_staging(target: ExportTarget, files: Callable[[], FolderFiles]) -> None:
     """Rank 0: a fresh staging folder holding the metadata files; removed again if that failed."""
     try:
         if target.staging.exists():

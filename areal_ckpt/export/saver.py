@@ -19,6 +19,7 @@ from areal_ckpt import agree, dist
 from areal_ckpt.config import SaverConfig
 from areal_ckpt.engines.accept import HFAssets, as_engine
 from areal_ckpt.engines.contract import Engine, EngineLike
+from areal_ckpt.engines.peft_export import export_source
 from areal_ckpt.export.job import ExportTarget, StagedExportSource, begin_export, finish_export, stage_export
 from areal_ckpt.jobs.lifecycle import SaveLifecycle, resolve_async
 from areal_ckpt.jobs.shm_arena import ArenaLayout
@@ -165,8 +166,9 @@ class Saver:
         agree.require_same(list(tag), "Saver.save: ranks disagree on (name, epoch, epoch_step, global_step)")
         final = self.export_root(name) / export_leaf(epoch, epoch_step, global_step)
         header = {"name": name, "step": {"epoch": epoch, "epoch_step": epoch_step, "global_step": global_step}}
+        source = export_source(engine, self.config.lora, assets.base_model_path)
         target = begin_export(
-            engine,
+            source,
             final,
             max_shard_size=self.config.max_shard_size,
             dtype=self._dtype,
@@ -175,10 +177,10 @@ class Saver:
             processor=assets.processor,
             assets=assets.base_model_path,
         )
-        if resolve_async(self.config.mode, engine.on_accelerator):
+        if resolve_async(self.config.mode, source.on_accelerator):
             self._went_async = True
             try:
-                layout = stage_export(engine, target, self._jobs.arena)
+                layout = stage_export(source, target, self._jobs.arena)
             except BaseException:
                 if dist.rank() == 0:
                     shutil.rmtree(target.staging, ignore_errors=True)
@@ -186,7 +188,7 @@ class Saver:
             job = _ExportJob(target, layout, self.config.keep_last)
             self._jobs.submit(job, time.perf_counter() - start, target.plan.total_size, lambda _: f"exported {final}")
             return final
-        written = finish_export(engine, target)
+        written = finish_export(source, target)
         if dist.rank() == 0 and self.config.keep_last is not None:  # deleted after the commit, off this path
             self._trash.delete(apply_retention(final, self.config.keep_last))
         dist.barrier()

@@ -44,17 +44,19 @@ class TensorSource(Protocol):
 
 @dataclass(frozen=True)
 class ExportPlan:
-    """Which tensors go to which file; identical on every rank."""
+    """Which tensors go to which file (a path relative to the export folder); identical on
+    every rank. Tensors are planned under source names; ``specs[name].name`` is the key the
+    tensor is stored under in its file (the same name, except in a PEFT adapter file)."""
 
     files: dict[str, list[str]]
-    weight_map: dict[str, str]
+    weight_map: dict[str, str]  # the model index: stored key -> file, for the model's files only
     total_size: int
-    specs: dict[str, TensorSpec]  # every exported tensor as written (export dtype)
+    specs: dict[str, TensorSpec]  # every exported tensor as written (stored key, export dtype)
 
     @property
     def is_sharded(self) -> bool:
-        """True when the export needs several files and an index."""
-        return len(self.files) > 1
+        """True when the model is split over several files and needs an index."""
+        return len(set(self.weight_map.values())) > 1
 
     def files_of_rank(self, rank: int, world_size: int) -> list[str]:
         """Files written by ``rank``: file i goes to rank i mod world size."""
@@ -112,7 +114,7 @@ def write_rank_shards(
                 records[file_name] = write_safetensors(
                     folder / file_name,
                     [plan.specs[name] for name in plan.files[file_name]],
-                    ((name, _to_dtype(tensor, dtype)) for name, tensor in tensors),
+                    ((plan.specs[name].name, _to_dtype(tensor, dtype)) for name, tensor in tensors),
                 )
             except CollectiveError:
                 raise
@@ -136,6 +138,12 @@ def _to_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
 GENERATION_CONFIG_FILE = "generation_config.json"
 #: Files of a base model folder that are weights, not assets (never copied into an export).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+
+
+class FolderFiles(Protocol):
+    """The files of an export besides its tensors, written into its staging folder."""
+
+    def write(self, folder: Path) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -215,7 +223,7 @@ def hf_files(
     return HFFiles(config, generation_config, tokenizer, processor, assets)
 
 
-def write_metadata(plan: ExportPlan, folder: Path, files: HFFiles) -> None:
+def write_metadata(plan: ExportPlan, folder: Path, files: FolderFiles) -> None:
     """Write ``files`` (config, tokenizer, ...) and the shard index (when sharded); local.
 
     Files are fsync'd later, when the commit writes the manifest.

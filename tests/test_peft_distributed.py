@@ -1,0 +1,65 @@
+"""LoRA exports on 2 real processes (gloo), FSDP2 and DDP: the same folders as one process
+writes, and an adapter export gathers adapter tensors only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_distributed
+from helpers import read_export_tensors, saver_config, wrap_model
+from peft import LoraConfig, PeftModel, get_peft_model
+
+import areal_ckpt as ac
+from areal_ckpt.demo.tiny import build_model
+from areal_ckpt.engines.peft_export import PeftExport
+
+pytestmark = pytest.mark.dist
+
+SPEC = ac.FinetuneSpec(total_train_epochs=1, dataset_size=8, train_batch_size=2)
+VOCAB = 48
+TOKENS = torch.arange(16).reshape(2, 8) % VOCAB
+
+
+def lora_model(wrap: str) -> torch.nn.Module:
+    """The same trained LoRA model on every rank and in one process: seeded, adapters made non-zero."""
+    torch.manual_seed(0)
+    model = get_peft_model(build_model(VOCAB), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    return wrap_model(model, wrap)
+
+
+def export_worker(rank: int, world_size: int, fileroot: str, wrap: str) -> None:
+    saver = ac.Saver(saver_config(Path(fileroot), trial_name=wrap, lora="both", max_shard_size="40KB"), SPEC)
+    saver.save(ac.TorchEngine(lora_model(wrap)), 0, 0, 0, force=True)
+    saver.finalize()
+
+
+@pytest.mark.parametrize("wrap", ["fsdp2", "ddp"])
+def test_two_rank_lora_exports_equal_the_single_process_ones(fileroot, wrap):
+    run_distributed(export_worker, 2, str(fileroot), wrap)
+    multi = fileroot / f"checkpoints/tester/exp/{wrap}/default/epoch0epochstep0globalstep0"
+    saver = ac.Saver(saver_config(fileroot, lora="both", max_shard_size="40KB"), SPEC)
+    single = Path(saver.save(ac.TorchEngine(lora_model("none")), 0, 0, 0, force=True))
+    saver.finalize()
+    for sub in ("", "adapter"):
+        expected, written = read_export_tensors(single / sub), read_export_tensors(multi / sub)
+        assert expected.keys() == written.keys() and len(written) > 0
+        assert all(torch.equal(expected[name], written[name]) for name in expected), sub
+    assert len(list(multi.glob("model-*.safetensors"))) >= 2  # both ranks wrote merged shards
+    torch.manual_seed(0)  # the base the adapters were trained on
+    loaded = PeftModel.from_pretrained(build_model(VOCAB), multi / "adapter")
+    assert torch.equal(loaded(input_ids=TOKENS).logits, lora_model("none")(input_ids=TOKENS).logits)
+
+
+def test_an_adapter_export_reads_adapter_tensors_only():
+    model = lora_model("none")
+    source = PeftExport(ac.TorchEngine(model), model, "adapter", None)
+    names = [spec.name for spec in source.export_specs()]
+    assert names and all(".lora_A." in name or ".lora_B." in name for name in names)
+    adapter_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" in n)
+    assert source.plan(10**9, None).total_size == adapter_bytes
