@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import read_export_tensors, saver_config
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from peft import LoraConfig, PeftModel, PromptTuningConfig, get_peft_model, get_peft_model_state_dict
 from recover_fixtures import SPEC, recover_config, step_info, trial_dir
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
@@ -72,7 +72,8 @@ def test_the_adapter_config_names_the_base_model_folder(fileroot, make_model, tm
     folder = Path(saver.save(ac.TorchEngine(model), 0, 0, 0, force=True, base_model_path=str(base)))
     saver.finalize()
     assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
-    assert not (folder / "config.json").exists()  # the base's files stay with the base
+    assert not (folder / "config.json").exists()  # not a model folder: the base's config stays with the base
+    assert (folder / "generation_config.json").read_bytes() == (base / "generation_config.json").read_bytes()
     loaded = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)  # transformers finds base + adapter
     torch.testing.assert_close(loaded(input_ids=TOKENS).logits, model(input_ids=TOKENS).logits, rtol=0, atol=0)
 
@@ -154,17 +155,29 @@ def test_a_prefixed_state_is_named_key_by_key(fileroot, make_model):
     assert "it expects missing (lm_head.weight" in message and "randomly initialised" in message
 
 
-def test_a_lora_run_dumps_and_loads_and_its_export_is_refused(fileroot, make_model, tmp_path, capsys):
+def test_a_lora_run_dumps_and_loads_and_its_dump_exports_as_the_saver_would(fileroot, make_model, tmp_path):
     model = _lora(make_model)
+    model.add_adapter("critic", LoraConfig(r=2, target_modules=["k_proj"]))
     handler = ac.RecoverHandler(recover_config(fileroot), SPEC)
     handler.dump(ac.TorchEngine(model), step_info(0), force=True)
     handler.close()
     fresh = _lora(make_model, seed=1)
+    fresh.add_adapter("critic", LoraConfig(r=2, target_modules=["k_proj"]))
     assert ac.RecoverHandler(recover_config(fileroot), SPEC).load(ac.TorchEngine(fresh)) is not None
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
-    assert cli_main(["export", str(trial_dir(fileroot)), str(tmp_path / "out")]) == 2
-    assert "is not a transformers model class" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()
+
+    saved = _saved(fileroot, model, lora="both")
+    out = tmp_path / "out"
+    assert cli_main(["export", str(trial_dir(fileroot)), str(out), "--lora", "both"]) == 0
+    for sub in ("", "adapter", "adapter/critic"):
+        expected, written = read_export_tensors(saved / sub), read_export_tensors(out / sub)
+        assert expected.keys() == written.keys() and written
+        assert all(torch.equal(expected[name], written[name]) for name in expected), sub
+    for sub in ("adapter", "adapter/critic"):
+        config = json.loads((out / sub / "adapter_config.json").read_text())
+        assert config == json.loads((saved / sub / "adapter_config.json").read_text())
+    loaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    torch.testing.assert_close(loaded(input_ids=TOKENS).logits, model(input_ids=TOKENS).logits)
 
 
 @pytest.mark.parametrize(
@@ -193,3 +206,43 @@ def test_a_dump_loaded_onto_another_lora_config_is_refused_naming_both(fileroot,
         ac.CheckpointError, match=r"holds a PEFT model with adapters \['default'\], this model is not one"
     ):
         ac.RecoverHandler(recover_config(fileroot), SPEC).load(ac.TorchEngine(base_only))
+
+
+def test_an_asynchronous_lora_export_equals_the_synchronous_one(fileroot, make_model, tmp_path):
+    model = _lora(make_model)
+    synchronous = _saved(tmp_path / "sync", model, lora="both", mode="sync")
+    background = _saved(fileroot, model, lora="both", mode="async")
+    for sub in ("", "adapter"):
+        expected, written = read_export_tensors(synchronous / sub), read_export_tensors(background / sub)
+        assert expected.keys() == written.keys() and written
+        assert all(torch.equal(expected[name], written[name]) for name in expected)
+
+
+def test_a_peft_method_whose_tensors_are_computed_is_refused_by_name(fileroot, make_model, tmp_path):
+    model = get_peft_model(make_model(), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    for lora, refusal in (
+        ("adapter", r"adapter 'default' \(PROMPT_TUNING\): its tensor prompt_embeddings is computed"),
+        ("merged", r"adapters {'default': 'PROMPT_TUNING'}: only LoRA adapters can be merged"),
+    ):
+        with pytest.raises(ac.CheckpointError, match=refusal):
+            _saved(fileroot, model, lora=lora)
+    assert not any(trial_dir(fileroot).glob("**/epoch*"))
+    model.save_pretrained(tmp_path / "own")  # the hint: peft's own writer
+    assert (tmp_path / "own" / "adapter_model.safetensors").is_file()
+
+
+def test_modules_to_save_travel_with_the_adapter_and_replace_the_originals_when_merged(fileroot, make_model):
+    torch.manual_seed(0)
+    model = get_peft_model(make_model(seed=0), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["o_proj"]))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "modules_to_save" in name or "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    folder = _saved(fileroot, model, lora="both")
+    assert any("o_proj" in key for key in _stored_keys(folder / "adapter" / "adapter_model.safetensors"))
+    loaded = PeftModel.from_pretrained(make_model(seed=0), folder / "adapter")
+    assert torch.equal(loaded(input_ids=TOKENS).logits, model(input_ids=TOKENS).logits)
+    merged_by_peft = model.merge_and_unload().state_dict()  # the trained o_proj copies replace the originals
+    written = read_export_tensors(folder)
+    assert written.keys() <= merged_by_peft.keys() and any("o_proj" in name for name in written)
+    assert all(torch.equal(merged_by_peft[name], tensor) for name, tensor in written.items())

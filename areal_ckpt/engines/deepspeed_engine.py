@@ -28,7 +28,7 @@ from torch.distributed.tensor import DeviceMesh
 
 from areal_ckpt import dist
 from areal_ckpt.engines.contract import CheckpointOptions, DeepSpeedLike
-from areal_ckpt.engines.peft_configs import adapter_configs, check_same_adapters
+from areal_ckpt.engines.peft_configs import active_adapters, adapter_configs, check_same_adapters
 from areal_ckpt.engines.torch_engine import TorchEngine, unwrap_model
 from areal_ckpt.engines.zero3 import flat_shard, flat_views, scatter_whole, unflattened, whole_templates
 from areal_ckpt.fsio import crc32
@@ -185,6 +185,7 @@ class DeepSpeedEngine:
             engine_state["deepspeed"]["masters"] = self._master_layout()
         if (adapters := adapter_configs(self.module)) is not None:
             engine_state["peft"] = adapters
+            engine_state["peft_active"] = active_adapters(self.module)
         return tensors, engine_state
 
     def _master_layout(self) -> list[list[dict[str, Any]]]:

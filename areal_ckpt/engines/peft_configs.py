@@ -13,7 +13,10 @@ import enum
 import importlib.util
 from typing import Any
 
+import torch
 from torch import nn
+
+from areal_ckpt.errors import CheckpointError
 
 #: Fields of an adapter's configuration that do not change what it computes or stores.
 _IRRELEVANT = frozenset({"inference_mode", "base_model_name_or_path", "revision", "runtime_config"})
@@ -34,6 +37,42 @@ def adapter_configs(module: nn.Module | None) -> dict[str, dict[str, Any]] | Non
     if model is None:
         return None
     return {name: _plain(config.to_dict()) for name, config in model.peft_config.items()}
+
+
+def active_adapters(module: nn.Module | None) -> list[str] | None:
+    """The adapters a PEFT model computes with (what a merge adds into the base), else None; local."""
+    model = peft_model_of(module)
+    return None if model is None else list(model.active_adapters)
+
+
+def peft_model_on_meta(config: Any, adapters: dict[str, dict[str, Any]], active: list[str] | None) -> Any:
+    """A PEFT model with the layout a dump recorded (the causal LM of the HF ``config`` with
+    ``adapters`` as :func:`adapter_configs` gave them, ``active`` ones switched on), built on
+    the meta device: names, shapes and LoRA scales, no memory. CheckpointError when peft is
+    not installed or a configuration does not build. Local."""
+    if importlib.util.find_spec("peft") is None:
+        raise CheckpointError("this checkpoint holds a PEFT model; install peft to export it")
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    configs: Any = peft.PeftConfig  # untyped in peft
+    names = sorted(adapters, key=lambda name: name != "default")
+    try:
+        with torch.device("meta"):
+            model: Any = peft.get_peft_model(
+                AutoModelForCausalLM.from_config(config),
+                configs.from_peft_type(**adapters[names[0]]),
+                adapter_name=names[0],
+            )
+            for name in names[1:]:
+                model.add_adapter(name, configs.from_peft_type(**adapters[name]))
+        for name in names:  # peft names the base it was given (here the checkpoint's config folder)
+            model.peft_config[name].base_model_name_or_path = adapters[name].get("base_model_name_or_path")
+        if active:
+            model.base_model.set_adapter(active)
+    except (TypeError, ValueError, KeyError) as error:
+        raise CheckpointError(f"the recorded adapter configurations {sorted(adapters)} do not build: {error}") from None
+    return model
 
 
 def check_same_adapters(stored: dict[str, Any] | None, live: dict[str, dict[str, Any]] | None) -> None:

@@ -19,6 +19,7 @@ is therefore laid out here, from ``peft``'s own API:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -68,27 +69,21 @@ class _Merge:
 
 @dataclass(frozen=True)
 class PeftFiles:
-    """The non-tensor files of a PEFT export: the merged model's HF files (when merged), each
-    adapter's ``adapter_config.json``, the tokenizer and processor; picklable."""
+    """The non-tensor files of a PEFT export: the HF files (config.json only beside a merged
+    model; tokenizer, processor, generation config and base model files either way) and
+    each adapter's ``adapter_config.json``; picklable."""
 
-    model: HFFiles | None
+    model: HFFiles
     adapters: tuple[tuple[str, Any], ...]
-    tokenizer: Any | None
-    processor: Any | None
 
     def write(self, folder: Path) -> None:
         """Write them into ``folder`` (adapter configs into their subfolders); local, not
         fsync'd (the commit does that); only fresh regular files are created."""
-        if self.model is not None:
-            self.model.write(folder)
+        self.model.write(folder)
         for relative, config in self.adapters:
             target = folder / relative
             target.mkdir(parents=True, exist_ok=True)
             config.save_pretrained(str(target))
-        if self.model is None and self.tokenizer is not None:
-            self.tokenizer.save_pretrained(folder)
-        if self.model is None and self.processor is not None:
-            self.processor.save_pretrained(folder)
 
 
 class PeftExport:
@@ -160,11 +155,10 @@ class PeftExport:
     def folder_files(
         self, dtype: torch.dtype | None, tokenizer: Any | None, processor: Any | None, assets: str | None
     ) -> FolderFiles:
-        """The export's non-tensor files (see :class:`PeftFiles`); base model assets are copied
-        only beside a merged model; local."""
-        model = export_files(self, dtype, tokenizer, processor, assets) if self._merges else None
+        """The export's non-tensor files (see :class:`PeftFiles`); local."""
+        model = export_files(self, dtype, tokenizer, processor, assets)
         configs = tuple((adapter.folder, adapter.config) for adapter in self._adapters)
-        return PeftFiles(model, configs, tokenizer, processor)
+        return PeftFiles(model if self._merges else dataclasses.replace(model, config=None), configs)
 
     def check(self, where: str) -> None:
         """Raise CheckpointError naming ``where`` unless ``from_pretrained`` of the base model
@@ -215,9 +209,9 @@ class PeftExport:
             for key, tensor in exported.items():
                 if id(tensor) not in name_of:
                     raise CheckpointError(
-                        f"adapter {adapter_name!r} ({config.peft_type}): its tensor {key} is not one of the model's "
-                        "parameters or buffers, so it cannot be exported from them; export with lora: merged, "
-                        "or save it with peft's save_pretrained"
+                        f"adapter {adapter_name!r} ({config.peft_type.value}): its tensor {key} is computed, not one of "
+                        "the model's parameters or buffers, so areal_ckpt cannot export it; write this adapter "
+                        "with peft's own model.save_pretrained(folder)"
                     )
                 keys[name_of[id(tensor)]] = key
             folder = prefix if adapter_name == "default" else f"{prefix}{adapter_name}/"
@@ -225,45 +219,33 @@ class PeftExport:
         return adapters
 
     def _adapter_config(self, config: Any) -> Any:
-        """A copy of ``config`` as peft's save_pretrained stores it: for inference, naming the base."""
+        """A copy of ``config`` as peft's save_pretrained stores it: for inference, naming the base
+        model folder the export was told of, else the one peft recorded when it wrapped the model."""
         stored = copy.deepcopy(config)
         stored.inference_mode = True
-        base = self.base_model_path or config.base_model_name_or_path
-        stored.base_model_name_or_path = base or getattr(self.model.get_base_model(), "name_or_path", None)
+        stored.base_model_name_or_path = self.base_model_path or config.base_model_name_or_path
         return stored
 
     def _plan_merges(self) -> dict[str, _Merge]:
-        from peft.tuners.lora.layer import Linear, LoraLayer
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        layers: dict[str, Any] = {}
-        for path, module in self.model.named_modules():
-            if isinstance(module, BaseTunerLayer) and not isinstance(module, Linear):
-                raise CheckpointError(
-                    f"{path}: a {type(module).__name__} adapter layer cannot be merged here (only LoRA on linear "
-                    "layers); export it with lora: adapter"
-                )
-            if isinstance(module, LoraLayer):
-                layers[path] = module
-        for path, module in layers.items():
-            unsupported = [a for a in module.active_adapters if a in module.lora_variant or module.lora_bias.get(a)]
-            if unsupported:
-                raise CheckpointError(
-                    f"{path}: adapter(s) {unsupported} use DoRA or a LoRA bias, which this export cannot merge; "
-                    "export with lora: adapter"
-                )
+        """Each merged model tensor (base model name) and how it is made; what ``merge_and_unload``
+        would leave, computed from the live names: LoRA layers merged, a ``modules_to_save``
+        module replaced by the active adapter's copy, tied duplicates left out."""
+        layers, copies = self._lora_layers(), self._saved_modules()
         tied = set(getattr(self.model.get_base_model(), "all_tied_weights_keys", None) or {})
         merges: dict[str, _Merge] = {}
         for name in self._engine_specs:
             owner = next((path for path in layers if name.startswith(f"{path}.")), None)
             if owner is not None and not name.startswith(f"{owner}.base_layer."):
                 continue  # an adapter's own tensor
+            wrapper = next((path for path in copies if name.startswith(f"{path}.")), None)
+            if wrapper is not None and not name.startswith(copies[wrapper]):
+                continue  # the copy of a modules_to_save module that is not used
             if not name.startswith(_PEFT_PREFIX):
                 raise CheckpointError(f"{name}: not under {_PEFT_PREFIX}; this PEFT model cannot be merged here")
-            merged = name[len(_PEFT_PREFIX) :].replace(".base_layer.", ".")
+            kept = name if wrapper is None else f"{wrapper}.{name[len(copies[wrapper]) :]}"
+            merged = kept[len(_PEFT_PREFIX) :].replace(".base_layer.", ".")
             if merged in tied:
                 continue
-            pairs: tuple[tuple[str, str, float], ...] = ()
             if owner is not None and name == f"{owner}.base_layer.weight":
                 layer = layers[owner]
                 pairs = tuple(
@@ -275,6 +257,49 @@ class PeftExport:
             else:
                 merges[merged] = _Merge(name, (), False)
         return merges
+
+    def _lora_layers(self) -> dict[str, Any]:
+        """The LoRA layers by path; CheckpointError for any adapter this export cannot merge."""
+        from peft.tuners.lora.layer import Linear, LoraLayer
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        methods = {name: str(config.peft_type.value) for name, config in self.model.peft_config.items()}
+        if any(method != "LORA" for method in methods.values()):
+            raise CheckpointError(f"adapters {methods}: only LoRA adapters can be merged into the base model")
+        layers: dict[str, Any] = {}
+        for path, module in self.model.named_modules():
+            if isinstance(module, BaseTunerLayer) and not isinstance(module, Linear):
+                raise CheckpointError(
+                    f"{path}: a {type(module).__name__} adapter layer cannot be merged here (only LoRA on linear "
+                    "layers); export it with lora: adapter"
+                )
+            if isinstance(module, LoraLayer):
+                unsupported = [a for a in module.active_adapters if a in module.lora_variant or module.lora_bias.get(a)]
+                if unsupported:
+                    raise CheckpointError(
+                        f"{path}: adapter(s) {unsupported} use DoRA or a LoRA bias, which this export cannot merge; "
+                        "export with lora: adapter"
+                    )
+                layers[path] = module
+        return layers
+
+    def _saved_modules(self) -> dict[str, str]:
+        """``{path of a modules_to_save wrapper: the prefix of the copy the merged model keeps}``:
+        the active adapter's copy, or the original module when no active adapter has one."""
+        from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
+
+        copies = {}
+        for path, module in self.model.named_modules():
+            if isinstance(module, AuxiliaryTrainingWrapper) and not isinstance(module, ModulesToSaveWrapper):
+                raise CheckpointError(
+                    f"{path}: a {type(module).__name__} cannot be merged here; export it with lora: adapter"
+                )
+            if isinstance(module, ModulesToSaveWrapper):
+                active = [a for a in module.active_adapters if a in module.modules_to_save]
+                if len(active) > 1:
+                    raise CheckpointError(f"{path}: adapters {active} each replace this module; merge one of them")
+                copies[path] = f"{path}.modules_to_save.{active[0]}." if active else f"{path}.original_module."
+        return copies
 
 
 def _delta(lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float, transpose: bool) -> torch.Tensor:

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from areal_ckpt.engines.contract import CheckpointOptions
 from areal_ckpt.engines.gather import round_of_files
-from areal_ckpt.engines.peft_configs import adapter_configs, check_same_adapters
+from areal_ckpt.engines.peft_configs import active_adapters, adapter_configs, check_same_adapters
 from areal_ckpt.fsio import crc32
 from areal_ckpt.paths import MODEL_PREFIX, OPTIM_PREFIX
 from areal_ckpt.tensors import TensorSpec
@@ -165,6 +165,7 @@ class TorchEngine:
             engine_state["lr_scheduler"] = self.lr_scheduler.state_dict()
         if (adapters := adapter_configs(self.module)) is not None:
             engine_state["peft"] = adapters
+            engine_state["peft_active"] = active_adapters(self.module)
         return tensors, engine_state
 
     def _model_state(self) -> dict[str, torch.Tensor]:

@@ -54,7 +54,11 @@ class DcpModelSource:
         }
         if not self._index:
             raise CheckpointError(f"{folder}: holds no model tensors")
-        deepspeed = _engine_state(folder).get("deepspeed") or {}
+        engine_state = _engine_state(folder)
+        deepspeed = engine_state.get("deepspeed") or {}
+        #: A PEFT model's recorded adapter configurations and active adapters (None otherwise).
+        self.adapters: dict[str, Any] | None = engine_state.get("peft")
+        self.active_adapters: list[str] | None = engine_state.get("peft_active")
         self._shapes = {name: shape for name, (_, shape) in self._index.items()}
         self._shapes.update(
             {name: tuple(shape) for name, shape in (deepspeed.get("flat_shapes") or {}).items() if name in self._index}
@@ -172,6 +176,8 @@ def _engine_state(folder: Path) -> dict[str, Any]:
         extra = safe_json.loads(path.read_bytes(), str(path))
     except ValueError as error:
         raise CheckpointError(str(error)) from None
-    if not isinstance(extra, dict) or not isinstance(extra.get("deepspeed") or {}, dict):
+    if not isinstance(extra, dict) or not all(isinstance(extra.get(key) or {}, dict) for key in ("deepspeed", "peft")):
         raise CheckpointError(f"{path}: expected an object")
+    if not isinstance(extra.get("peft_active") or [], list):
+        raise CheckpointError(f"{path}: peft_active: expected a list")
     return extra

@@ -135,6 +135,7 @@ def _to_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor.to(export_dtype_for(tensor.dtype, dtype))
 
 
+CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 #: Files of a base model folder that are weights, not assets (never copied into an export).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
@@ -152,7 +153,7 @@ class HFFiles:
     tokenizer, processor, and the non-weight files of a base model folder (``assets``).
     Picklable, so a background writer can write them."""
 
-    config: Any
+    config: Any | None  # None: no model here (a PEFT adapter folder), so no config.json
     generation_config: Any | None
     tokenizer: Any | None
     processor: Any | None = None
@@ -164,10 +165,13 @@ class HFFiles:
         then config.json (always the trained model's), generation_config.json (the model's, for
         models that generate, unless the base folder had one: a model built from a config
         carries only defaults), the tokenizer's and the processor's files, which replace
-        same-named copies. Local, not fsync'd (the commit does that). Only regular files are
+        same-named copies. Without a config (an adapter folder) neither config.json nor the
+        base folder's copy of it is written. Local, not fsync'd (the commit does that). Only regular files are
         created, each by us; nothing is written through a link."""
-        copied = copy_base_model_assets(Path(self.assets), folder) if self.assets is not None else []
-        self.config.save_pretrained(folder)
+        skip = () if self.config is not None else (CONFIG_FILE,)
+        copied = copy_base_model_assets(Path(self.assets), folder, skip) if self.assets is not None else []
+        if self.config is not None:
+            self.config.save_pretrained(folder)
         if self.generation_config is not None and GENERATION_CONFIG_FILE not in copied:
             self.generation_config.save_pretrained(folder)
         if self.tokenizer is not None:
@@ -176,9 +180,10 @@ class HFFiles:
             self.processor.save_pretrained(folder)
 
 
-def copy_base_model_assets(base: Path, folder: Path) -> list[str]:
+def copy_base_model_assets(base: Path, folder: Path, skip: Sequence[str] = ()) -> list[str]:
     """Copy the regular top-level files of ``base`` that are not weights (nor a weight index,
-    nor another checkpoint's manifest) into ``folder``; returns their names. Local. Links in
+    nor another checkpoint's manifest, nor named in ``skip``) into ``folder``; returns their
+    names. Local. Links in
     ``base`` are read through (an HF cache snapshot is made of them); files in ``folder`` are
     created fresh, never opened through a link."""
     copied = []
@@ -186,7 +191,7 @@ def copy_base_model_assets(base: Path, folder: Path) -> list[str]:
         name = source.name
         if name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json") or name == "areal_ckpt_manifest.json":
             continue
-        if name.startswith(".") or not source.is_file():
+        if name.startswith(".") or name in skip or not source.is_file():
             continue
         target = folder / name
         if target.is_symlink():

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from areal_ckpt.config import parse_size
 from areal_ckpt.config_loader import load_config
+from areal_ckpt.engines.peft_export import LORA_EXPORTS
 from areal_ckpt.errors import CheckpointError, ConfigError
 from areal_ckpt.formats.stock_dcp import is_stock_dcp
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
@@ -166,6 +167,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             max_shard_size=parse_size(args.max_shard_size),
             progress=_progress("shard"),
             config_from=Path(args.config_from) if args.config_from else None,
+            lora=args.lora,
         )
     print(f"exported {_size(result.bytes)} in {result.seconds:.2f} s to {result.path}")
     return 0
@@ -281,6 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--config-from",
         help="the model's HF folder (config, tokenizer), e.g. the base model: needed for a stock DCP folder and "
         "for a dump of a plain nn.Module; otherwise it replaces what the dump recorded",
+    )
+    export.add_argument(
+        "--lora",
+        choices=LORA_EXPORTS,
+        default="adapter",
+        help="for a PEFT (LoRA) model: its adapter folder(s), the merged model, or both (docs/lora.md)",
     )
     export.set_defaults(run=cmd_export)
 

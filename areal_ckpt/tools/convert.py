@@ -14,6 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from areal_ckpt.deepspeed_api import read_latest
+from areal_ckpt.engines.contract import ExportSource
+from areal_ckpt.engines.peft_configs import peft_model_on_meta
+from areal_ckpt.engines.peft_export import PeftExport
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.export.job import ExportResult, write_export
 from areal_ckpt.formats.dcp_source import DcpModelSource, tied_names
@@ -36,8 +39,11 @@ def export_recovery(
     max_shard_size: int = 5 * 10**9,
     progress: Callable[[Iterable[int]], Iterable[int]] = iter,
     config_from: Path | None = None,
+    lora: str = "adapter",
 ) -> ExportResult:
-    """Write model ``name`` of the recovery checkpoint at ``path`` as an HF folder ``out_dir``.
+    """Write model ``name`` of the recovery checkpoint at ``path`` as an HF folder ``out_dir``
+    (for a PEFT model: its adapter folder(s), merged model, or both, as ``lora`` says and as
+    the Saver writes them, see docs/lora.md).
 
     Local, single process, blocking; verifies the model's files against the manifest first,
     streams one output shard at a time, and publishes ``out_dir`` atomically. Refuses to
@@ -58,7 +64,11 @@ def export_recovery(
     if problems:
         raise CheckpointError(f"{generation}: model {model!r} is damaged: " + "; ".join(problems))
     hf_folder = Path(config_from) if config_from is not None else generation / model / HF_FILES
-    source = DcpModelSource(generation / model, hf_folder)
+    checkpoint = DcpModelSource(generation / model, hf_folder)
+    source: ExportSource = checkpoint
+    if checkpoint.adapters is not None:  # a PEFT model: laid out as the Saver lays it out
+        layout = peft_model_on_meta(checkpoint.config, checkpoint.adapters, checkpoint.active_adapters)
+        source = PeftExport(checkpoint, layout, lora, None)
     out_dir = _new_output(out_dir)
     step = manifest.get("step", {})
     logger.info("exporting model %r of %s (global step %s) to %s", model, generation, step.get("global_step"), out_dir)
