@@ -44,6 +44,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kill-at", type=int, default=-1, help="SIGKILL this process after step K")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--mode", choices=["on", "sync", "async"], default="on")
+    parser.add_argument("--lora", action="store_true", help="train LoRA adapters (peft) on a frozen base")
     return parser.parse_args(argv)
 
 
@@ -75,10 +76,16 @@ def train(args: argparse.Namespace) -> None:
     data_rng = torch.Generator().manual_seed(11)
     dataset = [torch.randint(0, VOCAB, (12,), generator=data_rng) for _ in range(DATASET)]
     model = build_model(VOCAB, hidden_size=args.hidden, intermediate_size=2 * args.hidden, attention_dropout=0.2)
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
+        model = get_peft_model(model, config)
     if args.wrap == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        for layer in model.model.layers:
+        base = model.get_base_model() if args.lora else model
+        for layer in base.model.layers:
             fully_shard(layer)
         fully_shard(model)
     elif args.wrap == "ddp":
@@ -87,7 +94,7 @@ def train(args: argparse.Namespace) -> None:
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=7)
     loader = StatefulDataLoader(dataset, batch_size=BATCH, sampler=sampler, generator=torch.Generator().manual_seed(3))
     ft_spec = ac.FinetuneSpec(total_train_epochs=EPOCHS, dataset_size=DATASET // world, train_batch_size=BATCH)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
     scheduler = warmup_cosine(optimizer, warmup=3, total=ft_spec.total_train_steps)
     if args.wrap.startswith("zero"):
         import deepspeed

@@ -246,3 +246,29 @@ def test_modules_to_save_travel_with_the_adapter_and_replace_the_originals_when_
     written = read_export_tensors(folder)
     assert written.keys() <= merged_by_peft.keys() and any("o_proj" in name for name in written)
     assert all(torch.equal(merged_by_peft[name], tensor) for name, tensor in written.items())
+
+
+def test_an_areal_shaped_engine_holding_a_peft_model_saves_and_recovers_unchanged(fileroot, make_model):
+    class FSDPEngine:  # AReaL's shape: the model as .model, its optimizer as .optimizer
+        def __init__(self, model: torch.nn.Module) -> None:
+            self.model = model
+            self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+            self.lr_scheduler = None
+
+    engine = FSDPEngine(_lora(make_model))
+    engine.model(input_ids=TOKENS, labels=TOKENS).loss.backward()
+    engine.optimizer.step()
+    folder = _saved(fileroot, engine.model)
+    saver = ac.Saver(saver_config(fileroot, trial_name="areal"), SPEC)
+    through_holder = Path(saver.save(engine, 0, 0, 0, force=True))
+    saver.finalize()
+    assert read_export_tensors(through_holder).keys() == read_export_tensors(folder).keys()
+    handler = ac.RecoverHandler(recover_config(fileroot), SPEC)
+    handler.dump(engine, step_info(0), force=True)
+    handler.close()
+    fresh = FSDPEngine(_lora(make_model, seed=1))
+    assert ac.RecoverHandler(recover_config(fileroot), SPEC).load(fresh) is not None
+    assert all(torch.equal(a, b) for a, b in zip(engine.model.state_dict().values(), fresh.model.state_dict().values()))
+    moments = [state["exp_avg"] for state in engine.optimizer.state.values()]
+    assert len(moments) == len(fresh.optimizer.state) > 0
+    assert all(torch.equal(a, b["exp_avg"]) for a, b in zip(moments, fresh.optimizer.state.values()))
