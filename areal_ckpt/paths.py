@@ -113,6 +113,9 @@ STEP_FILE = "step_info.json"
 #: Inside each model's folder of a generation: optimizer / scheduler state, and HF config + tokenizer.
 ENGINE_STATE_FILE = "engine_state.json"
 HF_FILES = "hf"
+#: Inside a model's folder of a generation: the parameters that do not train (a LoRA run's base),
+#: a DCP checkpoint of its own, written once and hard-linked by later generations while unchanged.
+FROZEN_PART = "frozen"
 _GENERATION = re.compile(r"^gen-(\d+)-([0-9a-f]{8})$")
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
+
+from areal_ckpt.fsio import crc32
 
 #: torch dtype -> safetensors dtype tag.
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
@@ -86,3 +89,10 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if flat.numel() == 0:
         return memoryview(bytearray())
     return flat.view(torch.uint8).numpy().data
+
+
+def local_crc32(tensor: torch.Tensor) -> int:
+    """CRC-32 of this rank's bytes of ``tensor`` (a DTensor's local shard); one read, copied
+    only when the tensor is off the CPU or not contiguous. Local."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return crc32(tensor_bytes(local.detach().cpu()))

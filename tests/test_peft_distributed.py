@@ -66,13 +66,16 @@ def test_an_adapter_export_reads_adapter_tensors_only():
     assert source.plan(10**9, None).total_size == adapter_bytes
 
 
-@pytest.mark.parametrize(("world", "wrap"), [(1, "none"), (2, "fsdp2"), (2, "ddp")])
+@pytest.mark.parametrize(("world", "wrap"), [(1, "none"), (2, "fsdp2"), (2, "ddp"), (2, "zero2"), (2, "zero3")])
 def test_a_lora_run_killed_after_a_dump_resumes_bit_exactly(tmp_path, world, wrap):
-    # LoRA (with dropout, so the RNG matters) on a frozen base: dumps after steps 1, 3, 5, 7;
-    # killed one step past a dump; adapters, their moments, LR, RNG and data must continue exactly
+    # LoRA (with dropout, so the RNG matters) on a frozen base, stored once and linked by later
+    # dumps: dumps after steps 1, 3, 5, 7; killed one step past a dump; adapters, their moments,
+    # LR, RNG and data must continue exactly
     lora = ["--lora"]
     run_job(tmp_path / "ref/root", tmp_path / "ref/out", world_size=world, wrap=wrap, extra=lora)
     root, out = tmp_path / "root", tmp_path / "out"
     assert run_job(root, out, world_size=world, wrap=wrap, extra=[*lora, "--kill-at", "4"]) == [-9] * world
     run_job(root, out, world_size=world, wrap=wrap, extra=lora)
     assert_same_run(tmp_path / "ref/out", out, world_size=world)
+    generation = (root / "checkpoints/tester/exp/bitexact/.recover/current").resolve()
+    assert (generation / "default/frozen/dcp_metadata.json").is_file()  # the base went through its own part

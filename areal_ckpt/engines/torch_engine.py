@@ -20,9 +20,8 @@ from torch.nn.parallel import DistributedDataParallel
 from areal_ckpt.engines.contract import CheckpointOptions
 from areal_ckpt.engines.gather import round_of_files
 from areal_ckpt.engines.peft_configs import active_adapters, adapter_configs, check_same_adapters
-from areal_ckpt.fsio import crc32
 from areal_ckpt.paths import MODEL_PREFIX, OPTIM_PREFIX
-from areal_ckpt.tensors import TensorSpec
+from areal_ckpt.tensors import TensorSpec, local_crc32
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -271,10 +270,4 @@ class TorchEngine:
 
         Local; one read of this rank's weights, no copy (except of tensors off the CPU).
         """
-        digest = []
-        for value in self._model_state().values():
-            local = value.to_local() if isinstance(value, DTensor) else value
-            flat = local.detach().cpu().contiguous().reshape(-1)
-            data = flat.view(torch.uint8).numpy().data if flat.numel() else b""
-            digest.append(crc32(data))
-        return digest
+        return [local_crc32(value) for value in self._model_state().values()]

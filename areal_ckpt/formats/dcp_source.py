@@ -20,7 +20,7 @@ from areal_ckpt.formats.dcp_io import load_tensors, tensor_index
 from areal_ckpt.formats.dcp_metadata import check_within_files, read_metadata_json
 from areal_ckpt.formats.hf_export import names_of_rank
 from areal_ckpt.formats.hf_keys import architecture_of
-from areal_ckpt.paths import ENGINE_STATE_FILE, MODEL_PREFIX, OPTIM_PREFIX
+from areal_ckpt.paths import ENGINE_STATE_FILE, FROZEN_PART, MODEL_PREFIX, OPTIM_PREFIX
 from areal_ckpt.state import safe_json
 from areal_ckpt.tensors import TensorSpec
 
@@ -46,15 +46,20 @@ class DcpModelSource:
         self.architecture = architecture_of(self.config)
         self.on_accelerator = False
         self._metadata = read_metadata_json(folder)
-        check_within_files(self._metadata, folder)  # before any tensor is allocated from it
-        self._index = {
-            name[len(MODEL_PREFIX) :]: value
-            for name, value in tensor_index(self._metadata).items()
-            if name.startswith(MODEL_PREFIX)
-        }
+        engine_state = _engine_state(folder)
+        self._folders = [(folder, self._metadata)]  # the model's, then its frozen part's
+        if engine_state.get("frozen_part"):
+            self._folders.append((folder / FROZEN_PART, read_metadata_json(folder / FROZEN_PART)))
+        self._index: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self._home: dict[str, tuple[Path, Any]] = {}  # the folder (and its metadata) a tensor is in
+        for where, metadata in self._folders:
+            check_within_files(metadata, where)  # before any tensor is allocated from it
+            for name, value in tensor_index(metadata).items():
+                if name.startswith(MODEL_PREFIX):
+                    self._index[name[len(MODEL_PREFIX) :]] = value
+                    self._home[name[len(MODEL_PREFIX) :]] = (where, metadata)
         if not self._index:
             raise CheckpointError(f"{folder}: holds no model tensors")
-        engine_state = _engine_state(folder)
         deepspeed = engine_state.get("deepspeed") or {}
         #: A PEFT model's recorded adapter configurations and active adapters (None otherwise).
         self.adapters: dict[str, Any] | None = engine_state.get("peft")
@@ -89,8 +94,10 @@ class DcpModelSource:
         template = {
             MODEL_PREFIX + name: torch.empty(self._index[name][1], dtype=self._index[name][0]) for name in stored
         }
-        if stored:
-            load_tensors(template, self.folder, optional_prefixes=_SKIP_WHEN_READING, metadata=self._metadata)
+        for where, metadata in self._folders:  # one DCP read per folder that holds some of them
+            here = {key: value for key, value in template.items() if self._home[key[len(MODEL_PREFIX) :]][0] == where}
+            if here:
+                load_tensors(here, where, optional_prefixes=_SKIP_WHEN_READING, metadata=metadata)
         for name in wanted:
             if name in from_masters:
                 yield name, from_masters.pop(name)

@@ -28,6 +28,7 @@ from areal_ckpt.paths import (
     recover_info_link,
     trial_root,
 )
+from areal_ckpt.recover.frozen import frozen_part, part_fingerprint
 from areal_ckpt.recover.prepare import PreviousDump, prepare_dump
 from areal_ckpt.recover.read import load_engine, open_committed
 from areal_ckpt.recover.retry import retried
@@ -308,6 +309,8 @@ class RecoverHandler:
         for name in sorted(engines):
             if not engines[name].has_optimizer:
                 self._fingerprints[name] = engines[name].fingerprint()
+            if any(file.startswith(f"{frozen_part(name)}/") for file in manifest["files"]):
+                self._fingerprints[frozen_part(name)] = part_fingerprint(engines[name])  # as loaded: linked next
         self._tidied = True  # find_committed removed the debris
         self.last_step_info = info.last_step_info
         if info.rng_state is not None:

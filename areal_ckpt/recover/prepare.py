@@ -22,6 +22,8 @@ from areal_ckpt.errors import CollectiveError, RankMismatchError, TransientError
 from areal_ckpt.formats.hf_export import HFFiles
 from areal_ckpt.fsio import FileRecord
 from areal_ckpt.paths import ENGINE_STATE_FILE, MODEL_SEPARATOR, RECOVER_INFO, check_model_name
+from areal_ckpt.recover.frozen import fingerprint as fingerprint_of
+from areal_ckpt.recover.frozen import frozen_names, frozen_part
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.write import DumpJob, dump_header
 from areal_ckpt.state import safe_json
@@ -32,7 +34,8 @@ from areal_ckpt.step import StepInfo
 @dataclass(frozen=True)
 class PreviousDump:
     """What this process committed or loaded last: the generation (None before any) and the
-    weight fingerprints of its frozen models (an unchanged one is hard-linked, not rewritten)."""
+    weight fingerprints of its frozen models and of its models' frozen parts, by folder (an
+    unchanged one is hard-linked, not rewritten)."""
 
     generation: str | None
     fingerprints: dict[str, list[int]]
@@ -42,10 +45,11 @@ class PreviousDump:
 class _Files:
     """What the capture of one dump collects besides the tensors."""
 
-    records: dict[str, FileRecord]  # files linked into the generation (unchanged frozen models)
+    records: dict[str, FileRecord]  # files linked into the generation (unchanged frozen models and parts)
     files: dict[str, bytes]  # small files to write, by path in the generation
     hf: dict[str, HFFiles]  # rank 0: each model's HF files
     param_groups: dict[str, list[dict[str, Any]]]  # each model's optimizer groups, for stock readers
+    fingerprints: dict[str, list[int]]  # of frozen models and frozen parts, by folder
 
 
 def prepare_dump(
@@ -72,27 +76,19 @@ def prepare_dump(
         check_model_name(name)
     agree.require_same([step_info.global_step, names], "RecoverHandler.dump: ranks disagree on (global_step, models)")
     generation = agree.decided_by_rank0(lambda: begin(step_info.global_step, names), "RecoverHandler.dump")
-    collected = _Files({}, {}, {}, {})
+    collected = _Files({}, {}, {}, {}, {})
     tensors: dict[str, torch.Tensor] = {}
-    fingerprints: dict[str, list[int]] = {}
 
     def capture() -> None:
         try:
             for name in names:
                 if not engines[name].has_optimizer:
-                    fingerprints[name] = engines[name].fingerprint()
-                model_tensors = _capture_engine(
-                    store,
-                    config,
-                    previous,
-                    engines[name],
-                    name,
-                    generation,
-                    fingerprints.get(name),
-                    assets[name],
-                    collected,
+                    collected.fingerprints[name] = engines[name].fingerprint()
+                parts = _capture_engine(
+                    store, config, previous, engines[name], name, generation, assets[name], collected
                 )
-                tensors.update({f"{name}{MODEL_SEPARATOR}{key}": value for key, value in model_tensors.items()})
+                for folder, part in parts.items():
+                    tensors.update({f"{folder}{MODEL_SEPARATOR}{key}": value for key, value in part.items()})
             if rank == 0:
                 for file_name, data in encode_global_info(step_info, components).items():
                     collected.files[f"{RECOVER_INFO}/{file_name}"] = data
@@ -120,7 +116,7 @@ def prepare_dump(
         header=dump_header(step_info.to_dict(), names),
         retries=config.write_retries,
     )
-    return job, tensors, fingerprints
+    return job, tensors, collected.fingerprints
 
 
 def _capture_engine(
@@ -130,20 +126,28 @@ def _capture_engine(
     engine: Engine,
     name: str,
     generation: str,
-    fingerprint: list[int] | None,
     assets: HFAssets,
     collected: _Files,
-) -> dict[str, torch.Tensor]:
-    """This rank's tensors of one model (none when an unchanged frozen model is linked: rank 0
-    adds the linked files' records); adds its engine state and HF files (rank 0) and its
-    optimizer's param groups to ``collected``. Collective (one reduction)."""
-    unchanged = fingerprint is not None and previous.fingerprints.get(name) == fingerprint
-    if dist.all_true(unchanged) and previous.generation is not None:
-        if dist.rank() == 0:
-            collected.records.update(store.link_model(previous.generation, generation, name))
+) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's tensors of one model by the folder they go to: the model's, and its frozen
+    part's (see :mod:`areal_ckpt.recover.frozen`) unless that is unchanged and linked; nothing
+    when an unchanged frozen model is linked whole (rank 0 adds the linked files' records).
+    Adds its engine state and HF files (rank 0), its optimizer's param groups and its frozen
+    part's fingerprint to ``collected``. Collective (one or two reductions)."""
+    fingerprint = collected.fingerprints.get(name)
+    if _link_unchanged(store, previous, name, fingerprint, generation, collected):
         return {}
     include_optimizer = not config.no_save_optim
     tensors, engine_state = engine.recover_state(include_optimizer)
+    parts = {name: tensors}
+    frozen = frozen_names(engine.module, tensors)
+    if frozen:
+        part = frozen_part(name)
+        engine_state["frozen_part"] = frozen
+        collected.fingerprints[part] = fingerprint_of(frozen, tensors)
+        frozen_tensors = {key: tensors.pop(key) for key in frozen}
+        if not _link_unchanged(store, previous, part, collected.fingerprints[part], generation, collected):
+            parts[part] = frozen_tensors
     if engine_state.get("optimizer_param_groups"):
         collected.param_groups[name] = engine_state["optimizer_param_groups"]
     if dist.rank() == 0:
@@ -151,4 +155,23 @@ def _capture_engine(
         collected.files[f"{name}/{ENGINE_STATE_FILE}"] = safe_json.dumps(engine_state)
         if engine.config is not None:  # what `areal-ckpt export` needs besides the shards
             collected.hf[name] = export_files(engine, None, assets.tokenizer, assets.processor, assets.base_model_path)
-    return tensors
+    return parts
+
+
+def _link_unchanged(
+    store: RecoverStore,
+    previous: PreviousDump,
+    folder: str,
+    fingerprint: list[int] | None,
+    generation: str,
+    collected: _Files,
+) -> bool:
+    """True when ``folder`` (a frozen model, or a model's frozen part) has the fingerprint it
+    had in the previous generation on every rank: rank 0 then hard-links its files from there
+    into ``generation`` and adds their records. Collective (one reduction)."""
+    unchanged = fingerprint is not None and previous.fingerprints.get(folder) == fingerprint
+    if not (dist.all_true(unchanged) and previous.generation is not None):
+        return False
+    if dist.rank() == 0:
+        collected.records.update(store.link_model(previous.generation, generation, folder))
+    return True

@@ -20,6 +20,7 @@ from areal_ckpt.fsio import FileRecord
 from areal_ckpt.paths import (
     DATA_SUFFIX,
     ENGINE_STATE_FILE,
+    FROZEN_PART,
     MODEL_PREFIX,
     OPTIM_PREFIX,
     READABLE_RECOVER_VERSIONS,
@@ -193,6 +194,10 @@ def load_engine(
         raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: {error}") from None
     metadata = read_metadata_json(folder)
     stored = tensor_index(metadata)
+    frozen = folder / FROZEN_PART if engine_state.get("frozen_part") else None
+    frozen_metadata = read_metadata_json(frozen) if frozen is not None else None
+    frozen_stored = tensor_index(frozen_metadata) if frozen_metadata is not None else {}
+    stored.update(frozen_stored)
     template = engine.recover_template(include_optimizer and engine_state.get("optimizer_has_state", True), stored)
     optional: tuple[str, ...] = ()
     if not strict:
@@ -201,21 +206,26 @@ def load_engine(
         optional += (MODEL_PREFIX,)
         if skipped:
             logger.warning("%s: not in the checkpoint, left as they are: %s", folder, skipped[:10])
-    prefix = f"{folder.name}/"
-    expected = {
-        name[len(prefix) :]: FileRecord(entry["size"], entry["crc32"])
-        for name, entry in manifest["files"].items()
-        if name.startswith(prefix) and name.endswith(DATA_SUFFIX)
-    }
     # partitions that other ranks own (ZeRO) are theirs to read
     optional += tuple(f"{OPTIM_PREFIX}rank{r}." for r in range(manifest["world_size"]) if r != dist.rank())
+    if frozen is not None:  # the frozen part first: its own DCP checkpoint, its own files
+        frozen_template = {name: template.pop(name) for name in list(template) if name in frozen_stored}
+        load_tensors(
+            frozen_template,
+            frozen,
+            optional_prefixes=optional,
+            expected=_data_files(manifest, f"{folder.name}/{FROZEN_PART}/"),
+            metadata=frozen_metadata,
+        )
     load_tensors(
         template,
         folder,
         optional_prefixes=optional if include_optimizer else optional + (OPTIM_PREFIX,),
-        expected=expected,
+        expected=_data_files(manifest, f"{folder.name}/"),
         metadata=metadata,
     )
+    if frozen is not None:
+        template.update(frozen_template)
     try:
         engine.load_recover_state(template, engine_state, include_optimizer, strict)
     except (KeyError, ValueError, RuntimeError, TypeError, AttributeError, IndexError) as error:
@@ -223,6 +233,16 @@ def load_engine(
             f"{folder / ENGINE_STATE_FILE}: cannot restore model / optimizer / scheduler: "
             f"{type(error).__name__}: {error}"
         ) from None
+
+
+def _data_files(manifest: dict[str, Any], prefix: str) -> dict[str, FileRecord]:
+    """The manifest's records of the data files directly in the folder ``prefix`` names in the
+    generation (a model's, or its frozen part), by file name; pure."""
+    return {
+        name[len(prefix) :]: FileRecord(entry["size"], entry["crc32"])
+        for name, entry in manifest["files"].items()
+        if name.startswith(prefix) and "/" not in name[len(prefix) :] and name.endswith(DATA_SUFFIX)
+    }
 
 
 def check_if_auto_recover(config: RecoverConfig | Any) -> bool:

@@ -65,18 +65,21 @@ class DumpJob:
     layout: ArenaLayout | None = None
 
     def run(self, tensors: dict[str, Any]) -> dict[str, Any]:
-        """Write ``tensors`` (``"{model}/{name}"`` -> tensor) and commit the generation.
+        """Write ``tensors`` (``"{folder}/{name}"`` -> tensor, the folder a model's or its frozen
+        part's) and commit the generation.
 
         Collective over the current process group; blocking; durable on return. Returns the
-        generation's path and the bytes of all its files. Raises CheckpointError (on every
+        generation's path and the bytes this dump wrote. Raises CheckpointError (on every
         rank) after ``retries`` failed attempts, with the generation discarded;
-        CollectiveError at once when a peer is gone.
+        CollectiveError at once when a peer is gone. The bytes are those written by this dump:
+        files hard-linked from the previous generation (an unchanged frozen model or part) are
+        not counted.
         """
         store = RecoverStore(self.trial)
-        by_model: dict[str, dict[str, Any]] = {}
+        by_folder: dict[str, dict[str, Any]] = {}  # a model's folder, or its frozen part's
         for key, tensor in tensors.items():
-            model, _, name = key.partition(MODEL_SEPARATOR)
-            by_model.setdefault(model, {})[name] = tensor
+            folder, _, name = key.rpartition(MODEL_SEPARATOR)
+            by_folder.setdefault(folder, {})[name] = tensor
 
         def discard() -> None:
             if dist.rank() == 0 and _committed_or_none(store) != self.generation:
@@ -84,15 +87,15 @@ class DumpJob:
 
         what = f"{store.root}: recovery dump at global step {self.header['step']['global_step']}"
         try:
-            written, hidden = retried(lambda: self._attempt(store, by_model), self.retries, what, give_up=discard)
+            written, hidden = retried(lambda: self._attempt(store, by_folder), self.retries, what, give_up=discard)
         except RankMismatchError:  # refused before anything was written: no debris either
             discard()
             raise
         store.delete_rank_files(hidden, dist.rank(), self.models)  # every rank its own share
         return {"path": str(store.path(self.generation)), "bytes": written}
 
-    def _attempt(self, store: RecoverStore, by_model: dict[str, dict[str, Any]]) -> tuple[int, list[str]]:
-        """One write + commit; returns (the generation's bytes, the hidden superseded
+    def _attempt(self, store: RecoverStore, by_folder: dict[str, dict[str, Any]]) -> tuple[int, list[str]]:
+        """One write + commit; returns (the bytes written, the hidden superseded
         generations). Collective; rank 0 commits; every rank raises the same TransientError when
         a rank's write or the commit failed."""
         folder = store.path(self.generation)
@@ -100,11 +103,12 @@ class DumpJob:
         def write() -> dict[str, tuple[int, int]]:
             records = dict(self.records)
             try:
-                for model in sorted(by_model):  # collective: a failed write raises on every rank
-                    tensors, groups = by_model[model], self.param_groups.get(model)
-                    plan_key = f"{self.trial}/{model}"
-                    for file_name, record in save_tensors(tensors, folder / model, groups, plan_key).items():
-                        records[f"{model}/{file_name}"] = (record.size, record.crc32)
+                for part in sorted(by_folder):  # collective: a failed write raises on every rank
+                    tensors, groups = by_folder[part], self.param_groups.get(part)
+                    plan_key = f"{self.trial}/{part}"
+                    (folder / part).mkdir(exist_ok=True)  # a frozen part's folder (a model's exists)
+                    for file_name, record in save_tensors(tensors, folder / part, groups, plan_key).items():
+                        records[f"{part}/{file_name}"] = (record.size, record.crc32)
                 for relative, data in self.files.items():  # local from here on
                     record = write_file_durably(folder / relative, data)
                     records[relative] = (record.size, record.crc32)
@@ -120,7 +124,8 @@ class DumpJob:
         return agree.gathered_then_decided(write, lambda every: self._commit(store, every), "writing failed")
 
     def _commit(self, store: RecoverStore, every: list[dict[str, tuple[int, int]]]) -> tuple[int, list[str]]:
-        """Rank 0: commit the generation; returns its bytes and the hidden superseded generations."""
+        """Rank 0: commit the generation; returns the bytes written for it (linked files left
+        out) and the hidden superseded generations."""
         records = {k: FileRecord(size, crc) for part in every for k, (size, crc) in part.items()}
         hidden: list[str] = []
         try:
@@ -129,7 +134,8 @@ class DumpJob:
             if _committed_or_none(store) != self.generation:
                 raise TransientError(f"commit failed: {error}") from error
             logger.warning("%s: committed %s, but then: %s", store.root, self.generation, error)
-        return sum(record.size for record in records.values()), hidden
+        linked = sum(size for size, _ in self.records.values())  # rank 0's: unchanged parts, not written
+        return sum(record.size for record in records.values()) - linked, hidden
 
 
 def _committed_or_none(store: RecoverStore) -> str | None:

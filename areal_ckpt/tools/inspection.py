@@ -15,6 +15,7 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_metadata import read_metadata_json, tensor_entries
 from areal_ckpt.formats.stock_dcp import is_stock_dcp, read_stock_metadata
 from areal_ckpt.paths import (
+    FROZEN_PART,
     LATEST,
     MANIFEST_NAME,
     RECOVER_MANIFEST,
@@ -155,11 +156,15 @@ def _model_facts(folder: Path, manifest: dict[str, Any], model: str) -> dict[str
     """Parameters, dtypes, optimizer presence and bytes of one DCP model folder; CheckpointError
     naming the metadata file when it is damaged or forged."""
     metadata = read_metadata_json(folder / model)
+    parts = [metadata]
+    if (folder / model / FROZEN_PART).is_dir():  # parameters that do not train, stored once
+        parts.append(read_metadata_json(folder / model / FROZEN_PART))
     dtypes: dict[str, int] = {}
-    for name, entry in tensor_entries(metadata).items():
-        if name.startswith("model."):
-            dtype = str(entry.properties.dtype).removeprefix("torch.")
-            dtypes[dtype] = dtypes.get(dtype, 0) + entry.size.numel()
+    for part in parts:
+        for name, entry in tensor_entries(part).items():
+            if name.startswith("model."):
+                dtype = str(entry.properties.dtype).removeprefix("torch.")
+                dtypes[dtype] = dtypes.get(dtype, 0) + entry.size.numel()
     return {
         "parameters": sum(dtypes.values()),
         "dtypes": dtypes,
