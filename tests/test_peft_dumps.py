@@ -109,3 +109,25 @@ def test_a_damaged_linked_base_is_named_at_load_and_nothing_is_loaded(fileroot):
     fresh, fresh_optimizer = lora_run(seed=1)
     with pytest.raises(ac.CheckpointError, match=r"frozen/__0_0\.distcp"):
         ac.RecoverHandler(recover_config(fileroot), SPEC).load(ac.TorchEngine(fresh, fresh_optimizer))
+
+
+def test_stock_dcp_reads_the_model_folder_and_its_frozen_part(fileroot):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, optimizer = lora_run()
+    train_step(model, optimizer)
+    handler = ac.RecoverHandler(recover_config(fileroot), SPEC)
+    handler.dump(ac.TorchEngine(model, optimizer), step_info(0), force=True)
+    handler.close()
+
+    fresh, fresh_optimizer = lora_run(seed=1)  # stock torch only from here
+    train_step(fresh, fresh_optimizer)  # so that its optimizer has state to load into
+    model_state, optim_state = get_state_dict(fresh, fresh_optimizer)
+    state = {"dcp": {"model": model_state, "optim": optim_state}}
+    folder = trial_dir(fileroot) / "default/recover_checkpoint"
+    for part in (folder, folder / "frozen"):
+        dcp.load(state, checkpoint_id=part, planner=DefaultLoadPlanner(allow_partial_load=True))
+    set_state_dict(fresh, fresh_optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
