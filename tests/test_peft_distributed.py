@@ -79,3 +79,30 @@ def test_a_lora_run_killed_after_a_dump_resumes_bit_exactly(tmp_path, world, wra
     assert_same_run(tmp_path / "ref/out", out, world_size=world)
     generation = (root / "checkpoints/tester/exp/bitexact/.recover/current").resolve()
     assert (generation / "default/frozen/dcp_metadata.json").is_file()  # the base went through its own part
+
+
+def mismatch_worker(rank: int, world_size: int, fileroot: str, report: str) -> None:
+    from recover_fixtures import recover_config, step_info
+
+    model = lora_model("fsdp2")
+    handler = ac.RecoverHandler(recover_config(Path(fileroot)), SPEC)
+    handler.dump(ac.TorchEngine(model), step_info(0), force=True)
+    handler.close()
+    torch.manual_seed(0)
+    other = wrap_model(
+        get_peft_model(build_model(VOCAB), LoraConfig(r=8, target_modules=["q_proj", "v_proj"])), "fsdp2"
+    )
+    handler = ac.RecoverHandler(recover_config(Path(fileroot)), SPEC)
+    try:
+        handler.load(ac.TorchEngine(other))
+    except ac.CheckpointError as error:
+        Path(f"{report}.{rank}").write_text(str(error))
+    finally:
+        handler.close()
+
+
+def test_a_dump_loaded_onto_another_lora_config_is_refused_on_every_rank(fileroot, tmp_path):
+    run_distributed(mismatch_worker, 2, str(fileroot), str(tmp_path / "refused"))
+    for rank in range(2):
+        message = (tmp_path / f"refused.{rank}").read_text()
+        assert "adapter 'default' was saved with another configuration (r: 4 in the checkpoint, 8 here" in message

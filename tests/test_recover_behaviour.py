@@ -131,6 +131,13 @@ def test_round_trip_of_everything_a_dump_holds(fileroot):
         assert all(torch.equal(a[key], b[key]) for key in ("step", "exp_avg", "exp_avg_sq"))
 
 
+def test_a_model_without_an_optimizer_loads_the_weights_of_a_dump_that_has_optimizer_state(fileroot):
+    trained = dump_once(fileroot)
+    fresh = make_setup(seed=1).model  # evaluation: the model alone, no optimizer, no scheduler
+    assert ac.RecoverHandler(recover_config(fileroot), SPEC).load(ac.TorchEngine(fresh)) is not None
+    assert all(torch.equal(a, b) for a, b in zip(trained.model.state_dict().values(), fresh.state_dict().values()))
+
+
 def test_frozen_reference_model_is_not_rewritten_until_it_changes(fileroot):
     actor = make_setup(seed=0)
     torch.manual_seed(5)

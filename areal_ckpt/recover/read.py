@@ -163,7 +163,8 @@ def load_engine(
         engine_state = safe_json.loads((folder / ENGINE_STATE_FILE).read_bytes(), str(folder / ENGINE_STATE_FILE))
     except ValueError as error:
         raise CheckpointError(str(error)) from None
-    include_optimizer = bool(engine_state.get("optimizer_saved")) and not no_load_optim
+    # an engine without an optimizer (evaluation, a reference model) takes the weights alone
+    include_optimizer = bool(engine_state.get("optimizer_saved")) and not no_load_optim and engine.optimizer is not None
     if engine.optimizer is not None and not include_optimizer:
         logger.warning(
             "%s: optimizer state not restored (%s)",
