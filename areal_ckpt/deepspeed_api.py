@@ -4,6 +4,8 @@ For code that already calls ``engine.save_checkpoint(save_dir, tag, client_state
 call shape and semantics, with our guarantees. Layout::
 
     {save_dir}/latest                        the newest committed tag (one line of text)
+    {save_dir}/zero_to_fp32.py               offline converter to a full fp32 state dict (torch +
+                                             safetensors only), as DeepSpeed places its own
     {save_dir}/{tag}/model/...               DCP data files, dcp_metadata.json, engine_state.json,
                                              hf/config.json
     {save_dir}/{tag}/client_state/rank{r}.json   each rank's own client_state (JSON)
@@ -50,6 +52,9 @@ from areal_ckpt.state import safe_json
 from areal_ckpt.state.numerics import numerics_record, warn_if_numerics_changed
 
 logger = logging.getLogger(__name__)
+
+#: The offline converter every save_dir holds, under the name DeepSpeed gives its own.
+OFFLINE_CONVERTER = "zero_to_fp32.py"
 
 
 def _default_tag(engine: Engine) -> str:
@@ -179,6 +184,24 @@ def _publish(
     publish(staging, final, root / f".{tag}.trash")
     if save_latest:
         _write_latest(root, tag)
+    try:
+        _place_offline_converter(root)
+    except OSError as error:  # the checkpoint is committed; the script is a convenience
+        logger.warning("%s: could not place %s: %s", root, OFFLINE_CONVERTER, error)
+
+
+def _place_offline_converter(root: Path) -> None:
+    """Rank 0: put ``zero_to_fp32.py`` (torch + safetensors only, see
+    :mod:`areal_ckpt.tools.offline_zero_to_fp32`) into ``root``, as DeepSpeed puts its own, by
+    renaming a complete new file over it; nothing when the same script is there already."""
+    script = (Path(__file__).parent / "tools" / "offline_zero_to_fp32.py").read_bytes()
+    target = root / OFFLINE_CONVERTER
+    if target.is_file() and not target.is_symlink() and target.read_bytes() == script:
+        return
+    temporary = root / f".{OFFLINE_CONVERTER}.{os.getpid()}"
+    write_file_durably(temporary, script)
+    os.replace(temporary, target)
+    fsync_dir(root)
 
 
 def _write_latest(root: Path, tag: str) -> None:

@@ -4,6 +4,8 @@ load_checkpoint continue the run bit for bit, and the Saver's adapter export loa
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 from distributed import run_distributed
 from helpers import read_export_tensors, saver_config
 from peft import PeftModel, get_peft_model_state_dict
+from safetensors.torch import load_file
 from test_peft_distributed import SPEC, TOKENS, VOCAB, lora_model
 
 import areal_ckpt as ac
@@ -47,6 +50,7 @@ def lora_worker(rank: int, world_size: int, root: str, fileroot: str, stage: int
     engine = lora_engine(stage)
     losses(engine, 2)
     ac.save_checkpoint(engine, f"{root}/ckpt", client_state={"rlhf_iteration": 2})
+    engine.save_checkpoint(f"{root}/native")  # DeepSpeed's own, for its fp32 functions as the oracle
     saver = ac.Saver(saver_config(Path(fileroot), trial_name=f"zero{stage}"), SPEC)
     saver.save(engine, 0, 1, 2, force=True)
     continued = losses(engine, 3)
@@ -76,3 +80,29 @@ def test_deepspeed_over_a_lora_model_resumes_bit_exactly_and_exports_its_adapter
     torch.manual_seed(0)
     loaded = PeftModel.from_pretrained(build_model(VOCAB), saved)  # the base the adapters were trained on
     assert loaded(input_ids=TOKENS).logits.isfinite().all()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp32_state_dicts_of_a_lora_run_leave_out_the_frozen_base_as_deepspeed_does(tmp_path, fileroot, stage):
+    from deepspeed.utils import zero_to_fp32
+
+    from areal_ckpt.tools.convert import weights_only_deepspeed_loads
+    from areal_ckpt.tools.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    run_distributed(lora_worker, 2, str(tmp_path), str(fileroot), stage, str(tmp_path / "report.json"))
+    with weights_only_deepspeed_loads():
+        oracle = dict(
+            zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
+                str(tmp_path / "native"), exclude_frozen_parameters=True
+            )
+        )
+    assert oracle and all("lora_" in name for name in oracle)
+    for layout in ("native", "ckpt"):
+        ours = get_fp32_state_dict_from_zero_checkpoint(tmp_path / layout, exclude_frozen_parameters=True)
+        assert ours.keys() == oracle.keys()
+        assert all(torch.equal(ours[name], oracle[name]) for name in oracle)
+    script = tmp_path / "ckpt" / "zero_to_fp32.py"
+    command = [sys.executable, str(script), str(tmp_path / "ckpt"), str(tmp_path / "offline"), "--safe_serialization"]
+    subprocess.run([*command, "--exclude_frozen_parameters"], check=True, capture_output=True, timeout=300)
+    offline = load_file(tmp_path / "offline" / "model.safetensors")
+    assert offline.keys() == oracle.keys() and all(torch.equal(offline[name], oracle[name]) for name in oracle)

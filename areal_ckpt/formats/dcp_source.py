@@ -28,22 +28,27 @@ _SKIP_WHEN_READING = (MODEL_PREFIX, OPTIM_PREFIX)
 
 
 class DcpModelSource:
-    """The model of one ``{name}/`` folder of a recovery generation (DCP shards + ``hf/``)."""
+    """The model of one ``{name}/`` folder of a recovery generation or tag (DCP shards +
+    ``hf/``). With ``hf_folder`` None no HF config is read: every stored tensor is offered
+    (tied duplicates too), and :meth:`read` serves a state dict rather than an HF export."""
 
-    def __init__(self, folder: Path, hf_folder: Path) -> None:
+    def __init__(self, folder: Path, hf_folder: Path | None) -> None:
         self.folder = folder
-        if not (hf_folder / "config.json").is_file():
-            raise CheckpointError(
-                f"{hf_folder / 'config.json'}: missing; this checkpoint did not record the model's HF config (a plain "
-                "nn.Module has none): name a folder holding one with --config-from (areal-ckpt export) or --config "
-                "(areal-ckpt convert-deepspeed)"
-            )
-        self.config = AutoConfig.from_pretrained(hf_folder, local_files_only=True)
-        generation = hf_folder / "generation_config.json"
-        self.generation_config = (
-            GenerationConfig.from_pretrained(hf_folder, local_files_only=True) if generation.is_file() else None
-        )
-        self.architecture = architecture_of(self.config)
+        self.config: Any = None
+        self.generation_config: Any = None
+        self.architecture = "a model without an HF config"
+        if hf_folder is not None:
+            if not (hf_folder / "config.json").is_file():
+                raise CheckpointError(
+                    f"{hf_folder / 'config.json'}: missing; this checkpoint did not record the model's HF config (a "
+                    "plain nn.Module has none): name a folder holding one with --config-from (areal-ckpt export) or "
+                    "--config (areal-ckpt convert-deepspeed)"
+                )
+            self.config = AutoConfig.from_pretrained(hf_folder, local_files_only=True)
+            generation = hf_folder / "generation_config.json"
+            if generation.is_file():
+                self.generation_config = GenerationConfig.from_pretrained(hf_folder, local_files_only=True)
+            self.architecture = architecture_of(self.config)
         self.on_accelerator = False
         self._metadata = read_metadata_json(folder)
         engine_state = _engine_state(folder)
@@ -68,10 +73,22 @@ class DcpModelSource:
         self._shapes.update(
             {name: tuple(shape) for name, shape in (deepspeed.get("flat_shapes") or {}).items() if name in self._index}
         )
-        tied = tied_names(self.config)
+        tied = tied_names(self.config) if self.config is not None else set()
         self._names = [name for name in self._index if name not in tied]
         self._masters = _MasterLayout.of(deepspeed, self._metadata, folder)
+        self._trained = _MasterLayout.trained(deepspeed, folder)
         self._from_masters: dict[str, torch.Tensor] | None = None
+
+    @property
+    def names(self) -> list[str]:
+        """Every model tensor offered, in stored order (tied duplicates left out with a config)."""
+        return list(self._names)
+
+    @property
+    def trained_names(self) -> set[str] | None:
+        """The parameters a DeepSpeed ZeRO 1-3 checkpoint has fp32 masters of (the trained
+        ones; the rest were frozen), None for any other checkpoint."""
+        return self._trained
 
     def export_specs(self) -> list[TensorSpec]:
         """Stored model tensors (full shapes), tied duplicates left out; local, reads metadata only.
@@ -83,10 +100,13 @@ class DcpModelSource:
         return torch.float32 if self._masters is not None and name in self._masters.names else self._index[name][0]
 
     def gather_round(self, files: Sequence[Sequence[str]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each name of this rank's entry of ``files`` with its tensor read from the shards (one
-        DCP read for all of them; the fp32 masters, when there are some, are read once, whole,
-        at the first call); local."""
-        wanted = names_of_rank(files)
+        """Each name of this rank's entry of ``files`` with its tensor (see :meth:`read`); local."""
+        return self.read(names_of_rank(files))
+
+    def read(self, wanted: Sequence[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each of ``wanted`` with its full tensor read from the shards (one DCP read per folder
+        for all of them; the fp32 masters, when there are some, are read once, whole, at the
+        first call); local."""
         if self._masters is not None and self._from_masters is None and wanted:
             self._from_masters = self._masters.rebuild(self.folder, self._metadata)
         from_masters = self._from_masters or {}
@@ -126,6 +146,18 @@ class _MasterLayout:
                 return None
             return cls(layout, world, stage)
         except (KeyError, TypeError, ValueError) as error:
+            raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: malformed master layout: {error}") from None
+
+    @staticmethod
+    def trained(deepspeed: dict[str, Any], folder: Path) -> set[str] | None:
+        """The names the recorded layout places in the masters (whether the masters are stored
+        apart or, in fp32 training, as the weights themselves); None without a layout."""
+        layout = deepspeed.get("masters")
+        if not layout:
+            return None
+        try:
+            return {str(entry["name"]) for group in layout for entry in group}
+        except (KeyError, TypeError) as error:
             raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: malformed master layout: {error}") from None
 
     def rebuild(self, folder: Path, metadata: Any) -> dict[str, torch.Tensor]:

@@ -151,7 +151,7 @@ class _StateDictSource:
 
 
 @contextlib.contextmanager
-def _weights_only_deepspeed_loads() -> Iterator[None]:
+def weights_only_deepspeed_loads() -> Iterator[None]:
     """Run DeepSpeed's checkpoint readers with ``torch.load(weights_only=True)``.
 
     DeepSpeed's reconstruction (``zero_to_fp32``) asks ``torch.load`` for full unpickling;
@@ -202,6 +202,38 @@ def _zero0_module_states(folder: Path) -> dict[str, torch.Tensor] | None:
     return dict(module)
 
 
+def tag_folder(ds_dir: Path, tag: str | None) -> Path:
+    """The folder of checkpoint ``tag`` in ``ds_dir`` (None: the one ``latest`` names), ours or
+    DeepSpeed's own; CheckpointError naming what is missing. Local, read-only."""
+    tag = tag or read_latest(ds_dir)
+    if tag is None:
+        raise CheckpointError(f"{ds_dir}: no 'latest' file; name the checkpoint with --tag")
+    folder = ds_dir / tag
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such checkpoint tag")
+    return folder
+
+
+def is_ours(folder: Path) -> bool:
+    """True when the tag ``folder`` was written by ``areal_ckpt.save_checkpoint`` (it has our
+    manifest), False for DeepSpeed's own layout; read-only."""
+    return (folder / MANIFEST_NAME).is_file()
+
+
+def tagged_model(folder: Path, hf_folder: Path | None) -> DcpModelSource:
+    """The model of our tag ``folder``, its files checked against the manifest first (see
+    :class:`DcpModelSource` for ``hf_folder``); CheckpointError naming a damaged file. Local."""
+    manifest = read_manifest(folder, MANIFEST_NAME)
+    if manifest.get("format") != TAGGED_FORMAT:
+        raise CheckpointError(
+            f"{folder / MANIFEST_NAME}: format {manifest.get('format')!r} is not a DeepSpeed-shaped checkpoint"
+        )
+    problems = check_files(folder, manifest["files"], [name for name in manifest["files"] if name.startswith("model/")])
+    if problems:
+        raise CheckpointError(f"{folder}: damaged: " + "; ".join(problems))
+    return DcpModelSource(folder / "model", hf_folder)
+
+
 def export_deepspeed(
     ds_dir: Path,
     out_dir: Path,
@@ -220,27 +252,11 @@ def export_deepspeed(
     DeepSpeed's ``zero_to_fp32`` (all in memory, as that tool does), read with the weights-only
     unpickler; its config.json comes from ``config_dir`` (default: ``ds_dir``).
     """
-    ds_dir = Path(ds_dir)
-    tag = tag or read_latest(ds_dir)
-    if tag is None:
-        raise CheckpointError(f"{ds_dir}: no 'latest' file; name the checkpoint with --tag")
-    folder = ds_dir / tag
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: no such checkpoint tag")
-    manifest_path = folder / MANIFEST_NAME
-    if manifest_path.is_file():
-        manifest = read_manifest(folder, MANIFEST_NAME)
-        if manifest.get("format") != TAGGED_FORMAT:
-            raise CheckpointError(
-                f"{manifest_path}: format {manifest.get('format')!r} is not a DeepSpeed-shaped checkpoint"
-            )
-        problems = check_files(
-            folder, manifest["files"], [name for name in manifest["files"] if name.startswith("model/")]
-        )
-        if problems:
-            raise CheckpointError(f"{folder}: damaged: " + "; ".join(problems))
+    folder = tag_folder(Path(ds_dir), tag)
+    tag = folder.name
+    if is_ours(folder):
         hf_folder = Path(config_dir) if config_dir is not None else folder / "model" / HF_FILES
-        source: Any = DcpModelSource(folder / "model", hf_folder)
+        source: Any = tagged_model(folder, hf_folder)
         header = {"name": "default", "step": {"tag": tag}, "converted_from": str(folder)}
         return write_export(
             source,
@@ -261,7 +277,7 @@ def export_deepspeed(
             "config: pass --config with the model's HF folder"
         )
     config = AutoConfig.from_pretrained(config_dir, local_files_only=True)
-    with _weights_only_deepspeed_loads():
+    with weights_only_deepspeed_loads():
         tensors = _zero0_module_states(folder)
         if tensors is None:
             logger.info("rebuilding full fp32 weights of %s with DeepSpeed's zero_to_fp32", folder)
