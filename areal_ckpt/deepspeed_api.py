@@ -31,8 +31,10 @@ from areal_ckpt._version import __version__
 from areal_ckpt.config import check_path_component
 from areal_ckpt.engines.accept import as_engine, export_files
 from areal_ckpt.engines.contract import Engine, EngineLike
+from areal_ckpt.engines.deepspeed_engine import DeepSpeedEngine
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_save import save_tensors
+from areal_ckpt.formats.deepspeed_pickles import check_pickles, is_deepspeed_own, weights_only_deepspeed_loads
 from areal_ckpt.fsio import FileRecord, fsync_dir, write_file_durably
 from areal_ckpt.paths import (
     ENGINE_STATE_FILE,
@@ -248,7 +250,9 @@ def load_checkpoint(
     counters alone, as DeepSpeed does. Every check that can fail on one rank is agreed: all
     ranks load, or all raise the same error.
     Every file is checked against the manifest; damage raises CheckpointError naming the
-    file. ``load_module_only`` skips optimizer and scheduler; ``load_module_strict`` False
+    file. A tag in DeepSpeed's own layout (``engine.save_checkpoint``'s) is loaded by
+    DeepSpeed itself into a DeepSpeed engine, its pickles through the weights-only unpickler
+    (a file it refuses is named on every rank, and nothing is loaded). ``load_module_only`` skips optimizer and scheduler; ``load_module_strict`` False
     loads the model tensors present on both sides and logs the rest.
     """
     engine = as_engine(engine, "load_checkpoint")
@@ -261,6 +265,9 @@ def load_checkpoint(
     folder = root / tag
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: no such checkpoint tag")
+    if agree.decided_by_rank0(lambda: is_deepspeed_own(folder), "load_checkpoint"):
+        flags = (load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        return _load_deepspeed_own(engine, folder, *flags)
     manifest = verify_checkpoint(folder, MANIFEST_NAME, TAGGED_FORMAT, READABLE_TAGGED_VERSIONS)
     client_state = _client_state(folder, manifest)  # agreed by every rank before any weight is loaded
     if not load_module_only:  # a continued run, as opposed to weights taken for something else
@@ -275,6 +282,40 @@ def load_checkpoint(
         load_counters=not load_module_only,
     )
     return str(folder), client_state
+
+
+def _load_deepspeed_own(
+    engine: Engine,
+    folder: Path,
+    load_module_strict: bool,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+    load_module_only: bool,
+) -> tuple[str | None, dict[str, Any] | None]:
+    """Load a tag in DeepSpeed's own layout with DeepSpeed's own loader (what it wrote, it reads
+    bit for bit), every pickle in it opened by the weights-only unpickler: first each rank
+    checks its share of the files, and all ranks agree, so a refused file stops every rank
+    before anything is loaded; then DeepSpeed loads, with every ``torch.load`` weights-only."""
+    if not isinstance(engine, DeepSpeedEngine):
+        raise CheckpointError(
+            f"{folder}: a checkpoint in DeepSpeed's own layout: load it into a DeepSpeed engine "
+            f"(deepspeed.initialize's), not a {type(engine).__name__}"
+        )
+    files = sorted(folder.glob("*.pt"))
+    agree.on_every_rank(
+        lambda: check_pickles(files[dist.rank() :: dist.world_size()]), f"{folder}: not loaded (nothing in it ran)"
+    )
+    logger.info("%s: DeepSpeed's own layout, loaded by DeepSpeed with weights-only unpickling", folder)
+    with weights_only_deepspeed_loads():
+        path, client_state = engine.ds_engine.load_checkpoint(
+            str(folder.parent),
+            tag=folder.name,
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+        )
+    return path, client_state
 
 
 def _client_state(folder: Path, manifest: dict[str, Any]) -> dict[str, Any]:

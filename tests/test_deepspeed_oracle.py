@@ -233,10 +233,10 @@ def test_bf16_checkpoints_convert_to_their_fp32_masters_as_zero_to_fp32_does(tmp
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
 
-    from areal_ckpt.tools.convert import _weights_only_deepspeed_loads
+    from areal_ckpt.formats.deepspeed_pickles import weights_only_deepspeed_loads
 
     run_distributed(bf16_worker, 2, str(tmp_path), stage)
-    with _weights_only_deepspeed_loads():
+    with weights_only_deepspeed_loads():
         oracle = get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "native"))
     assert cli_main(["convert-deepspeed", str(tmp_path / "ours"), str(tmp_path / "hf")]) == 0
     exported = {}

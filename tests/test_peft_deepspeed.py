@@ -86,7 +86,7 @@ def test_deepspeed_over_a_lora_model_resumes_bit_exactly_and_exports_its_adapter
 def test_fp32_state_dicts_of_a_lora_run_leave_out_the_frozen_base_as_deepspeed_does(tmp_path, fileroot, stage):
     from deepspeed.utils import zero_to_fp32
 
-    from areal_ckpt.tools.convert import weights_only_deepspeed_loads
+    from areal_ckpt.formats.deepspeed_pickles import weights_only_deepspeed_loads
     from areal_ckpt.tools.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     run_distributed(lora_worker, 2, str(tmp_path), str(fileroot), stage, str(tmp_path / "report.json"))

@@ -17,7 +17,7 @@ from test_deepspeed import WORLD, deepspeed_checkpoints_worker
 from test_saver_distributed import trained_model
 
 import areal_ckpt as ac
-from areal_ckpt.tools.convert import weights_only_deepspeed_loads
+from areal_ckpt.formats.deepspeed_pickles import weights_only_deepspeed_loads
 from areal_ckpt.tools.zero_to_fp32 import (
     convert_zero_checkpoint_to_fp32_state_dict,
     get_fp32_state_dict_from_zero_checkpoint,

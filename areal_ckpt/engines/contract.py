@@ -144,6 +144,8 @@ class DeepSpeedLike(Protocol):
 
     def use_node_local_storage(self) -> bool: ...
 
+    def load_checkpoint(self, load_dir: str, **options: Any) -> tuple[str | None, Any]: ...  # DeepSpeed's own layout
+
 
 #: Anything accepted where an engine is expected (see :func:`areal_ckpt.engines.accept.as_engine`).
 EngineLike = Engine | ModelHolder | DeepSpeedLike

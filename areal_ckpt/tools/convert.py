@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import pickle
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ from areal_ckpt.engines.peft_export import PeftExport
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.export.job import ExportResult, write_export
 from areal_ckpt.formats.dcp_source import DcpModelSource, tied_names
+from areal_ckpt.formats.deepspeed_pickles import weights_only_deepspeed_loads
 from areal_ckpt.formats.hf_export import names_of_rank
 from areal_ckpt.formats.hf_keys import architecture_of
 from areal_ckpt.formats.stock_dcp import StockDcpModelSource
@@ -148,41 +147,6 @@ class _StateDictSource:
         """Each name of this rank's entry of ``files`` with its tensor; local, no copy."""
         for name in names_of_rank(files):
             yield name, self.tensors[name]
-
-
-@contextlib.contextmanager
-def weights_only_deepspeed_loads() -> Iterator[None]:
-    """Run DeepSpeed's checkpoint readers with ``torch.load(weights_only=True)``.
-
-    DeepSpeed's reconstruction (``zero_to_fp32``) asks ``torch.load`` for full unpickling;
-    here every call is forced to the weights-only unpickler, which can build nothing but
-    tensors, containers and the few plain DeepSpeed classes these files hold (loss scaler
-    settings, the ZeRO stage enum, parameter fragment addresses).
-    """
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    original = torch.load
-
-    def weights_only_load(*args: Any, **kwargs: Any) -> Any:
-        kwargs["weights_only"] = True
-        try:
-            return original(*args, **kwargs)
-        except (pickle.UnpicklingError, RuntimeError) as error:  # refused by the weights-only unpickler
-            source = args[0] if args else kwargs.get("f", "a DeepSpeed file")
-            cause = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise CheckpointError(
-                f"{source}: refused: it holds objects the weights-only unpickler does not "
-                f"build, so nothing in it was run ({cause})"
-            ) from None
-
-    torch.load = weights_only_load
-    try:
-        with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]):
-            yield
-    finally:
-        torch.load = original
 
 
 def _zero0_module_states(folder: Path) -> dict[str, torch.Tensor] | None:

@@ -31,8 +31,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from areal_ckpt.errors import CheckpointError
+from areal_ckpt.formats.deepspeed_pickles import weights_only_deepspeed_loads
 from areal_ckpt.fsio import fsync_dir, fsync_file
-from areal_ckpt.tools.convert import is_ours, tag_folder, tagged_model, weights_only_deepspeed_loads
+from areal_ckpt.tools.convert import is_ours, tag_folder, tagged_model
 
 logger = logging.getLogger(__name__)
 
