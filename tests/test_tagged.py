@@ -29,7 +29,12 @@ def test_torch_engine_round_trip_and_latest_is_replaced_not_rewritten(tmp_path):
     ac.save_checkpoint(setup.engine, tmp_path, tag="step2", client_state={"kl": 0.25})
     assert (tmp_path / "latest").read_text().strip() == "step2"
     assert os.stat(tmp_path / "latest").st_ino != first_inode  # a new file renamed over the old one
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step1", "step2"]  # no staging left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest",
+        "step1",
+        "step2",
+        "zero_to_fp32.py",
+    ]  # no staging left
 
     fresh = make_setup(seed=3)
     path, client_state = ac.load_checkpoint(fresh.engine, tmp_path)
@@ -108,7 +113,12 @@ def test_deepspeed_tags_latest_and_per_rank_client_state(tmp_path):
         assert entry["path"] == str(root / "global_step3")  # DeepSpeed's default tag
         assert entry["client_state"] == {"rank": rank, "noise": 0.5 + rank}  # each rank its own
         assert entry["mismatch"] == "saved" and entry["same"] and entry["global_steps"] == 4
-        assert entry["entries"] == ["differs-on-rank-0", "global_step3", "latest"]  # one tag, never a mix
+        assert entry["entries"] == [
+            "differs-on-rank-0",
+            "global_step3",
+            "latest",
+            "zero_to_fp32.py",
+        ]  # one tag, never a mix
 
 
 def test_cli_inspects_and_verifies_a_tagged_checkpoint(tmp_path, capsys):
@@ -134,7 +144,7 @@ def test_a_client_state_that_cannot_be_stored_safely_is_refused_and_nothing_is_w
         ac.save_checkpoint(setup.engine, tmp_path, tag="bad", client_state={"sampler": object()})
     assert "checkpoint not saved (earlier tags and latest are untouched): rank 0: " in str(refused.value)
     assert "state.sampler: cannot store a builtins.object without pickle" in str(refused.value)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["good", "latest"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good", "latest", "zero_to_fp32.py"]
     assert (tmp_path / "latest").read_text().strip() == "good"
 
 

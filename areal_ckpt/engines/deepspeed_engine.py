@@ -28,9 +28,11 @@ from torch.distributed.tensor import DeviceMesh
 
 from areal_ckpt import dist
 from areal_ckpt.engines.contract import CheckpointOptions, DeepSpeedLike
+from areal_ckpt.engines.experts import expert_prefixes, global_expert_names, renamed
 from areal_ckpt.engines.peft_configs import active_adapters, adapter_configs, check_same_adapters
 from areal_ckpt.engines.torch_engine import TorchEngine, unwrap_model
 from areal_ckpt.engines.zero3 import flat_shard, flat_views, scatter_whole, unflattened, whole_templates
+from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import crc32
 from areal_ckpt.paths import MODEL_PREFIX, OPTIM_PREFIX
 from areal_ckpt.tensors import TensorSpec
@@ -61,6 +63,7 @@ class DeepSpeedEngine:
                 "supported; use ZeRO stage 1 or higher for mixed precision"
             )
         self._mesh: DeviceMesh | None = None
+        self._experts = global_expert_names(self.module)  # expert-parallel MoE (ZeRO 0-2): each rank's own experts
 
     # -- what export needs ------------------------------------------------------------------
 
@@ -117,8 +120,14 @@ class DeepSpeedEngine:
         Collective under ZeRO-3: every rank passes the same ``files`` and exhausts the iterator;
         each step all-gathers one parameter of every file in turn (DeepSpeed's way) and ranks
         that do not write it drop it at once. Local, and without copies of CPU tensors, under
-        ZeRO 0-2.
+        ZeRO 0-2. CheckpointError on every rank for expert-parallel MoE layers, whose experts no
+        rank holds all of (dumps and save_checkpoint store every expert).
         """
+        if self._experts:
+            raise CheckpointError(
+                "an HF export of a model with expert-parallel MoE layers is not supported (each rank holds other "
+                "experts); save_checkpoint and recovery dumps store every expert"
+            )
         if self.stage < 3:
             yield from self._torch.gather_round(files)
             return
@@ -186,7 +195,10 @@ class DeepSpeedEngine:
         if (adapters := adapter_configs(self.module)) is not None:
             engine_state["peft"] = adapters
             engine_state["peft_active"] = active_adapters(self.module)
-        return tensors, engine_state
+        if self._experts:  # the master layout names local experts: a rebuild from it would mix them
+            engine_state["deepspeed"].pop("masters", None)
+            engine_state["rank_local_prefixes"] = expert_prefixes(self._experts)
+        return renamed(tensors, self._experts), engine_state
 
     def _master_layout(self) -> list[list[dict[str, Any]]]:
         """Where each trained parameter lies in the fp32 master groups, so that an export can
@@ -311,7 +323,7 @@ class DeepSpeedEngine:
                     tensors = {k: v for k, v in tensors.items() if not k.startswith(master) or k in stored}
         if self.stage < 3 and stored is not None:
             tensors.update(flat_views(tensors, stored))  # a ZeRO-3 dump holds flattened parameters
-        return tensors
+        return renamed(tensors, self._experts)
 
     def validate_recover_state(self, engine_state: dict[str, Any], include_optimizer: bool) -> None:
         """Raise ValueError (its message says how to proceed) unless this engine can take the
@@ -351,6 +363,7 @@ class DeepSpeedEngine:
         scheduler's state when ``engine_state`` holds it). ``strict`` False tolerates model keys that
         were not loaded. Collective under ZeRO-3 (persistent parameters re-gather on next use).
         """
+        tensors = renamed(tensors, {global_: local for local, global_ in self._experts.items()})
         saved = engine_state["deepspeed"]
         for name, value in saved.get("counters", {}).items():  # absent: a module-only load
             setattr(self.ds_engine, name, value)

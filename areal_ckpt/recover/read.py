@@ -207,8 +207,9 @@ def load_engine(
         optional += (MODEL_PREFIX,)
         if skipped:
             logger.warning("%s: not in the checkpoint, left as they are: %s", folder, skipped[:10])
-    # partitions that other ranks own (ZeRO) are theirs to read
+    # partitions that other ranks own (ZeRO) are theirs to read, and so are experts other ranks hold
     optional += tuple(f"{OPTIM_PREFIX}rank{r}." for r in range(manifest["world_size"]) if r != dist.rank())
+    optional += tuple(str(prefix) for prefix in engine_state.get("rank_local_prefixes") or ())
     if frozen is not None:  # the frozen part first: its own DCP checkpoint, its own files
         frozen_template = {name: template.pop(name) for name in list(template) if name in frozen_stored}
         load_tensors(
