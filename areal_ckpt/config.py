@@ -176,6 +176,12 @@ class RecoverConfig(_TimerBlock):
     write_retries: Annotated[int, Field(ge=0, le=100, strict=True)] = 3
     no_save_optim: StrictBool = False
     no_load_optim: StrictBool = False
+    # Ours: a load on another number of ranks than the dump's (docs/recovery.md section 4). refuse:
+    # per-rank state that differs between the saved ranks (RNG streams, client_state, a per-rank
+    # data position) is an error; fresh_rng: elastic resume, each new rank gets a fresh RNG stream
+    # derived from the checkpoint and its rank, other differing state is still an error;
+    # drop_rank_state: all of it is left out, logged (what load(drop_rank_state=True) asks).
+    on_world_size_change: Literal["refuse", "fresh_rng", "drop_rank_state"] = "refuse"
 
     @field_validator("mode", mode="before")
     @classmethod

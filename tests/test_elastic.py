@@ -238,3 +238,65 @@ def test_a_forged_sampler_position_is_refused_by_name(fileroot, field, value):
         )
     error = str(caught.value)
     assert "recover_info/rank0.json" in error and "sampler position" in error and repr(value) in error, error
+
+
+def rng_dump(rank: int, world: int, root: str, batches: int, report: str) -> None:
+    setup = make_setup()
+    torch.manual_seed(100 + rank)  # per-rank streams, as a job with per-rank dropout seeds has
+    loader = _loader(world, rank, "resumable")
+    iterator = iter(loader)
+    seen = [value for _ in range(batches) for value in next(iterator).tolist()]
+    handler = ac.RecoverHandler(recover_config(Path(root)), SPEC)
+    handler.dump(
+        setup.engine, ac.StepInfo(0, batches - 1, batches - 1, SPEC.steps_per_epoch), dataloader=loader, force=True
+    )
+    handler.close()
+    Path(f"{report}.{rank}").write_text(json.dumps(seen))
+
+
+def yaml_load(rank: int, world: int, config_path: str, report: str) -> None:
+    setup = make_setup(seed=1)
+    loader = _loader(world, rank, "resumable")
+    config = ac.load_config(config_path)
+    try:
+        ac.RecoverHandler(config.recover, SPEC).load(setup.engine, None, None, None, loader)  # AReaL's positional call
+        loader.sampler.set_epoch(0)
+        outcome = {"seen": [v for batch in loader for v in batch.tolist()], "draws": torch.rand(3).tolist()}
+    except ac.CheckpointError as error:
+        outcome = {"error": str(error)}
+    Path(f"{report}.{rank}").write_text(json.dumps(outcome))
+
+
+def _yaml(tmp_path: Path, root: Path, policy: str) -> Path:
+    path = tmp_path / f"{policy}.yaml"
+    path.write_text(
+        f"experiment_name: exp\ntrial_name: trial\nfileroot: {root}\n"
+        f'recover:\n  mode: "on"\n  user: tester\n  on_world_size_change: {policy}\n'
+    )
+    return path
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("new", [1, 3])
+def test_an_elastic_resume_from_2_ranks_is_configured_in_yaml_alone(tmp_path, new):
+    root = tmp_path / "root"
+    run_distributed(rng_dump, 2, str(root), 5, str(tmp_path / "before"), group=True)
+    before = [v for r in range(2) for v in json.loads(Path(f"{tmp_path / 'before'}.{r}").read_text())]
+
+    run_distributed(yaml_load, new, str(_yaml(tmp_path, root, "refuse")), str(tmp_path / "refused"), group=True)
+    errors = {json.loads(Path(f"{tmp_path / 'refused'}.{r}").read_text()).get("error") for r in range(new)}
+    assert len(errors) == 1 and "the per-rank rng state differs" in next(iter(errors))
+    assert "recover.on_world_size_change: fresh_rng" in next(iter(errors))  # the hint, followed below
+
+    runs = []
+    for attempt in range(2):
+        report = tmp_path / f"after{attempt}"
+        run_distributed(yaml_load, new, str(_yaml(tmp_path, root, "fresh_rng")), str(report), group=True)
+        runs.append([json.loads(Path(f"{report}.{r}").read_text()) for r in range(new)])
+    after = runs[0]
+    counts = Counter(before + [v for entry in after for v in entry["seen"]])
+    assert set(counts) == set(DATASET)  # every sample seen
+    assert sum(counts.values()) - len(DATASET) == -(len(DATASET) - 2 * 5 * BATCH) % new  # twice: only the padding
+    draws = [tuple(entry["draws"]) for entry in after]
+    assert len(set(draws)) == new  # a fresh stream per new rank
+    assert draws == [tuple(entry["draws"]) for entry in runs[1]]  # derived from the checkpoint: deterministic

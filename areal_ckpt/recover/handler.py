@@ -271,6 +271,9 @@ class RecoverHandler:
         failed; both then get that version. ``colocated_rollout`` with an ``awex`` meta first
         has the rollout engine release its memory, and loads the checkpoint only then.
         RNG streams are restored last, so nothing after ``load`` returns perturbs them.
+        On another number of ranks than the dump's, per-rank state is handled as
+        ``recover.on_world_size_change`` says; ``drop_rank_state=True`` overrides it with
+        ``drop_rank_state`` (docs/recovery.md section 4).
         """
         if not self.enabled:
             return None
@@ -279,7 +282,8 @@ class RecoverHandler:
             originals, inference_engine, weight_update_meta, inference_engine_update_from, colocated_rollout
         )
         engines = engines_by_name(engine, "RecoverHandler.load")
-        opened = open_committed(self.store, sorted(engines), drop_rank_state, dataloader)
+        policy = "drop_rank_state" if drop_rank_state else self.config.on_world_size_change
+        opened = open_committed(self.store, sorted(engines), policy, dataloader)
         if opened is None:
             return None
         found, manifest, info = opened

@@ -55,7 +55,7 @@ def find_committed(store: RecoverStore) -> str | None:
 
 
 def open_committed(
-    store: RecoverStore, models: list[str], drop_rank_state: bool, dataloader: Stateful | None = None
+    store: RecoverStore, models: list[str], on_world_size_change: str, dataloader: Stateful | None = None
 ) -> tuple[str, dict[str, Any], RecoverInfo] | None:
     """The committed generation of ``store``, its verified manifest and this rank's recover
     info, or None when there is none. Collective: rank 0 finds it (removing debris), every rank
@@ -71,7 +71,7 @@ def open_committed(
     if models != manifest["models"]:
         raise CheckpointError(f"{folder}: checkpoint holds models {manifest['models']}, load was given {models}")
     info = read_recover_info(
-        folder / RECOVER_INFO, dist.rank(), dist.world_size(), manifest["world_size"], drop_rank_state
+        folder / RECOVER_INFO, dist.rank(), dist.world_size(), manifest["world_size"], on_world_size_change
     )
     check_one_step(folder, manifest, info)
     check_restorable(info, dataloader)  # before any weight is loaded: a failed load changes nothing

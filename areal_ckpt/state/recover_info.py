@@ -25,6 +25,7 @@ from areal_ckpt.state.components import (
     RESUMABLE_POSITION,
     resharded_dataloader_state,
 )
+from areal_ckpt.state.rng import fresh_rng_state
 from areal_ckpt.state.sampler import global_position
 from areal_ckpt.step import StepInfo
 
@@ -92,7 +93,7 @@ def _rank_object(state: Any, path: Path) -> dict[str, Any]:
 
 
 def read_recover_info(
-    folder: Path, rank: int, world_size: int, saved_world_size: int, drop_rank_state: bool
+    folder: Path, rank: int, world_size: int, saved_world_size: int, policy: str = "refuse"
 ) -> RecoverInfo:
     """Read ``recover_info/`` for ``rank`` of a job of ``world_size`` ranks; read-only. Local
     when the world size is the saved one, else collective (:func:`_resharded_components`).
@@ -100,8 +101,10 @@ def read_recover_info(
     When the world size changed, the dataloader position carries over only as a
     ResumableDistributedSampler's global position (see :func:`_resharded_dataloader`); each other
     per-rank component is re-assigned only if every saved rank had the same value. Otherwise
-    CheckpointError explains how to proceed, unless ``drop_rank_state`` is set, in which case
-    that component is left out (None), with a warning naming it.
+    CheckpointError explains how to proceed, unless ``policy`` (``recover.on_world_size_change``)
+    says otherwise: ``fresh_rng`` gives each rank a fresh RNG stream derived from the checkpoint
+    and its rank (other differing components are still refused); ``drop_rank_state`` leaves every
+    differing component out (None), with a warning naming it.
     """
     try:
         step_info = StepInfo.from_dict(_read_json(folder / STEP_FILE))
@@ -113,7 +116,7 @@ def read_recover_info(
         setattr(info, key, _decode(_read_json(folder / file_name), str(folder / file_name)))
     if info.checkpoint_info is not None and not isinstance(info.checkpoint_info, dict):
         raise CheckpointError(f"{folder / GLOBAL_FILES['checkpoint_info']}: expected an object")
-    components = _rank_components(folder, rank, world_size, saved_world_size, drop_rank_state)
+    components = _rank_components(folder, rank, world_size, saved_world_size, policy)
     info.dataloader_info = components.get("dataloader")
     info.rng_state = components.get("rng")
     info.client_state = components.get("client_state") or {}
@@ -145,7 +148,7 @@ def _saved_share(rank: int, world_size: int, saved_world_size: int) -> list[int]
 
 
 def _resharded_components(
-    folder: Path, rank: int, world_size: int, saved_world_size: int, drop_rank_state: bool
+    folder: Path, rank: int, world_size: int, saved_world_size: int, policy: str
 ) -> dict[str, Any]:
     """The per-rank components ``rank`` restores after the world size changed. Collective: each
     rank reads its share of the saved ``rank{r}.json`` files, and the ranks agree whether each
@@ -153,7 +156,7 @@ def _resharded_components(
     reads or receives O(saved ranks) data. A component that is the same everywhere carries over
     (a ResumableDistributedSampler's position as a global position, see
     :func:`_resharded_dataloader`); one that differs raises CheckpointError saying what to do,
-    or, with ``drop_rank_state``, is left out with a warning naming it."""
+    or is handled as ``policy`` says (see :func:`read_recover_info`)."""
 
     def read_share() -> dict[int, dict[str, Any]]:
         shares = {}
@@ -172,36 +175,47 @@ def _resharded_components(
         value = mine.get(component)
         if component == "dataloader":
             components[component] = _resharded_dataloader(
-                folder, value if low == high else None, low == high, saved_world_size, world_size, drop_rank_state
+                folder, value if low == high else None, low == high, saved_world_size, world_size, policy
             )
         elif low == high:
             components[component] = _decode(value, f"{folder}/rank*.json:{component}")
-        elif drop_rank_state:
+        elif component == "rng" and policy == "fresh_rng":
+            components[component] = fresh_rng_state(_digest([low, high, rank, world_size]))
+            if rank == 0:
+                logger.warning(
+                    "world size changed (%d -> %d): per-rank RNG streams cannot carry over; each rank starts a fresh "
+                    "stream derived from the checkpoint and its rank (recover.on_world_size_change: fresh_rng)",
+                    saved_world_size,
+                    world_size,
+                )
+        elif policy == "drop_rank_state":
             logger.warning(
                 "world size changed (%d -> %d): per-rank %s state differs between saved ranks; "
-                "not restored (drop_rank_state=True)",
+                "not restored (drop_rank_state)",
                 saved_world_size,
                 world_size,
                 component,
             )
         else:
+            fresh = " (for RNG streams alone, recover.on_world_size_change: fresh_rng)" if component == "rng" else ""
             raise CheckpointError(
                 f"{folder}: saved by {saved_world_size} ranks, loading on {world_size}: the per-rank "
                 f"{component} state differs between the saved ranks, so it cannot be re-assigned. "
-                f"Resume with {saved_world_size} ranks, or pass drop_rank_state=True to "
-                f"RecoverHandler.load to restore weights, optimizer and counters without the per-rank state."
+                f"Resume with {saved_world_size} ranks, or set recover.on_world_size_change: drop_rank_state (or "
+                "pass drop_rank_state=True to RecoverHandler.load) to restore weights, optimizer and counters "
+                f"without the per-rank state{fresh}."
             )
     return components
 
 
 def _resharded_dataloader(
-    folder: Path, value: Any, same: bool, saved_world_size: int, world_size: int, drop_rank_state: bool
+    folder: Path, value: Any, same: bool, saved_world_size: int, world_size: int, policy: str
 ) -> Any:
     """The dataloader state a rank restores after the world size changed, given one saved rank's
     ``value`` and whether every saved rank's summary is the same. A ResumableDistributedSampler's
     position carries over exactly (as a global position); "epoch complete" markers carry over as
     they are; any other per-rank position cannot (its sampler's order depends on the number of
-    ranks): CheckpointError saying what to do, or, with ``drop_rank_state``, nothing (the loop
+    ranks): CheckpointError saying what to do, or, with policy ``drop_rank_state``, nothing (the loop
     restarts the saved epoch's data), logged."""
     if same and value is None:
         return None
@@ -221,9 +235,9 @@ def _resharded_dataloader(
             epoch,
         )
         return resharded_dataloader_state(epoch, start, value[RESUMABLE_POSITION])
-    if drop_rank_state:
+    if policy == "drop_rank_state":
         logger.warning(
-            "world size changed (%d -> %d): the dataloader position was not restored (drop_rank_state=True): "
+            "world size changed (%d -> %d): the dataloader position was not restored (drop_rank_state): "
             "the saved epoch's data restarts from its first batch",
             saved_world_size,
             world_size,
@@ -237,15 +251,14 @@ def _resharded_dataloader(
     raise CheckpointError(
         f"{folder}: saved by {saved_world_size} ranks, loading on {world_size}: {why}, so it cannot carry over "
         "without skipping or repeating samples. Use areal_ckpt.ResumableDistributedSampler (its position carries "
-        "to any number of ranks), or pass drop_rank_state=True to RecoverHandler.load to restart the saved "
+        "to any number of ranks), or set recover.on_world_size_change: drop_rank_state (or pass drop_rank_state=True "
+        "to RecoverHandler.load) to restart the saved "
         "epoch's data from its first batch."
     )
 
 
-def _rank_components(
-    folder: Path, rank: int, world_size: int, saved_world_size: int, drop_rank_state: bool
-) -> dict[str, Any]:
+def _rank_components(folder: Path, rank: int, world_size: int, saved_world_size: int, policy: str) -> dict[str, Any]:
     if saved_world_size == world_size:
         path = folder / rank_state_file(rank)
         return _rank_object(_decode(_read_json(path), str(path)), path)
-    return _resharded_components(folder, rank, world_size, saved_world_size, drop_rank_state)
+    return _resharded_components(folder, rank, world_size, saved_world_size, policy)

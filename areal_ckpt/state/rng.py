@@ -21,6 +21,24 @@ def capture_rng_state() -> dict[str, Any]:
     return state
 
 
+def fresh_rng_state(seed: int) -> dict[str, Any]:
+    """RNG states of python, numpy, torch CPU (and CUDA, when in use) seeded from ``seed``, in
+    :func:`capture_rng_state`'s form; pure (scratch generators, no stream of this process
+    changes)."""
+    seed %= 2**63
+    state: dict[str, Any] = {
+        "python": random.Random(seed).getstate(),
+        "numpy": np.random.RandomState(seed % 2**32).get_state(legacy=True),
+        "torch_cpu": torch.Generator().manual_seed(seed).get_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda"] = [
+            torch.Generator(device=f"cuda:{index}").manual_seed(seed).get_state()
+            for index in range(torch.cuda.device_count())
+        ]
+    return state
+
+
 def check_rng_state(state: Any) -> None:
     """Raise ValueError unless :func:`restore_rng_state` would take ``state``; changes no stream
     of this process (each part is tried on a scratch generator)."""
