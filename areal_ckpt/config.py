@@ -5,8 +5,10 @@ Pure data: no I/O here (YAML reading lives in :mod:`areal_ckpt.config_loader`).
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -116,12 +118,30 @@ class _TimerBlock(BaseModel):
             raise ValueError("fileroot must not be empty")
         if "\x00" in value:
             raise ValueError("fileroot must not contain a NUL character")
+        local_path(value, "fileroot")
         if len(value.encode()) > MAX_ROOT_BYTES:
             raise ValueError(
                 f"fileroot is {len(value.encode())} bytes long; at most {MAX_ROOT_BYTES} leave room for "
                 "the folders below it"
             )
         return value
+
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def local_path(value: str | os.PathLike[str], what: str) -> Path:
+    """``value`` as a local path; ValueError naming ``what`` and the scheme when it is a URL
+    (``s3://bucket/prefix``, ``gs://``...): object storage is not supported yet, and taken as a
+    path it would become a local folder named ``s3:``. Pure."""
+    match = _URL.match(str(value))
+    if match is not None:
+        raise ValueError(
+            f"{what} {str(value)!r} is a {match.group(1)}:// URL: checkpoints on object storage are not supported "
+            f"yet, and as a path it would become a local folder named '{match.group(1)}:'. Use a path on a "
+            "local or shared POSIX filesystem"
+        )
+    return Path(value)
 
 
 SAVER_MODES = ("auto", "sync", "async")

@@ -28,7 +28,7 @@ import torch
 
 from areal_ckpt import agree, dist
 from areal_ckpt._version import __version__
-from areal_ckpt.config import check_path_component
+from areal_ckpt.config import check_path_component, local_path
 from areal_ckpt.engines.accept import as_engine, export_files
 from areal_ckpt.engines.contract import Engine, EngineLike
 from areal_ckpt.engines.deepspeed_engine import DeepSpeedEngine
@@ -57,6 +57,14 @@ logger = logging.getLogger(__name__)
 
 #: The offline converter every save_dir holds, under the name DeepSpeed gives its own.
 OFFLINE_CONVERTER = "zero_to_fp32.py"
+
+
+def _local_dir(value: str | os.PathLike[str], what: str) -> Path:
+    """``value`` as a local folder; CheckpointError for a URL (see :func:`local_path`)."""
+    try:
+        return local_path(value, what)
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
 
 
 def _default_tag(engine: Engine) -> str:
@@ -113,7 +121,7 @@ def save_checkpoint(
             "on storage every node shares. Set use_node_local_storage to false (nothing was written)"
         )
     tag = _agreed_tag(engine, tag if tag is not None else _default_tag(engine))
-    root = Path(save_dir)
+    root = _local_dir(save_dir, "save_checkpoint: save_dir")
     final, staging = root / tag, root / f".{tag}.staging"
     agree.decided_by_rank0(lambda: _prepare(staging), "save_checkpoint")
     failed = f"{final}: checkpoint not saved (earlier tags and {LATEST} are untouched)"
@@ -256,7 +264,7 @@ def load_checkpoint(
     loads the model tensors present on both sides and logs the rest.
     """
     engine = as_engine(engine, "load_checkpoint")
-    root = Path(load_dir)
+    root = _local_dir(load_dir, "load_checkpoint: load_dir")
     if tag is None:
         tag = agree.decided_by_rank0(lambda: read_latest(root), "load_checkpoint")
         if tag is None:

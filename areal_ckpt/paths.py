@@ -7,7 +7,7 @@ import os
 import re
 from pathlib import Path
 
-from areal_ckpt.config import check_path_component
+from areal_ckpt.config import check_path_component, local_path
 from areal_ckpt.errors import ConfigError
 
 #: Prefix of an export being written; never loaded, removed by the next Saver.
@@ -44,8 +44,9 @@ def default_user() -> str:
 
 
 def trial_root(fileroot: str | Path, user: str, experiment_name: str, trial_name: str) -> Path:
-    """``{fileroot}/checkpoints/{user}/{experiment_name}/{trial_name}``."""
-    return Path(fileroot) / "checkpoints" / user / experiment_name / trial_name
+    """``{fileroot}/checkpoints/{user}/{experiment_name}/{trial_name}``; ValueError for a URL
+    ``fileroot`` (see :func:`local_path`)."""
+    return local_path(fileroot, "fileroot") / "checkpoints" / user / experiment_name / trial_name
 
 
 def check_model_name(name: str) -> str:

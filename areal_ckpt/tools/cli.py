@@ -16,7 +16,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from areal_ckpt.config import parse_size
+from areal_ckpt.config import local_path, parse_size
 from areal_ckpt.config_loader import load_config
 from areal_ckpt.engines.peft_export import LORA_EXPORTS
 from areal_ckpt.errors import CheckpointError, ConfigError
@@ -343,6 +343,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
+        for name, value in vars(args).items():  # every path argument: a URL is refused, never a local folder
+            if isinstance(value, str) and name not in ("command", "dtype", "max_shard_size", "name", "tag", "lora"):
+                local_path(value, name.replace("_", "-"))
         return int(args.run(args))
     except (CheckpointError, ValueError, OSError) as error:
         print(f"areal-ckpt {args.command}: error: {error}", file=sys.stderr)
