@@ -22,7 +22,13 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/areal-ckpt launch --config configs/demo.yaml -- $(BIN)/python -m areal_ckpt.demo.train --config configs/demo.yaml
 
-test: $(STAMP)
+# the power-loss tests serve a FUSE file system (tests/crashfs.py): they need fuse3 (Debian's package)
+FUSE := /usr/bin/fusermount3
+
+$(FUSE):
+	apt-get install -y -q fuse3 >/dev/null || (apt-get update -q >/dev/null && apt-get install -y -q fuse3 >/dev/null)
+
+test: $(STAMP) $(FUSE)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # ruff (lint rules and formatting) on the code, tests and benchmarks; mypy --strict on the package

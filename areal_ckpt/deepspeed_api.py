@@ -35,7 +35,7 @@ from areal_ckpt.engines.deepspeed_engine import DeepSpeedEngine
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.deepspeed_pickles import check_pickles, is_deepspeed_own, weights_only_deepspeed_loads
-from areal_ckpt.fsio import FileRecord, fsync_dir, write_file_durably
+from areal_ckpt.fsio import FileRecord, fsync_dir, make_dirs, write_file_durably
 from areal_ckpt.paths import (
     ENGINE_STATE_FILE,
     HF_FILES,
@@ -151,6 +151,7 @@ def _prepare(staging: Path) -> None:
     try:
         if staging.exists():
             shutil.rmtree(staging)
+        make_dirs(staging.parent)  # the save_dir, durably: the publish renames into it
         (staging / TAG_MODEL).mkdir(parents=True)
         (staging / TAG_CLIENT_STATE).mkdir()
     except OSError as error:

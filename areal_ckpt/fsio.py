@@ -172,6 +172,23 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def make_dirs(path: Path) -> None:
+    """Create ``path`` and its missing parents, durably: after each folder is created its parent
+    is fsync'd, so a power cut cannot lose the new entry (and with it everything below). Local,
+    blocking; a no-op for a folder that exists."""
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            if not folder.is_dir():
+                raise
+        fsync_dir(folder.parent)
+
+
 def write_file_durably(path: Path, data: bytes) -> FileRecord:
     """Create or truncate ``path`` with ``data`` and fsync it; returns its record."""
     writer = ChecksummedWriter(path)

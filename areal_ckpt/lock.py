@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from areal_ckpt.errors import CheckpointError
+from areal_ckpt.fsio import make_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def acquire_trial_lock(trial: Path) -> None:
         _held[path][1] += 1
         return
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(path.parent)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as error:
         if error.errno == errno.ELOOP:

@@ -57,6 +57,7 @@ def write_manifest(folder: Path, manifest_name: str, records: dict[str, FileReco
         "files": {name: {"size": rec.size, "crc32": rec.crc32} for name, rec in sorted(complete.items())},
     }
     write_file_durably(folder / manifest_name, render_manifest(manifest))
+    fsync_dir((folder / manifest_name).parent)  # the manifest's own entry (it may sit in a subfolder)
     fsync_dir(folder)
 
 

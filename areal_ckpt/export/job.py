@@ -33,7 +33,7 @@ from areal_ckpt.formats.hf_export import (
     write_rank_shards,
 )
 from areal_ckpt.formats.hf_keys import check_loadable
-from areal_ckpt.fsio import FileRecord
+from areal_ckpt.fsio import FileRecord, make_dirs
 from areal_ckpt.jobs.shm_arena import ArenaLayout, StagingArena, arena_layout_of_specs
 from areal_ckpt.paths import EXPORT_FORMAT, MANIFEST_NAME, export_staging, export_trash
 from areal_ckpt.publish import publish, write_manifest
@@ -211,7 +211,8 @@ def _prepare_staging(target: ExportTarget, files: Callable[[], FolderFiles]) -> 
     try:
         if target.staging.exists():
             shutil.rmtree(target.staging)
-        target.staging.mkdir(parents=True)
+        make_dirs(target.staging.parent)  # the model's folder, durably: the publish renames into it
+        target.staging.mkdir()
         write_metadata(target.plan, target.staging, files())
     except Exception as error:  # every rank raises it (see begin_export)
         logger.error("cannot prepare staging folder %s: %s", target.staging, error)

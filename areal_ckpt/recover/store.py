@@ -27,7 +27,7 @@ from typing import Any
 from areal_ckpt.config import RecoverConfig
 from areal_ckpt.errors import CheckpointError, TransientError
 from areal_ckpt.formats.dcp_storage import data_file_of
-from areal_ckpt.fsio import FileRecord, fsync_dir
+from areal_ckpt.fsio import FileRecord, fsync_dir, make_dirs, write_file_durably
 from areal_ckpt.paths import (
     RECOVER_CHECKPOINT,
     RECOVER_CURRENT,
@@ -49,6 +49,10 @@ from areal_ckpt.paths import (
 from areal_ckpt.publish import hide_folder, read_manifest, switch_symlink, write_manifest
 
 logger = logging.getLogger(__name__)
+
+#: In the store, beside a trial's first generation while it commits: ``.pending-{generation}``,
+#: made durable before its manifest and removed after the switch (see :meth:`RecoverStore.commit`).
+PENDING_PREFIX = ".pending-"
 
 #: Model folders found to be links, already named in a warning by this process.
 _LINKED_FOLDERS_NAMED: set[Path] = set()
@@ -86,7 +90,7 @@ class RecoverStore:
         if not self.pointer.is_symlink():
             if self.pointer.exists():
                 raise CheckpointError(f"{self.pointer}: expected a symlink to a generation, found a regular entry")
-            complete = self.complete_generations()
+            complete = [name for name in self.complete_generations() if not self.is_pending(name)]
             if complete:
                 raise CheckpointError(
                     f"{self.pointer}: the commit record is missing, but {self.root} holds complete recovery "
@@ -137,6 +141,11 @@ class RecoverStore:
             return False
         return True
 
+    def is_pending(self, generation: str) -> bool:
+        """True when ``generation`` is a trial's first commit that a power cut stopped between its
+        manifest and the switch (its pending marker is still there): never committed. Read-only."""
+        return (self.root / f"{PENDING_PREFIX}{generation}").is_file()
+
     def complete_generations(self) -> list[str]:
         """Generations holding a readable manifest, oldest step first; read-only."""
         return [name for name in self.generations() if self.is_complete(name)]
@@ -152,6 +161,7 @@ class RecoverStore:
         """
         name = generation_name(global_step, secrets.token_hex(4))
         folder = self.path(name)
+        make_dirs(self.root)  # the store itself, durably; the generation is made durable by the commit
         for sub in [RECOVER_INFO, *model_names]:
             (folder / sub).mkdir(parents=True)
         return name
@@ -202,11 +212,22 @@ class RecoverStore:
     ) -> list[str]:
         """Write the manifest, switch ``current`` to ``generation``, then hide the generations it
         supersedes (one rename each); returns their hidden names. Durable on return; until the
-        switch the previous generation stays committed. The hidden folders are deleted by every
+        switch the previous generation stays committed. A trial's first commit is bracketed by a
+        pending marker, so that a power cut between its manifest and the switch leaves a
+        generation known never to have been committed (a fresh start), not one that looks like
+        a lost commit record (which is refused, see :meth:`committed`). The hidden folders are deleted by every
         rank in parallel (:meth:`delete_rank_files`, then :meth:`remove_trash` on rank 0)."""
+        first = not self.pointer.is_symlink()
+        marker = self.root / f"{PENDING_PREFIX}{generation}"
+        if first:  # until the switch, a complete generation without a commit record is this one, not a lost record
+            write_file_durably(marker, b"")
+            fsync_dir(self.root)
         write_manifest(self.path(generation), RECOVER_MANIFEST, records, header)
         fsync_dir(self.root)  # the generation's own entry, before anything points to it
         switch_symlink(self.pointer, generation)
+        if first:
+            marker.unlink(missing_ok=True)
+            fsync_dir(self.root)
         # housekeeping: the commit above already holds whatever happens from here on
         try:
             self.ensure_links(models)
@@ -279,7 +300,7 @@ class RecoverStore:
                     self.root / RECOVER_CURRENT / link.parent.name,
                 )
                 continue
-            link.parent.mkdir(parents=True, exist_ok=True)
+            make_dirs(link.parent)
             switch_symlink(link, target)
 
     def _superseded(self, keep: str | None) -> list[str]:
@@ -291,7 +312,8 @@ class RecoverStore:
         for name in self.generations():
             if name == keep:
                 continue
-            if self.is_complete(name) and (keep is None or generation_step(name) >= generation_step(keep)):
+            committable = self.is_complete(name) and not self.is_pending(name)
+            if committable and (keep is None or generation_step(name) >= generation_step(keep)):
                 logger.warning(
                     "%s: keeping %s: it is complete and not older than the committed %s", self.root, name, keep
                 )
@@ -311,6 +333,10 @@ class RecoverStore:
         for entry in self.root.iterdir():
             if entry.name.startswith(f".{RECOVER_CURRENT}.") and entry.is_symlink():
                 entry.unlink()
+            elif entry.name.startswith(PENDING_PREFIX) and not entry.is_symlink():
+                pending = entry.name[len(PENDING_PREFIX) :]
+                if pending == keep or not (self.root / pending).is_dir():  # committed after all, or removed
+                    entry.unlink()
         if removed:
             fsync_dir(self.root)
         return removed
