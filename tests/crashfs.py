@@ -43,11 +43,23 @@ class CrashFS:
         self.blobs.mkdir(exist_ok=True)
         self.log = open(log, "a", buffering=1)
         self._event({"e": "root", "ino": os.lstat(backing).st_ino})
+        for folder, _, files in os.walk(backing):  # what is there at mount is on disk already
+            self._event({"e": "dir", "ino": os.lstat(folder).st_ino, "entries": self._entries(folder)})
+            for name in files:
+                path = os.path.join(folder, name)
+                if not os.path.islink(path):
+                    self._durable_data(os.lstat(path).st_ino, Path(path).read_bytes())
 
     # -- the durability log ---------------------------------------------------------------
 
     def _event(self, event: dict[str, Any]) -> None:
         self.log.write(json.dumps(event) + "\n")
+
+    def _durable_data(self, inode: int, data: bytes) -> None:
+        digest = hashlib.sha256(data).hexdigest()
+        if not (self.blobs / digest).exists():
+            (self.blobs / digest).write_bytes(data)
+        self._event({"e": "data", "ino": inode, "blob": digest})
 
     def _real(self, path: str) -> str:
         return os.path.join(self.backing, path.lstrip("/"))
@@ -62,9 +74,10 @@ class CrashFS:
         return entries
 
     def _namespace(self, *paths: str) -> None:
-        """Entries of the parent folders of ``paths`` changed (model eager_metadata keeps them)."""
-        for parent in {os.path.dirname(self._real(path).rstrip("/")) for path in paths}:
-            self._event({"e": "ns", "ino": os.lstat(parent).st_ino, "entries": self._entries(parent)})
+        """Entries of the parent folders of ``paths`` changed, in one operation (a rename between
+        two folders is one journal transaction: model eager_metadata keeps both sides or none)."""
+        parents = {os.path.dirname(self._real(path).rstrip("/")) for path in paths}
+        self._event({"e": "ns", "dirs": {str(os.lstat(parent).st_ino): self._entries(parent) for parent in parents}})
 
     # -- FUSE operations ------------------------------------------------------------------
 
@@ -124,11 +137,7 @@ class CrashFS:
         return 0
 
     def fsync(self, path: str, datasync: int, fh: int) -> int:
-        data = os.pread(fh, os.fstat(fh).st_size, 0)
-        digest = hashlib.sha256(data).hexdigest()
-        if not (self.blobs / digest).exists():
-            (self.blobs / digest).write_bytes(data)
-        self._event({"e": "data", "ino": os.fstat(fh).st_ino, "blob": digest})
+        self._durable_data(os.fstat(fh).st_ino, os.pread(fh, os.fstat(fh).st_size, 0))
         return 0
 
     def rename(self, old: str, new: str) -> int:
@@ -208,9 +217,14 @@ class DurableState:
             changed = self.data.get(event["ino"]) != event["blob"]
             self.data[event["ino"]] = event["blob"]
             return changed
-        if kind == "dir" or (kind == "ns" and self.model == "eager_metadata"):
+        if kind == "dir":
             changed = self.dirs.get(event["ino"]) != event["entries"]
             self.dirs[event["ino"]] = event["entries"]
+            return changed
+        if kind == "ns" and self.model == "eager_metadata":
+            updates = {int(inode): entries for inode, entries in event["dirs"].items()}
+            changed = any(self.dirs.get(inode) != entries for inode, entries in updates.items())
+            self.dirs.update(updates)
             return changed
         return False
 
@@ -220,12 +234,13 @@ class DurableState:
         return copy
 
 
-def crash_states(log: Path, model: str) -> Iterator[tuple[int, DurableState]]:
-    """(event index, state) at the start and after every event that changed what survives."""
+def crash_states(log: Path, model: str, after: int = 0) -> Iterator[tuple[int, DurableState]]:
+    """(event index, state) after event ``after`` (the mount's snapshot of what was there) and
+    after every later event that changed what survives."""
     state = DurableState(model)
     events = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
     for index, event in enumerate(events):
-        if state.apply(event) or event["e"] == "root":
+        if (state.apply(event) and index > after) or index == after:
             yield index, state.snapshot()
 
 

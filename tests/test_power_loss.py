@@ -38,12 +38,14 @@ def mark_returned(log: Path, returns: Path) -> None:
 
 
 class Mounted:
-    """A crashfs mount for one test; ``returned(i)`` marks where save ``i`` had returned."""
+    """A crashfs mount for one test (of ``backing``, which may hold files already: they count as
+    on disk); ``returned()`` marks where a save had returned."""
 
-    def __init__(self, root: Path) -> None:
-        self.backing, self.mount, self.log = root / "backing", root / "mount", root / "events.jsonl"
+    def __init__(self, root: Path, backing: Path | None = None) -> None:
+        self.backing = backing or root / "backing"
+        self.mount, self.log = root / "mount", root / "events.jsonl"
         for folder in (self.backing, self.mount):
-            folder.mkdir(parents=True)
+            folder.mkdir(parents=True, exist_ok=True)
         self.process = subprocess.Popen(
             [sys.executable, str(HERE / "crashfs.py"), str(self.backing), str(self.mount), str(self.log)],
             stderr=subprocess.PIPE,
@@ -54,6 +56,7 @@ class Mounted:
                 raise RuntimeError(f"crashfs did not mount: {self.process.stderr.read().decode()[-2000:]}")
             time.sleep(0.02)
         self.returns_file = root / "returns.txt"
+        self.mounted_at = len(self.log.read_text().splitlines()) - 1  # the snapshot of what was there
 
     def returned(self) -> None:
         """The save in progress returned: everything it promised is durable from here on."""
@@ -77,7 +80,7 @@ class Mounted:
 
     def states(self, model: str, scratch: Path) -> Iterator[tuple[int, int | None, Path]]:
         """(event index, the newest save that had returned by then or None, the disk as a folder)."""
-        for number, (index, state) in enumerate(crash_states(self.log, model)):
+        for number, (index, state) in enumerate(crash_states(self.log, model, self.mounted_at)):
             done = [save for save, at in enumerate(self.returns) if at <= index]
             target = scratch / f"{model}-{number}"
             materialize(state, self.log.parent / "blobs", target)
@@ -205,3 +208,82 @@ def test_deepspeed_shaped_tags_and_latest_survive_a_power_cut_at_every_point(cra
         assert torch.equal(fresh.model.lm_head.weight, saved[step]), json.dumps({"path": path})
 
     assert _check_every_state(crashfs, tmp_path, check) > 10
+
+
+def test_import_areal_survives_a_power_cut_at_every_point(tmp_path):
+    """An AReaL trial on disk, imported in place: after any cut the trial holds AReaL's own
+    layout (refused with the import hint, which then succeeds) or the import, and either way
+    the job resumes with AReaL's weights. Never a trial that loads nothing or other weights."""
+    from test_import_areal import DUMP_AFTER, _loader, _run, _write_areal_trial
+
+    from areal_ckpt.tools.import_areal import import_areal_trial
+
+    backing = tmp_path / "fs/backing"
+    reference, loader = make_setup(), _loader()
+    _run(0, DUMP_AFTER, reference, loader)
+    _write_areal_trial(backing / "checkpoints/tester/exp/trial", reference, loader, _Counter())
+    weights = {k: v.clone() for k, v in reference.model.state_dict().items()}
+    mounted = Mounted(tmp_path / "fs", backing)
+    try:
+        import_areal_trial(mounted.mount / "checkpoints/tester/exp/trial")
+        mounted.returned()
+    finally:
+        mounted.close()
+
+    def check(folder: Path, newest: int | None) -> None:
+        fresh = make_setup(seed=1)
+        handler = ac.RecoverHandler(recover_config(folder), SPEC)
+        try:
+            info = handler.load(fresh.engine)
+        except ac.CheckpointError as error:
+            assert newest is None, f"the import had returned, yet: {error}"
+            assert "areal-ckpt import-areal" in str(error), str(error)  # the hint, followed
+            import_areal_trial(folder / "checkpoints/tester/exp/trial")
+            info = handler.load(fresh.engine)
+        handler.close()
+        assert info is not None and info.last_step_info.global_step == DUMP_AFTER
+        assert all(torch.equal(fresh.model.state_dict()[k], v) for k, v in weights.items()), "weights differ"
+
+    assert _check_every_state(mounted, tmp_path, check) > 10
+
+
+def test_recover_pointer_survives_a_power_cut_at_every_point(tmp_path):
+    """A trial whose commit record was lost (a copy that dropped links), re-pointed by
+    `areal-ckpt recover-pointer`: after any cut it is refused with the same hint (which then
+    works) or it loads the newest generation."""
+    from areal_ckpt.tools.cli import main as cli_main
+
+    backing = tmp_path / "fs/backing"
+    setup = make_setup()
+    handler = ac.RecoverHandler(recover_config(backing), SPEC)
+    for step in range(2):
+        train_step(setup, step)
+        handler.dump(setup.engine, step_info(step), force=True)
+    handler.close()
+    weights = {k: v.clone() for k, v in setup.model.state_dict().items()}
+    trial = "checkpoints/tester/exp/trial"
+    (backing / trial / ".recover/current").unlink()
+    mounted = Mounted(tmp_path / "fs", backing)
+    try:
+        assert cli_main(["recover-pointer", str(mounted.mount / trial)]) == 0
+        mounted.returned()
+    finally:
+        mounted.close()
+
+    def check(folder: Path, newest: int | None) -> None:
+        fresh = make_setup(seed=1)
+        try:
+            info = ac.RecoverHandler(recover_config(folder), SPEC).load(fresh.engine)
+        except ac.CheckpointError as error:
+            assert newest is None and f"areal-ckpt recover-pointer {folder / trial}" in str(error), str(error)
+            assert cli_main(["recover-pointer", str(folder / trial)]) == 0  # the hint, followed
+            info = ac.RecoverHandler(recover_config(folder), SPEC).load(fresh.engine)
+        assert info is not None and info.last_step_info.global_step == 1
+        assert all(torch.equal(fresh.model.state_dict()[k], v) for k, v in weights.items()), "weights differ"
+
+    assert _check_every_state(mounted, tmp_path, check) >= 2
+
+
+class _Counter:
+    def state_dict(self) -> dict:
+        return {"calls": 0}
