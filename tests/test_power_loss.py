@@ -287,3 +287,36 @@ def test_recover_pointer_survives_a_power_cut_at_every_point(tmp_path):
 class _Counter:
     def state_dict(self) -> dict:
         return {"calls": 0}
+
+
+def _tiny_writer(folder: Path, durable: bool) -> None:
+    """Write a file and rename it into place, with or without the fsyncs that make it durable."""
+    (folder / "sub").mkdir()
+    with open(folder / "sub/tmp", "wb") as handle:
+        handle.write(b"payload")
+        if durable:
+            handle.flush()
+            os.fsync(handle.fileno())
+    os.rename(folder / "sub/tmp", folder / "sub/data")
+    if durable:
+        for directory in (folder / "sub", folder):
+            descriptor = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+            os.fsync(descriptor)
+            os.close(descriptor)
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_the_harness_loses_what_was_not_made_durable_and_keeps_what_was(crashfs, tmp_path, durable):
+    _tiny_writer(crashfs.mount, durable)
+    crashfs.returned()
+    crashfs.close()
+    after = {}
+    for model in MODELS:  # the last state: the disk after the program ended and the power went
+        for _, _, folder in crashfs.states(model, tmp_path / "states"):
+            data = folder / "sub/data"
+            after[model] = data.read_bytes() if data.is_file() else None
+    if durable:
+        assert after == {"strict": b"payload", "eager_metadata": b"payload"}
+    else:
+        assert after["strict"] is None  # neither the data nor the entries were synced
+        assert after["eager_metadata"] == b""  # the rename survived, the data did not
