@@ -26,7 +26,9 @@ import json
 import os
 import shutil
 import stat
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -268,6 +270,75 @@ def materialize(state: DurableState, blobs: Path, target: Path) -> None:
                 placed[inode] = path
 
     fill(state.root, target)
+
+
+# -- a mount for a test or a torture scenario ------------------------------------------------
+
+MODELS = ("strict", "eager_metadata")
+
+
+def mark_returned(log: Path, returns: Path) -> None:
+    """Record that a save returned now (any process may call it, e.g. a distributed worker)."""
+    with open(returns, "a") as handle:
+        handle.write(f"{len(log.read_text().splitlines())}\n")
+
+
+class Mounted:
+    """A crashfs mount for one test (of ``backing``, which may hold files already: they count as
+    on disk); ``returned()`` marks where a save had returned."""
+
+    def __init__(self, root: Path, backing: Path | None = None) -> None:
+        self.backing = backing or root / "backing"
+        self.mount, self.log = root / "mount", root / "events.jsonl"
+        for folder in (self.backing, self.mount):
+            folder.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), str(self.backing), str(self.mount), str(self.log)],
+            stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + 30
+        while not os.path.ismount(self.mount):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"crashfs did not mount: {self.process.stderr.read().decode()[-2000:]}")
+            time.sleep(0.02)
+        self.returns_file = root / "returns.txt"
+        self.mounted_at = len(self.log.read_text().splitlines()) - 1  # the snapshot of what was there
+
+    def returned(self) -> None:
+        """The save in progress returned: everything it promised is durable from here on."""
+        mark_returned(self.log, self.returns_file)
+
+    @property
+    def returns(self) -> list[int]:
+        """The event index at which each save returned, in order."""
+        text = self.returns_file.read_text() if self.returns_file.exists() else ""
+        return [int(line) for line in text.split()]
+
+    def close(self) -> None:
+        """Unmount (once) and wait for the file system's process."""
+        if self.process.poll() is None and os.path.ismount(self.mount):
+            subprocess.run(["fusermount3", "-u", str(self.mount)], check=False)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def count(self, model: str) -> int:
+        """How many distinct disk states a cut could leave under ``model``."""
+        return sum(1 for _ in crash_states(self.log, model, self.mounted_at))
+
+    def states(self, model: str, scratch: Path, only: set[int] | None = None) -> Iterator[tuple[int, int | None, Path]]:
+        """(event index, the newest save that had returned by then or None, the disk as a
+        folder) for every state, or for the ``only`` ones (by their order, 0 first)."""
+        for number, (index, state) in enumerate(crash_states(self.log, model, self.mounted_at)):
+            if only is not None and number not in only:
+                continue
+            done = [save for save, at in enumerate(self.returns) if at <= index]
+            target = scratch / f"{model}-{number}"
+            materialize(state, self.log.parent / "blobs", target)
+            yield index, (done[-1] if done else None), target
+            shutil.rmtree(target)
 
 
 if __name__ == "__main__":
