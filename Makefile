@@ -22,13 +22,15 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(BIN)/areal-ckpt launch --config configs/demo.yaml -- $(BIN)/python -m areal_ckpt.demo.train --config configs/demo.yaml
 
-# the power-loss tests serve a FUSE file system (tests/crashfs.py): they need fuse3 (Debian's package)
-FUSE := /usr/bin/fusermount3
+# Debian packages some tests need: fuse3 (the power-loss tests serve a FUSE file system,
+# tests/crashfs.py) and libaio-dev (DeepSpeed's NVMe offload, refused by name in a test)
+SYSTEM := /usr/bin/fusermount3 /usr/include/libaio.h
+PACKAGES := fuse3 libaio-dev
 
-$(FUSE):
-	apt-get install -y -q fuse3 >/dev/null || (apt-get update -q >/dev/null && apt-get install -y -q fuse3 >/dev/null)
+$(SYSTEM):
+	apt-get install -y -q $(PACKAGES) >/dev/null || (apt-get update -q >/dev/null && apt-get install -y -q $(PACKAGES) >/dev/null)
 
-test: $(STAMP) $(FUSE)
+test: $(STAMP) $(SYSTEM)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # ruff (lint rules and formatting) on the code, tests and benchmarks; mypy --strict on the package

@@ -269,3 +269,44 @@ def test_node_local_storage_is_refused_before_anything_is_written_and_the_defaul
         )
         assert existed == "False"  # nothing was written
         assert outcomes["False"] == ["latest", "step1", "zero_to_fp32.py"]  # the hint followed
+
+
+def nvme_worker(rank: int, world_size: int, root: str, report: str) -> None:
+    """ZeRO-3 with the optimizer offloaded to NVMe (DeepSpeed's async_io over libaio), then the
+    hint followed: offloaded to the CPU."""
+    import json
+
+    import deepspeed
+
+    outcomes = {}
+    for device in ("nvme", "cpu"):
+        offload = {"device": device} | ({"nvme_path": f"{root}/swap-{rank}"} if device == "nvme" else {})
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "gradient_accumulation_steps": 1,
+            "zero_force_ds_cpu_optimizer": False,
+            "zero_optimization": {"stage": 3, "offload_optimizer": offload},
+        }
+        model = trained_model("none")
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)
+        tokens = torch.arange(16).reshape(2, 8) % 48
+        engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+        engine.step()
+        try:
+            ac.save_checkpoint(engine, f"{root}/{device}", tag="t")
+            outcomes[device] = sorted(os.listdir(f"{root}/{device}"))
+        except ac.CheckpointError as error:
+            outcomes[device] = str(error)
+    Path(f"{report}.{rank}").write_text(json.dumps(outcomes))
+    os._exit(0)  # DeepSpeed's NVMe swapper threads would keep the process alive
+
+
+def test_nvme_offload_is_refused_on_every_rank_before_anything_is_written(tmp_path):
+    import json
+
+    run_distributed(nvme_worker, WORLD, str(tmp_path), str(tmp_path / "report"), timeout=600)
+    for rank in range(WORLD):
+        outcomes = json.loads((tmp_path / f"report.{rank}").read_text())
+        assert "offload_optimizer.device is nvme" in outcomes["nvme"] and "Offload to cpu" in outcomes["nvme"]
+        assert "t" in outcomes["cpu"] and "latest" in outcomes["cpu"]  # the hint, followed
+    assert not (tmp_path / "nvme").exists()

@@ -144,6 +144,10 @@ class DeepSpeedLike(Protocol):
 
     def use_node_local_storage(self) -> bool: ...
 
+    def zero_offload_optimizer(self) -> Any: ...  # DeepSpeed's offload config (.device), or None
+
+    def zero_offload_param(self) -> Any: ...
+
     def load_checkpoint(self, load_dir: str, **options: Any) -> tuple[str | None, Any]: ...  # DeepSpeed's own layout
 
 

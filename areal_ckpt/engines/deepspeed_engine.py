@@ -50,6 +50,7 @@ class DeepSpeedEngine:
 
     def __init__(self, ds_engine: DeepSpeedLike) -> None:
         self.ds_engine = ds_engine
+        _refuse_nvme_offload(ds_engine)
         self.stage = int(ds_engine.zero_optimization_stage())
         self.module = unwrap_model(ds_engine.module)
         self.optimizer = ds_engine.optimizer
@@ -408,3 +409,19 @@ class DeepSpeedEngine:
             flat = local.detach().cpu().contiguous().reshape(-1)
             digest.append(crc32(flat.view(torch.uint8).numpy().data if flat.numel() else b""))
         return digest
+
+
+def _refuse_nvme_offload(ds_engine: DeepSpeedLike) -> None:
+    """CheckpointError when optimizer state or parameters are offloaded to NVMe: they then live
+    in DeepSpeed's swap files, not in the tensors a dump reads, so a checkpoint of them would
+    hold whatever the swapped-out buffers hold. Every rank raises it, before anything is read."""
+    for what, config in (
+        ("offload_optimizer", ds_engine.zero_offload_optimizer()),
+        ("offload_param", ds_engine.zero_offload_param()),
+    ):
+        if config is not None and str(getattr(config.device, "value", config.device)) == "nvme":
+            raise CheckpointError(
+                f"DeepSpeed zero_optimization.{what}.device is nvme: the state lives in DeepSpeed's swap files, which "
+                "areal_ckpt does not read, so it refuses to save or load it (nothing was written). Offload to cpu "
+                "instead"
+            )
