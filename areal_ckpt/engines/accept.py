@@ -92,9 +92,9 @@ class HFAssets:
     def of(
         cls, engine: EngineLike, tokenizer: Any | None, processor: Any | None, base_model_path: str | None
     ) -> HFAssets:
-        """The assets of a ``save`` / ``dump`` call: ``base_model_path`` defaults, as in AReaL,
-        to an AReaL-shaped engine's ``config.path`` when that is a local folder (a hub name is
-        skipped with a warning); local."""
+        """The assets of a ``save`` / ``dump`` call: ``base_model_path`` None means an
+        AReaL-shaped engine's ``config.path`` when that is a local folder (ours: AReaL passes
+        None on; a hub name is skipped with a warning); local."""
         if base_model_path is None:
             base_model_path = _usable_base_model(_configured_model_path(engine))
         return cls(tokenizer, processor, base_model_path)
