@@ -31,7 +31,7 @@ from areal_ckpt.engines.contract import CheckpointOptions, DeepSpeedLike
 from areal_ckpt.engines.experts import expert_prefixes, global_expert_names, renamed
 from areal_ckpt.engines.peft_configs import active_adapters, adapter_configs, check_same_adapters
 from areal_ckpt.engines.torch_engine import TorchEngine, unwrap_model
-from areal_ckpt.engines.zero3 import flat_shard, flat_views, scatter_whole, unflattened, whole_templates
+from areal_ckpt.engines.zero3 import flat_shard, flat_views, master_layout, scatter_whole, unflattened, whole_templates
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import crc32
 from areal_ckpt.paths import MODEL_PREFIX, OPTIM_PREFIX
@@ -192,7 +192,7 @@ class DeepSpeedEngine:
                 if hasattr(parameter, "ds_shape")
             }
         if self.stage > 0 and include_optimizer and self.optimizer is not None:
-            engine_state["deepspeed"]["masters"] = self._master_layout()
+            engine_state["deepspeed"]["masters"] = master_layout(self.optimizer, self.stage, self.module)
         if (adapters := adapter_configs(self.module)) is not None:
             engine_state["peft"] = adapters
             engine_state["peft_active"] = active_adapters(self.module)
@@ -200,39 +200,6 @@ class DeepSpeedEngine:
             engine_state["deepspeed"].pop("masters", None)
             engine_state["rank_local_prefixes"] = expert_prefixes(self._experts)
         return renamed(tensors, self._experts), engine_state
-
-    def _master_layout(self) -> list[list[dict[str, Any]]]:
-        """Where each trained parameter lies in the fp32 master groups, so that an export can
-        rebuild full fp32 weights from the masters (as ``zero_to_fp32`` does): per group, each
-        parameter's name, shape and offset; ZeRO 1 / 2 in the group's flat buffer (which the
-        ranks' partitions tile, in rank order); ZeRO 3 in every rank's partition, with the
-        parameter's partition size. Identical on every rank."""
-        names = {id(parameter): name for name, parameter in self.module.named_parameters()}
-        layout = []
-        if self.stage == 3:
-            for group in self.optimizer.fp16_groups:
-                entries, offset = [], 0
-                for parameter in group:
-                    part = parameter.ds_tensor.numel()
-                    entries.append(
-                        {
-                            "name": names[id(parameter)],
-                            "shape": list(parameter.ds_shape),
-                            "offset": offset,
-                            "partition": part,
-                        }
-                    )
-                    offset += part
-                layout.append(entries)
-            return layout
-        for group, offsets in zip(self.optimizer.round_robin_bit16_groups, self.optimizer.round_robin_bit16_offsets):
-            layout.append(
-                [
-                    {"name": names[id(parameter)], "shape": list(parameter.shape), "offset": int(offset)}
-                    for parameter, offset in zip(group, offsets)
-                ]
-            )
-        return layout
 
     def _model_tensors(self) -> dict[str, torch.Tensor]:
         if self.stage < 3:

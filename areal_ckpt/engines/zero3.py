@@ -94,3 +94,37 @@ def unflattened(module: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> di
         name: value.view(shapes[name]) if name in shapes and value.shape != shapes[name] else value
         for name, value in tensors.items()
     }
+
+
+def master_layout(optimizer: Any, stage: int, module: torch.nn.Module) -> list[list[dict[str, Any]]]:
+    """Where each trained parameter lies in the fp32 master groups, so that an export can
+    rebuild full fp32 weights from the masters (as ``zero_to_fp32`` does): per group, each
+    parameter's name, shape and offset; ZeRO 1 / 2 in the group's flat buffer (which the
+    ranks' partitions tile, in rank order); ZeRO 3 in every rank's partition, with the
+    parameter's partition size. Identical on every rank."""
+    names = {id(parameter): name for name, parameter in module.named_parameters()}
+    layout = []
+    if stage == 3:
+        for group in optimizer.fp16_groups:
+            entries, offset = [], 0
+            for parameter in group:
+                part = parameter.ds_tensor.numel()
+                entries.append(
+                    {
+                        "name": names[id(parameter)],
+                        "shape": list(parameter.ds_shape),
+                        "offset": offset,
+                        "partition": part,
+                    }
+                )
+                offset += part
+            layout.append(entries)
+        return layout
+    for group, offsets in zip(optimizer.round_robin_bit16_groups, optimizer.round_robin_bit16_offsets):
+        layout.append(
+            [
+                {"name": names[id(parameter)], "shape": list(parameter.shape), "offset": int(offset)}
+                for parameter, offset in zip(group, offsets)
+            ]
+        )
+    return layout
