@@ -55,3 +55,14 @@ def wrap_model(model: torch.nn.Module, kind: str) -> torch.nn.Module:
     if kind != "none":
         raise ValueError(f"unknown wrapping {kind!r}")
     return model
+
+
+def deepspeed_steps(engine, tokens: torch.Tensor, count: int) -> list[float]:
+    """Train a DeepSpeed engine ``count`` steps on ``tokens``; the losses, in order."""
+    losses = []
+    for _ in range(count):
+        loss = engine(input_ids=tokens, labels=tokens).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses

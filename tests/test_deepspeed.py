@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_distributed
-from helpers import read_export_tensors, saver_config
+from helpers import deepspeed_steps, read_export_tensors, saver_config
 from recovery_runs import assert_same_run, run_job
 from test_saver_distributed import SHARD, SPEC, trained_model
 
@@ -150,13 +150,7 @@ def moe_worker(rank: int, world_size: int, root: str, stage: int, report: str) -
     tokens = torch.randint(0, 48, (2, 8), generator=torch.Generator().manual_seed(rank))
 
     def steps(count: int) -> list[float]:
-        losses = []
-        for _ in range(count):
-            loss = engine(input_ids=tokens, labels=tokens).loss
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        return losses
+        return deepspeed_steps(engine, tokens, count)
 
     steps(1)
     ac.save_checkpoint(ac.DeepSpeedEngine(engine), root, tag="step1")

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_distributed
+from helpers import deepspeed_steps
 from test_deepspeed import WORLD, deepspeed_engine
 from test_saver_distributed import trained_model
 
@@ -22,13 +23,7 @@ TOKENS = torch.arange(16).reshape(2, 8) % 48
 
 
 def losses(engine, steps: int) -> list[float]:
-    result = []
-    for _ in range(steps):
-        loss = engine(input_ids=TOKENS, labels=TOKENS).loss
-        engine.backward(loss)
-        engine.step()
-        result.append(loss.item())
-    return result
+    return deepspeed_steps(engine, TOKENS, steps)
 
 
 def native_worker(rank: int, world_size: int, root: str, stage: int, report: str) -> None:

@@ -92,8 +92,12 @@ def _loader(world: int, rank: int, kind: str, seed: int = 3) -> StatefulDataLoad
     return StatefulDataLoader(DATASET, batch_size=BATCH, sampler=sampler)
 
 
-def elastic_dump(rank: int, world: int, root: str, kind: str, batches: int, report: str) -> None:
+def elastic_dump(
+    rank: int, world: int, root: str, kind: str, batches: int, report: str, rank_streams: bool = False
+) -> None:
     setup = make_setup()
+    if rank_streams:
+        torch.manual_seed(100 + rank)  # per-rank RNG streams, as a job with per-rank dropout seeds has
     loader = _loader(world, rank, kind)
     iterator = iter(loader)
     seen = [value for _ in range(batches) for value in next(iterator).tolist()]
@@ -240,20 +244,6 @@ def test_a_forged_sampler_position_is_refused_by_name(fileroot, field, value):
     assert "recover_info/rank0.json" in error and "sampler position" in error and repr(value) in error, error
 
 
-def rng_dump(rank: int, world: int, root: str, batches: int, report: str) -> None:
-    setup = make_setup()
-    torch.manual_seed(100 + rank)  # per-rank streams, as a job with per-rank dropout seeds has
-    loader = _loader(world, rank, "resumable")
-    iterator = iter(loader)
-    seen = [value for _ in range(batches) for value in next(iterator).tolist()]
-    handler = ac.RecoverHandler(recover_config(Path(root)), SPEC)
-    handler.dump(
-        setup.engine, ac.StepInfo(0, batches - 1, batches - 1, SPEC.steps_per_epoch), dataloader=loader, force=True
-    )
-    handler.close()
-    Path(f"{report}.{rank}").write_text(json.dumps(seen))
-
-
 def yaml_load(rank: int, world: int, config_path: str, report: str) -> None:
     setup = make_setup(seed=1)
     loader = _loader(world, rank, "resumable")
@@ -280,7 +270,7 @@ def _yaml(tmp_path: Path, root: Path, policy: str) -> Path:
 @pytest.mark.parametrize("new", [1, 3])
 def test_an_elastic_resume_from_2_ranks_is_configured_in_yaml_alone(tmp_path, new):
     root = tmp_path / "root"
-    run_distributed(rng_dump, 2, str(root), 5, str(tmp_path / "before"), group=True)
+    run_distributed(elastic_dump, 2, str(root), "resumable", 5, str(tmp_path / "before"), True, group=True)
     before = [v for r in range(2) for v in json.loads(Path(f"{tmp_path / 'before'}.{r}").read_text())]
 
     run_distributed(yaml_load, new, str(_yaml(tmp_path, root, "refuse")), str(tmp_path / "refused"), group=True)

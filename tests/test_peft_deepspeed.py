@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_distributed
-from helpers import read_export_tensors, saver_config
+from helpers import deepspeed_steps, read_export_tensors, saver_config
 from peft import PeftModel, get_peft_model_state_dict
 from safetensors.torch import load_file
 from test_peft_distributed import SPEC, TOKENS, VOCAB, lora_model
@@ -37,13 +37,7 @@ def lora_engine(stage: int) -> object:
 
 
 def losses(engine, steps: int) -> list[float]:
-    result = []
-    for _ in range(steps):
-        loss = engine(input_ids=TOKENS, labels=TOKENS).loss
-        engine.backward(loss)
-        engine.step()
-        result.append(loss.item())
-    return result
+    return deepspeed_steps(engine, TOKENS, steps)
 
 
 def lora_worker(rank: int, world_size: int, root: str, fileroot: str, stage: int, report: str) -> None:
