@@ -159,8 +159,8 @@ class SaverConfig(_TimerBlock):
     max_shard_size: int = 5 * 10**9
     # Exported floating-point dtype; None keeps the trained dtype.
     export_dtype: Literal["bfloat16", "float16", "float32"] | None = None
-    # A PEFT (LoRA) model's export (docs/lora.md): its adapter folder(s), which PEFT and vLLM
-    # load onto the base model; the merged full model; or both (merged on top, adapters in adapter/).
+    # A PEFT (LoRA) model's export (docs/lora.md): its adapter folder(s), peft's own files, which
+    # peft loads onto the base model; the merged full model; or both (merged on top, adapters in adapter/).
     lora: Literal["adapter", "merged", "both"] = "adapter"
 
     @field_validator("mode", mode="before")

@@ -261,7 +261,8 @@ def load_checkpoint(
     Every file is checked against the manifest; damage raises CheckpointError naming the
     file. A tag in DeepSpeed's own layout (``engine.save_checkpoint``'s) is loaded by
     DeepSpeed itself into a DeepSpeed engine, its pickles through the weights-only unpickler
-    (a file it refuses is named on every rank, and nothing is loaded). ``load_module_only`` skips optimizer and scheduler; ``load_module_strict`` False
+    (a file it refuses is named on every rank, and nothing is loaded). ``load_module_only``
+    skips optimizer and scheduler; ``load_module_strict`` False
     loads the model tensors present on both sides and logs the rest.
     """
     engine = as_engine(engine, "load_checkpoint")
