@@ -31,6 +31,7 @@ from areal_ckpt.paths import (
     generation_step,
 )
 from areal_ckpt.publish import check_files, read_manifest
+from areal_ckpt.recover.foreign import refuse_foreign_layout
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state import safe_json
@@ -46,7 +47,7 @@ def find_committed(store: RecoverStore) -> str | None:
     """Rank 0 at start: the committed generation (None if none) after deleting the debris of
     interrupted dumps. Local. Raises CheckpointError, deleting nothing, when the commit record
     is broken or the trial holds AReaL's own recovery folders."""
-    store.refuse_foreign_layout()
+    refuse_foreign_layout(store.trial)
     committed = store.committed()
     removed = store.remove_debris(keep=committed)
     if removed:
@@ -255,7 +256,7 @@ def check_if_auto_recover(config: RecoverConfig | Any) -> bool:
     Checksums are verified by ``RecoverHandler.load``.
     """
     store = RecoverStore.of(RecoverConfig.of(config))
-    store.refuse_foreign_layout()
+    refuse_foreign_layout(store.trial)
     generation = store.committed()
     if generation is None:
         return False

@@ -11,6 +11,7 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_metadata import METADATA_JSON
 from areal_ckpt.paths import RECOVER_INFO, RECOVER_MANIFEST, STEP_FILE, check_model_name, generation_step
 from areal_ckpt.publish import check_files, read_manifest, switch_symlink
+from areal_ckpt.recover.foreign import refuse_foreign_layout
 from areal_ckpt.recover.store import RecoverStore
 
 logger = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ def repoint_newest_verified(store: RecoverStore) -> tuple[str, dict[str, list[st
     is not a real folder, the trial holds AReaL's folders (an interrupted import: running
     import-areal again finishes it), or no generation verifies."""
     store.check_root()
-    store.refuse_foreign_layout()
+    refuse_foreign_layout(store.trial)
     skipped: dict[str, list[str]] = {}
     generations = store.generations()
     for name in reversed(generations):

@@ -29,7 +29,6 @@ from areal_ckpt.errors import CheckpointError, TransientError
 from areal_ckpt.formats.dcp_storage import data_file_of
 from areal_ckpt.fsio import FileRecord, fsync_dir, make_dirs, write_file_durably
 from areal_ckpt.paths import (
-    RECOVER_CHECKPOINT,
     RECOVER_CURRENT,
     RECOVER_INFO,
     RECOVER_MANIFEST,
@@ -47,6 +46,7 @@ from areal_ckpt.paths import (
     trial_root,
 )
 from areal_ckpt.publish import hide_folder, read_manifest, switch_symlink, write_manifest
+from areal_ckpt.recover.foreign import refuse_foreign_layout
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +56,6 @@ PENDING_PREFIX = ".pending-"
 
 #: Model folders found to be links, already named in a warning by this process.
 _LINKED_FOLDERS_NAMED: set[Path] = set()
-
-
-#: The entries of AReaL's newer crash-safe layout (a ``LATEST`` pointer over generation folders).
-AREAL_GENERATION_LAYOUT = ("LATEST", "checkpoint_generations")
 
 
 class RecoverStore:
@@ -174,7 +170,7 @@ class RecoverStore:
         On a first dump the debris of earlier jobs is removed before the new generation is
         created."""
         if first:
-            self.refuse_foreign_layout()
+            refuse_foreign_layout(self.trial)
         committed = self.committed()
         if committed is not None and committed != loaded:
             raise CheckpointError(
@@ -340,50 +336,6 @@ class RecoverStore:
         if removed:
             fsync_dir(self.root)
         return removed
-
-    def foreign_recovery_layout(self) -> list[Path]:
-        """AReaL's own recovery folders in this trial: a real ``recover_info/`` folder or a real
-        ``{name}/recover_checkpoint/`` folder where ours are links, or the entries of AReaL's
-        newer layout (:data:`AREAL_GENERATION_LAYOUT`). Read-only; [] when none."""
-        found = [self.trial / name for name in AREAL_GENERATION_LAYOUT if os.path.lexists(self.trial / name)]
-        info = recover_info_link(self.trial)
-        if info.exists() and not info.is_symlink():
-            found.append(info)
-        if self.trial.is_dir():
-            for model in sorted(self.trial.iterdir()):
-                if model.name.startswith(".") or not model.is_dir() or model.is_symlink():
-                    continue
-                checkpoint = model / RECOVER_CHECKPOINT
-                if checkpoint.exists() and not checkpoint.is_symlink():
-                    found.append(checkpoint)
-        return found
-
-    def refuse_foreign_layout(self) -> None:
-        """Raise CheckpointError when :meth:`foreign_recovery_layout` finds anything; read-only."""
-        found = self.foreign_recovery_layout()
-        if found:
-            names = ", ".join(str(path.relative_to(self.trial)) for path in found)
-            checkpoints = [path for path in found if path.name == RECOVER_CHECKPOINT]
-            salvage = (
-                f"; its weights export to an HF folder with `areal-ckpt export {checkpoints[0]} OUT "
-                f"--config-from BASE_MODEL`"
-                if checkpoints
-                else ""
-            )
-            if any(path.name in AREAL_GENERATION_LAYOUT for path in found):
-                raise CheckpointError(
-                    f"{self.trial}: holds a recovery checkpoint in AReaL's generation layout ({names}); areal_ckpt "
-                    f"cannot resume from or import that layout yet and leaves it untouched. Resume it with AReaL, or "
-                    f"start afresh: move that trial folder away (e.g. mv {self.trial} {self.trial}.areal) or use "
-                    "another trial_name"
-                )
-            raise CheckpointError(
-                f"{self.trial}: holds a recovery checkpoint written by AReaL ({names}); areal_ckpt does "
-                f"not resume from it as it is and leaves it untouched. To resume from AReaL's step, convert it "
-                f"in place with `areal-ckpt import-areal {self.trial}`, then start the job again; to start "
-                f"afresh, move that trial folder away (e.g. mv {self.trial} {self.trial}.areal) or use another "
-                f"trial_name{salvage}"
-            )
 
     def discard(self, generation: str) -> None:
         """Delete an uncommitted generation after a failed dump (best effort)."""

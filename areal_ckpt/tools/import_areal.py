@@ -57,8 +57,9 @@ from areal_ckpt.paths import (
     recover_info_link,
 )
 from areal_ckpt.publish import check_files, read_manifest, switch_symlink, write_manifest
+from areal_ckpt.recover.foreign import AREAL_GENERATION_LAYOUT, foreign_recovery_layout
 from areal_ckpt.recover.repoint import missing_parts
-from areal_ckpt.recover.store import AREAL_GENERATION_LAYOUT, RecoverStore
+from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.write import dump_header
 from areal_ckpt.schedule import schedule_state
 from areal_ckpt.state import safe_json
@@ -101,7 +102,7 @@ def import_areal_trial(trial: Path, config_from: Path | None = None, remove_orig
     acquire_trial_lock(trial)
     try:
         store = RecoverStore(trial)
-        found = store.foreign_recovery_layout()
+        found = foreign_recovery_layout(store.trial)
         try:
             committed = store.committed()
         except CheckpointError as lost:  # no commit record beside complete generations: maybe our own
@@ -362,7 +363,7 @@ def _moves(store: RecoverStore, found: list[Path]) -> dict[Path, Path]:
 def _finish(store: RecoverStore, generation: str, header: dict[str, Any], remove_original: bool) -> ImportedTrial:
     """After the commit: move AReaL's folders away (or remove them), then put our links."""
     originals = store.trial / ORIGINALS
-    for path, target in _moves(store, store.foreign_recovery_layout()).items():
+    for path, target in _moves(store, foreign_recovery_layout(store.trial)).items():
         target.parent.mkdir(parents=True, exist_ok=True)
         path.rename(target)
         fsync_dir(path.parent)
