@@ -33,9 +33,8 @@ from areal_ckpt.engines.peft_configs import active_adapters, adapter_configs, ch
 from areal_ckpt.engines.torch_engine import TorchEngine, unwrap_model
 from areal_ckpt.engines.zero3 import flat_shard, flat_views, master_layout, scatter_whole, unflattened, whole_templates
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.fsio import crc32
 from areal_ckpt.paths import MODEL_PREFIX, OPTIM_PREFIX
-from areal_ckpt.tensors import TensorSpec
+from areal_ckpt.tensors import TensorSpec, local_crc32
 
 _COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
@@ -370,12 +369,7 @@ class DeepSpeedEngine:
         """CRC-32 of each of this rank's weight tensors (partitions under ZeRO-3); local."""
         if self.stage < 3:
             return self._torch.fingerprint()
-        digest = []
-        for parameter in self.module.parameters():
-            local = parameter.ds_tensor if hasattr(parameter, "ds_tensor") else parameter
-            flat = local.detach().cpu().contiguous().reshape(-1)
-            digest.append(crc32(flat.view(torch.uint8).numpy().data if flat.numel() else b""))
-        return digest
+        return [local_crc32(getattr(parameter, "ds_tensor", parameter)) for parameter in self.module.parameters()]
 
 
 def _refuse_nvme_offload(ds_engine: DeepSpeedLike) -> None:
