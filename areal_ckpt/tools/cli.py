@@ -338,14 +338,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The arguments of every command that name a file or folder.
+_PATH_ARGUMENTS = ("path", "trial_root", "trial", "recover_dir", "ds_dir", "out_dir", "config_from", "config")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
-        for name, value in vars(args).items():  # every path argument: a URL is refused, never a local folder
-            if isinstance(value, str) and name not in ("command", "dtype", "max_shard_size", "name", "tag", "lora"):
-                local_path(value, name.replace("_", "-"))
+        for name in _PATH_ARGUMENTS:  # a URL is refused, never taken for a local folder
+            if isinstance(getattr(args, name, None), str):
+                local_path(getattr(args, name), name.replace("_", "-"))
         return int(args.run(args))
     except (CheckpointError, ValueError, OSError) as error:
         print(f"areal-ckpt {args.command}: error: {error}", file=sys.stderr)
