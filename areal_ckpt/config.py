@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from areal_ckpt.errors import ConfigError
+from areal_ckpt.urls import parse_object_url, url_scheme
 
 PositiveInt = Annotated[int, Field(gt=0, strict=True)]
 StrictBool = Annotated[bool, Field(strict=True)]
@@ -118,7 +119,8 @@ class _TimerBlock(BaseModel):
             raise ValueError("fileroot must not be empty")
         if "\x00" in value:
             raise ValueError("fileroot must not contain a NUL character")
-        local_path(value, "fileroot")
+        if url_scheme(value) is not None:
+            parse_object_url(value, "fileroot")  # object storage, or a ValueError naming the scheme
         if len(value.encode()) > MAX_ROOT_BYTES:
             raise ValueError(
                 f"fileroot is {len(value.encode())} bytes long; at most {MAX_ROOT_BYTES} leave room for "
@@ -127,18 +129,15 @@ class _TimerBlock(BaseModel):
         return value
 
 
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
 def local_path(value: str | os.PathLike[str], what: str) -> Path:
     """``value`` as a local path; ValueError naming ``what`` and the scheme when it is a URL
-    (``s3://bucket/prefix``, ``gs://``...): object storage is not supported yet, and taken as a
+    (``s3://bucket/prefix``, ``gs://``...) where only a local path is supported: taken as a
     path it would become a local folder named ``s3:``. Pure."""
-    match = _URL.match(str(value))
-    if match is not None:
+    scheme = url_scheme(str(value))
+    if scheme is not None:
         raise ValueError(
-            f"{what} {str(value)!r} is a {match.group(1)}:// URL: checkpoints on object storage are not supported "
-            f"yet, and as a path it would become a local folder named '{match.group(1)}:'. Use a path on a "
+            f"{what} {str(value)!r} is a {scheme}:// URL: object storage is not supported here yet (exports are: "
+            f"saver fileroot), and as a path it would become a local folder named '{scheme}:'. Use a path on a "
             "local or shared POSIX filesystem"
         )
     return Path(value)
@@ -162,12 +161,23 @@ class SaverConfig(_TimerBlock):
     # A PEFT (LoRA) model's export (docs/lora.md): its adapter folder(s), peft's own files, which
     # peft loads onto the base model; the merged full model; or both (merged on top, adapters in adapter/).
     lora: Literal["adapter", "merged", "both"] = "adapter"
+    # Ours: with fileroot on object storage (s3://bucket/prefix), the local folder each rank
+    # writes its files into before uploading them (removed after the commit); None: the system's
+    # temporary folder. Each node needs room for its ranks' shards of one export.
+    staging_dir: str | None = None
 
     @field_validator("mode", mode="before")
     @classmethod
     def _known_mode(cls, value: Any) -> Any:
         if value not in SAVER_MODES:  # AReaL's text, which AReaL's tests match on
             raise ValueError(f"Invalid mode '{value}'. Valid options: {', '.join(SAVER_MODES)}")
+        return value
+
+    @field_validator("staging_dir")
+    @classmethod
+    def _local_staging(cls, value: str | None) -> str | None:
+        if value is not None:
+            local_path(value, "staging_dir")
         return value
 
     @field_validator("max_shard_size", mode="before")

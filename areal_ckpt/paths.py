@@ -5,10 +5,12 @@ from __future__ import annotations
 import getpass
 import os
 import re
+import tempfile
 from pathlib import Path
 
 from areal_ckpt.config import check_path_component, local_path
 from areal_ckpt.errors import ConfigError
+from areal_ckpt.urls import ObjectURL
 
 #: Prefix of an export being written; never loaded, removed by the next Saver.
 EXPORT_STAGING_PREFIX = ".export-staging."
@@ -44,9 +46,25 @@ def default_user() -> str:
 
 
 def trial_root(fileroot: str | Path, user: str, experiment_name: str, trial_name: str) -> Path:
-    """``{fileroot}/checkpoints/{user}/{experiment_name}/{trial_name}``; ValueError for a URL
-    ``fileroot`` (see :func:`local_path`)."""
-    return local_path(fileroot, "fileroot") / "checkpoints" / user / experiment_name / trial_name
+    """``{fileroot}/checkpoints/{user}/{experiment_name}/{trial_name}``; ConfigError for a URL
+    ``fileroot`` (see :func:`local_path`): only the Saver stages a trial on object storage."""
+    try:
+        root = local_path(fileroot, "fileroot")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return root / "checkpoints" / user / experiment_name / trial_name
+
+
+def staging_trial_root(staging_dir: str | None, url: ObjectURL) -> Path:
+    """The local folder where a trial on object storage (``url``: its ``{...}/{trial}`` prefix)
+    is staged before upload: ``{staging_dir}/{bucket}/{key prefix}``, ``staging_dir`` defaulting
+    to ``areal_ckpt-staging-{uid}`` in the system's temporary folder."""
+    base = (
+        local_path(staging_dir, "staging_dir")
+        if staging_dir
+        else Path(tempfile.gettempdir()) / f"areal_ckpt-staging-{os.getuid()}"
+    )
+    return base / url.bucket / url.prefix
 
 
 def check_model_name(name: str) -> str:

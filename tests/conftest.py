@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from pathlib import Path
@@ -67,3 +68,31 @@ def reference_run_fsdp2(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("reference-fsdp2")
     run_job(base / "root", base / "out", world_size=2, wrap="fsdp2")
     return base / "out"
+
+
+_BUCKETS = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """One real S3 server (SeaweedFS on 127.0.0.1) for the tests that only read and write."""
+    from seaweed import SeaweedServer
+
+    server = SeaweedServer(tmp_path_factory.mktemp("seaweed"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server, monkeypatch, request):
+    """A fresh bucket on the shared server, its client settings in this process's environment;
+    returns its ``s3://`` URL."""
+    import re
+
+    readable = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40]
+    name = f"{readable}-{next(_BUCKETS)}-{os.getpid() % 10000}"
+    s3_server.make_bucket(name)
+    for variable, value in s3_server.environment().items():
+        monkeypatch.setenv(variable, value)
+    return f"s3://{name}"

@@ -1,5 +1,5 @@
-"""Object storage URLs are refused loudly wherever a path goes (until object storage lands),
-never taken for a local folder named ``s3:``."""
+"""Object storage URLs: exports take ``fileroot: s3://...`` (tests/test_s3_export.py); wherever
+else a path goes a URL is refused loudly, never taken for a local folder named ``s3:``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import areal_ckpt as ac
 from areal_ckpt.tools.cli import main as cli_main
 
 URL = "s3://ckpt/runs"
-REFUSAL = r"is a s3:// URL: checkpoints on object storage are not supported yet"
+REFUSAL = r"is a s3:// URL: object storage is not supported here yet \(exports are: saver fileroot\)"
 
 
 @pytest.fixture
@@ -24,15 +24,30 @@ def in_tmp(tmp_path):
     assert not (tmp_path / "s3:").exists()  # nothing became a local folder
 
 
-def test_a_url_fileroot_is_a_config_error_naming_it(in_tmp):
-    for block in (ac.SaverConfig, ac.RecoverConfig):  # pydantic's ValidationError (a ValueError) names the field
-        with pytest.raises(ValueError, match=r"fileroot\n.*fileroot 's3://ckpt/runs' is a s3:// URL"):
-            block(experiment_name="e", trial_name="t", fileroot=URL)
-    (in_tmp / "job.yaml").write_text(f"experiment_name: e\ntrial_name: t\nfileroot: {URL}\nsaver:\n  freq_steps: 1\n")
-    with pytest.raises(ac.ConfigError, match=r"job.yaml.*fileroot"):
-        ac.load_config(in_tmp / "job.yaml")
-    with pytest.raises(ValueError, match=REFUSAL):
-        ac.Saver.get_save_root("e", "t", URL)
+def test_recovery_refuses_a_url_fileroot_and_the_hint_works(in_tmp, make_model):
+    config = ac.RecoverConfig(experiment_name="e", trial_name="t", fileroot=URL, mode="on")
+    with pytest.raises(ac.ConfigError, match=rf"fileroot '{URL}' {REFUSAL}.*Use a path on a local or shared POSIX"):
+        ac.RecoverHandler(config, SPEC)
+    with pytest.raises(ac.ConfigError, match=REFUSAL):
+        ac.check_if_recover(config)
+    # the hint: the recover block takes a local fileroot while exports stay on object storage
+    (in_tmp / "job.yaml").write_text(
+        f"experiment_name: e\ntrial_name: t\nfileroot: {URL}\nsaver:\n  freq_steps: 1\n"
+        f"recover:\n  mode: on\n  fileroot: {in_tmp / 'local'}\n"
+    )
+    loaded = ac.load_config(in_tmp / "job.yaml")
+    assert loaded.saver.fileroot == URL
+    handler = ac.RecoverHandler(loaded.recover, SPEC)
+    assert handler.load(ac.TorchEngine(make_model())) is None
+    handler.close()
+
+
+def test_areal_path_helpers_give_urls_for_a_url_fileroot():
+    user = ac.Saver.get_save_root("e", "t", "/x").split("/")[-3]
+    assert ac.Saver.get_save_root("e", "t", URL) == f"{URL}/checkpoints/{user}/e/t"
+    assert ac.Saver.get_model_save_path("e", "t", URL, 1, 2, 3, "actor") == (
+        f"{URL}/checkpoints/{user}/e/t/actor/epoch1epochstep2globalstep3"
+    )
 
 
 def test_save_and_load_checkpoint_refuse_a_url(in_tmp, make_model):
@@ -49,11 +64,11 @@ def test_save_and_load_checkpoint_refuse_a_url(in_tmp, make_model):
 )
 def test_the_cli_refuses_a_url_argument(in_tmp, capsys, argv):
     assert cli_main(argv) == 2
-    assert "is a s3:// URL: checkpoints on object storage are not supported yet" in capsys.readouterr().err
+    assert "is a s3:// URL: object storage is not supported here yet" in capsys.readouterr().err
 
 
 def test_a_scheme_is_named_whatever_it_is(in_tmp):
-    with pytest.raises(ValueError, match=r"is a gs:// URL"):
+    with pytest.raises(ValueError, match=r"is a gs:// URL; object storage is reached through s3://"):
         ac.RecoverConfig(experiment_name="e", trial_name="t", fileroot="gs://bucket", mode="on")
     assert (
         ac.RecoverHandler(

@@ -1,7 +1,11 @@
 """Write one HuggingFace export folder, atomically: the I/O the Saver and the converter share.
 
 Policy (when to export, which folder, how many to keep) belongs to the callers; this module
-only makes a complete, checksummed, durable folder appear under its final name.
+only makes a complete, checksummed, durable folder appear under its final name: locally by one
+rename, on object storage (``ExportTarget.remote``) by a commit record written create-only
+after every rank uploaded its own shards and rank 0 the rest and the manifest
+(:mod:`areal_ckpt.storage.commits`). The files are written to the local staging folder first
+in both cases; on object storage it is removed once the commit is made.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +40,9 @@ from areal_ckpt.formats.hf_keys import check_loadable
 from areal_ckpt.fsio import FileRecord, make_dirs
 from areal_ckpt.jobs.shm_arena import ArenaLayout, StagingArena, arena_layout_of_specs
 from areal_ckpt.paths import EXPORT_FORMAT, MANIFEST_NAME, export_staging, export_trash
-from areal_ckpt.publish import publish, write_manifest
+from areal_ckpt.publish import publish, read_manifest, write_manifest
+from areal_ckpt.storage.commits import CommitLog, delete_prefix, fresh_folder, store_of, upload_folder_files
+from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
 
@@ -52,17 +58,31 @@ class ExportResult:
 
 @dataclass(frozen=True)
 class ExportTarget:
-    """A begun export (staging folder made, metadata written); plain, picklable data."""
+    """A begun export (staging folder made, metadata written); plain, picklable data.
+
+    ``remote`` is the model's prefix on object storage when the export goes there (``final``
+    is then only where it is staged), and ``remote_folder`` the export's never-reused prefix
+    below it (``epoch{E}epochstep{S}globalstep{G}``, or that with ``.{n}`` appended when an
+    earlier export of the same step left objects there)."""
 
     final: Path
     plan: ExportPlan
     dtype: torch.dtype | None
     header: dict[str, Any]
+    remote: ObjectURL | None = None
+    remote_folder: str | None = None
 
     @property
     def staging(self) -> Path:
         """The folder the shards are written into before the publish."""
         return export_staging(self.final)
+
+    @property
+    def location(self) -> str:
+        """Where the committed export is: its folder, or its URL on object storage."""
+        if self.remote is None or self.remote_folder is None:
+            return str(self.final)
+        return str(self.remote.child(self.remote_folder))
 
 
 class StagedExportSource:
@@ -88,13 +108,15 @@ def write_export(
     processor: Any | None = None,
     assets: str | None = None,
     progress: Callable[[Iterable[int]], Iterable[int]] = iter,
+    remote: ObjectURL | None = None,
 ) -> ExportResult:
     """Export ``source`` to the folder ``final``, replacing a folder of that name whole.
 
     Collective: every rank calls it; each writes its shard files, rank 0 writes the metadata
     and publishes. Blocking; on return the folder is complete and durable on every rank's view.
     On failure nothing is published, the staging folder is removed and every rank raises.
-    ``tokenizer``, ``processor`` and ``assets`` (a base model folder) are as in :class:`HFFiles`.
+    ``tokenizer``, ``processor`` and ``assets`` (a base model folder) are as in :class:`HFFiles`;
+    ``remote`` as in :func:`begin_export`.
     """
     start = time.perf_counter()
     target = begin_export(
@@ -106,6 +128,7 @@ def write_export(
         tokenizer=tokenizer,
         processor=processor,
         assets=assets,
+        remote=remote,
     )
     written = finish_export(source, target, progress)
     return ExportResult(path=final, bytes=written, seconds=time.perf_counter() - start)
@@ -121,12 +144,15 @@ def begin_export(
     tokenizer: Any | None = None,
     processor: Any | None = None,
     assets: str | None = None,
+    remote: ObjectURL | None = None,
 ) -> ExportTarget:
     """Plan the export and have rank 0 create the staging folder with the config, index,
     tokenizer, processor and base model assets in it (see :class:`HFFiles`). Collective;
     blocking; raises on every rank if rank 0 could not, and on every rank before anything is
     written when ``from_pretrained`` would not load the export's names (:func:`check_loadable`,
-    or the source's own check when it plans its own folder: a PEFT model's)."""
+    or the source's own check when it plans its own folder: a PEFT model's). With ``remote``
+    (the model's prefix on object storage) the export is committed there, under a prefix rank 0
+    picks here (never one an earlier export used), and ``final`` is only its staging place."""
     files: Callable[[], FolderFiles]
     if isinstance(source, SelfPlannedExport):
         source.check(str(final))
@@ -149,12 +175,13 @@ def begin_export(
             "world_size": dist.world_size(),
             **header,
         },
+        remote=remote,
     )
-    agree.decided_by_rank0(
+    folder = agree.decided_by_rank0(
         lambda: _prepare_staging(target, files),
         f"{target.staging}: could not prepare the export (nothing was published)",
     )
-    return target
+    return replace(target, remote_folder=folder)
 
 
 def stage_export(source: ExportSource, target: ExportTarget, arena: StagingArena) -> ArenaLayout:
@@ -187,10 +214,15 @@ def finish_export(
     rank, world = dist.rank(), dist.world_size()
 
     def write_shards() -> dict[str, tuple[int, int]]:
+        if target.remote is not None:  # on another node than rank 0 the staging folder is this rank's own
+            target.staging.mkdir(parents=True, exist_ok=True)
         records, error = write_rank_shards(source, target.plan, target.staging, rank, world, target.dtype, progress)
         if error is not None:
             logger.error("rank %d: writing export shards into %s failed: %s", rank, target.staging, error)
             raise CheckpointError(error)
+        if target.remote is not None and target.remote_folder is not None:  # every rank uploads its own shards
+            remote = target.remote.child(target.remote_folder)
+            upload_folder_files(store_of(remote), target.staging, records, remote)
         return {file: (record.size, record.crc32) for file, record in records.items()}
 
     try:
@@ -200,20 +232,30 @@ def finish_export(
             f"{target.final}: export failed (nothing was published)",
         )
     except BaseException:
-        if rank == 0:
+        if target.remote is not None:
+            shutil.rmtree(target.staging, ignore_errors=True)
+            if rank == 0:
+                _remove_uncommitted(target)
+        elif rank == 0:
             shutil.rmtree(target.staging, ignore_errors=True)
         raise
+    if target.remote is not None:
+        shutil.rmtree(target.staging, ignore_errors=True)
     return target.plan.total_size
 
 
-def _prepare_staging(target: ExportTarget, files: Callable[[], FolderFiles]) -> None:
-    """Rank 0: a fresh staging folder holding the metadata files; removed again if that failed."""
+def _prepare_staging(target: ExportTarget, files: Callable[[], FolderFiles]) -> str | None:
+    """Rank 0: a fresh staging folder holding the metadata files; removed again if that failed.
+    Returns the export's prefix on object storage (None for a local export)."""
     try:
         if target.staging.exists():
             shutil.rmtree(target.staging)
         make_dirs(target.staging.parent)  # the model's folder, durably: the publish renames into it
         target.staging.mkdir()
         write_metadata(target.plan, target.staging, files())
+        if target.remote is None:
+            return None
+        return fresh_folder(store_of(target.remote), target.remote, target.final.name)
     except Exception as error:  # every rank raises it (see begin_export)
         logger.error("cannot prepare staging folder %s: %s", target.staging, error)
         shutil.rmtree(target.staging, ignore_errors=True)
@@ -224,4 +266,26 @@ def _publish(target: ExportTarget, every: list[dict[str, tuple[int, int]]]) -> N
     """Rank 0: manifest, publish (the caller removes the staging folder if this fails)."""
     records = {file: FileRecord(size, crc) for part in every for file, (size, crc) in part.items()}
     write_manifest(target.staging, MANIFEST_NAME, records, target.header)
-    publish(target.staging, target.final, export_trash(target.final))
+    if target.remote is None or target.remote_folder is None:
+        publish(target.staging, target.final, export_trash(target.final))
+        return
+    remote = target.remote.child(target.remote_folder)
+    store = store_of(remote)
+    listed = read_manifest(target.staging, MANIFEST_NAME)["files"]
+    upload_folder_files(store, target.staging, sorted(set(listed) - set(records)), remote)
+    upload_folder_files(store, target.staging, [MANIFEST_NAME], remote)  # last: the data it lists is there
+    CommitLog(store, target.remote).append(
+        {"folder": target.remote_folder, "name": target.final.name, "step": target.header.get("step")}
+    )
+
+
+def _remove_uncommitted(target: ExportTarget) -> None:
+    """Rank 0, after a failed export to object storage: delete what was uploaded of it (best
+    effort: the next Saver removes what is left, see :func:`areal_ckpt.storage.commits.remove_debris`)."""
+    if target.remote is None or target.remote_folder is None:
+        return
+    remote = target.remote.child(target.remote_folder)
+    try:
+        delete_prefix(store_of(remote), remote.key() + "/")
+    except Exception as error:  # the server may be what failed
+        logger.warning("could not remove the uncommitted export %s (the next start does): %s", remote, error)

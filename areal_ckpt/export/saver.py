@@ -21,6 +21,7 @@ from areal_ckpt.engines.accept import HFAssets, as_engine
 from areal_ckpt.engines.contract import Engine, EngineLike
 from areal_ckpt.engines.peft_export import export_source
 from areal_ckpt.export.job import ExportTarget, StagedExportSource, begin_export, finish_export, stage_export
+from areal_ckpt.fsio import make_dirs
 from areal_ckpt.jobs.lifecycle import SaveLifecycle, resolve_async
 from areal_ckpt.jobs.shm_arena import ArenaLayout
 from areal_ckpt.paths import (
@@ -32,12 +33,15 @@ from areal_ckpt.paths import (
     model_root,
     parse_export_leaf,
     recover_checkpoint_link,
+    staging_trial_root,
     trial_root,
 )
 from areal_ckpt.publish import TrashCollector, hide_folder, remove_stale
 from areal_ckpt.schedule import NamedSchedules, TriggerSchedule
 from areal_ckpt.step import FinetuneSpec
+from areal_ckpt.storage.commits import COMMIT_LOG, CommitLog, remove_debris, store_of
 from areal_ckpt.tensors import EXPORT_DTYPES
+from areal_ckpt.urls import ObjectURL, parse_object_url, url_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -59,9 +63,20 @@ class Saver:
     def __init__(self, config: SaverConfig | Any, ft_spec: FinetuneSpec) -> None:
         self.config = config = SaverConfig.of(config)
         self.ft_spec = ft_spec
-        self.trial_root = trial_root(
-            config.fileroot, config.user or default_user(), config.experiment_name, config.trial_name
-        )
+        user = config.user or default_user()
+        #: The trial's prefix on object storage when fileroot is a URL (trial_root then stages).
+        self.remote_trial: ObjectURL | None = None
+        if url_scheme(config.fileroot) is not None:
+            levels = ("checkpoints", user, config.experiment_name, config.trial_name)
+            self.remote_trial = parse_object_url(config.fileroot, "fileroot").child(*levels)
+            self.trial_root = staging_trial_root(config.staging_dir, self.remote_trial)
+            make_dirs(self.trial_root)
+            agree.decided_by_rank0(
+                lambda: _open_remote_trial(self.remote_trial),
+                f"Saver: cannot use {self.remote_trial}",
+            )
+        else:
+            self.trial_root = trial_root(config.fileroot, user, config.experiment_name, config.trial_name)
         self._schedules = NamedSchedules(
             lambda: TriggerSchedule(config.freq_epochs, config.freq_steps, config.freq_secs)
         )
@@ -84,18 +99,27 @@ class Saver:
         """Folder holding every export of model ``name`` (no side effects)."""
         return model_root(self.trial_root, name)
 
+    def _remote_root(self, name: str) -> ObjectURL | None:
+        """The prefix of model ``name``'s exports on object storage (None for a local trial)."""
+        return None if self.remote_trial is None else self.remote_trial.child(model_root(Path(), name).name)
+
     # -- AReaL's static path helpers: our layout's paths; unlike AReaL's, they create nothing --
 
     @staticmethod
     def get_save_root(experiment_name: str, trial_name: str, fileroot: str) -> str:
         """``{fileroot}/checkpoints/{user}/{experiment_name}/{trial_name}`` for the login user
-        (the config's ``user:`` is not an argument here, as in AReaL); pure."""
+        (the config's ``user:`` is not an argument here, as in AReaL); a URL when ``fileroot``
+        is one; pure."""
+        if url_scheme(fileroot) is not None:
+            url = parse_object_url(fileroot, "fileroot")
+            return str(url.child("checkpoints", default_user(), experiment_name, trial_name))
         return str(trial_root(fileroot, default_user(), experiment_name, trial_name))
 
     @staticmethod
     def get_model_save_root(experiment_name: str, trial_name: str, fileroot: str, name: str = "default") -> str:
-        """Folder of model ``name``'s exports; pure."""
-        return str(model_root(Path(Saver.get_save_root(experiment_name, trial_name, fileroot)), name))
+        """Folder (or URL) of model ``name``'s exports; pure."""
+        root = Saver.get_save_root(experiment_name, trial_name, fileroot)
+        return f"{root}/{model_root(Path(), name).name}"
 
     @staticmethod
     def get_model_save_path(
@@ -109,7 +133,7 @@ class Saver:
     ) -> str:
         """Folder of one export, ``.../{name}/epoch{E}epochstep{S}globalstep{G}``; pure."""
         root = Saver.get_model_save_root(experiment_name, trial_name, fileroot, name)
-        return str(Path(root) / export_leaf(epoch, step, globalstep))
+        return f"{root}/{export_leaf(epoch, step, globalstep)}"
 
     @staticmethod
     def get_recover_checkpoint_path(experiment_name: str, trial_name: str, fileroot: str, name: str = "default") -> str:
@@ -159,7 +183,7 @@ class Saver:
 
     def _export(
         self, engine: Engine, epoch: int, epoch_step: int, global_step: int, name: str, assets: HFAssets
-    ) -> Path:
+    ) -> str:
         start = time.perf_counter()
         self._jobs.wait()
         tag = (name, epoch, epoch_step, global_step)
@@ -176,6 +200,7 @@ class Saver:
             tokenizer=assets.tokenizer,
             processor=assets.processor,
             assets=assets.base_model_path,
+            remote=self._remote_root(name),
         )
         if resolve_async(self.config.mode, source.on_accelerator):
             self._went_async = True
@@ -186,14 +211,19 @@ class Saver:
                     shutil.rmtree(target.staging, ignore_errors=True)
                 raise
             job = _ExportJob(target, layout, self.config.keep_last)
-            self._jobs.submit(job, time.perf_counter() - start, target.plan.total_size, lambda _: f"exported {final}")
-            return final
+            self._jobs.submit(
+                job, time.perf_counter() - start, target.plan.total_size, lambda _: f"exported {target.location}"
+            )
+            return target.location
         written = finish_export(source, target)
         if dist.rank() == 0 and self.config.keep_last is not None:  # deleted after the commit, off this path
-            self._trash.delete(apply_retention(final, self.config.keep_last))
+            if target.remote is not None:
+                apply_remote_retention(target.remote, self.config.keep_last)
+            else:
+                self._trash.delete(apply_retention(final, self.config.keep_last))
         dist.barrier()
-        self._jobs.finished(time.perf_counter() - start, written, f"exported {final}")
-        return final
+        self._jobs.finished(time.perf_counter() - start, written, f"exported {target.location}")
+        return target.location
 
     @property
     def is_async(self) -> bool:
@@ -250,10 +280,13 @@ class _ExportJob:
         """Collective over the writers: write, publish, apply retention (rank 0)."""
         written = finish_export(StagedExportSource(tensors), self.target)
         if dist.rank() == 0 and self.keep_last is not None:  # the writer is off the loop's path already
-            for trash in apply_retention(self.target.final, self.keep_last):
-                shutil.rmtree(trash, ignore_errors=True)
+            if self.target.remote is not None:
+                apply_remote_retention(self.target.remote, self.keep_last)
+            else:
+                for trash in apply_retention(self.target.final, self.keep_last):
+                    shutil.rmtree(trash, ignore_errors=True)
         dist.barrier()
-        return {"path": str(self.target.final), "bytes": written}
+        return {"path": self.target.location, "bytes": written}
 
 
 def apply_retention(newest: Path, keep_last: int) -> list[Path]:
@@ -285,6 +318,46 @@ def apply_retention(newest: Path, keep_last: int) -> list[Path]:
         except OSError as error:
             logger.warning("retention: could not remove %s: %s", path, error)
     return hidden
+
+
+def apply_remote_retention(model: ObjectURL, keep_last: int) -> None:
+    """Rank 0, after a commit on object storage: delete all but the newest ``keep_last`` exports
+    of ``model`` (by global step, then commit order), each commit record first and then its
+    objects, so no reader ever finds a record naming deleted data. The newest commit is never
+    deleted. Failures are logged, not raised: the export they follow is already committed."""
+    log = CommitLog(store_of(model), model)
+    try:
+        records = log.records()
+        ordered = sorted(records, key=lambda record: (_global_step(record.body), record.sequence))
+        newest = max(records, key=lambda record: record.sequence)
+        for record in ordered[: max(len(ordered) - keep_last, 0)]:
+            if record is not newest:
+                log.remove(record)
+                logger.info("retention (keep_last=%d): removed %s", keep_last, model.child(record.folder))
+    except Exception as error:
+        logger.warning("retention: could not remove old exports of %s: %s", model, error)
+
+
+def _global_step(body: dict[str, Any]) -> int:
+    """The global step a commit record names (-1 when it names none)."""
+    step = body.get("step")
+    value = step.get("global_step") if isinstance(step, dict) else None
+    return value if isinstance(value, int) else -1
+
+
+def _open_remote_trial(trial: ObjectURL | None) -> None:
+    """Rank 0, when a Saver starts: the bucket answers, and what earlier jobs left uncommitted
+    under each model's prefix (objects no commit record names, unfinished uploads) is removed."""
+    assert trial is not None
+    store = store_of(trial)
+    store.check_access()
+    base = trial.key() + "/"
+    models = {
+        item.key[len(base) :].split("/", 1)[0] for item in store.list_prefix(base) if "/" in item.key[len(base) :]
+    }
+    for name in sorted(models - {COMMIT_LOG}):
+        model = trial.child(name)
+        remove_debris(store, model, CommitLog(store, model).committed_folders())
 
 
 def saver_state(schedules: dict[str, dict[str, Any]]) -> dict[str, Any]:

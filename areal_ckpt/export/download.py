@@ -1,0 +1,71 @@
+"""Bring a committed export down from object storage as a local folder ``from_pretrained`` loads."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.paths import MANIFEST_NAME
+from areal_ckpt.publish import check_files, read_manifest
+from areal_ckpt.storage.commits import CommitLog, store_of
+from areal_ckpt.storage.objects import ObjectStore
+from areal_ckpt.urls import ObjectURL, parse_object_url
+
+logger = logging.getLogger(__name__)
+
+
+def committed_export(url: str) -> ObjectURL:
+    """The prefix of the export ``url`` names: a model's prefix (``.../{trial}/{name}``: its
+    newest committed export) or one export's (``.../{name}/epoch..globalstep..``, which must be
+    committed). CheckpointError naming the URL when no commit record names it. Reads only."""
+    where = parse_object_url(url, "export URL")
+    store = store_of(where)
+    newest = CommitLog(store, where).newest()
+    if newest is not None:
+        return where.child(newest.folder)
+    parent_key, _, folder = where.key().rpartition("/")
+    parent = ObjectURL(where.scheme, where.bucket, parent_key)
+    if folder and folder in CommitLog(store, parent).committed_folders():
+        return where
+    raise CheckpointError(f"{url}: no committed export there (no commit record of {parent} names it)")
+
+
+def download_export(url: str, destination: Path) -> Path:
+    """Download the export ``url`` names (see :func:`committed_export`) into the new local
+    folder ``destination``, check every file's size and CRC-32 against the export's manifest,
+    and return ``destination``. Blocking; local to the caller (no collective). On any error
+    (a missing, truncated or altered object, named by its URL) nothing is left at
+    ``destination``."""
+    if destination.exists():
+        raise CheckpointError(f"{destination}: exists; download into a new folder")
+    export = committed_export(url)
+    store = store_of(export)
+    partial = destination.with_name(destination.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        _fetch(store, export, partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    partial.rename(destination)
+    logger.info("downloaded %s to %s", export, destination)
+    return destination
+
+
+def _fetch(store: ObjectStore, export: ObjectURL, folder: Path) -> None:
+    """Manifest first, then every file it lists, each checked against it."""
+    store.get_file(export.key(MANIFEST_NAME), folder / MANIFEST_NAME)
+    try:
+        files = read_manifest(folder, MANIFEST_NAME)["files"]
+    except CheckpointError as error:
+        raise CheckpointError(f"{export.url_of(export.key(MANIFEST_NAME))}: {error}") from None
+    for name in files:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        store.get_file(export.key(name), folder / name)
+    problems = check_files(folder, files, files)
+    if problems:
+        named = [problem.replace(str(folder), str(export), 1) for problem in problems]
+        raise CheckpointError(f"{export}: the downloaded export is damaged: " + "; ".join(named))

@@ -1,0 +1,186 @@
+"""Committing a folder of files to object storage without rename or compare-and-swap.
+
+A checkpoint on object storage is a *generation*: a key prefix that is never reused, holding
+immutable objects (the data files, then the manifest with every file's size and CRC-32). It
+becomes visible only through a *commit record*, a small JSON object written last, create-only
+(``If-None-Match: *``), in a commit log: ``{log}/{sequence:012d}.json``. Sequence numbers only
+grow, so the newest generation is the record with the highest number, found by one listing;
+two writers that race for the same number cannot both win (create-only had exactly one
+winner in every contended round measured), so a commit is never silently overwritten. A
+reader looks only at generations a record names; objects under any other prefix are debris
+of a writer that died, removed by the next writer. Retention deletes a record first, then the
+data it named.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from areal_ckpt.errors import CheckpointError, CommitError
+from areal_ckpt.storage.objects import ObjectStore
+from areal_ckpt.storage.s3 import S3Store
+from areal_ckpt.urls import ObjectURL
+
+logger = logging.getLogger(__name__)
+
+COMMIT_LOG = ".commits"
+_RECORD = re.compile(r"^(\d{12})\.json$")
+_RECORD_LIMIT = 1 << 20
+_UPLOADERS = 4
+_stores: dict[tuple[int, str], ObjectStore] = {}
+
+
+def store_of(url: ObjectURL) -> ObjectStore:
+    """This process's store for ``url``'s bucket, made on first use (a forked or spawned
+    writer makes its own). Contacts nothing."""
+    key = (os.getpid(), f"{url.scheme}://{url.bucket}")
+    if key not in _stores:
+        _stores[key] = S3Store(ObjectURL(url.scheme, url.bucket, ""))
+    return _stores[key]
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """One commit: its sequence number and what it says (``folder``: the generation's prefix
+    relative to the log's parent, plus the writer's own fields)."""
+
+    sequence: int
+    body: dict[str, Any]
+
+    @property
+    def folder(self) -> str:
+        """The committed generation's prefix, relative to the commit log's parent."""
+        return str(self.body["folder"])
+
+
+class CommitLog:
+    """The commit records of one prefix (a model's exports, a trial's recovery dumps):
+    ``{parent}/.commits/{sequence:012d}.json``. Local to the calling process; blocking."""
+
+    def __init__(self, store: ObjectStore, parent: ObjectURL) -> None:
+        self.store = store
+        self.parent = parent
+        self._prefix = parent.key(COMMIT_LOG) + "/"
+
+    def sequences(self) -> list[int]:
+        """The sequence numbers of the records present, ascending (one listing)."""
+        found = []
+        for item in self.store.list_prefix(self._prefix):
+            match = _RECORD.match(item.key[len(self._prefix) :])
+            if match:
+                found.append(int(match.group(1)))
+        return sorted(found)
+
+    def read(self, sequence: int) -> CommitRecord | None:
+        """The record ``sequence`` (None when it was deleted meanwhile); CheckpointError naming
+        its URL when it is not a commit record (not JSON, no ``folder``, an unsafe folder)."""
+        key = self._key(sequence)
+        raw = self.store.get_bytes(key)
+        if raw is None:
+            return None
+        try:
+            if len(raw) > _RECORD_LIMIT:
+                raise ValueError(f"{len(raw)} bytes")
+            body = json.loads(raw)
+            folder = body["folder"]
+            if not isinstance(folder, str) or not folder or any(p in ("", ".", "..") for p in folder.split("/")):
+                raise ValueError(f"folder {folder!r}")
+        except (ValueError, KeyError, TypeError) as error:
+            raise CheckpointError(f"{self.parent.url_of(key)}: not a commit record ({error})") from None
+        return CommitRecord(sequence, body)
+
+    def records(self) -> list[CommitRecord]:
+        """Every record present, oldest first."""
+        return [record for sequence in self.sequences() if (record := self.read(sequence)) is not None]
+
+    def newest(self) -> CommitRecord | None:
+        """The record with the highest sequence number, or None when there is none."""
+        for sequence in reversed(self.sequences()):
+            record = self.read(sequence)
+            if record is not None:
+                return record
+        return None
+
+    def append(self, body: dict[str, Any]) -> CommitRecord:
+        """Write the next record, create-only: the commit. CommitError, nothing written, when
+        another writer took that number first (a second job on the same prefix)."""
+        sequences = self.sequences()
+        sequence = (sequences[-1] if sequences else 0) + 1
+        data = json.dumps(body, indent=1, sort_keys=True).encode()
+        if not self.store.put_bytes(self._key(sequence), data, create_only=True):
+            raise CommitError(
+                f"{self.parent.url_of(self._key(sequence))}: another job committed to {self.parent} at the same time; "
+                "two jobs must not write one trial (nothing of this checkpoint was committed)"
+            )
+        return CommitRecord(sequence, body)
+
+    def remove(self, record: CommitRecord) -> None:
+        """Delete ``record`` and then every object of the generation it named (retention)."""
+        self.store.delete([self._key(record.sequence)])
+        delete_prefix(self.store, self.parent.key(record.folder) + "/")
+
+    def committed_folders(self) -> set[str]:
+        """The folders every present record names."""
+        return {record.folder for record in self.records()}
+
+    def _key(self, sequence: int) -> str:
+        return f"{self._prefix}{sequence:012d}.json"
+
+
+def fresh_folder(store: ObjectStore, parent: ObjectURL, name: str) -> str:
+    """``name`` when no object has ever been kept under ``{parent}/{name}/``, else the first
+    free ``{name}.{n}``: a generation's prefix is never reused, so a reader of an older commit
+    never sees a newer writer's objects."""
+    taken = {item.key[len(parent.key()) + 1 :].split("/", 1)[0] for item in store.list_prefix(parent.key(name))}
+    if name not in taken:
+        return name
+    number = 1
+    while f"{name}.{number}" in taken:
+        number += 1
+    return f"{name}.{number}"
+
+
+def upload_folder_files(store: ObjectStore, folder: Path, names: Iterable[str], target: ObjectURL) -> None:
+    """Upload each of ``names`` (relative to the local ``folder``) to ``{target}/{name}``, a
+    few files at a time (each large one in parallel parts). Blocking; raises the first error."""
+    names = list(names)
+    if not names:
+        return
+    with ThreadPoolExecutor(min(_UPLOADERS, len(names)), thread_name_prefix="areal_ckpt-upload") as pool:
+        for done in [pool.submit(store.put_file, target.key(name), folder / name) for name in names]:
+            done.result()
+
+
+def delete_prefix(store: ObjectStore, prefix: str) -> int:
+    """Delete every object under the key ``prefix``; how many."""
+    keys = [item.key for item in store.list_prefix(prefix)]
+    store.delete(keys)
+    return len(keys)
+
+
+def remove_debris(store: ObjectStore, parent: ObjectURL, keep: set[str]) -> list[str]:
+    """Delete the objects under ``parent`` whose first path part is neither a committed folder
+    in ``keep`` nor the commit log, and abort unfinished multipart uploads there: what writers
+    that died left. Returns the folders removed. Run it only while no writer of this prefix is
+    alive (at a job's start)."""
+    base = parent.key() + "/"
+    debris: dict[str, list[str]] = {}
+    for item in store.list_prefix(base):
+        top = item.key[len(base) :].split("/", 1)[0]
+        if top != COMMIT_LOG and top not in keep and "/" in item.key[len(base) :]:
+            debris.setdefault(top, []).append(item.key)
+    for folder, keys in sorted(debris.items()):
+        store.delete(keys)
+        logger.info("removed %s: objects of a checkpoint that was never committed", parent.url_of(base + folder))
+    aborted = store.abort_uploads(base)
+    if aborted:
+        logger.info("aborted %d unfinished upload(s) under %s", aborted, parent)
+    return sorted(debris)

@@ -1,0 +1,183 @@
+"""S3-compatible object storage through boto3 (AWS, MinIO, SeaweedFS, Ceph...).
+
+Endpoint, region and credentials come from boto3's standard chain only: ``AWS_ENDPOINT_URL``,
+``AWS_REGION`` / ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY``,
+``AWS_PROFILE`` and the files under ``~/.aws``; never from a checkpoint config, and never
+logged. Large objects move as parallel multipart uploads and parallel ranged reads
+(s3transfer). Every call is bounded in time (connect and read timeouts, a bounded number of
+attempts by botocore), so a stalled server becomes an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import boto3.s3.transfer
+import botocore.config
+import botocore.exceptions
+
+from areal_ckpt.errors import CheckpointError, TransientError
+from areal_ckpt.storage.objects import ObjectInfo
+from areal_ckpt.urls import ObjectURL
+
+logger = logging.getLogger(__name__)
+
+_PART = 64 << 20
+_WORKERS = 8
+_CLIENT_SETTINGS = botocore.config.Config(
+    connect_timeout=10,
+    read_timeout=120,
+    retries={"mode": "standard", "max_attempts": 4},
+    max_pool_connections=2 * _WORKERS,
+)
+_TRANSFER = boto3.s3.transfer.TransferConfig(
+    multipart_threshold=_PART, multipart_chunksize=_PART, max_concurrency=_WORKERS, use_threads=True
+)
+_ACCESS_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "AllAccessDisabled"}
+_MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
+_TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "500", "502", "503", "504"}
+
+
+class S3Store:
+    """An :class:`~areal_ckpt.storage.objects.ObjectStore` on one bucket of an S3-compatible
+    server. Creating one contacts nothing; :meth:`check_access` does. Thread-safe (one boto3
+    client, which botocore makes safe to share between threads); not picklable: background
+    writers make their own from the URL."""
+
+    def __init__(self, url: ObjectURL) -> None:
+        self.url = url
+        session = boto3.session.Session()
+        region = session.region_name or "us-east-1"  # signing needs one; S3-compatible servers ignore it
+        self._client = session.client("s3", region_name=region, config=_CLIENT_SETTINGS)
+        self.endpoint = self._client.meta.endpoint_url
+
+    def check_access(self) -> None:
+        """List one key of the bucket; CheckpointError naming the endpoint, bucket and cause
+        (unreachable, no such bucket, denied) otherwise. Blocking."""
+        with self._translated("list", self.url.key()):
+            self._client.list_objects_v2(Bucket=self.url.bucket, Prefix=self.url.key(), MaxKeys=1)
+
+    def put_file(self, key: str, path: Path) -> None:
+        """Upload ``path`` as ``key``: one PUT, or a parallel multipart upload past 64 MiB whose
+        object appears only at its completion. Blocking."""
+        with self._translated("upload", key):
+            self._client.upload_file(str(path), self.url.bucket, key, Config=_TRANSFER)
+
+    def put_bytes(self, key: str, data: bytes, create_only: bool = False) -> bool:
+        """One PUT of ``data``; with ``create_only`` conditional on no object having ``key``
+        (``If-None-Match: *``): False, nothing written, when one has. Blocking."""
+        extra: dict[str, Any] = {"IfNoneMatch": "*"} if create_only else {}
+        try:
+            with self._translated("write", key, passes={"PreconditionFailed", "412"}):
+                self._client.put_object(Bucket=self.url.bucket, Key=key, Body=data, **extra)
+        except botocore.exceptions.ClientError:
+            return False
+        return True
+
+    def get_bytes(self, key: str) -> bytes | None:
+        """The object ``key`` read whole, or None when there is none. Blocking."""
+        try:
+            with self._translated("read", key, passes=_MISSING_CODES):
+                body: bytes = self._client.get_object(Bucket=self.url.bucket, Key=key)["Body"].read()
+                return body
+        except botocore.exceptions.ClientError:
+            return None
+
+    def get_file(self, key: str, path: Path) -> None:
+        """Download ``key`` into ``path`` (parallel ranged GETs past 64 MiB). Blocking."""
+        with self._translated("download", key):
+            self._client.download_file(self.url.bucket, key, str(path), Config=_TRANSFER)
+
+    def list_prefix(self, prefix: str) -> list[ObjectInfo]:
+        """Every object under ``prefix``, in key order. Blocking."""
+        found: list[ObjectInfo] = []
+        with self._translated("list", prefix):
+            pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.url.bucket, Prefix=prefix)
+            for page in pages:
+                found.extend(ObjectInfo(item["Key"], int(item["Size"])) for item in page.get("Contents", []))
+        return found
+
+    def delete(self, keys: list[str]) -> None:
+        """Delete ``keys``, a thousand per request; a key that fails is a CheckpointError
+        naming it. Blocking."""
+        for start in range(0, len(keys), 1000):
+            batch = [{"Key": key} for key in keys[start : start + 1000]]
+            with self._translated("delete", batch[0]["Key"]):
+                answer = self._client.delete_objects(Bucket=self.url.bucket, Delete={"Objects": batch, "Quiet": True})
+            if answer.get("Errors"):
+                first = answer["Errors"][0]
+                raise CheckpointError(
+                    f"{self.url.url_of(first['Key'])}: delete failed ({first.get('Code')}: {first.get('Message')}); "
+                    f"{len(answer['Errors'])} key(s) not deleted"
+                )
+
+    def abort_uploads(self, prefix: str) -> int:
+        """Abort every unfinished multipart upload under ``prefix``; how many. Blocking."""
+        aborted = 0
+        with self._translated("abort uploads under", prefix):
+            pages = self._client.get_paginator("list_multipart_uploads").paginate(Bucket=self.url.bucket, Prefix=prefix)
+            for page in pages:
+                for upload in page.get("Uploads", []):
+                    self._client.abort_multipart_upload(
+                        Bucket=self.url.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                    )
+                    aborted += 1
+        return aborted
+
+    @contextlib.contextmanager
+    def _translated(self, action: str, key: str, passes: frozenset[str] | set[str] = frozenset()) -> Iterator[None]:
+        """Turn botocore's errors into CheckpointError / TransientError naming the endpoint, the
+        object and the cause (never a credential); a ClientError whose code is in ``passes``
+        is re-raised for the caller to read."""
+        where = f"{self.url.url_of(key)} at {self.endpoint}"
+        try:
+            yield
+        except botocore.exceptions.ClientError as error:
+            code = str(error.response.get("Error", {}).get("Code", ""))
+            if code in passes:
+                raise
+            raise self._client_error(action, where, code, error) from None
+        except boto3.exceptions.S3UploadFailedError as error:
+            raise self._upload_error(where, str(error)) from None
+        except (
+            botocore.exceptions.EndpointConnectionError,
+            botocore.exceptions.ConnectionClosedError,
+            botocore.exceptions.ConnectTimeoutError,
+            botocore.exceptions.ReadTimeoutError,
+        ) as error:
+            raise TransientError(f"cannot {action} {where}: the server did not answer ({error})") from None
+        except botocore.exceptions.NoCredentialsError:
+            raise CheckpointError(
+                f"cannot {action} {where}: no credentials found; set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE naming a profile in ~/.aws"
+            ) from None
+        except botocore.exceptions.BotoCoreError as error:
+            raise TransientError(f"cannot {action} {where}: {error}") from None
+
+    def _client_error(self, action: str, where: str, code: str, error: Exception) -> CheckpointError:
+        """The error a server's refusal becomes: missing bucket, denied and missing key named
+        as such; throttling and 5xx transient."""
+        if code == "NoSuchBucket":
+            return CheckpointError(f"cannot {action} {where}: bucket {self.url.bucket!r} does not exist")
+        if code in _ACCESS_CODES:
+            return CheckpointError(
+                f"cannot {action} {where}: access denied ({code}); check the credentials "
+                "(AWS_ACCESS_KEY_ID / AWS_PROFILE) and the bucket's policy"
+            )
+        if code in _MISSING_CODES:
+            return CheckpointError(f"cannot {action} {where}: no such object")
+        if code in _TRANSIENT_CODES:
+            return TransientError(f"cannot {action} {where}: the server is busy or failing ({code})")
+        return CheckpointError(f"cannot {action} {where}: {error}")
+
+    def _upload_error(self, where: str, message: str) -> CheckpointError:
+        """s3transfer wraps the server's refusal in a message; name the cause found in it."""
+        for code in ("NoSuchBucket", *sorted(_ACCESS_CODES)):
+            if f"({code})" in message:
+                return self._client_error("upload", where, code, Exception(message))
+        return TransientError(f"cannot upload {where}: {message}")

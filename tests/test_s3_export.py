@@ -1,0 +1,228 @@
+"""HF exports to object storage: a real S3 server (SeaweedFS on 127.0.0.1), real uploads,
+commit records written create-only, faults injected at events (a server killed before an
+upload, Ctrl-C inside one)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_distributed
+from helpers import read_export_tensors, saver_config, wrap_model
+from seaweed import SeaweedServer
+from transformers import AutoModelForCausalLM
+
+import areal_ckpt as ac
+from areal_ckpt.demo.tiny import build_model
+from areal_ckpt.export.download import download_export
+from areal_ckpt.storage.s3 import S3Store
+from areal_ckpt.urls import parse_object_url
+
+SPEC = ac.FinetuneSpec(total_train_epochs=1, dataset_size=8, train_batch_size=2)
+TRIAL = "runs/checkpoints/tester/exp/trial"
+
+
+def keys_under(server: SeaweedServer, bucket_url: str, prefix: str) -> list[str]:
+    bucket = bucket_url.removeprefix("s3://")
+    pages = server.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return sorted(item["Key"] for page in pages for item in page.get("Contents", []))
+
+
+def s3_saver(bucket_url: str, tmp_path: Path, **fields) -> ac.Saver:
+    fields.setdefault("max_shard_size", "40KB")
+    return ac.Saver(saver_config(f"{bucket_url}/runs", staging_dir=str(tmp_path / "staging"), **fields), SPEC)
+
+
+def test_export_to_s3_downloads_and_loads_with_from_pretrained(s3_server, s3_bucket, tmp_path, make_model, tokenizer):
+    model = make_model()
+    saver = s3_saver(s3_bucket, tmp_path)
+    url = saver.save(ac.TorchEngine(model), 0, 1, 1, tokenizer=tokenizer, force=True)
+    saver.finalize()
+    assert url == f"{s3_bucket}/{TRIAL}/default/epoch0epochstep1globalstep1"
+    keys = keys_under(s3_server, s3_bucket, TRIAL)
+    assert f"{TRIAL}/default/.commits/000000000001.json" in keys
+    shards = [key for key in keys if key.endswith(".safetensors")]
+    assert len(shards) >= 2 and f"{TRIAL}/default/epoch0epochstep1globalstep1/areal_ckpt_manifest.json" in keys
+    assert not any((tmp_path / "staging").rglob("*.safetensors"))  # the staging copy is gone after the commit
+
+    local = download_export(f"{s3_bucket}/{TRIAL}/default", tmp_path / "download")
+    loaded = AutoModelForCausalLM.from_pretrained(local, local_files_only=True)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    tokens = torch.arange(12).reshape(2, 6)
+    assert torch.equal(loaded(input_ids=tokens).logits, model(input_ids=tokens).logits)
+    assert (local / "tokenizer.json").is_file()
+
+
+def s3_export_worker(rank: int, world_size: int, environment: dict, root: str, staging: str, wrap: str) -> None:
+    os.environ.update(environment)
+    config = ac.SaverConfig(
+        experiment_name="exp",
+        trial_name=wrap,
+        fileroot=root,
+        user="tester",
+        max_shard_size="40KB",
+        staging_dir=f"{staging}/node{rank}",  # no folder shared between the ranks: two nodes
+    )
+    saver = ac.Saver(config, SPEC)
+    torch.manual_seed(0)
+    model = wrap_model(build_model(48), wrap)
+    assert (
+        saver.save(ac.TorchEngine(model), 0, 1, 1, force=True)
+        == f"{root}/checkpoints/tester/exp/{wrap}/default/epoch0epochstep1globalstep1"
+    )
+    saver.finalize()
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("wrap", ["fsdp2", "ddp"])
+def test_two_ranks_on_two_staging_folders_export_to_s3_as_one_process_does(s3_server, s3_bucket, tmp_path, wrap):
+    run_distributed(s3_export_worker, 2, s3_server.environment(), f"{s3_bucket}/two", str(tmp_path / "staging"), wrap)
+    torch.manual_seed(0)
+    single = build_model(48)
+    exported = download_export(f"{s3_bucket}/two/checkpoints/tester/exp/{wrap}/default", tmp_path / "two")
+    tensors = read_export_tensors(exported)
+    assert tensors.keys() == single.state_dict().keys()
+    for name, tensor in tensors.items():
+        assert torch.equal(tensor, single.state_dict()[name]), name
+    assert json.loads((exported / "areal_ckpt_manifest.json").read_text())["world_size"] == 2
+    assert len(list(exported.glob("model-*.safetensors"))) >= 2  # both ranks wrote shards
+
+
+def test_retention_on_s3_keeps_the_newest_and_deletes_record_then_data(s3_server, s3_bucket, tmp_path, make_model):
+    saver = s3_saver(s3_bucket, tmp_path, keep_last=2)
+    engine = ac.TorchEngine(make_model())
+    for step in range(4):
+        saver.save(engine, 0, step, step, force=True)
+    saver.finalize()
+    keys = keys_under(s3_server, s3_bucket, f"{TRIAL}/default/")
+    folders = sorted({key.split("/")[-2] for key in keys if "/.commits/" not in key})
+    assert folders == ["epoch0epochstep2globalstep2", "epoch0epochstep3globalstep3"]
+    records = [key for key in keys if "/.commits/" in key]
+    assert [Path(key).name for key in records] == ["000000000003.json", "000000000004.json"]
+
+
+def test_the_same_step_again_goes_to_a_fresh_prefix(s3_server, s3_bucket, tmp_path, make_model):
+    saver = s3_saver(s3_bucket, tmp_path)
+    first = saver.save(ac.TorchEngine(make_model(seed=0)), 0, 1, 1, force=True)
+    second = saver.save(ac.TorchEngine(make_model(seed=1)), 0, 1, 1, force=True)
+    saver.finalize()
+    assert second == f"{first}.1"  # the first export's objects are never overwritten
+    newest = download_export(f"{s3_bucket}/{TRIAL}/default", tmp_path / "newest")
+    older = download_export(first, tmp_path / "older")
+    assert torch.equal(read_export_tensors(newest)["lm_head.weight"], make_model(seed=1).lm_head.weight)
+    assert torch.equal(read_export_tensors(older)["lm_head.weight"], make_model(seed=0).lm_head.weight)
+
+
+def test_async_export_to_s3_equals_the_sync_one(s3_server, s3_bucket, tmp_path, make_model):
+    model = make_model()
+    for mode in ("sync", "async"):
+        saver = ac.Saver(
+            saver_config(f"{s3_bucket}/{mode}", staging_dir=str(tmp_path / mode), mode=mode, max_shard_size="40KB"),
+            SPEC,
+        )
+        saver.save(ac.TorchEngine(model), 0, 1, 1, force=True)
+        saver.finalize()
+    sync = read_export_tensors(
+        download_export(f"{s3_bucket}/sync/checkpoints/tester/exp/trial/default", tmp_path / "s")
+    )
+    asyn = read_export_tensors(
+        download_export(f"{s3_bucket}/async/checkpoints/tester/exp/trial/default", tmp_path / "a")
+    )
+    assert sync.keys() == asyn.keys() and all(torch.equal(sync[k], asyn[k]) for k in sync)
+
+
+def test_server_killed_before_an_upload_keeps_the_previous_export(tmp_path, make_model, monkeypatch):
+    server = SeaweedServer(tmp_path / "server")
+    server.start()
+    try:
+        for variable, value in server.environment().items():
+            monkeypatch.setenv(variable, value)
+        server.make_bucket("killed")
+        saver = s3_saver("s3://killed", tmp_path)
+        engine = ac.TorchEngine(make_model())
+        first = saver.save(engine, 0, 1, 1, force=True)
+        real_put = S3Store.put_file
+
+        def put_after_killing(self, key, path):  # the event: the second export's first upload starts
+            server.kill()
+            return real_put(self, key, path)
+
+        monkeypatch.setattr(S3Store, "put_file", put_after_killing)
+        with pytest.raises(ac.CheckpointError, match=r"export failed \(nothing was published\)"):
+            saver.save(engine, 0, 2, 2, force=True)
+        monkeypatch.setattr(S3Store, "put_file", real_put)
+        saver.finalize()
+        server.start()  # the same data folder and ports: the server came back
+        keys = keys_under(server, "s3://killed", f"{TRIAL}/default/")
+        assert [key for key in keys if "/.commits/" in key] == [f"{TRIAL}/default/.commits/000000000001.json"]
+        intact = download_export("s3://killed/" + TRIAL + "/default", tmp_path / "intact")
+        assert json.loads((intact / "areal_ckpt_manifest.json").read_text())["step"]["global_step"] == 1
+        assert first.endswith("globalstep1")
+        s3_saver("s3://killed", tmp_path).finalize()  # a new job removes what the failed one left
+        assert all(
+            "globalstep1/" in key or "/.commits/" in key for key in keys_under(server, "s3://killed", f"{TRIAL}/")
+        )
+    finally:
+        server.stop()
+
+
+def test_ctrl_c_during_an_upload_commits_nothing_and_stays_an_interrupt(
+    s3_server, s3_bucket, tmp_path, make_model, monkeypatch
+):
+    saver = s3_saver(s3_bucket, tmp_path)
+    engine = ac.TorchEngine(make_model())
+    saver.save(engine, 0, 1, 1, force=True)
+
+    def interrupted(self, key, path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(S3Store, "put_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        saver.save(engine, 0, 2, 2, force=True)
+    monkeypatch.undo()
+    saver.finalize()
+    records = [key for key in keys_under(s3_server, s3_bucket, TRIAL) if "/.commits/" in key]
+    assert records == [f"{TRIAL}/default/.commits/000000000001.json"]
+
+
+def test_a_damaged_object_is_refused_by_checksum_naming_its_key(s3_server, s3_bucket, tmp_path, make_model):
+    saver = s3_saver(s3_bucket, tmp_path)
+    saver.save(ac.TorchEngine(make_model()), 0, 1, 1, force=True)
+    saver.finalize()
+    bucket = s3_bucket.removeprefix("s3://")
+    shard = next(key for key in keys_under(s3_server, s3_bucket, TRIAL) if key.endswith(".safetensors"))
+    body = bytearray(s3_server.client().get_object(Bucket=bucket, Key=shard)["Body"].read())
+    body[-1] ^= 0xFF
+    s3_server.client().put_object(Bucket=bucket, Key=shard, Body=bytes(body))
+    with pytest.raises(ac.CheckpointError, match=rf"{shard.rsplit('/', 1)[1]}: checksum mismatch"):
+        download_export(f"{s3_bucket}/{TRIAL}/default", tmp_path / "damaged")
+    assert not (tmp_path / "damaged").exists() and not (tmp_path / "damaged.partial").exists()
+    s3_server.client().put_object(Bucket=bucket, Key=shard, Body=bytes(body[:100]))
+    with pytest.raises(ac.CheckpointError, match=r"size 100 bytes, manifest says"):
+        download_export(f"{s3_bucket}/{TRIAL}/default", tmp_path / "truncated")
+
+
+def test_start_errors_name_the_endpoint_bucket_and_cause(s3_server, s3_bucket, tmp_path, monkeypatch):
+    with pytest.raises(ac.CheckpointError, match=r"bucket 'no-such-bucket' does not exist"):
+        s3_saver("s3://no-such-bucket", tmp_path)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with pytest.raises(
+        ac.CheckpointError, match=r"access denied \(SignatureDoesNotMatch\); check the credentials"
+    ) as denied:
+        s3_saver(s3_bucket + "-denied", tmp_path)
+    assert "not-the-secret" not in str(denied.value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    with pytest.raises(ac.CheckpointError, match=r"at http://127.0.0.1:9: the server did not answer"):
+        s3_saver(s3_bucket + "-down", tmp_path)
+
+
+def test_an_unsupported_scheme_is_a_config_error_naming_it(tmp_path):
+    with pytest.raises(ValueError, match=r"is a gs:// URL; object storage is reached through s3://"):
+        saver_config("gs://bucket/runs")
+    with pytest.raises(ValueError, match=r"'x' is not a valid bucket name"):
+        saver_config("s3://x/runs")
+    assert parse_object_url("s3://bucket/a/b/", "t").key("c") == "a/b/c"
