@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
 	$(BIN)/python -m pip install --quiet -e ".[test,demo,deepspeed,lint]"
+	cd tests && ../$(BIN)/python build_ops.py
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -30,7 +31,7 @@ PACKAGES := fuse3 libaio-dev
 $(SYSTEM):
 	apt-get install -y -q $(PACKAGES) >/dev/null || (apt-get update -q >/dev/null && apt-get install -y -q $(PACKAGES) >/dev/null)
 
-test: $(STAMP) $(SYSTEM)
+test: $(SYSTEM) $(STAMP)  # system packages first: the environment's op build needs libaio
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # ruff (lint rules and formatting) on the code, tests and benchmarks; mypy --strict on the package

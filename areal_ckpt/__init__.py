@@ -10,6 +10,7 @@ from areal_ckpt.config_loader import load_config
 from areal_ckpt.deepspeed_api import load_checkpoint, save_checkpoint
 from areal_ckpt.engines import DeepSpeedEngine, TorchEngine
 from areal_ckpt.errors import CheckpointError, CollectiveError, CommitError, ConfigError, RankMismatchError
+from areal_ckpt.export.download import download_export
 from areal_ckpt.export.saver import Saver
 from areal_ckpt.recover.handler import RecoverHandler
 from areal_ckpt.recover.read import check_if_auto_recover, check_if_recover
@@ -40,6 +41,7 @@ __all__ = [
     "__version__",
     "check_if_auto_recover",
     "check_if_recover",
+    "download_export",
     "import_areal_trial",
     "load_checkpoint",
     "load_config",

@@ -106,11 +106,23 @@ class _TimerBlock(BaseModel):
     freq_steps: PositiveInt | None = None
     # Seconds on a monotonic clock since the last checkpoint of this model name.
     freq_secs: PositiveInt | None = None
+    # Ours: with fileroot on object storage (s3://bucket/prefix), the local folder where each
+    # node writes and commits a checkpoint before uploading it (docs/storage.md); None: the
+    # system's temporary folder. Exports are removed from it after their upload; a recovery
+    # dump's newest generation stays (the next dump's base).
+    staging_dir: str | None = None
 
     @field_validator("experiment_name", "trial_name", "user")
     @classmethod
     def _safe_component(cls, value: str | None, info: Any) -> str | None:
         return None if value is None else check_path_component(value, info.field_name)
+
+    @field_validator("staging_dir")
+    @classmethod
+    def _local_staging(cls, value: str | None) -> str | None:
+        if value is not None:
+            local_path(value, "staging_dir")
+        return value
 
     @field_validator("fileroot")
     @classmethod
@@ -136,8 +148,8 @@ def local_path(value: str | os.PathLike[str], what: str) -> Path:
     scheme = url_scheme(str(value))
     if scheme is not None:
         raise ValueError(
-            f"{what} {str(value)!r} is a {scheme}:// URL: object storage is not supported here yet (exports are: "
-            f"saver fileroot), and as a path it would become a local folder named '{scheme}:'. Use a path on a "
+            f"{what} {str(value)!r} is a {scheme}:// URL: object storage is not supported here yet (a "
+            f"fileroot is: docs/storage.md), and as a path it would become a local folder named '{scheme}:'. Use a path on a "
             "local or shared POSIX filesystem"
         )
     return Path(value)
@@ -161,23 +173,12 @@ class SaverConfig(_TimerBlock):
     # A PEFT (LoRA) model's export (docs/lora.md): its adapter folder(s), peft's own files, which
     # peft loads onto the base model; the merged full model; or both (merged on top, adapters in adapter/).
     lora: Literal["adapter", "merged", "both"] = "adapter"
-    # Ours: with fileroot on object storage (s3://bucket/prefix), the local folder each rank
-    # writes its files into before uploading them (removed after the commit); None: the system's
-    # temporary folder. Each node needs room for its ranks' shards of one export.
-    staging_dir: str | None = None
 
     @field_validator("mode", mode="before")
     @classmethod
     def _known_mode(cls, value: Any) -> Any:
         if value not in SAVER_MODES:  # AReaL's text, which AReaL's tests match on
             raise ValueError(f"Invalid mode '{value}'. Valid options: {', '.join(SAVER_MODES)}")
-        return value
-
-    @field_validator("staging_dir")
-    @classmethod
-    def _local_staging(cls, value: str | None) -> str | None:
-        if value is not None:
-            local_path(value, "staging_dir")
         return value
 
     @field_validator("max_shard_size", mode="before")

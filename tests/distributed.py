@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -17,11 +18,14 @@ from typing import Any
 import threads
 
 threads.pin()
-# DeepSpeed on CPU; its one-time op build (~40 s) is cached in an ignored folder of the clone
+# DeepSpeed on CPU; its ops are built once per virtual environment (tests/build_ops.py, run by
+# `make` when it creates .venv) into the environment's own folder, else into the clone's .cache
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault(
     "TORCH_EXTENSIONS_DIR",
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "torch_extensions"),
+    os.path.join(sys.prefix, "torch_extensions")
+    if sys.prefix != sys.base_prefix
+    else os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "torch_extensions"),
 )
 _PRELOAD = [
     "torch",

@@ -45,6 +45,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--mode", choices=["on", "sync", "async"], default="on")
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters (peft) on a frozen base")
+    parser.add_argument("--staging-dir", help="staging_dir (fileroot on object storage): rank r uses {this}/node{r}")
+    parser.add_argument("--environment", default="{}", help="JSON object of environment variables to set first")
     return parser.parse_args(argv)
 
 
@@ -65,6 +67,7 @@ def main() -> None:
 
 
 def train(args: argparse.Namespace) -> None:
+    os.environ.update(json.loads(args.environment))  # a fork server's environment predates the test's
     rank = torch_dist.get_rank() if torch_dist.is_initialized() else 0
     world = torch_dist.get_world_size() if torch_dist.is_initialized() else 1
     out = Path(args.out)
@@ -112,6 +115,7 @@ def train(args: argparse.Namespace) -> None:
         experiment_name="exp",
         trial_name=args.trial,
         fileroot=args.fileroot,
+        staging_dir=None if args.staging_dir is None else f"{args.staging_dir}/node{rank}",
         user="tester",
         mode=args.mode,
         freq_steps=args.freq_steps,

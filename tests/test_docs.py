@@ -26,8 +26,14 @@ def blocks(doc: Path) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=[doc.name for doc in DOCS])
-def test_code_blocks_run(doc, tmp_path, monkeypatch):
+def test_code_blocks_run(doc, tmp_path, monkeypatch, request):
     monkeypatch.chdir(tmp_path)
+    if any(language == "python" and "s3://" in code for language, code in blocks(doc)):
+        server = request.getfixturevalue("s3_server")  # the real S3 server the doc's examples write to
+        for variable, value in server.environment().items():
+            monkeypatch.setenv(variable, value)
+        if "ckpt" not in {bucket["Name"] for bucket in server.client().list_buckets()["Buckets"]}:
+            server.make_bucket("ckpt")
     namespace: dict = {"__name__": f"doc_{doc.stem}"}
     for language, code in blocks(doc):
         if language == "yaml" and re.search(r"^(saver|recover):", code, re.MULTILINE):

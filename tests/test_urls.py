@@ -1,5 +1,5 @@
-"""Object storage URLs: exports take ``fileroot: s3://...`` (tests/test_s3_export.py); wherever
-else a path goes a URL is refused loudly, never taken for a local folder named ``s3:``."""
+"""Object storage URLs: ``fileroot: s3://...`` is taken by both blocks (tests/test_s3_*.py);
+wherever else a path goes a URL is refused loudly, never taken for a local folder named ``s3:``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import areal_ckpt as ac
 from areal_ckpt.tools.cli import main as cli_main
 
 URL = "s3://ckpt/runs"
-REFUSAL = r"is a s3:// URL: object storage is not supported here yet \(exports are: saver fileroot\)"
+REFUSAL = r"is a s3:// URL: object storage is not supported here yet \(a fileroot is: docs/storage.md\)"
 
 
 @pytest.fixture
@@ -24,22 +24,12 @@ def in_tmp(tmp_path):
     assert not (tmp_path / "s3:").exists()  # nothing became a local folder
 
 
-def test_recovery_refuses_a_url_fileroot_and_the_hint_works(in_tmp, make_model):
-    config = ac.RecoverConfig(experiment_name="e", trial_name="t", fileroot=URL, mode="on")
-    with pytest.raises(ac.ConfigError, match=rf"fileroot '{URL}' {REFUSAL}.*Use a path on a local or shared POSIX"):
-        ac.RecoverHandler(config, SPEC)
+def test_the_recover_checkpoint_link_helper_refuses_a_url(in_tmp):
+    # object storage holds no links: AReaL's recover_checkpoint path has no meaning there
+    with pytest.raises(ac.ConfigError, match=rf"fileroot '{URL}' {REFUSAL}"):
+        ac.Saver.get_recover_checkpoint_path("e", "t", URL)
     with pytest.raises(ac.ConfigError, match=REFUSAL):
-        ac.check_if_recover(config)
-    # the hint: the recover block takes a local fileroot while exports stay on object storage
-    (in_tmp / "job.yaml").write_text(
-        f"experiment_name: e\ntrial_name: t\nfileroot: {URL}\nsaver:\n  freq_steps: 1\n"
-        f"recover:\n  mode: on\n  fileroot: {in_tmp / 'local'}\n"
-    )
-    loaded = ac.load_config(in_tmp / "job.yaml")
-    assert loaded.saver.fileroot == URL
-    handler = ac.RecoverHandler(loaded.recover, SPEC)
-    assert handler.load(ac.TorchEngine(make_model())) is None
-    handler.close()
+        ac.RecoverHandler.recover_info_path("e", "t", URL)
 
 
 def test_areal_path_helpers_give_urls_for_a_url_fileroot():

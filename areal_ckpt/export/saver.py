@@ -139,7 +139,7 @@ class Saver:
     def get_recover_checkpoint_path(experiment_name: str, trial_name: str, fileroot: str, name: str = "default") -> str:
         """``.../{name}/recover_checkpoint``: the link to model ``name``'s folder of the committed
         recovery generation (see docs/layout.md); pure."""
-        root = Path(Saver.get_save_root(experiment_name, trial_name, fileroot))
+        root = trial_root(fileroot, default_user(), experiment_name, trial_name)  # a URL is refused: no links there
         return str(recover_checkpoint_link(root, name))
 
     def save(

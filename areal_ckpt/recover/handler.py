@@ -31,6 +31,7 @@ from areal_ckpt.paths import (
 from areal_ckpt.recover.frozen import frozen_part, part_fingerprint
 from areal_ckpt.recover.prepare import PreviousDump, prepare_dump
 from areal_ckpt.recover.read import load_engine, open_committed
+from areal_ckpt.recover.remote import RemoteGenerations, new_run_token
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.rollout_sync import RolloutSync
 from areal_ckpt.recover.store import RecoverStore
@@ -64,7 +65,12 @@ class RecoverHandler:
         self.last_step_info = StepInfo(-1, -1, -1, max(ft_spec.steps_per_epoch, 0))
         self._generation: str | None = None  # committed generation this process loaded or wrote
         self._tidied = False  # rank 0 removed the debris of earlier jobs (at load or first dump)
+        self._remote_tidied = False  # rank 0 removed the debris of earlier jobs on object storage (first dump)
         self._fingerprints: dict[str, list[int]] = {}
+        self._run = new_run_token()  # names this job in commit records on object storage
+        if self.enabled and self.store.remote is not None:
+            remote = RemoteGenerations(self.store.remote)
+            agree.decided_by_rank0(remote.check_access, f"RecoverHandler: cannot use {remote.trial}")
         self._jobs = SaveLifecycle("recover", self.store.trial, lock=self.enabled and dist.rank() == 0)
 
     @property
@@ -158,6 +164,7 @@ class RecoverHandler:
                     components,
                     rank_state,
                     assets,
+                    self._run,
                 ),
                 self.config.write_retries,
                 what,
@@ -235,7 +242,14 @@ class RecoverHandler:
         self._fingerprints.update(fingerprints)
 
     def _begin(self, global_step: int, names: list[str]) -> str:
-        """Rank 0: create the generation folder (see RecoverStore.begin); local."""
+        """Rank 0: create the generation folder (see RecoverStore.begin), after checking that
+        the newest commit on object storage (if the trial is there) is this job's; local."""
+        if self.store.remote is not None:
+            remote = RemoteGenerations(self.store.remote)
+            remote.check_owner(self._run, self._generation)
+            if not self._remote_tidied:
+                remote.remove_debris()
+                self._remote_tidied = True
         generation = self.store.begin(global_step, names, loaded=self._generation, first=not self._tidied)
         self._tidied = True
         return generation

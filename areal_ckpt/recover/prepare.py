@@ -62,9 +62,11 @@ def prepare_dump(
     components: dict[str, Any],
     rank_state: dict[str, Any],
     assets: dict[str, HFAssets],
+    run: str = "",
 ) -> tuple[DumpJob, dict[str, torch.Tensor], dict[str, list[int]]]:
     """Create the generation (rank 0, with ``begin``), encode its JSON files, capture the
     tensors; returns the second half's job, the tensors and the frozen models' fingerprints.
+    ``run`` names the job in a commit record on object storage (``store.remote``).
 
     Collective. Raises RankMismatchError when ranks disagree on the step or the models, the
     refusal ``begin`` raises, or TransientError on every rank (after discarding the
@@ -115,6 +117,8 @@ def prepare_dump(
         param_groups=collected.param_groups,
         header=dump_header(step_info.to_dict(), names),
         retries=config.write_retries,
+        remote=store.remote,
+        run_token=run,
     )
     return job, tensors, collected.fingerprints
 

@@ -32,6 +32,7 @@ from areal_ckpt.paths import (
 )
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.foreign import refuse_foreign_layout
+from areal_ckpt.recover.remote import RemoteGenerations
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state import safe_json
@@ -64,6 +65,8 @@ def open_committed(
     commit record is broken, the trial holds AReaL's folders, a file is damaged, the models
     differ from ``models``, the three records of its step disagree, or a component cannot be
     restored (``dataloader``: the one the load restores); nothing is loaded then."""
+    if store.remote is not None:  # object storage holds what counts: its newest commit, into the staging copy
+        RemoteGenerations(store.remote).fetch_newest(store.root)
     found = agree.decided_by_rank0(lambda: find_committed(store), "RecoverHandler.load")
     if found is None:
         return None
@@ -256,6 +259,8 @@ def check_if_auto_recover(config: RecoverConfig | Any) -> bool:
     Checksums are verified by ``RecoverHandler.load``.
     """
     store = RecoverStore.of(RecoverConfig.of(config))
+    if store.remote is not None:
+        return RemoteGenerations(store.remote).newest() is not None
     refuse_foreign_layout(store.trial)
     generation = store.committed()
     if generation is None:

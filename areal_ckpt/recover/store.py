@@ -43,10 +43,12 @@ from areal_ckpt.paths import (
     recover_info_link,
     recover_pointer,
     recover_store,
+    staging_trial_root,
     trial_root,
 )
 from areal_ckpt.publish import hide_folder, read_manifest, switch_symlink, write_manifest
 from areal_ckpt.recover.foreign import refuse_foreign_layout
+from areal_ckpt.urls import ObjectURL, parse_object_url, url_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -61,17 +63,25 @@ _LINKED_FOLDERS_NAMED: set[Path] = set()
 class RecoverStore:
     """The recovery generations of one trial."""
 
-    def __init__(self, trial: Path) -> None:
+    def __init__(self, trial: Path, remote: ObjectURL | None = None) -> None:
         self.trial = trial
         self.root = recover_store(trial)
         self.pointer = recover_pointer(trial)
+        #: The trial's prefix on object storage, where commits count (``trial`` is then its
+        #: local staging copy; see :mod:`areal_ckpt.recover.remote`); None for a local trial.
+        self.remote = remote
 
     @classmethod
     def of(cls, config: RecoverConfig) -> RecoverStore:
-        """The store of the trial a ``recover:`` block names (``user`` defaults to the login name)."""
-        return cls(
-            trial_root(config.fileroot, config.user or default_user(), config.experiment_name, config.trial_name)
+        """The store of the trial a ``recover:`` block names (``user`` defaults to the login name);
+        for a ``fileroot`` on object storage, its staging copy with the trial's prefix."""
+        user = config.user or default_user()
+        if url_scheme(config.fileroot) is None:
+            return cls(trial_root(config.fileroot, user, config.experiment_name, config.trial_name))
+        remote = parse_object_url(config.fileroot, "fileroot").child(
+            "checkpoints", user, config.experiment_name, config.trial_name
         )
+        return cls(staging_trial_root(config.staging_dir, remote), remote)
 
     def committed(self) -> str | None:
         """Name of the committed generation, None when the trial has none.
@@ -255,6 +265,24 @@ class RecoverStore:
                     (folder / sub / file_name).unlink(missing_ok=True)
                 except OSError as error:
                     logger.warning("could not delete %s: %s (it is removed later)", folder / sub / file_name, error)
+
+    def remove_empty_folders(self, generation: str) -> None:
+        """Remove ``generation``'s folder and the folders in it, where empty (what is left on a
+        node whose ranks deleted their own files); never through a link. Local; errors ignored
+        (a folder still holding another rank's files stays)."""
+        folder = self.path(generation)
+        if folder.is_symlink() or not folder.is_dir():
+            return
+        for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+            if path.is_dir() and not path.is_symlink():
+                try:
+                    path.rmdir()
+                except OSError:
+                    pass
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
 
     def remove_trash(self) -> None:
         """Delete the hidden generations left by earlier commits (what other ranks' deletions

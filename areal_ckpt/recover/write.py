@@ -23,9 +23,11 @@ from areal_ckpt.formats.hf_export import HFFiles
 from areal_ckpt.fsio import FileRecord, write_file_durably
 from areal_ckpt.jobs.shm_arena import ArenaLayout
 from areal_ckpt.paths import HF_FILES, MODEL_SEPARATOR, RECOVER_FORMAT, RECOVER_FORMAT_VERSION
+from areal_ckpt.recover.remote import RemoteGenerations
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.state.numerics import numerics_record
+from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +52,9 @@ class DumpJob:
     ``records`` are this rank's files already in the generation (an unchanged frozen model's
     linked shards); ``files`` are this rank's small files to write (path in the generation ->
     content) and ``hf`` rank 0's HF files per model; ``header`` is the manifest header;
-    ``layout`` locates the staged tensors (async only).
+    ``layout`` locates the staged tensors (async only). With ``remote`` (the trial's prefix on
+    object storage) the generation committed in ``trial`` (the staging copy) is then uploaded
+    and committed there, in a commit record naming the job's ``run_token``.
     """
 
     trial: Path
@@ -63,6 +67,8 @@ class DumpJob:
     header: dict[str, Any]
     retries: int
     layout: ArenaLayout | None = None
+    remote: ObjectURL | None = None
+    run_token: str = ""
 
     def run(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """Write ``tensors`` (``"{folder}/{name}"`` -> tensor, the folder a model's or its frozen
@@ -75,7 +81,7 @@ class DumpJob:
         files hard-linked from the previous generation (an unchanged frozen model or part) are
         not counted.
         """
-        store = RecoverStore(self.trial)
+        store = RecoverStore(self.trial, self.remote)
         by_folder: dict[str, dict[str, Any]] = {}  # a model's folder, or its frozen part's
         for key, tensor in tensors.items():
             folder, _, name = key.rpartition(MODEL_SEPARATOR)
@@ -85,19 +91,37 @@ class DumpJob:
             if dist.rank() == 0 and _committed_or_none(store) != self.generation:
                 store.discard(self.generation)
 
-        what = f"{store.root}: recovery dump at global step {self.header['step']['global_step']}"
+        step = self.header["step"]["global_step"]
+        what = f"{store.root}: recovery dump at global step {step}"
+        mine: set[str] = set()  # the files of this rank's in the generation, for its uploads
         try:
-            written, hidden = retried(lambda: self._attempt(store, by_folder), self.retries, what, give_up=discard)
+            written, hidden = retried(
+                lambda: self._attempt(store, by_folder, mine), self.retries, what, give_up=discard
+            )
         except RankMismatchError:  # refused before anything was written: no debris either
             discard()
             raise
         store.delete_rank_files(hidden, dist.rank(), self.models)  # every rank its own share
-        return {"path": str(store.path(self.generation)), "bytes": written}
+        if self.remote is None:
+            return {"path": str(store.path(self.generation)), "bytes": written}
+        remote = RemoteGenerations(self.remote)
+        retried(
+            lambda: remote.publish(store.path(self.generation), mine, self.run_token, step),
+            self.retries,
+            f"{remote.root}: upload of the recovery dump at global step {step} (committed in {store.root} only)",
+        )
+        older = [name for name in store.generations() if name != self.generation]
+        store.delete_rank_files(older, dist.rank(), self.models)  # on its own node, a rank's alone to delete
+        for name in older:
+            store.remove_empty_folders(name)
+        return {"path": str(remote.root.child(self.generation)), "bytes": written}
 
-    def _attempt(self, store: RecoverStore, by_folder: dict[str, dict[str, Any]]) -> tuple[int, list[str]]:
+    def _attempt(
+        self, store: RecoverStore, by_folder: dict[str, dict[str, Any]], mine: set[str]
+    ) -> tuple[int, list[str]]:
         """One write + commit; returns (the bytes written, the hidden superseded
-        generations). Collective; rank 0 commits; every rank raises the same TransientError when
-        a rank's write or the commit failed."""
+        generations) and puts this rank's files into ``mine``. Collective; rank 0 commits;
+        every rank raises the same TransientError when a rank's write or the commit failed."""
         folder = store.path(self.generation)
 
         def write() -> dict[str, tuple[int, int]]:
@@ -106,10 +130,11 @@ class DumpJob:
                 for part in sorted(by_folder):  # collective: a failed write raises on every rank
                     tensors, groups = by_folder[part], self.param_groups.get(part)
                     plan_key = f"{self.trial}/{part}"
-                    (folder / part).mkdir(exist_ok=True)  # a frozen part's folder (a model's exists)
+                    (folder / part).mkdir(parents=True, exist_ok=True)  # a frozen part's; on another node any
                     for file_name, record in save_tensors(tensors, folder / part, groups, plan_key).items():
                         records[f"{part}/{file_name}"] = (record.size, record.crc32)
                 for relative, data in self.files.items():  # local from here on
+                    (folder / relative).parent.mkdir(parents=True, exist_ok=True)  # on another node than rank 0's
                     record = write_file_durably(folder / relative, data)
                     records[relative] = (record.size, record.crc32)
                 for model, hf_files in self.hf.items():  # checksummed and fsync'd by the commit
@@ -119,6 +144,7 @@ class DumpJob:
                 raise
             except Exception as error:  # retried, once every rank knows
                 raise TransientError(f"{type(error).__name__}: {error}") from error
+            mine.update(records)
             return records
 
         return agree.gathered_then_decided(write, lambda every: self._commit(store, every), "writing failed")

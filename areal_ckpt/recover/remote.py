@@ -1,0 +1,168 @@
+"""A trial's recovery generations on object storage, committed through a create-only log.
+
+With ``fileroot: s3://bucket/prefix`` a dump is first written and committed, exactly as on a
+local filesystem, into the local staging copy of the trial (``staging_dir``: each node its
+own); then every rank uploads the files it wrote, and rank 0 the rest, the manifest, and last
+the commit record ``{trial}/.recover/.commits/{n}.json`` naming the generation
+(:mod:`areal_ckpt.storage.commits`). What object storage holds is what a restart loads: every
+rank fetches into its staging copy the files of the newest committed generation that the copy
+lacks (ranks sharing one copy take turns under a file lock), points the copy's ``current`` at
+it and loads as from a local trial. Each commit record carries the writing job's run token, so
+a job refuses to commit over a generation neither it wrote nor it loaded (a second job on the
+trial) before uploading anything.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import secrets
+from collections.abc import Iterable
+from pathlib import Path
+
+from areal_ckpt import agree, dist
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.paths import RECOVER_CURRENT, RECOVER_MANIFEST, RECOVER_STORE, is_generation_name
+from areal_ckpt.publish import check_files, read_manifest, switch_symlink
+from areal_ckpt.storage.commits import CommitLog, CommitRecord, remove_debris, store_of, upload_folder_files
+from areal_ckpt.urls import ObjectURL
+
+logger = logging.getLogger(__name__)
+
+_FETCH_LOCK = ".fetch.lock"
+
+
+def new_run_token() -> str:
+    """A token naming one job (one RecoverHandler) in the commit records it writes."""
+    return secrets.token_hex(8)
+
+
+class RemoteGenerations:
+    """The commit log of a trial's recovery generations on object storage (``trial``: the
+    trial's prefix). Local to the calling process; blocking; picklable (the store is made
+    per process)."""
+
+    def __init__(self, trial: ObjectURL) -> None:
+        self.trial = trial
+        self.root = trial.child(RECOVER_STORE)
+
+    def check_access(self) -> None:
+        """CheckpointError naming the endpoint, bucket and cause unless the bucket answers."""
+        store_of(self.root).check_access()
+
+    @property
+    def log(self) -> CommitLog:
+        """The commit log under ``{trial}/.recover/``."""
+        return CommitLog(store_of(self.root), self.root)
+
+    def newest(self) -> CommitRecord | None:
+        """The newest commit record, checked to name a generation; None when there is none."""
+        record = self.log.newest()
+        if record is not None and not is_generation_name(record.folder):
+            raise CheckpointError(
+                f"{self.root.url_of(self.root.key())}: commit {record.sequence} names {record.folder!r}, "
+                "not a recovery generation"
+            )
+        return record
+
+    def check_owner(self, run: str, loaded: str | None) -> None:
+        """Rank 0 before a dump: CheckpointError unless the newest commit is none, one this job
+        (``run``) wrote, or the generation it loaded; nothing is written otherwise."""
+        record = self.newest()
+        if record is None or record.body.get("run") == run or record.folder == loaded:
+            return
+        raise CheckpointError(
+            f"{self.root.child(record.folder)} is a recovery checkpoint this job has not loaded (committed by "
+            "another job); call RecoverHandler.load() first (or use another trial_name) so it is not overwritten"
+        )
+
+    def remove_debris(self) -> None:
+        """Rank 0 at a job's first dump (after :meth:`check_owner`): delete the objects of
+        generations no commit record names and unfinished uploads, what killed dumps left."""
+        log = self.log
+        removed = remove_debris(log.store, self.root, log.committed_folders())
+        if removed:
+            logger.warning("removed uncommitted recovery generations from %s: %s", self.root, removed)
+
+    def publish(self, folder: Path, mine: Iterable[str], run: str, step: int) -> None:
+        """Upload the committed local generation ``folder``: every rank its own files
+        (``mine``), then rank 0 the other files it lists, its manifest and the commit record,
+        then deletes older generations (record first). Collective; blocking; every rank raises
+        the same error when any upload failed, and nothing is committed then."""
+        target = self.root.child(folder.name)
+        mine = sorted(mine)
+
+        def upload_mine() -> list[str]:
+            upload_folder_files(store_of(target), folder, mine, target)
+            return mine
+
+        def commit(every: list[list[str]]) -> None:
+            uploaded = {name for names in every for name in names}
+            listed = read_manifest(folder, RECOVER_MANIFEST)["files"]
+            store = store_of(target)
+            upload_folder_files(store, folder, sorted(set(listed) - uploaded), target)
+            upload_folder_files(store, folder, [RECOVER_MANIFEST], target)
+            log = self.log
+            committed = log.append({"folder": folder.name, "run": run, "global_step": step})
+            for record in log.records():
+                if record.sequence < committed.sequence:
+                    try:
+                        log.remove(record)
+                    except CheckpointError as error:
+                        logger.warning("%s: superseded, not deleted yet: %s", self.root.child(record.folder), error)
+
+        agree.gathered_then_decided(upload_mine, commit, f"{target}: upload failed (not committed there)")
+        logger.info("committed %s", target)
+
+    def fetch_newest(self, store_root: Path) -> str | None:
+        """Every rank: bring the newest committed generation into the local store ``store_root``
+        (only the files missing or of the wrong size there) and point its ``current`` at it;
+        returns its name, None when object storage holds none. Ranks sharing ``store_root``
+        take turns (a file lock), so each file is downloaded once per copy. Collective (the
+        ranks agree on the generation and on success). Checksums are left to the load, which
+        verifies every file."""
+
+        generation = agree.decided_by_rank0(
+            lambda: None if (record := self.newest()) is None else record.folder,
+            f"{self.root}: cannot read the commit log",
+        )
+        if generation is None:
+            return None
+
+        def fetch() -> None:
+            source = self.root.child(generation)
+            store = store_of(source)
+            store_root.mkdir(parents=True, exist_ok=True)
+            with _locked(store_root / _FETCH_LOCK):
+                folder = store_root / generation
+                (folder / RECOVER_MANIFEST).parent.mkdir(parents=True, exist_ok=True)
+                store.get_file(source.key(RECOVER_MANIFEST), folder / RECOVER_MANIFEST)
+                files = read_manifest(folder, RECOVER_MANIFEST)["files"]
+                missing = [name for name in files if check_files(folder, files, [name], checksum=False)]
+                for name in missing:
+                    (folder / name).parent.mkdir(parents=True, exist_ok=True)
+                    store.get_file(source.key(name), folder / name)
+                pointer = store_root / RECOVER_CURRENT
+                if not pointer.is_symlink() or os.readlink(pointer) != generation:
+                    switch_symlink(pointer, generation)
+            if missing:
+                logger.info("rank %d: fetched %d file(s) of %s", dist.rank(), len(missing), source)
+
+        agree.on_every_rank(fetch, f"{self.root}: cannot fetch the committed recovery checkpoint")
+        return generation
+
+
+class _locked:
+    """An exclusive ``flock`` on ``path`` (created) for the ``with`` block; blocking."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = -1
+
+    def __enter__(self) -> None:
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)

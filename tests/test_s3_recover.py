@@ -1,0 +1,156 @@
+"""Recovery dumps on object storage (a real SeaweedFS on 127.0.0.1): resume bit-exact on a node
+that lost its local disk, SIGKILL while uploading, a server killed mid-dump, a second job."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import recover_job
+from distributed import start_processes
+from recover_fixtures import SPEC, make_setup, step_info, train_step
+from recovery_runs import assert_same_run, run_job
+from seaweed import SeaweedServer
+
+import areal_ckpt as ac
+from areal_ckpt.storage.s3 import S3Store
+
+TRIAL = "runs/checkpoints/tester/exp/trial"
+
+
+def job_args(server: SeaweedServer, staging, *extra: str) -> list[str]:
+    return ["--staging-dir", str(staging), "--environment", json.dumps(server.environment()), *extra]
+
+
+def commit_records(server: SeaweedServer, bucket_url: str, trial: str) -> list[dict]:
+    client, bucket = server.client(), bucket_url.removeprefix("s3://")
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=f"{trial}/.recover/.commits/").get("Contents", [])
+    return [json.loads(client.get_object(Bucket=bucket, Key=item["Key"])["Body"].read()) for item in listed]
+
+
+def s3_config(bucket_url: str, staging, **fields) -> ac.RecoverConfig:
+    fields.setdefault("mode", "sync")
+    return ac.RecoverConfig(
+        experiment_name="exp",
+        trial_name="trial",
+        fileroot=f"{bucket_url}/runs",
+        user="tester",
+        staging_dir=str(staging),
+        **fields,
+    )
+
+
+def test_resume_from_s3_on_a_node_that_lost_its_disk_is_bit_exact(reference_run, s3_server, s3_bucket, tmp_path):
+    # every attempt starts with an empty staging folder: what it resumes from came from the bucket
+    root, out = f"{s3_bucket}/root", tmp_path / "out"
+    for attempt, kill_at in enumerate((5, 6)):
+        args = job_args(s3_server, tmp_path / f"disk{attempt}", "--kill-at", str(kill_at))
+        assert run_job(root, out, extra=args) == [-9]
+    run_job(root, out, extra=job_args(s3_server, tmp_path / "disk-last"))
+    assert_same_run(reference_run, out, world_size=1)
+    records = commit_records(s3_server, s3_bucket, "root/checkpoints/tester/exp/bitexact")
+    assert len(records) == 1 and records[0]["global_step"] == 15  # older generations deleted after each commit
+
+
+def uncommitted_generations(server: SeaweedServer, bucket_url: str, trial: str) -> set[str]:
+    """Recovery generations with objects that no commit record names: an upload in flight, or debris."""
+    client, bucket, store = server.client(), bucket_url.removeprefix("s3://"), f"{trial}/.recover/"
+    named = {record["folder"] for record in commit_records(server, bucket_url, trial)}
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=f"{store}gen-").get("Contents", [])
+    return {item["Key"][len(store) :].split("/")[0] for item in listed} - named
+
+
+def test_sigkill_while_uploading_then_resume_is_bit_exact_and_clears_the_debris(
+    reference_run, s3_server, s3_bucket, tmp_path
+):
+    root, out, trial = f"{s3_bucket}/root", tmp_path / "out", "root/checkpoints/tester/exp/bitexact"
+    for attempt in range(2):
+        args = ["--fileroot", root, "--out", str(out), "--wrap", "none"]
+        args += job_args(s3_server, tmp_path / f"disk{attempt}")
+        before = uncommitted_generations(s3_server, s3_bucket, trial)
+        (process,) = start_processes(recover_job.run, 1, args)
+        try:
+            deadline = time.monotonic() + 300
+            while not uncommitted_generations(s3_server, s3_bucket, trial) - before:  # the event: an upload began
+                assert process.is_alive() and time.monotonic() < deadline, "no upload was seen in flight"
+                time.sleep(0.01)
+            os.kill(process.pid, signal.SIGKILL)
+        finally:
+            process.join(30)
+    assert uncommitted_generations(s3_server, s3_bucket, trial)  # what the killed uploads left
+    run_job(root, out, extra=job_args(s3_server, tmp_path / "disk-last"))
+    assert_same_run(reference_run, out, world_size=1)
+    assert not uncommitted_generations(s3_server, s3_bucket, trial)  # removed by the first dump
+
+
+@pytest.mark.dist
+def test_two_ranks_on_two_disks_dump_to_s3_and_resume_bit_exact(reference_run_fsdp2, s3_server, s3_bucket, tmp_path):
+    root, out = f"{s3_bucket}/root", tmp_path / "out"
+    args = job_args(s3_server, tmp_path / "first", "--kill-at", "6")
+    assert run_job(root, out, world_size=2, wrap="fsdp2", extra=args) == [-9, -9]
+    run_job(root, out, world_size=2, wrap="fsdp2", extra=job_args(s3_server, tmp_path / "second"))
+    assert_same_run(reference_run_fsdp2, out, world_size=2)
+
+
+def test_a_server_killed_during_a_dump_leaves_the_previous_one_committed(tmp_path, monkeypatch):
+    server = SeaweedServer(tmp_path / "server")
+    server.start()
+    try:
+        for variable, value in server.environment().items():
+            monkeypatch.setenv(variable, value)
+        server.make_bucket("killed-dump")
+        setup = make_setup()
+        handler = ac.RecoverHandler(s3_config("s3://killed-dump", tmp_path / "disk", write_retries=1), SPEC)
+        train_step(setup, 0)
+        handler.dump(setup.engine, step_info(0), force=True)
+        real_put = S3Store.put_file
+
+        def put_after_killing(self, key, path):  # the event: the second dump's first upload starts
+            server.kill()
+            return real_put(self, key, path)
+
+        monkeypatch.setattr(S3Store, "put_file", put_after_killing)
+        train_step(setup, 1)
+        started = time.monotonic()
+        with pytest.raises(ac.CheckpointError, match=r"upload of the recovery dump at global step 1 .*committed in"):
+            handler.dump(setup.engine, step_info(1), force=True)
+        assert time.monotonic() - started < 120  # bounded: no endless retries against a dead server
+        monkeypatch.setattr(S3Store, "put_file", real_put)
+        handler.close()
+        server.start()
+        assert [record["global_step"] for record in commit_records(server, "s3://killed-dump", TRIAL)] == [0]
+        fresh = make_setup(seed=1)
+        resumed = ac.RecoverHandler(s3_config("s3://killed-dump", tmp_path / "other-disk"), SPEC)
+        info = resumed.load(fresh.engine)
+        assert info is not None and info.last_step_info.global_step == 0
+        resumed.close()
+    finally:
+        server.stop()
+
+
+def test_a_second_job_is_refused_before_it_overwrites_the_bucket(s3_server, s3_bucket, tmp_path):
+    first_setup = make_setup()
+    first = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "a"), SPEC)
+    train_step(first_setup, 0)
+    first.dump(first_setup.engine, step_info(0), force=True)
+    assert ac.check_if_recover(s3_config(s3_bucket, tmp_path / "elsewhere"))
+
+    second = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "b"), SPEC)  # did not load
+    with pytest.raises(ac.CheckpointError, match=r"is a recovery checkpoint this job has not loaded"):
+        second.dump(make_setup(seed=1).engine, step_info(0), force=True)
+    assert second.load(make_setup(seed=1).engine) is not None  # the hint: load first, then dump
+    second.dump(make_setup(seed=1).engine, step_info(1), force=True)
+    second.close()
+    with pytest.raises(ac.CheckpointError, match=r"committed by another job"):  # the first job lost the trial
+        first.dump(first_setup.engine, step_info(2), force=True)
+    first.close()
+    assert [record["global_step"] for record in commit_records(s3_server, s3_bucket, TRIAL)] == [1]
+
+
+def test_check_if_recover_reads_the_bucket(s3_server, s3_bucket, tmp_path):
+    assert not ac.check_if_recover(s3_config(s3_bucket, tmp_path / "disk"))
+    with pytest.raises(ac.CheckpointError, match=r"bucket 'no-such-bucket' does not exist"):
+        ac.RecoverHandler(s3_config("s3://no-such-bucket", tmp_path / "disk"), SPEC)
