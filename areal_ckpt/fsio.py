@@ -96,10 +96,14 @@ class ChecksummedWriter:
 
     Durable once :meth:`close` returns (data and file metadata are fsync'd; the directory entry
     is not: fsync the parent directory, as :mod:`areal_ckpt.publish` does before publishing).
+    With ``durable`` False (a copy staged for upload, whose durability is the object store's)
+    nothing is fsync'd and no writeback is started: the bytes stay in the page cache for the
+    upload to read.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, durable: bool = True) -> None:
         self.path = path
+        self._durable = durable
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._size = 0
         self._handed_to_disk = 0  # bytes whose writeback has been started
@@ -114,14 +118,15 @@ class ChecksummedWriter:
             self._crc.update(view[:written])  # checksummed while the next piece is written
             view = view[written:]
             self._size += written
-            if self._size - self._handed_to_disk >= _WRITEBACK_STEP:
+            if self._durable and self._size - self._handed_to_disk >= _WRITEBACK_STEP:
                 start_writeback(self._fd, self._handed_to_disk, self._size - self._handed_to_disk)
                 self._handed_to_disk = self._size
 
     def close(self) -> FileRecord:
-        """fsync and close the file; returns its record."""
+        """fsync (when durable) and close the file; returns its record."""
         try:
-            os.fsync(self._fd)
+            if self._durable:
+                os.fsync(self._fd)
             crc = self._crc.value()
         finally:
             os.close(self._fd)

@@ -216,7 +216,9 @@ def finish_export(
     def write_shards() -> dict[str, tuple[int, int]]:
         if target.remote is not None:  # on another node than rank 0 the staging folder is this rank's own
             target.staging.mkdir(parents=True, exist_ok=True)
-        records, error = write_rank_shards(source, target.plan, target.staging, rank, world, target.dtype, progress)
+        records, error = write_rank_shards(  # staged for upload: durable once the store holds them
+            source, target.plan, target.staging, rank, world, target.dtype, progress, durable=target.remote is None
+        )
         if error is not None:
             logger.error("rank %d: writing export shards into %s failed: %s", rank, target.staging, error)
             raise CheckpointError(error)

@@ -88,6 +88,7 @@ def write_rank_shards(
     world_size: int,
     dtype: torch.dtype | None,
     progress: Callable[[Iterable[int]], Iterable[int]] = iter,
+    durable: bool = True,
 ) -> tuple[dict[str, FileRecord], BaseException | None]:
     """Write this rank's shard files into ``folder``; returns their records and any write error.
 
@@ -100,7 +101,7 @@ def write_rank_shards(
     time, so all ranks write at once, each the tensor it has just received while the next one
     moves: a rank holds at most two gathered tensors, not a shard file's worth; a rank that
     failed to write keeps receiving its file's tensors and drops them. Each file is fsync'd
-    before this returns.
+    before this returns, unless ``durable`` is False (files staged for an upload).
     """
     records: dict[str, FileRecord] = {}
     error: BaseException | None = None
@@ -115,6 +116,7 @@ def write_rank_shards(
                     folder / file_name,
                     [plan.specs[name] for name in plan.files[file_name]],
                     ((plan.specs[name].name, _to_dtype(tensor, dtype)) for name, tensor in tensors),
+                    durable=durable,
                 )
             except CollectiveError:
                 raise

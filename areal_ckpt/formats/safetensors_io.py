@@ -48,16 +48,18 @@ def write_safetensors(
     specs: Sequence[TensorSpec],
     tensors: Iterable[tuple[str, torch.Tensor]],
     metadata: dict[str, str] | None = None,
+    durable: bool = True,
 ) -> FileRecord:
     """Write a safetensors file holding ``specs`` at ``path`` and fsync it; local, blocking.
 
     The header comes from ``specs``; the data from ``tensors`` (CPU), which must yield exactly
     those names, shapes and dtypes in that order. It may be a generator: each tensor is written
     as it arrives, so the whole file never has to be in memory. Durable on return (the file;
-    its directory entry is fsync'd at commit). On error the partial file is left for the
-    caller's staging folder to discard.
+    its directory entry is fsync'd at commit); with ``durable`` False, not fsync'd (a copy
+    staged for upload). On error the partial file is left for the caller's staging folder to
+    discard.
     """
-    writer = ChecksummedWriter(path)
+    writer = ChecksummedWriter(path, durable)
     try:
         writer.write(render_safetensors_header(specs, metadata or {"format": "pt"}))
         count = 0
