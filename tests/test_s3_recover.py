@@ -154,3 +154,26 @@ def test_check_if_recover_reads_the_bucket(s3_server, s3_bucket, tmp_path):
     assert not ac.check_if_recover(s3_config(s3_bucket, tmp_path / "disk"))
     with pytest.raises(ac.CheckpointError, match=r"bucket 'no-such-bucket' does not exist"):
         ac.RecoverHandler(s3_config("s3://no-such-bucket", tmp_path / "disk"), SPEC)
+
+
+def test_ctrl_c_during_a_dump_upload_is_not_retried_and_commits_nothing(
+    s3_server, s3_bucket, tmp_path, monkeypatch
+):
+    setup = make_setup()
+    handler = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "disk", write_retries=3), SPEC)
+    train_step(setup, 0)
+    handler.dump(setup.engine, step_info(0), force=True)
+    calls = []
+
+    def interrupted(self, key, path):
+        calls.append(key)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(S3Store, "put_file", interrupted)
+    train_step(setup, 1)
+    with pytest.raises(KeyboardInterrupt):
+        handler.dump(setup.engine, step_info(1), force=True)
+    assert calls and len(calls) == len(set(calls))  # no file tried twice: an interruption is never retried
+    monkeypatch.undo()
+    handler.close()
+    assert [record["global_step"] for record in commit_records(s3_server, s3_bucket, TRIAL)] == [0]

@@ -150,13 +150,17 @@ def fresh_folder(store: ObjectStore, parent: ObjectURL, name: str) -> str:
 
 def upload_folder_files(store: ObjectStore, folder: Path, names: Iterable[str], target: ObjectURL) -> None:
     """Upload each of ``names`` (relative to the local ``folder``) to ``{target}/{name}``, a
-    few files at a time (each large one in parallel parts). Blocking; raises the first error."""
+    few files at a time (each large one in parallel parts). Blocking; raises the first error
+    (an interruption included) once the uploads in flight ended, the queued ones cancelled."""
     names = list(names)
     if not names:
         return
-    with ThreadPoolExecutor(min(_UPLOADERS, len(names)), thread_name_prefix="areal_ckpt-upload") as pool:
+    pool = ThreadPoolExecutor(min(_UPLOADERS, len(names)), thread_name_prefix="areal_ckpt-upload")
+    try:
         for done in [pool.submit(store.put_file, target.key(name), folder / name) for name in names]:
             done.result()
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def delete_prefix(store: ObjectStore, prefix: str) -> int:
