@@ -156,9 +156,7 @@ def test_check_if_recover_reads_the_bucket(s3_server, s3_bucket, tmp_path):
         ac.RecoverHandler(s3_config("s3://no-such-bucket", tmp_path / "disk"), SPEC)
 
 
-def test_ctrl_c_during_a_dump_upload_is_not_retried_and_commits_nothing(
-    s3_server, s3_bucket, tmp_path, monkeypatch
-):
+def test_ctrl_c_during_a_dump_upload_is_not_retried_and_commits_nothing(s3_server, s3_bucket, tmp_path, monkeypatch):
     setup = make_setup()
     handler = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "disk", write_retries=3), SPEC)
     train_step(setup, 0)

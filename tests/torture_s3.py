@@ -1,0 +1,139 @@
+"""`make torture`'s object-storage rows: jobs that dump or export to a real S3 server
+(SeaweedFS on 127.0.0.1) forever, SIGKILLed at a random instant after their first commit; or
+the server SIGKILLed at a random instant under a dumping job and started again. After each
+kill a fresh process on an empty staging folder (a node that never saw the job) loads what the
+bucket holds; the weights must be those of the step it names."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import torch
+from distributed import start_processes
+from recover_fixtures import SPEC, make_setup, step_info
+from seaweed import SeaweedServer
+
+import areal_ckpt as ac
+
+BIG = dict(hidden_size=192, intermediate_size=384, num_hidden_layers=3)  # ~2 MB of weights
+BUCKET = "torture"
+
+
+def _fill(model: torch.nn.Module, value: float) -> None:
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(value)
+
+
+def _fields(trial: str) -> dict:
+    return dict(experiment_name="exp", trial_name=trial, fileroot=f"s3://{BUCKET}/runs", user="tester")
+
+
+def s3_job(rank: int, world: int, environment: dict, trial: str, kind: str, staging: str) -> None:
+    """Step s sets every weight to s, then dumps (recover) or exports (saver), forever."""
+    os.environ.update(environment)
+    setup = make_setup(**BIG)
+    node = f"{staging}/node{rank}"
+    if kind == "recover":
+        handler = ac.RecoverHandler(ac.RecoverConfig(**_fields(trial), mode="sync", staging_dir=node), SPEC)
+    else:
+        handler = ac.Saver(ac.SaverConfig(**_fields(trial), mode="sync", max_shard_size="1MB", staging_dir=node), SPEC)
+    for step in range(10**6):
+        _fill(setup.model, float(step))
+        try:
+            if kind == "recover":
+                handler.dump(setup.engine, step_info(step), force=True)
+            else:
+                handler.save(setup.engine, 0, step, step, force=True)
+        except ac.CheckpointError:  # the server died under it: the previous commit stands; go on
+            time.sleep(0.05)
+
+
+def _committed(server: SeaweedServer, trial: str, kind: str) -> bool:
+    prefix = f"runs/checkpoints/tester/exp/{trial}/" + (
+        ".recover/.commits/" if kind == "recover" else "default/.commits/"
+    )
+    try:
+        return bool(server.client().list_objects_v2(Bucket=BUCKET, Prefix=prefix, MaxKeys=1).get("KeyCount"))
+    except Exception:  # the server is being restarted
+        return False
+
+
+def _check(trial: str, kind: str, work: Path) -> tuple[str, str]:
+    """What a fresh node finds: ``resumed_correctly``, ``lost`` (nothing or an error) or
+    ``wrong`` (weights of another step)."""
+    if kind == "recover":
+        setup = make_setup(seed=1, **BIG)
+        config = ac.RecoverConfig(**_fields(trial), mode="sync", staging_dir=str(work / f"check-{trial}"))
+        handler = ac.RecoverHandler(config, SPEC)
+        try:
+            info = handler.load(setup.engine, drop_rank_state=True)  # a 2-rank dump, loaded by one process
+        except ac.CheckpointError as error:
+            return "lost", str(error)[:300]
+        finally:
+            handler.close()
+        if info is None:
+            return "lost", "no checkpoint after a commit"
+        step = float(info.last_step_info.global_step)
+        weights = list(setup.model.parameters())
+    else:
+        model = f"s3://{BUCKET}/runs/checkpoints/tester/exp/{trial}/default"
+        try:
+            folder = ac.download_export(model, work / f"check-{trial}")
+        except ac.CheckpointError as error:
+            return "lost", str(error)[:300]
+        step = float(json.loads((folder / "areal_ckpt_manifest.json").read_text())["step"]["global_step"])
+        from safetensors.torch import load_file
+
+        weights = [t for file in folder.glob("*.safetensors") for t in load_file(file).values()]
+    if not weights or not all(bool((w == step).all()) for w in weights):
+        return "wrong", f"weights do not all equal step {step:.0f}"
+    return "resumed_correctly", ""
+
+
+def scenario_s3(trials: int, rng: random.Random, work: Path) -> list:
+    """Rows: SIGKILL of a dumping / exporting job (1 and 2 ranks), SIGKILL of the server."""
+    from torture import Row
+
+    server = SeaweedServer(work / "s3-server")
+    server.start()
+    server.make_bucket(BUCKET)
+    os.environ.update(server.environment())  # for the checks made in this process
+    rows = []
+    try:
+        for kind, world, victim in (
+            ("recover", 1, "job"),
+            ("recover", 2, "job"),
+            ("saver", 2, "job"),
+            ("recover", 1, "server"),
+        ):
+            row = Row(f"s3-kill-{victim}-{kind}-{world}")
+            for index in range(trials):
+                trial = f"{kind}{world}{victim}{index}"
+                staging = str(work / f"staging-{trial}")
+                processes = start_processes(s3_job, world, server.environment(), trial, kind, staging)
+                try:
+                    deadline = time.monotonic() + 120
+                    while not _committed(server, trial, kind) and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    time.sleep(rng.uniform(0.0, 0.5))
+                    if victim == "server":
+                        server.kill()
+                        time.sleep(rng.uniform(0.0, 0.5))  # the job fails its dumps meanwhile
+                        server.start()
+                        time.sleep(rng.uniform(0.0, 0.5))  # and may commit again
+                    for process in processes:
+                        os.kill(process.pid, signal.SIGKILL)
+                finally:
+                    for process in processes:
+                        process.join(30)
+                row.record(*_check(trial, kind, work))
+            rows.append(row)
+    finally:
+        server.stop()
+    return rows
