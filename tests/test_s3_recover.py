@@ -10,6 +10,7 @@ import time
 
 import pytest
 import recover_job
+import torch
 from distributed import start_processes
 from recover_fixtures import SPEC, make_setup, step_info, train_step
 from recovery_runs import assert_same_run, run_job
@@ -175,3 +176,20 @@ def test_ctrl_c_during_a_dump_upload_is_not_retried_and_commits_nothing(s3_serve
     monkeypatch.undo()
     handler.close()
     assert [record["global_step"] for record in commit_records(s3_server, s3_bucket, TRIAL)] == [0]
+
+
+def test_async_dumps_upload_from_the_background_writer_and_resume(s3_server, s3_bucket, tmp_path):
+    setup = make_setup()
+    handler = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "disk", mode="async"), SPEC)
+    for step in range(3):
+        train_step(setup, step)
+        handler.dump(setup.engine, step_info(step), force=True)
+    handler.close()  # waits for the last upload
+    assert [record["global_step"] for record in commit_records(s3_server, s3_bucket, TRIAL)] == [2]
+    fresh = make_setup(seed=1)
+    loader = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "new-disk"), SPEC)
+    assert loader.load(fresh.engine).last_step_info.global_step == 2
+    loader.close()
+    for name, tensor in setup.model.state_dict().items():
+        assert torch.equal(fresh.model.state_dict()[name], tensor), name
+    assert fresh.optimizer.state_dict()["state"][0]["step"] == setup.optimizer.state_dict()["state"][0]["step"]

@@ -39,7 +39,7 @@ from areal_ckpt.paths import (
 from areal_ckpt.publish import TrashCollector, hide_folder, remove_stale
 from areal_ckpt.schedule import NamedSchedules, TriggerSchedule
 from areal_ckpt.step import FinetuneSpec
-from areal_ckpt.storage.commits import COMMIT_LOG, CommitLog, remove_debris, store_of
+from areal_ckpt.storage.commits import CommitLog, remove_debris, store_of
 from areal_ckpt.tensors import EXPORT_DTYPES
 from areal_ckpt.urls import ObjectURL, parse_object_url, url_scheme
 
@@ -355,7 +355,7 @@ def _open_remote_trial(trial: ObjectURL | None) -> None:
     models = {
         item.key[len(base) :].split("/", 1)[0] for item in store.list_prefix(base) if "/" in item.key[len(base) :]
     }
-    for name in sorted(models - {COMMIT_LOG}):
+    for name in sorted(name for name in models if not name.startswith(".")):  # .recover is the RecoverHandler's
         model = trial.child(name)
         remove_debris(store, model, CommitLog(store, model).committed_folders())
 
