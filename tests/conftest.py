@@ -96,3 +96,17 @@ def s3_bucket(s3_server, monkeypatch, request):
     for variable, value in s3_server.environment().items():
         monkeypatch.setenv(variable, value)
     return f"s3://{name}"
+
+
+@pytest.fixture
+def own_s3_server(tmp_path, monkeypatch):
+    """A server of this test's own, which it may kill and start again; its client settings in
+    this process's environment."""
+    from seaweed import SeaweedServer
+
+    server = SeaweedServer(tmp_path / "own-server")
+    server.start()
+    for variable, value in server.environment().items():
+        monkeypatch.setenv(variable, value)
+    yield server
+    server.stop()

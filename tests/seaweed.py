@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import boto3
@@ -133,3 +134,18 @@ class SeaweedServer:
             self.process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.kill()
+
+
+def kill_at_next_upload(server: SeaweedServer, monkeypatch) -> Callable[[], None]:  # type: ignore[no-untyped-def]
+    """Make the next file upload of areal_ckpt SIGKILL ``server`` before it starts (the event a
+    fault test waits for); returns the function that puts uploads back as they were."""
+    from areal_ckpt.storage.s3 import S3Store
+
+    real_put = S3Store.put_file
+
+    def put_after_killing(self, key, path):  # type: ignore[no-untyped-def]
+        server.kill()
+        return real_put(self, key, path)
+
+    monkeypatch.setattr(S3Store, "put_file", put_after_killing)
+    return lambda: monkeypatch.setattr(S3Store, "put_file", real_put)

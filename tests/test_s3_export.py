@@ -12,7 +12,7 @@ import pytest
 import torch
 from distributed import run_distributed
 from helpers import read_export_tensors, saver_config, wrap_model
-from seaweed import SeaweedServer
+from seaweed import SeaweedServer, kill_at_next_upload
 from transformers import AutoModelForCausalLM
 
 import areal_ckpt as ac
@@ -135,39 +135,25 @@ def test_async_export_to_s3_equals_the_sync_one(s3_server, s3_bucket, tmp_path, 
     assert sync.keys() == asyn.keys() and all(torch.equal(sync[k], asyn[k]) for k in sync)
 
 
-def test_server_killed_before_an_upload_keeps_the_previous_export(tmp_path, make_model, monkeypatch):
-    server = SeaweedServer(tmp_path / "server")
-    server.start()
-    try:
-        for variable, value in server.environment().items():
-            monkeypatch.setenv(variable, value)
-        server.make_bucket("killed")
-        saver = s3_saver("s3://killed", tmp_path)
-        engine = ac.TorchEngine(make_model())
-        first = saver.save(engine, 0, 1, 1, force=True)
-        real_put = S3Store.put_file
-
-        def put_after_killing(self, key, path):  # the event: the second export's first upload starts
-            server.kill()
-            return real_put(self, key, path)
-
-        monkeypatch.setattr(S3Store, "put_file", put_after_killing)
-        with pytest.raises(ac.CheckpointError, match=r"export failed \(nothing was published\)"):
-            saver.save(engine, 0, 2, 2, force=True)
-        monkeypatch.setattr(S3Store, "put_file", real_put)
-        saver.finalize()
-        server.start()  # the same data folder and ports: the server came back
-        keys = keys_under(server, "s3://killed", f"{TRIAL}/default/")
-        assert [key for key in keys if "/.commits/" in key] == [f"{TRIAL}/default/.commits/000000000001.json"]
-        intact = download_export("s3://killed/" + TRIAL + "/default", tmp_path / "intact")
-        assert json.loads((intact / "areal_ckpt_manifest.json").read_text())["step"]["global_step"] == 1
-        assert first.endswith("globalstep1")
-        s3_saver("s3://killed", tmp_path).finalize()  # a new job removes what the failed one left
-        assert all(
-            "globalstep1/" in key or "/.commits/" in key for key in keys_under(server, "s3://killed", f"{TRIAL}/")
-        )
-    finally:
-        server.stop()
+def test_server_killed_before_an_upload_keeps_the_previous_export(own_s3_server, tmp_path, make_model, monkeypatch):
+    server = own_s3_server
+    server.make_bucket("killed")
+    saver = s3_saver("s3://killed", tmp_path)
+    engine = ac.TorchEngine(make_model())
+    first = saver.save(engine, 0, 1, 1, force=True)
+    restore = kill_at_next_upload(server, monkeypatch)  # the event: the second export's first upload starts
+    with pytest.raises(ac.CheckpointError, match=r"export failed \(nothing was published\)"):
+        saver.save(engine, 0, 2, 2, force=True)
+    restore()
+    saver.finalize()
+    server.start()  # the same data folder and ports: the server came back
+    keys = keys_under(server, "s3://killed", f"{TRIAL}/default/")
+    assert [key for key in keys if "/.commits/" in key] == [f"{TRIAL}/default/.commits/000000000001.json"]
+    intact = download_export("s3://killed/" + TRIAL + "/default", tmp_path / "intact")
+    assert json.loads((intact / "areal_ckpt_manifest.json").read_text())["step"]["global_step"] == 1
+    assert first.endswith("globalstep1")
+    s3_saver("s3://killed", tmp_path).finalize()  # a new job removes what the failed one left
+    assert all("globalstep1/" in key or "/.commits/" in key for key in keys_under(server, "s3://killed", f"{TRIAL}/"))
 
 
 def test_ctrl_c_during_an_upload_commits_nothing_and_stays_an_interrupt(

@@ -14,7 +14,7 @@ import torch
 from distributed import start_processes
 from recover_fixtures import SPEC, make_setup, step_info, train_step
 from recovery_runs import assert_same_run, run_job
-from seaweed import SeaweedServer
+from seaweed import SeaweedServer, kill_at_next_upload
 
 import areal_ckpt as ac
 from areal_ckpt.storage.s3 import S3Store
@@ -96,40 +96,28 @@ def test_two_ranks_on_two_disks_dump_to_s3_and_resume_bit_exact(reference_run_fs
     assert_same_run(reference_run_fsdp2, out, world_size=2)
 
 
-def test_a_server_killed_during_a_dump_leaves_the_previous_one_committed(tmp_path, monkeypatch):
-    server = SeaweedServer(tmp_path / "server")
+def test_a_server_killed_during_a_dump_leaves_the_previous_one_committed(own_s3_server, tmp_path, monkeypatch):
+    server = own_s3_server
+    server.make_bucket("killed-dump")
+    setup = make_setup()
+    handler = ac.RecoverHandler(s3_config("s3://killed-dump", tmp_path / "disk", write_retries=1), SPEC)
+    train_step(setup, 0)
+    handler.dump(setup.engine, step_info(0), force=True)
+    restore = kill_at_next_upload(server, monkeypatch)  # the event: the second dump's first upload starts
+    train_step(setup, 1)
+    started = time.monotonic()
+    with pytest.raises(ac.CheckpointError, match=r"upload of the recovery dump at global step 1 .*committed in"):
+        handler.dump(setup.engine, step_info(1), force=True)
+    assert time.monotonic() - started < 120  # bounded: no endless retries against a dead server
+    restore()
+    handler.close()
     server.start()
-    try:
-        for variable, value in server.environment().items():
-            monkeypatch.setenv(variable, value)
-        server.make_bucket("killed-dump")
-        setup = make_setup()
-        handler = ac.RecoverHandler(s3_config("s3://killed-dump", tmp_path / "disk", write_retries=1), SPEC)
-        train_step(setup, 0)
-        handler.dump(setup.engine, step_info(0), force=True)
-        real_put = S3Store.put_file
-
-        def put_after_killing(self, key, path):  # the event: the second dump's first upload starts
-            server.kill()
-            return real_put(self, key, path)
-
-        monkeypatch.setattr(S3Store, "put_file", put_after_killing)
-        train_step(setup, 1)
-        started = time.monotonic()
-        with pytest.raises(ac.CheckpointError, match=r"upload of the recovery dump at global step 1 .*committed in"):
-            handler.dump(setup.engine, step_info(1), force=True)
-        assert time.monotonic() - started < 120  # bounded: no endless retries against a dead server
-        monkeypatch.setattr(S3Store, "put_file", real_put)
-        handler.close()
-        server.start()
-        assert [record["global_step"] for record in commit_records(server, "s3://killed-dump", TRIAL)] == [0]
-        fresh = make_setup(seed=1)
-        resumed = ac.RecoverHandler(s3_config("s3://killed-dump", tmp_path / "other-disk"), SPEC)
-        info = resumed.load(fresh.engine)
-        assert info is not None and info.last_step_info.global_step == 0
-        resumed.close()
-    finally:
-        server.stop()
+    assert [record["global_step"] for record in commit_records(server, "s3://killed-dump", TRIAL)] == [0]
+    fresh = make_setup(seed=1)
+    resumed = ac.RecoverHandler(s3_config("s3://killed-dump", tmp_path / "other-disk"), SPEC)
+    info = resumed.load(fresh.engine)
+    assert info is not None and info.last_step_info.global_step == 0
+    resumed.close()
 
 
 def test_a_second_job_is_refused_before_it_overwrites_the_bucket(s3_server, s3_bucket, tmp_path):
