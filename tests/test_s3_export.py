@@ -212,3 +212,15 @@ def test_an_unsupported_scheme_is_a_config_error_naming_it(tmp_path):
     with pytest.raises(ValueError, match=r"'x' is not a valid bucket name"):
         saver_config("s3://x/runs")
     assert parse_object_url("s3://bucket/a/b/", "t").key("c") == "a/b/c"
+
+
+def test_a_new_job_aborts_the_unfinished_multipart_uploads_a_dead_one_left(s3_server, s3_bucket, tmp_path):
+    client, bucket = s3_server.client(), s3_bucket.removeprefix("s3://")
+    key = f"{TRIAL}/default/epoch0epochstep5globalstep5/model-00001-of-00002.safetensors"
+    upload = client.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]  # as a killed writer leaves it
+    client.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"x" * (5 << 20))
+    client.put_object(Bucket=bucket, Key=f"{TRIAL}/default/epoch0epochstep5globalstep5/config.json", Body=b"{}")
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads")
+    s3_saver(s3_bucket, tmp_path).finalize()
+    assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")
+    assert keys_under(s3_server, s3_bucket, TRIAL) == []  # the uncommitted export's objects are gone too
