@@ -488,8 +488,8 @@ def run_all(trials: int, seed: int = 0, select: str | None = None) -> list[Row]:
         rows = [run() for name, run in scenarios if select is None or select in name]
         if select is None or select in "power-loss":
             rows += scenario_power_loss(trials, rng, work)
-        if select is None or select in "s3-kill":
-            rows += scenario_s3(max(2, trials // 10), rng, work)
+        if select is None or select in "s3-kill" or select.startswith("s3-kill"):
+            rows += scenario_s3(max(2, trials // 10), rng, work, select)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return rows

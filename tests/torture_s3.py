@@ -96,8 +96,9 @@ def _check(trial: str, kind: str, work: Path) -> tuple[str, str]:
     return "resumed_correctly", ""
 
 
-def scenario_s3(trials: int, rng: random.Random, work: Path) -> list:
-    """Rows: SIGKILL of a dumping / exporting job (1 and 2 ranks), SIGKILL of the server."""
+def scenario_s3(trials: int, rng: random.Random, work: Path, select: str | None = None) -> list:
+    """Rows: SIGKILL of a dumping / exporting job (1 and 2 ranks), SIGKILL of the server;
+    those whose id contains ``select`` (all when it is a prefix of their ids or None)."""
     from torture import Row
 
     server = SeaweedServer(work / "s3-server")
@@ -113,6 +114,8 @@ def scenario_s3(trials: int, rng: random.Random, work: Path) -> list:
             ("recover", 1, "server"),
         ):
             row = Row(f"s3-kill-{victim}-{kind}-{world}")
+            if select is not None and select not in row.scenario and not "s3-kill".startswith(select):
+                continue
             for index in range(trials):
                 trial = f"{kind}{world}{victim}{index}"
                 staging = str(work / f"staging-{trial}")

@@ -41,7 +41,14 @@ from areal_ckpt.fsio import FileRecord, make_dirs
 from areal_ckpt.jobs.shm_arena import ArenaLayout, StagingArena, arena_layout_of_specs
 from areal_ckpt.paths import EXPORT_FORMAT, MANIFEST_NAME, export_staging, export_trash
 from areal_ckpt.publish import publish, read_manifest, write_manifest
-from areal_ckpt.storage.commits import CommitLog, delete_prefix, fresh_folder, store_of, upload_folder_files
+from areal_ckpt.storage.commits import (
+    CommitLog,
+    FolderUploader,
+    delete_prefix,
+    fresh_folder,
+    store_of,
+    upload_folder_files,
+)
 from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
@@ -214,17 +221,27 @@ def finish_export(
     rank, world = dist.rank(), dist.world_size()
 
     def write_shards() -> dict[str, tuple[int, int]]:
-        if target.remote is not None:  # on another node than rank 0 the staging folder is this rank's own
-            target.staging.mkdir(parents=True, exist_ok=True)
+        uploader = None
+        if target.remote is not None and target.remote_folder is not None:  # every rank uploads its own shards,
+            target.staging.mkdir(parents=True, exist_ok=True)  # each as soon as it is written; on another node
+            remote = target.remote.child(target.remote_folder)  # than rank 0 the staging folder is this rank's own
+            uploader = FolderUploader(store_of(remote), target.staging, remote)
         records, error = write_rank_shards(  # staged for upload: durable once the store holds them
-            source, target.plan, target.staging, rank, world, target.dtype, progress, durable=target.remote is None
+            source,
+            target.plan,
+            target.staging,
+            rank,
+            world,
+            target.dtype,
+            progress,
+            durable=uploader is None,
+            written=None if uploader is None else uploader.submit,
         )
+        if uploader is not None:
+            uploader.wait()
         if error is not None:
             logger.error("rank %d: writing export shards into %s failed: %s", rank, target.staging, error)
             raise CheckpointError(error)
-        if target.remote is not None and target.remote_folder is not None:  # every rank uploads its own shards
-            remote = target.remote.child(target.remote_folder)
-            upload_folder_files(store_of(remote), target.staging, records, remote)
         return {file: (record.size, record.crc32) for file, record in records.items()}
 
     try:

@@ -89,6 +89,7 @@ def write_rank_shards(
     dtype: torch.dtype | None,
     progress: Callable[[Iterable[int]], Iterable[int]] = iter,
     durable: bool = True,
+    written: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, FileRecord], BaseException | None]:
     """Write this rank's shard files into ``folder``; returns their records and any write error.
 
@@ -102,6 +103,7 @@ def write_rank_shards(
     moves: a rank holds at most two gathered tensors, not a shard file's worth; a rank that
     failed to write keeps receiving its file's tensors and drops them. Each file is fsync'd
     before this returns, unless ``durable`` is False (files staged for an upload).
+    ``written`` is called with each file's name once it is complete (e.g. to start its upload).
     """
     records: dict[str, FileRecord] = {}
     error: BaseException | None = None
@@ -118,6 +120,8 @@ def write_rank_shards(
                     ((plan.specs[name].name, _to_dtype(tensor, dtype)) for name, tensor in tensors),
                     durable=durable,
                 )
+                if written is not None:
+                    written(file_name)
             except CollectiveError:
                 raise
             except Exception as exc:  # reported to every rank by the caller

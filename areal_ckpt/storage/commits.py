@@ -19,7 +19,7 @@ import logging
 import os
 import re
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,6 +116,8 @@ class CommitLog:
         sequence = (sequences[-1] if sequences else 0) + 1
         data = json.dumps(body, indent=1, sort_keys=True).encode()
         if not self.store.put_bytes(self._key(sequence), data, create_only=True):
+            if self.store.get_bytes(self._key(sequence)) == data:  # an earlier attempt of this very PUT landed
+                return CommitRecord(sequence, body)
             raise CommitError(
                 f"{self.parent.url_of(self._key(sequence))}: another job committed to {self.parent} at the same time; "
                 "two jobs must not write one trial (nothing of this checkpoint was committed)"
@@ -148,19 +150,37 @@ def fresh_folder(store: ObjectStore, parent: ObjectURL, name: str) -> str:
     return f"{name}.{number}"
 
 
+class FolderUploader:
+    """Uploads files of the local ``folder`` to ``{target}/{name}`` on helper threads, a few
+    files at a time (each large one in parallel parts), while the caller goes on (writing the
+    next file). Local to the calling process."""
+
+    def __init__(self, store: ObjectStore, folder: Path, target: ObjectURL) -> None:
+        self.store, self.folder, self.target = store, folder, target
+        self._pool = ThreadPoolExecutor(_UPLOADERS, thread_name_prefix="areal_ckpt-upload")
+        self._pending: list[Future[None]] = []
+
+    def submit(self, name: str) -> None:
+        """Start uploading ``name`` (complete on disk, unchanged from now on); returns at once."""
+        self._pending.append(self._pool.submit(self.store.put_file, self.target.key(name), self.folder / name))
+
+    def wait(self) -> None:
+        """Block until every submitted file is uploaded; raises the first error (an interruption
+        included) once the uploads in flight ended, the queued ones cancelled."""
+        try:
+            for done in self._pending:
+                done.result()
+        finally:
+            self._pool.shutdown(cancel_futures=True)
+
+
 def upload_folder_files(store: ObjectStore, folder: Path, names: Iterable[str], target: ObjectURL) -> None:
-    """Upload each of ``names`` (relative to the local ``folder``) to ``{target}/{name}``, a
-    few files at a time (each large one in parallel parts). Blocking; raises the first error
-    (an interruption included) once the uploads in flight ended, the queued ones cancelled."""
-    names = list(names)
-    if not names:
-        return
-    pool = ThreadPoolExecutor(min(_UPLOADERS, len(names)), thread_name_prefix="areal_ckpt-upload")
-    try:
-        for done in [pool.submit(store.put_file, target.key(name), folder / name) for name in names]:
-            done.result()
-    finally:
-        pool.shutdown(cancel_futures=True)
+    """Upload each of ``names`` (relative to the local ``folder``) to ``{target}/{name}``
+    (:class:`FolderUploader`). Blocking; raises the first error."""
+    uploader = FolderUploader(store, folder, target)
+    for name in names:
+        uploader.submit(name)
+    uploader.wait()
 
 
 def delete_prefix(store: ObjectStore, prefix: str) -> int:

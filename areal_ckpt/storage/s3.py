@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import boto3
 import boto3.s3.transfer
@@ -41,6 +42,12 @@ _TRANSFER = boto3.s3.transfer.TransferConfig(
 _ACCESS_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "AllAccessDisabled"}
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
 _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "500", "502", "503", "504"}
+_READ_PATIENCE_SECONDS = 30.0  # a server that answers "failing" (5xx) right after a restart recovers within seconds
+T = TypeVar("T")
+
+
+class ServerFailingError(TransientError):
+    """The server answered, but with a failure of its own (5xx, throttling): reads wait for it."""
 
 
 class S3Store:
@@ -62,6 +69,20 @@ class S3Store:
         with self._translated("list", self.url.key()):
             self._client.list_objects_v2(Bucket=self.url.bucket, Prefix=self.url.key(), MaxKeys=1)
 
+    def _patiently(self, read: Callable[[], T]) -> T:
+        """``read()`` (idempotent), tried again with back-off while the server answers with a
+        failure of its own, for up to 30 s (botocore's own attempts come first)."""
+        deadline, delay = time.monotonic() + _READ_PATIENCE_SECONDS, 0.5
+        while True:
+            try:
+                return read()
+            except ServerFailingError as failure:
+                if time.monotonic() + delay > deadline:
+                    raise
+                logger.warning("%s; trying again in %.1f s", failure, delay)
+                time.sleep(delay)
+                delay = min(2 * delay, 8.0)
+
     def put_file(self, key: str, path: Path) -> None:
         """Upload ``path`` as ``key``: one PUT, or a parallel multipart upload past 64 MiB whose
         object appears only at its completion. Blocking."""
@@ -81,26 +102,38 @@ class S3Store:
 
     def get_bytes(self, key: str) -> bytes | None:
         """The object ``key`` read whole, or None when there is none. Blocking."""
-        try:
-            with self._translated("read", key, passes=_MISSING_CODES):
-                body: bytes = self._client.get_object(Bucket=self.url.bucket, Key=key)["Body"].read()
-                return body
-        except botocore.exceptions.ClientError:
-            return None
+
+        def read() -> bytes | None:
+            try:
+                with self._translated("read", key, passes=_MISSING_CODES):
+                    body: bytes = self._client.get_object(Bucket=self.url.bucket, Key=key)["Body"].read()
+                    return body
+            except botocore.exceptions.ClientError:
+                return None
+
+        return self._patiently(read)
 
     def get_file(self, key: str, path: Path) -> None:
         """Download ``key`` into ``path`` (parallel ranged GETs past 64 MiB). Blocking."""
-        with self._translated("download", key):
-            self._client.download_file(self.url.bucket, key, str(path), Config=_TRANSFER)
+
+        def read() -> None:
+            with self._translated("download", key):
+                self._client.download_file(self.url.bucket, key, str(path), Config=_TRANSFER)
+
+        self._patiently(read)
 
     def list_prefix(self, prefix: str) -> list[ObjectInfo]:
         """Every object under ``prefix``, in key order. Blocking."""
-        found: list[ObjectInfo] = []
-        with self._translated("list", prefix):
-            pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.url.bucket, Prefix=prefix)
-            for page in pages:
-                found.extend(ObjectInfo(item["Key"], int(item["Size"])) for item in page.get("Contents", []))
-        return found
+
+        def read() -> list[ObjectInfo]:
+            found: list[ObjectInfo] = []
+            with self._translated("list", prefix):
+                pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.url.bucket, Prefix=prefix)
+                for page in pages:
+                    found.extend(ObjectInfo(item["Key"], int(item["Size"])) for item in page.get("Contents", []))
+            return found
+
+        return self._patiently(read)
 
     def delete(self, keys: list[str]) -> None:
         """Delete ``keys``, a thousand per request; a key that fails is a CheckpointError
@@ -172,7 +205,7 @@ class S3Store:
         if code in _MISSING_CODES:
             return CheckpointError(f"cannot {action} {where}: no such object")
         if code in _TRANSIENT_CODES:
-            return TransientError(f"cannot {action} {where}: the server is busy or failing ({code})")
+            return ServerFailingError(f"cannot {action} {where}: the server is busy or failing ({code})")
         return CheckpointError(f"cannot {action} {where}: {error}")
 
     def _upload_error(self, where: str, message: str) -> CheckpointError:
