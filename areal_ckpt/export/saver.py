@@ -330,10 +330,11 @@ def apply_remote_retention(model: ObjectURL, keep_last: int) -> None:
         records = log.records()
         ordered = sorted(records, key=lambda record: (_global_step(record.body), record.sequence))
         newest = max(records, key=lambda record: record.sequence)
-        for record in ordered[: max(len(ordered) - keep_last, 0)]:
-            if record is not newest:
-                log.remove(record)
-                logger.info("retention (keep_last=%d): removed %s", keep_last, model.child(record.folder))
+        doomed = [record for record in ordered[: max(len(ordered) - keep_last, 0)] if record is not newest]
+        kept = {record.folder for record in records if record not in doomed}
+        for record in doomed:
+            log.remove(record, kept)
+            logger.info("retention (keep_last=%d): removed %s", keep_last, model.child(record.folder))
     except Exception as error:
         logger.warning("retention: could not remove old exports of %s: %s", model, error)
 

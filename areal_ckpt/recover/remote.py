@@ -108,7 +108,7 @@ class RemoteGenerations:
             for record in log.records():
                 if record.sequence < committed.sequence:
                     try:
-                        log.remove(record)
+                        log.remove(record, kept={committed.folder})
                     except CheckpointError as error:
                         logger.warning("%s: superseded, not deleted yet: %s", self.root.child(record.folder), error)
 

@@ -111,10 +111,14 @@ class CommitLog:
 
     def append(self, body: dict[str, Any]) -> CommitRecord:
         """Write the next record, create-only: the commit. CommitError, nothing written, when
-        another writer took that number first (a second job on the same prefix)."""
+        another writer took that number first (a second job on the same prefix). Idempotent: when
+        the newest record holds exactly ``body`` (an earlier attempt landed although its answer
+        was lost), that record is the commit and nothing is written."""
         sequences = self.sequences()
-        sequence = (sequences[-1] if sequences else 0) + 1
         data = json.dumps(body, indent=1, sort_keys=True).encode()
+        if sequences and self.store.get_bytes(self._key(sequences[-1])) == data:
+            return CommitRecord(sequences[-1], body)
+        sequence = (sequences[-1] if sequences else 0) + 1
         if not self.store.put_bytes(self._key(sequence), data, create_only=True):
             if self.store.get_bytes(self._key(sequence)) == data:  # an earlier attempt of this very PUT landed
                 return CommitRecord(sequence, body)
@@ -124,10 +128,12 @@ class CommitLog:
             )
         return CommitRecord(sequence, body)
 
-    def remove(self, record: CommitRecord) -> None:
-        """Delete ``record`` and then every object of the generation it named (retention)."""
+    def remove(self, record: CommitRecord, kept: set[str]) -> None:
+        """Delete ``record`` and then every object of the generation it named (retention), unless
+        a record that stays (its folder in ``kept``) names that generation too."""
         self.store.delete([self._key(record.sequence)])
-        delete_prefix(self.store, self.parent.key(record.folder) + "/")
+        if record.folder not in kept:
+            delete_prefix(self.store, self.parent.key(record.folder) + "/")
 
     def committed_folders(self) -> set[str]:
         """The folders every present record names."""
