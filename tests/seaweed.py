@@ -88,7 +88,7 @@ class SeaweedServer:
             command, cwd=self.folder, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         log.close()
-        client = self.client()
+        client = self.client(patient=False)
         deadline = time.monotonic() + _READY_SECONDS
         while True:  # polled until the server answers: the event is its first answer
             if self.process.poll() is not None:
@@ -103,9 +103,11 @@ class SeaweedServer:
                     ) from None
                 time.sleep(0.2)
 
-    def client(self):  # type: ignore[no-untyped-def]
-        """A boto3 S3 client of this server (short timeouts, no retries)."""
-        settings = botocore.config.Config(connect_timeout=2, read_timeout=30, retries={"max_attempts": 1})
+    def client(self, patient: bool = True):  # type: ignore[no-untyped-def]
+        """A boto3 S3 client of this server; ``patient``: retrying what a server just restarted
+        answers with a 5xx for a few seconds (else one attempt)."""
+        attempts = {"mode": "standard", "max_attempts": 10} if patient else {"max_attempts": 1}
+        settings = botocore.config.Config(connect_timeout=2, read_timeout=30, retries=attempts)
         return boto3.client(
             "s3",
             endpoint_url=self.endpoint,

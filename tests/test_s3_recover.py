@@ -75,8 +75,13 @@ def test_sigkill_while_uploading_then_resume_is_bit_exact_and_clears_the_debris(
         (process,) = start_processes(recover_job.run, 1, args)
         try:
             deadline = time.monotonic() + 300
-            while not uncommitted_generations(s3_server, s3_bucket, trial) - before:  # the event: an upload began
+            while True:  # the event: an upload began; the job is frozen, and killed if it is still uncommitted
                 assert process.is_alive() and time.monotonic() < deadline, "no upload was seen in flight"
+                if uncommitted_generations(s3_server, s3_bucket, trial) - before:
+                    os.kill(process.pid, signal.SIGSTOP)
+                    if uncommitted_generations(s3_server, s3_bucket, trial) - before:
+                        break
+                    os.kill(process.pid, signal.SIGCONT)  # it committed meanwhile: wait for its next upload
                 time.sleep(0.01)
             os.kill(process.pid, signal.SIGKILL)
         finally:
