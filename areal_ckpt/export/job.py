@@ -226,19 +226,21 @@ def finish_export(
             target.staging.mkdir(parents=True, exist_ok=True)  # each as soon as it is written; on another node
             remote = target.remote.child(target.remote_folder)  # than rank 0 the staging folder is this rank's own
             uploader = FolderUploader(store_of(remote), target.staging, remote)
-        records, error = write_rank_shards(  # staged for upload: durable once the store holds them
-            source,
-            target.plan,
-            target.staging,
-            rank,
-            world,
-            target.dtype,
-            progress,
-            durable=uploader is None,
-            written=None if uploader is None else uploader.submit,
-        )
-        if uploader is not None:
-            uploader.wait()
+        try:
+            records, error = write_rank_shards(  # staged for upload: durable once the store holds them
+                source,
+                target.plan,
+                target.staging,
+                rank,
+                world,
+                target.dtype,
+                progress,
+                durable=uploader is None,
+                written=None if uploader is None else uploader.submit,
+            )
+        finally:  # the uploads in flight end before anything else happens, on success or not
+            if uploader is not None:
+                uploader.wait()
         if error is not None:
             logger.error("rank %d: writing export shards into %s failed: %s", rank, target.staging, error)
             raise CheckpointError(error)
