@@ -26,11 +26,13 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.paths import RECOVER_CURRENT, RECOVER_MANIFEST, RECOVER_STORE, is_generation_name
 from areal_ckpt.publish import check_files, read_manifest, switch_symlink
 from areal_ckpt.storage.commits import CommitLog, CommitRecord, remove_debris, store_of, upload_folder_files
+from areal_ckpt.storage.objects import ObjectStore
 from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
 
 _FETCH_LOCK = ".fetch.lock"
+_FETCHED_PREFIX = ".fetched-"  # + a load's token: this copy was completed and checked for that load
 
 
 def new_run_token() -> str:
@@ -117,40 +119,59 @@ class RemoteGenerations:
 
     def fetch_newest(self, store_root: Path) -> str | None:
         """Every rank: bring the newest committed generation into the local store ``store_root``
-        (only the files missing or of the wrong size there) and point its ``current`` at it;
-        returns its name, None when object storage holds none. Ranks sharing ``store_root``
-        take turns (a file lock), so each file is downloaded once per copy. Collective (the
-        ranks agree on the generation and on success). Checksums are left to the load, which
-        verifies every file."""
+        and point its ``current`` at it; returns its name, None when object storage holds none.
+        A file the copy already holds is kept when its size and CRC-32 match the manifest, else
+        downloaded again (with a warning naming it: a local copy torn by a crash never makes a
+        load fail while the bucket holds the file intact). Ranks sharing ``store_root`` take
+        turns (a file lock) and the first one leaves a marker for the others of this load (a
+        token rank 0 draws per load), so each copy is checked and completed once per load.
+        Collective (the ranks agree on the generation and on success)."""
 
-        generation = agree.decided_by_rank0(
-            lambda: None if (record := self.newest()) is None else record.folder,
+        decided = agree.decided_by_rank0(
+            lambda: None if (record := self.newest()) is None else (record.folder, secrets.token_hex(4)),
             f"{self.root}: cannot read the commit log",
         )
-        if generation is None:
+        if decided is None:
             return None
+        generation, token = decided
 
         def fetch() -> None:
             source = self.root.child(generation)
             store = store_of(source)
             store_root.mkdir(parents=True, exist_ok=True)
             with _locked(store_root / _FETCH_LOCK):
-                folder = store_root / generation
-                (folder / RECOVER_MANIFEST).parent.mkdir(parents=True, exist_ok=True)
-                store.get_file(source.key(RECOVER_MANIFEST), folder / RECOVER_MANIFEST)
-                files = read_manifest(folder, RECOVER_MANIFEST)["files"]
-                missing = [name for name in files if check_files(folder, files, [name], checksum=False)]
-                for name in missing:
-                    (folder / name).parent.mkdir(parents=True, exist_ok=True)
-                    store.get_file(source.key(name), folder / name)
+                folder, marker = store_root / generation, store_root / f"{_FETCHED_PREFIX}{token}"
+                if not marker.is_file():
+                    _complete(store, source, folder)
+                    for stale in store_root.glob(f"{_FETCHED_PREFIX}*"):  # earlier loads'
+                        stale.unlink(missing_ok=True)
+                    marker.touch()
                 pointer = store_root / RECOVER_CURRENT
                 if not pointer.is_symlink() or os.readlink(pointer) != generation:
                     switch_symlink(pointer, generation)
-            if missing:
-                logger.info("rank %d: fetched %d file(s) of %s", dist.rank(), len(missing), source)
 
         agree.on_every_rank(fetch, f"{self.root}: cannot fetch the committed recovery checkpoint")
         return generation
+
+
+def _complete(store: ObjectStore, source: ObjectURL, folder: Path) -> None:
+    """Download into ``folder`` the manifest of the generation ``source`` and every file it
+    lists that ``folder`` lacks or holds damaged (size or CRC-32 differ)."""
+    (folder / RECOVER_MANIFEST).parent.mkdir(parents=True, exist_ok=True)
+    store.get_file(source.key(RECOVER_MANIFEST), folder / RECOVER_MANIFEST)
+    files = read_manifest(folder, RECOVER_MANIFEST)["files"]
+    fetched = 0
+    for name in files:
+        problems = check_files(folder, files, [name])
+        if not problems:
+            continue
+        if (folder / name).exists():
+            logger.warning("%s; downloading it again from %s", problems[0], source)
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        store.get_file(source.key(name), folder / name)
+        fetched += 1
+    if fetched:
+        logger.info("rank %d: fetched %d file(s) of %s", dist.rank(), fetched, source)
 
 
 class _locked:
