@@ -68,13 +68,10 @@ class Saver:
         self.remote_trial: ObjectURL | None = None
         if url_scheme(config.fileroot) is not None:
             levels = ("checkpoints", user, config.experiment_name, config.trial_name)
-            self.remote_trial = parse_object_url(config.fileroot, "fileroot").child(*levels)
-            self.trial_root = staging_trial_root(config.staging_dir, self.remote_trial)
+            remote_trial = self.remote_trial = parse_object_url(config.fileroot, "fileroot").child(*levels)
+            self.trial_root = staging_trial_root(config.staging_dir, remote_trial)
             make_dirs(self.trial_root)
-            agree.decided_by_rank0(
-                lambda: _open_remote_trial(self.remote_trial),
-                f"Saver: cannot use {self.remote_trial}",
-            )
+            agree.decided_by_rank0(lambda: _open_remote_trial(remote_trial), f"Saver: cannot use {remote_trial}")
         else:
             self.trial_root = trial_root(config.fileroot, user, config.experiment_name, config.trial_name)
         self._schedules = NamedSchedules(
@@ -346,10 +343,9 @@ def _global_step(body: dict[str, Any]) -> int:
     return value if isinstance(value, int) else -1
 
 
-def _open_remote_trial(trial: ObjectURL | None) -> None:
+def _open_remote_trial(trial: ObjectURL) -> None:
     """Rank 0, when a Saver starts: the bucket answers, and what earlier jobs left uncommitted
     under each model's prefix (objects no commit record names, unfinished uploads) is removed."""
-    assert trial is not None
     store = store_of(trial)
     store.check_access()
     base = trial.key() + "/"
