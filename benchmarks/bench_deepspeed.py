@@ -14,7 +14,6 @@ ours is faster), reported as the median and the range over the rounds.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -32,7 +31,16 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().paren
 import torch  # noqa: E402
 import torch.distributed as torch_dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from common import evict, fsync_tree, machine_description, model_of_size, scratch_folder, state_bytes  # noqa: E402
+from common import (  # noqa: E402
+    evict,
+    fsync_tree,
+    machine_description,
+    model_of_size,
+    publish,
+    scratch_folder,
+    size_and_rounds,
+    state_bytes,
+)
 
 import areal_ckpt as ac  # noqa: E402
 
@@ -157,18 +165,11 @@ def report(results: dict[int, dict], mib: int, rounds: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", type=int, default=160, help="MiB of fp32 weights")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser = size_and_rounds(__doc__, 160, "MiB of fp32 weights")
     parser.add_argument("--stages", default="1,3")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     results = {int(stage): measure(int(stage), args.size, args.rounds) for stage in args.stages.split(",")}
-    text = report(results, args.size, args.rounds)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return 0
+    return publish(report(results, args.size, args.rounds), args.out)
 
 
 if __name__ == "__main__":

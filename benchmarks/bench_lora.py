@@ -12,15 +12,13 @@ bytes written; reported as the median and the range over the rounds.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-from common import machine_description, model_of_size, scratch_folder, state_bytes
+from common import machine_description, model_of_size, publish, scratch_folder, size_and_rounds, state_bytes
 from peft import LoraConfig, get_peft_model
 
 import areal_ckpt as ac
@@ -99,17 +97,9 @@ def report(base: int, adapters: int, rows: list[dict[str, float]], mib: int, rou
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", type=int, default=400, help="MiB of fp32 base weights")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
+    args = size_and_rounds(__doc__, 400, "MiB of fp32 base weights").parse_args(argv)
     base, adapters, rows = measure(args.size, args.rounds)
-    text = report(base, adapters, rows, args.size, args.rounds)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return 0
+    return publish(report(base, adapters, rows, args.size, args.rounds), args.out)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ client), reported as median and range.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import boto3
 import torch
-from common import machine_description, model_of_size, scratch_folder
+from common import machine_description, model_of_size, publish, scratch_folder, size_and_rounds
 
 import areal_ckpt as ac
 from areal_ckpt.storage.s3 import _TRANSFER
@@ -143,17 +142,8 @@ def report(rows: list[dict[str, float]], mib: int, rounds: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", type=int, default=400, help="MiB of fp32 weights")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
-    rows = measure(args.size, args.rounds)
-    text = report(rows, args.size, args.rounds)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return 0
+    args = size_and_rounds(__doc__, 400, "MiB of fp32 weights").parse_args(argv)
+    return publish(report(measure(args.size, args.rounds), args.size, args.rounds), args.out)
 
 
 if __name__ == "__main__":

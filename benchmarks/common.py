@@ -3,6 +3,7 @@ model-shaped state of a given size, page-cache eviction and the peak resident me
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import tempfile
@@ -92,3 +93,21 @@ class PeakRss:
 
 
 # -- writers: each writes the state durably into an empty folder ------------------------------
+
+
+def size_and_rounds(doc: str, size: int, size_help: str) -> argparse.ArgumentParser:
+    """The command line of a benchmark measured at one model size over rounds: ``--size``,
+    ``--rounds``, ``--out`` (a script adds its own options to what this returns)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", type=int, default=size, help=size_help)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=None)
+    return parser
+
+
+def publish(text: str, out: str | None) -> int:
+    """Print a benchmark's report and write it to ``out`` when given; the exit status."""
+    print(text)
+    if out:
+        Path(out).write_text(text)
+    return 0
