@@ -13,7 +13,9 @@ call shape and semantics, with our guarantees. Layout::
 
 A tag folder is written under a staging name and renamed into place whole; ``latest`` is then
 replaced by renaming a new file over it (never rewritten in place), so it always names a
-complete tag. Nothing here takes the trial lock: ``save_dir`` is the caller's.
+complete tag. Nothing here takes the trial lock: ``save_dir`` is the caller's. A ``save_dir``
+on object storage (``s3://bucket/prefix``) is committed there by a create-only record instead
+of renames (:mod:`areal_ckpt.deepspeed_objects`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,19 @@ import torch
 from areal_ckpt import agree, dist
 from areal_ckpt._version import __version__
 from areal_ckpt.config import check_path_component, local_path
+from areal_ckpt.deepspeed_objects import (
+    OFFLINE_CONVERTER,
+    choose_folder,
+    commit_tag,
+    fetch_tag,
+    find_tag,
+    object_root,
+    offline_converter_script,
+    prepare_rank_staging,
+    rank_staging,
+    remove_uncommitted,
+    upload_own,
+)
 from areal_ckpt.engines.accept import as_engine, export_files
 from areal_ckpt.engines.contract import Engine, EngineLike
 from areal_ckpt.engines.deepspeed_engine import DeepSpeedEngine
@@ -54,9 +69,6 @@ from areal_ckpt.state import safe_json
 from areal_ckpt.state.numerics import numerics_record, warn_if_numerics_changed
 
 logger = logging.getLogger(__name__)
-
-#: The offline converter every save_dir holds, under the name DeepSpeed gives its own.
-OFFLINE_CONVERTER = "zero_to_fp32.py"
 
 
 def _local_dir(value: str | os.PathLike[str], what: str) -> Path:
@@ -111,7 +123,9 @@ def save_checkpoint(
     refused naming the key: nothing is pickled). With ``exclude_frozen_parameters`` parameters that do
     not require grad are left out. Durable on return, then ``latest`` names ``tag`` (when
     ``save_latest``). Returns True; on failure raises on every rank, leaving earlier tags and
-    ``latest`` as they were.
+    ``latest`` as they were. ``save_dir`` may be an ``s3://`` URL (see
+    :mod:`areal_ckpt.deepspeed_objects`): every rank uploads its own files, and the tag is
+    committed by a record rank 0 writes last.
     """
     engine = as_engine(engine, "save_checkpoint")
     if engine.checkpoint_options().node_local_storage:
@@ -121,27 +135,45 @@ def save_checkpoint(
             "on storage every node shares. Set use_node_local_storage to false (nothing was written)"
         )
     tag = _agreed_tag(engine, tag if tag is not None else _default_tag(engine))
-    root = _local_dir(save_dir, "save_checkpoint: save_dir")
-    final, staging = root / tag, root / f".{tag}.staging"
-    agree.decided_by_rank0(lambda: _prepare(staging), "save_checkpoint")
-    failed = f"{final}: checkpoint not saved (earlier tags and {LATEST} are untouched)"
+    remote = object_root(save_dir, "save_checkpoint: save_dir")
+    if remote is None:
+        root = _local_dir(save_dir, "save_checkpoint: save_dir")
+        final, staging, folder, base = root / tag, root / f".{tag}.staging", "", str(root)
+        agree.decided_by_rank0(lambda: _prepare(staging), "save_checkpoint")
+    else:  # each rank stages its own files locally, uploads them, and rank 0 commits
+        staging, base = rank_staging(remote, tag), str(remote)
+        folder = agree.decided_by_rank0(lambda: choose_folder(remote, tag), "save_checkpoint")
+        agree.on_every_rank(lambda: prepare_rank_staging(staging), "save_checkpoint")
+    where = str(final) if remote is None else str(remote.child(folder))
+    failed = f"{where}: checkpoint not saved (earlier tags and {LATEST} are untouched)"
     try:
         # local work first: every rank must know it went well before the collective write
         tensors, engine_state, records = agree.on_every_rank(
             lambda: _write_rank_files(engine, staging, client_state, exclude_frozen_parameters), failed
         )
-        groups, plan_key = engine_state.get("optimizer_param_groups"), f"{root}/{TAG_MODEL}"
+        groups, plan_key = engine_state.get("optimizer_param_groups"), f"{base}/{TAG_MODEL}"
 
         def write_shards() -> dict[str, tuple[int, int]]:
             for name, record in save_tensors(tensors, staging / TAG_MODEL, groups, plan_key).items():
                 records[f"{TAG_MODEL}/{name}"] = (record.size, record.crc32)
+            if remote is not None:
+                upload_own(remote, folder, staging, sorted(records))
             return records
 
-        agree.gathered_then_decided(
-            write_shards, lambda every: _publish(root, tag, staging, final, every, save_latest), failed
-        )
+        def finish(every: list[dict[str, tuple[int, int]]]) -> None:
+            _write_tag_manifest(staging, tag, every)
+            if remote is None:
+                _publish(root, tag, staging, final, save_latest)
+            else:
+                commit_tag(remote, folder, staging, {name for part in every for name in part}, tag, save_latest)
+
+        agree.gathered_then_decided(write_shards, finish, failed)
+    except BaseException:
+        if remote is not None and dist.rank() == 0:
+            remove_uncommitted(remote, folder)
+        raise
     finally:
-        if dist.rank() == 0:
+        if remote is not None or dist.rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
     return True
 
@@ -178,10 +210,8 @@ def _write_rank_files(
     return tensors, engine_state, {own: (record.size, record.crc32)}
 
 
-def _publish(
-    root: Path, tag: str, staging: Path, final: Path, every: list[dict[str, tuple[int, int]]], save_latest: bool
-) -> None:
-    """Rank 0: manifest, publish, ``latest``."""
+def _write_tag_manifest(staging: Path, tag: str, every: list[dict[str, tuple[int, int]]]) -> None:
+    """Rank 0: the tag's manifest, listing every rank's files (``every``) and rank 0's others."""
     records = {name: FileRecord(*entry) for records in every for name, entry in records.items()}
     header = {
         "format": TAGGED_FORMAT,
@@ -192,6 +222,10 @@ def _publish(
         **numerics_record(),
     }
     write_manifest(staging, MANIFEST_NAME, records, header)
+
+
+def _publish(root: Path, tag: str, staging: Path, final: Path, save_latest: bool) -> None:
+    """Rank 0: publish the staged tag folder, then ``latest``."""
     publish(staging, final, root / f".{tag}.trash")
     if save_latest:
         _write_latest(root, tag)
@@ -205,7 +239,7 @@ def _place_offline_converter(root: Path) -> None:
     """Rank 0: put ``zero_to_fp32.py`` (torch + safetensors only, see
     :mod:`areal_ckpt.tools.offline_zero_to_fp32`) into ``root``, as DeepSpeed puts its own, by
     renaming a complete new file over it; nothing when the same script is there already."""
-    script = (Path(__file__).parent / "tools" / "offline_zero_to_fp32.py").read_bytes()
+    script = offline_converter_script()
     target = root / OFFLINE_CONVERTER
     if target.is_file() and not target.is_symlink() and target.read_bytes() == script:
         return
@@ -263,21 +297,37 @@ def load_checkpoint(
     DeepSpeed itself into a DeepSpeed engine, its pickles through the weights-only unpickler
     (a file it refuses is named on every rank, and nothing is loaded). ``load_module_only``
     skips optimizer and scheduler; ``load_module_strict`` False
-    loads the model tensors present on both sides and logs the rest.
+    loads the model tensors present on both sides and logs the rest. ``load_dir`` may be an
+    ``s3://`` URL: the committed tag is brought into a local copy per node, checked against its
+    manifest, and loaded from there; the returned path is then the tag's URL.
     """
     engine = as_engine(engine, "load_checkpoint")
-    root = _local_dir(load_dir, "load_checkpoint: load_dir")
-    if tag is None:
-        tag = agree.decided_by_rank0(lambda: read_latest(root), "load_checkpoint")
-        if tag is None:
+    remote = object_root(load_dir, "load_checkpoint: load_dir")
+    if remote is not None:
+        if tag is not None:
+            check_path_component(tag, "tag")
+        found = agree.decided_by_rank0(lambda: find_tag(remote, tag), "load_checkpoint")
+        if found is None:
             return None, None
-    check_path_component(tag, "tag")
-    folder = root / tag
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: no such checkpoint tag")
-    if agree.decided_by_rank0(lambda: is_deepspeed_own(folder), "load_checkpoint"):
-        flags = (load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only)
-        return _load_deepspeed_own(engine, folder, *flags)
+        name, tag, token = found
+        folder = agree.on_every_rank(
+            lambda: fetch_tag(remote, name, token), f"{remote.child(name)}: cannot fetch the checkpoint"
+        )
+        shown = str(remote.child(name))
+    else:
+        root = _local_dir(load_dir, "load_checkpoint: load_dir")
+        if tag is None:
+            tag = agree.decided_by_rank0(lambda: read_latest(root), "load_checkpoint")
+            if tag is None:
+                return None, None
+        check_path_component(tag, "tag")
+        folder = root / tag
+        shown = str(folder)
+        if not folder.is_dir():
+            raise CheckpointError(f"{folder}: no such checkpoint tag")
+        if agree.decided_by_rank0(lambda: is_deepspeed_own(folder), "load_checkpoint"):
+            flags = (load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+            return _load_deepspeed_own(engine, folder, *flags)
     manifest = verify_checkpoint(folder, MANIFEST_NAME, TAGGED_FORMAT, READABLE_TAGGED_VERSIONS)
     client_state = _client_state(folder, manifest)  # agreed by every rank before any weight is loaded
     if not load_module_only:  # a continued run, as opposed to weights taken for something else
@@ -291,7 +341,7 @@ def load_checkpoint(
         strict=load_module_strict,
         load_counters=not load_module_only,
     )
-    return str(folder), client_state
+    return shown, client_state
 
 
 def _load_deepspeed_own(

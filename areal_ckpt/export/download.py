@@ -10,6 +10,7 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.paths import MANIFEST_NAME
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.storage.commits import CommitLog, store_of
+from areal_ckpt.storage.folders import fetch_folder
 from areal_ckpt.storage.objects import ObjectStore
 from areal_ckpt.urls import ObjectURL, parse_object_url
 
@@ -57,14 +58,8 @@ def download_export(url: str, destination: Path) -> Path:
 
 def _fetch(store: ObjectStore, export: ObjectURL, folder: Path) -> None:
     """Manifest first, then every file it lists, each checked against it."""
-    store.get_file(export.key(MANIFEST_NAME), folder / MANIFEST_NAME)
-    try:
-        files = read_manifest(folder, MANIFEST_NAME)["files"]
-    except CheckpointError as error:
-        raise CheckpointError(f"{export.url_of(export.key(MANIFEST_NAME))}: {error}") from None
-    for name in files:
-        (folder / name).parent.mkdir(parents=True, exist_ok=True)
-        store.get_file(export.key(name), folder / name)
+    fetch_folder(store, export, folder, MANIFEST_NAME)
+    files = read_manifest(folder, MANIFEST_NAME)["files"]
     problems = check_files(folder, files, files)
     if problems:
         named = [problem.replace(str(folder), str(export), 1) for problem in problems]

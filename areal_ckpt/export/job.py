@@ -40,15 +40,15 @@ from areal_ckpt.formats.hf_keys import check_loadable
 from areal_ckpt.fsio import FileRecord, make_dirs
 from areal_ckpt.jobs.shm_arena import ArenaLayout, StagingArena, arena_layout_of_specs
 from areal_ckpt.paths import EXPORT_FORMAT, MANIFEST_NAME, export_staging, export_trash
-from areal_ckpt.publish import publish, read_manifest, write_manifest
+from areal_ckpt.publish import publish, write_manifest
 from areal_ckpt.storage.commits import (
     CommitLog,
     FolderUploader,
     delete_prefix,
     fresh_folder,
     store_of,
-    upload_folder_files,
 )
+from areal_ckpt.storage.folders import upload_rest
 from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
@@ -292,9 +292,7 @@ def _publish(target: ExportTarget, every: list[dict[str, tuple[int, int]]]) -> N
         return
     remote = target.remote.child(target.remote_folder)
     store = store_of(remote)
-    listed = read_manifest(target.staging, MANIFEST_NAME)["files"]
-    upload_folder_files(store, target.staging, sorted(set(listed) - set(records)), remote)
-    upload_folder_files(store, target.staging, [MANIFEST_NAME], remote)  # last: the data it lists is there
+    upload_rest(store, target.staging, remote, MANIFEST_NAME, uploaded=set(records))
     CommitLog(store, target.remote).append(
         {"folder": target.remote_folder, "name": target.final.name, "step": target.header.get("step")}
     )

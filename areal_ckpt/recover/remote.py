@@ -14,25 +14,21 @@ trial) before uploading anything.
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import secrets
 from collections.abc import Iterable
 from pathlib import Path
 
-from areal_ckpt import agree, dist
+from areal_ckpt import agree
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.paths import RECOVER_CURRENT, RECOVER_MANIFEST, RECOVER_STORE, is_generation_name
-from areal_ckpt.publish import check_files, read_manifest, switch_symlink
+from areal_ckpt.publish import switch_symlink
 from areal_ckpt.storage.commits import CommitLog, CommitRecord, remove_debris, store_of, upload_folder_files
-from areal_ckpt.storage.objects import ObjectStore
+from areal_ckpt.storage.folders import fetch_shared, upload_rest
 from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
-
-_FETCH_LOCK = ".fetch.lock"
-_FETCHED_PREFIX = ".fetched-"  # + a load's token: this copy was completed and checked for that load
 
 
 def new_run_token() -> str:
@@ -100,11 +96,7 @@ class RemoteGenerations:
             return mine
 
         def commit(every: list[list[str]]) -> None:
-            uploaded = {name for names in every for name in names}
-            listed = read_manifest(folder, RECOVER_MANIFEST)["files"]
-            store = store_of(target)
-            upload_folder_files(store, folder, sorted(set(listed) - uploaded), target)
-            upload_folder_files(store, folder, [RECOVER_MANIFEST], target)
+            upload_rest(store_of(target), folder, target, RECOVER_MANIFEST, {name for names in every for name in names})
             log = self.log
             committed = log.append({"folder": folder.name, "run": run, "global_step": step})
             for record in log.records():
@@ -135,55 +127,14 @@ class RemoteGenerations:
             return None
         generation, token = decided
 
+        def point_current(folder: Path) -> None:
+            pointer = store_root / RECOVER_CURRENT
+            if not pointer.is_symlink() or os.readlink(pointer) != generation:
+                switch_symlink(pointer, generation)
+
         def fetch() -> None:
             source = self.root.child(generation)
-            store = store_of(source)
-            store_root.mkdir(parents=True, exist_ok=True)
-            with _locked(store_root / _FETCH_LOCK):
-                folder, marker = store_root / generation, store_root / f"{_FETCHED_PREFIX}{token}"
-                if not marker.is_file():
-                    _complete(store, source, folder)
-                    for stale in store_root.glob(f"{_FETCHED_PREFIX}*"):  # earlier loads'
-                        stale.unlink(missing_ok=True)
-                    marker.touch()
-                pointer = store_root / RECOVER_CURRENT
-                if not pointer.is_symlink() or os.readlink(pointer) != generation:
-                    switch_symlink(pointer, generation)
+            fetch_shared(store_of(source), source, store_root, RECOVER_MANIFEST, token, then=point_current)
 
         agree.on_every_rank(fetch, f"{self.root}: cannot fetch the committed recovery checkpoint")
         return generation
-
-
-def _complete(store: ObjectStore, source: ObjectURL, folder: Path) -> None:
-    """Download into ``folder`` the manifest of the generation ``source`` and every file it
-    lists that ``folder`` lacks or holds damaged (size or CRC-32 differ)."""
-    (folder / RECOVER_MANIFEST).parent.mkdir(parents=True, exist_ok=True)
-    store.get_file(source.key(RECOVER_MANIFEST), folder / RECOVER_MANIFEST)
-    files = read_manifest(folder, RECOVER_MANIFEST)["files"]
-    fetched = 0
-    for name in files:
-        problems = check_files(folder, files, [name])
-        if not problems:
-            continue
-        if (folder / name).exists():
-            logger.warning("%s; downloading it again from %s", problems[0], source)
-        (folder / name).parent.mkdir(parents=True, exist_ok=True)
-        store.get_file(source.key(name), folder / name)
-        fetched += 1
-    if fetched:
-        logger.info("rank %d: fetched %d file(s) of %s", dist.rank(), fetched, source)
-
-
-class _locked:
-    """An exclusive ``flock`` on ``path`` (created) for the ``with`` block; blocking."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fd = -1
-
-    def __enter__(self) -> None:
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc: object) -> None:
-        os.close(self.fd)

@@ -18,10 +18,12 @@ from areal_ckpt.urls import ObjectURL
 
 @dataclass(frozen=True)
 class ObjectInfo:
-    """One listed object: its key (from the bucket's root) and its size in bytes."""
+    """One listed object: its key (from the bucket's root), its size in bytes and when it was
+    written (Unix seconds)."""
 
     key: str
     size: int
+    modified: float = 0.0
 
 
 @runtime_checkable
@@ -47,6 +49,10 @@ class ObjectStore(Protocol):
 
     def get_bytes(self, key: str) -> bytes | None:
         """The whole object ``key``, or None when there is none."""
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """``length`` bytes of ``key`` from offset ``start`` (fewer only at the object's end);
+        CheckpointError naming the key when it is missing."""
 
     def get_file(self, key: str, path: Path) -> None:
         """Download ``key`` into the local file ``path`` (parallel ranged reads when large);

@@ -113,6 +113,19 @@ class S3Store:
 
         return self._patiently(read)
 
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """One ranged GET of ``key``: bytes ``start`` to ``start + length - 1``. Blocking."""
+
+        def read() -> bytes:
+            with self._translated("read", key):
+                answer = self._client.get_object(
+                    Bucket=self.url.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}"
+                )
+                body: bytes = answer["Body"].read()
+                return body
+
+        return self._patiently(read)
+
     def get_file(self, key: str, path: Path) -> None:
         """Download ``key`` into ``path`` (parallel ranged GETs past 64 MiB). Blocking."""
 
@@ -130,7 +143,10 @@ class S3Store:
             with self._translated("list", prefix):
                 pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.url.bucket, Prefix=prefix)
                 for page in pages:
-                    found.extend(ObjectInfo(item["Key"], int(item["Size"])) for item in page.get("Contents", []))
+                    found.extend(
+                        ObjectInfo(item["Key"], int(item["Size"]), item["LastModified"].timestamp())
+                        for item in page.get("Contents", [])
+                    )
             return found
 
         return self._patiently(read)

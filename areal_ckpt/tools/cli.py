@@ -10,6 +10,7 @@ import datetime
 import json
 import logging
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,15 @@ from areal_ckpt.tools.convert import export_deepspeed, export_recovery, export_s
 from areal_ckpt.tools.import_areal import import_areal_trial
 from areal_ckpt.tools.inspection import describe, list_trial, verify_each
 from areal_ckpt.tools.launch import launch
+from areal_ckpt.tools.remote_trial import (
+    commit_output,
+    fetch_checkpoint,
+    fetch_tag_into,
+    list_remote,
+    repoint_remote,
+    verify_remote,
+)
+from areal_ckpt.urls import url_scheme
 
 
 def _progress(unit: str) -> Any:
@@ -66,7 +76,12 @@ def _print_table(rows: list[list[str]]) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    facts = describe(Path(args.path))
+    if url_scheme(args.path):  # read from a local copy: one checkpoint, downloaded whole
+        with tempfile.TemporaryDirectory(prefix="areal-ckpt-inspect-") as scratch:
+            local, url = fetch_checkpoint(args.path, Path(scratch))
+            facts = {**describe(local), "path": url}
+    else:
+        facts = describe(Path(args.path))
     if args.json:
         print(json.dumps(facts, indent=1))
         return 0
@@ -107,7 +122,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    results = verify_each(Path(args.path), progress=_progress("file"))
+    if url_scheme(args.path):
+        results: list[tuple[Any, list[str]]] = list(verify_remote(args.path, progress=_progress("object")))
+    else:
+        results = list(verify_each(Path(args.path), progress=_progress("file")))
     bad = 0
     for checkpoint, problems in results:
         if problems:
@@ -122,7 +140,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    entries = list_trial(Path(args.trial_root))
+    entries = list_remote(args.trial_root) if url_scheme(args.trial_root) else list_trial(Path(args.trial_root))
     if args.json:
         print(json.dumps(entries, indent=1))
         return 0
@@ -147,48 +165,55 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    dtype = EXPORT_DTYPES[args.dtype] if args.dtype else None
-    source = Path(args.recover_dir)
-    if is_stock_dcp(source):
-        result = export_stock_dcp(
-            source,
-            Path(args.out_dir),
-            Path(args.config_from) if args.config_from else None,
-            dtype=dtype,
-            max_shard_size=parse_size(args.max_shard_size),
-            progress=_progress("shard"),
-        )
-    else:
-        result = export_recovery(
-            source,
-            Path(args.out_dir),
-            name=args.name,
-            dtype=dtype,
-            max_shard_size=parse_size(args.max_shard_size),
-            progress=_progress("shard"),
-            config_from=Path(args.config_from) if args.config_from else None,
-            lora=args.lora,
-        )
-    print(f"exported {_size(result.bytes)} in {result.seconds:.2f} s to {result.path}")
+    with tempfile.TemporaryDirectory(prefix="areal-ckpt-export-") as scratch:
+        source = Path(args.recover_dir)
+        if url_scheme(args.recover_dir):
+            source, _ = fetch_checkpoint(args.recover_dir, Path(scratch) / "source")
+        out_dir = Path(scratch) / "out" if url_scheme(args.out_dir) else Path(args.out_dir)
+        dtype = EXPORT_DTYPES[args.dtype] if args.dtype else None
+        options = {"dtype": dtype, "max_shard_size": parse_size(args.max_shard_size), "progress": _progress("shard")}
+        config_from = Path(args.config_from) if args.config_from else None
+        if is_stock_dcp(source):
+            result = export_stock_dcp(source, out_dir, config_from, **options)
+        else:
+            result = export_recovery(
+                source, out_dir, name=args.name, config_from=config_from, lora=args.lora, **options
+            )
+        _report(result.bytes, result.seconds, _committed(result.path, args.out_dir))
     return 0
 
 
+def _committed(local: Path, out: str) -> str:
+    """Where the output now is: ``local`` itself, or the URL ``out`` it was committed to."""
+    return commit_output(local, out) if url_scheme(out) else str(local)
+
+
+def _report(size: int, seconds: float, where: str) -> None:
+    print(f"exported {_size(size)} in {seconds:.2f} s to {where}")
+
+
 def cmd_convert_deepspeed(args: argparse.Namespace) -> int:
-    dtype = EXPORT_DTYPES[args.dtype] if args.dtype else None
-    result = export_deepspeed(
-        Path(args.ds_dir),
-        Path(args.out_dir),
-        tag=args.tag,
-        dtype=dtype,
-        max_shard_size=parse_size(args.max_shard_size),
-        config_dir=Path(args.config) if args.config else None,
-        progress=_progress("shard"),
-    )
-    print(f"exported {_size(result.bytes)} in {result.seconds:.2f} s to {result.path}")
+    with tempfile.TemporaryDirectory(prefix="areal-ckpt-convert-") as scratch:
+        ds_dir, tag = Path(args.ds_dir), args.tag
+        if url_scheme(args.ds_dir):
+            fetched = fetch_tag_into(args.ds_dir, args.tag, Path(scratch) / "source")
+            ds_dir, tag = fetched.parent, fetched.name
+        result = export_deepspeed(
+            ds_dir,
+            Path(scratch) / "out" if url_scheme(args.out_dir) else Path(args.out_dir),
+            tag=tag,
+            dtype=EXPORT_DTYPES[args.dtype] if args.dtype else None,
+            max_shard_size=parse_size(args.max_shard_size),
+            config_dir=Path(args.config) if args.config else None,
+            progress=_progress("shard"),
+        )
+        _report(result.bytes, result.seconds, _committed(result.path, args.out_dir))
     return 0
 
 
 def cmd_recover_pointer(args: argparse.Namespace) -> int:
+    if url_scheme(args.trial):
+        return _recover_pointer_remote(args.trial)
     store = RecoverStore(Path(args.trial))
     try:
         committed = store.committed()
@@ -206,6 +231,19 @@ def cmd_recover_pointer(args: argparse.Namespace) -> int:
     for name, problems in skipped.items():
         print(f"SKIP {name}: {'; '.join(problems)}")
     print(f"OK   {store.pointer} -> {generation}: every file matches its manifest; the next start resumes from it")
+    return 0
+
+
+def _recover_pointer_remote(trial: str) -> int:
+    generation, skipped, committed = repoint_remote(trial)
+    for name, problems in skipped.items():
+        print(f"SKIP {name}: {'; '.join(problems)}")
+    if not committed:
+        print(f"{trial}: the newest commit names {generation}, which is intact; nothing changed")
+    else:
+        print(
+            f"OK   {trial}: committed {generation} (every object matches its manifest); the next start resumes from it"
+        )
     return 0
 
 
@@ -244,7 +282,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def _add_output_options(command: argparse.ArgumentParser) -> None:
     """The HF output folder and how it is written, shared by the converting commands."""
-    command.add_argument("out_dir", help="new folder to create")
+    command.add_argument("out_dir", help="new folder to create, or a new s3:// prefix to commit the export to")
     command.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="exported floating-point dtype")
     command.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
 
@@ -255,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     inspect = commands.add_parser("inspect", help="what a checkpoint folder is: kind, step, sizes, dtypes")
-    inspect.add_argument("path")
+    inspect.add_argument("path", help="a checkpoint folder, or an s3:// URL (that checkpoint is downloaded to read it)")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(run=cmd_inspect)
 
@@ -264,18 +302,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="check every file of a checkpoint (or of every checkpoint of a trial) "
         "against its manifest; one line each; exit 0 only if all are intact",
     )
-    check.add_argument("path")
+    check.add_argument("path", help="a checkpoint or trial folder, or an s3:// URL (objects are read where they lie)")
     check.set_defaults(run=cmd_verify)
 
     listing = commands.add_parser("list", help="every export and the recovery checkpoint of a trial, newest first")
-    listing.add_argument("trial_root")
+    listing.add_argument("trial_root", help="a trial folder, or its s3:// URL")
     listing.add_argument("--json", action="store_true", help="machine-readable output")
     listing.set_defaults(run=cmd_list)
 
     export = commands.add_parser("export", help="recovery checkpoint (DCP) -> HuggingFace folder")
     export.add_argument(
         "recover_dir",
-        help="trial folder, recover_info, or {name}/recover_checkpoint; or a stock DCP folder (dcp.save's own format)",
+        help="trial folder, recover_info, or {name}/recover_checkpoint; or a stock DCP folder (dcp.save's own format); "
+        "or a trial's s3:// URL",
     )
     _add_output_options(export)
     export.add_argument("--name", help="model to export when the checkpoint holds several")
@@ -293,7 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(run=cmd_export)
 
     convert = commands.add_parser("convert-deepspeed", help="DeepSpeed ZeRO checkpoint -> HuggingFace folder")
-    convert.add_argument("ds_dir", help="folder holding 'latest' and tag folders (ours or DeepSpeed's own)")
+    convert.add_argument(
+        "ds_dir",
+        help="folder holding 'latest' and tag folders (ours or DeepSpeed's own), or the s3:// URL save_checkpoint wrote",
+    )
     _add_output_options(convert)
     convert.add_argument("--tag", help="checkpoint tag (default: what 'latest' names)")
     convert.add_argument(
@@ -306,7 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     pointer = commands.add_parser(
         "recover-pointer", help="re-point a trial's lost or broken commit record at its newest intact generation"
     )
-    pointer.add_argument("trial", help="the trial folder ({fileroot}/checkpoints/{user}/{experiment}/{trial})")
+    pointer.add_argument(
+        "trial", help="the trial folder ({fileroot}/checkpoints/{user}/{experiment}/{trial}), or its s3:// URL"
+    )
     pointer.set_defaults(run=cmd_recover_pointer)
 
     importer = commands.add_parser(
@@ -340,6 +384,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: The arguments of every command that name a file or folder.
 _PATH_ARGUMENTS = ("path", "trial_root", "trial", "recover_dir", "ds_dir", "out_dir", "config_from", "config")
+#: Those that may be an object storage URL instead (docs/storage.md), by command.
+_URL_ARGUMENTS = {
+    "inspect": {"path"},
+    "verify": {"path"},
+    "list": {"trial_root"},
+    "export": {"recover_dir", "out_dir"},
+    "convert-deepspeed": {"ds_dir", "out_dir"},
+    "recover-pointer": {"trial"},
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -347,8 +400,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     try:
-        for name in _PATH_ARGUMENTS:  # a URL is refused, never taken for a local folder
-            if isinstance(getattr(args, name, None), str):
+        for name in _PATH_ARGUMENTS:  # a URL is refused where none is read, never taken for a local folder
+            if isinstance(getattr(args, name, None), str) and name not in _URL_ARGUMENTS.get(args.command, ()):
                 local_path(getattr(args, name), name.replace("_", "-"))
         return int(args.run(args))
     except (CheckpointError, ValueError, OSError) as error:

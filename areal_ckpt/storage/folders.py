@@ -1,0 +1,185 @@
+"""Whole checkpoint folders and object storage: commit a local folder as a new generation,
+bring a committed one down, check one where it lies. Each checkpoint folder carries a manifest
+(every file's size and CRC-32, :mod:`areal_ckpt.publish`); these functions go by it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from areal_ckpt import fsio
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.publish import check_files, read_manifest
+from areal_ckpt.storage.commits import CommitLog, CommitRecord, delete_prefix, fresh_folder, upload_folder_files
+from areal_ckpt.storage.objects import ObjectStore
+from areal_ckpt.urls import ObjectURL
+
+logger = logging.getLogger(__name__)
+
+_FETCH_LOCK = ".fetch.lock"
+_FETCHED_PREFIX = ".fetched-"  # + a load's token: this copy was completed and checked for that load
+_RANGE = 32 << 20
+_READERS = 4
+
+
+def commit_folder(
+    store: ObjectStore, parent: ObjectURL, folder: Path, manifest_name: str, body: dict[str, Any]
+) -> CommitRecord:
+    """Upload the local checkpoint ``folder`` under a prefix of ``parent`` never used before
+    (``folder``'s name, or ``{name}.{n}``): every file its manifest lists, then the manifest,
+    then the commit record (``body`` plus ``folder``) in ``parent``'s log. Blocking; local to
+    the caller. On failure the uploaded objects are removed (or left as debris for the next
+    writer when removing fails too) and nothing is committed."""
+    name = fresh_folder(store, parent, folder.name)
+    target = parent.child(name)
+    try:
+        upload_rest(store, folder, target, manifest_name, uploaded=set())
+        return CommitLog(store, parent).append({**body, "folder": name})
+    except BaseException:
+        try:
+            delete_prefix(store, target.key() + "/")
+        except CheckpointError as error:
+            logger.warning("could not remove the uncommitted %s: %s", target, error)
+        raise
+
+
+def upload_rest(store: ObjectStore, folder: Path, target: ObjectURL, manifest_name: str, uploaded: set[str]) -> None:
+    """Upload to ``target`` the files the manifest of the local ``folder`` lists that are not
+    in ``uploaded`` (other ranks' own files, already there), then the manifest itself, last:
+    what it lists is in place before it. Blocking; the caller writes the commit record next."""
+    listed = read_manifest(folder, manifest_name)["files"]
+    upload_folder_files(store, folder, sorted(set(listed) - uploaded), target)
+    upload_folder_files(store, folder, [manifest_name], target)
+
+
+def fetch_shared(
+    store: ObjectStore,
+    source: ObjectURL,
+    copies: Path,
+    manifest_name: str,
+    token: str,
+    then: Callable[[Path], None] = lambda folder: None,
+) -> Path:
+    """Complete the local copy ``copies/{name}`` of the committed checkpoint ``source``
+    (:func:`fetch_folder`), once per load: processes sharing ``copies`` (the ranks of one node)
+    take turns under a file lock, and the first leaves a marker named by ``token`` (one per
+    load, the same on every rank) so the others skip the check. ``then(copy)`` runs under the
+    lock too. Returns the copy. Blocking; local to the caller."""
+    name = source.key().rsplit("/", 1)[-1]
+    copies.mkdir(parents=True, exist_ok=True)
+    with _Locked(copies / _FETCH_LOCK):
+        folder, marker = copies / name, copies / f"{_FETCHED_PREFIX}{token}"
+        if not marker.is_file():
+            fetched = fetch_folder(store, source, folder, manifest_name)
+            if fetched:
+                logger.info("fetched %d file(s) of %s", fetched, source)
+            for stale in copies.glob(f"{_FETCHED_PREFIX}*"):  # earlier loads'
+                stale.unlink(missing_ok=True)
+            marker.touch()
+        then(folder)
+    return folder
+
+
+def fetch_folder(store: ObjectStore, source: ObjectURL, folder: Path, manifest_name: str) -> int:
+    """Download into the local ``folder`` the manifest of the committed checkpoint ``source``
+    and every file it lists that ``folder`` lacks or holds damaged (size or CRC-32 differ: a
+    copy torn by a crash is fetched again, with a warning naming it); returns how many files
+    were downloaded. Blocking; local to the caller."""
+    (folder / manifest_name).parent.mkdir(parents=True, exist_ok=True)
+    store.get_file(source.key(manifest_name), folder / manifest_name)
+    try:
+        files = read_manifest(folder, manifest_name)["files"]
+    except CheckpointError as error:
+        raise CheckpointError(f"{source.url_of(source.key(manifest_name))}: {error}") from None
+    fetched = 0
+    for name in files:
+        problems = check_files(folder, files, [name])
+        if not problems:
+            continue
+        if (folder / name).exists():
+            logger.warning("%s; downloading it again from %s", problems[0], source)
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        store.get_file(source.key(name), folder / name)
+        fetched += 1
+    problems = [problem.replace(str(folder), str(source), 1) for problem in check_files(folder, files, files, False)]
+    if problems:
+        raise CheckpointError(f"{source}: the downloaded copy is damaged: " + "; ".join(problems))
+    return fetched
+
+
+def check_remote_folder(
+    store: ObjectStore,
+    source: ObjectURL,
+    manifest_name: str,
+    progress: Callable[[Iterable[str]], Iterable[str]] = iter,
+) -> list[str]:
+    """Every problem of the checkpoint ``source`` where it lies (its manifest missing or
+    damaged; a listed object missing, of another size or failing its CRC-32, read by ranged
+    GETs without a local copy; an object the manifest does not list), one line each naming
+    the object's URL. Empty means intact. Blocking; read-only."""
+    base = source.key() + "/"
+    sizes = {item.key[len(base) :]: item.size for item in store.list_prefix(base)}
+    if manifest_name not in sizes:
+        return [f"{source.url_of(source.key(manifest_name))}: missing: the checkpoint is incomplete"]
+    with tempfile.TemporaryDirectory(prefix="areal_ckpt-manifest-") as scratch:
+        local = Path(scratch)
+        (local / manifest_name).parent.mkdir(parents=True, exist_ok=True)
+        store.get_file(source.key(manifest_name), local / manifest_name)
+        try:
+            files = read_manifest(local, manifest_name)["files"]
+        except CheckpointError as error:
+            return [str(error).replace(str(local / manifest_name), source.url_of(source.key(manifest_name)))]
+    problems = []
+    for name in progress(sorted(files)):
+        url, expected = source.url_of(source.key(name)), files[name]
+        if name not in sizes:
+            problems.append(f"{url}: missing")
+        elif sizes[name] != expected["size"]:
+            problems.append(
+                f"{url}: size {sizes[name]} bytes, manifest says {expected['size']} (truncated or replaced)"
+            )
+        elif object_crc32(store, source.key(name), sizes[name]) != expected["crc32"]:
+            problems.append(f"{url}: checksum mismatch (object corrupted)")
+    for extra in sorted(set(sizes) - set(files) - {manifest_name}):
+        problems.append(
+            f"{source.url_of(source.key(extra))}: not listed in the manifest (added after the checkpoint was written)"
+        )
+    return problems
+
+
+def object_crc32(store: ObjectStore, key: str, size: int) -> int:
+    """The CRC-32 of the object ``key`` of ``size`` bytes, read as ranged GETs a few at a time
+    (in order; at most a few ranges in memory). Blocking."""
+    crc = 0
+    starts = list(range(0, size, _RANGE))
+    with ThreadPoolExecutor(_READERS, thread_name_prefix="areal_ckpt-verify") as pool:
+        for window in range(0, len(starts), _READERS):
+            pieces = pool.map(
+                lambda start: store.get_range(key, start, min(_RANGE, size - start)), starts[window : window + _READERS]
+            )
+            for piece in pieces:
+                crc = fsio.crc32(piece, crc)
+    return crc
+
+
+class _Locked:
+    """An exclusive ``flock`` on ``path`` (created, never through a link) for the ``with``
+    block; blocking."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = -1
+
+    def __enter__(self) -> None:
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)

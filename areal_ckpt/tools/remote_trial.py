@@ -1,0 +1,244 @@
+"""The command line on object storage: what a URL holds, listed and verified where it lies,
+copied down for the commands that read a checkpoint whole (``inspect``, ``export``), and a
+local output committed up (``export``, ``convert-deepspeed``).
+
+Only committed checkpoints count (a commit record names them, see
+:mod:`areal_ckpt.storage.commits`); objects no record names are a dead writer's debris and
+are neither listed nor verified.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from areal_ckpt.deepspeed_objects import find_tag
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.paths import (
+    MANIFEST_NAME,
+    RECOVER_CURRENT,
+    RECOVER_MANIFEST,
+    RECOVER_STORE,
+    generation_step,
+    is_generation_name,
+    parse_export_leaf,
+)
+from areal_ckpt.publish import read_manifest, switch_symlink
+from areal_ckpt.recover.remote import RemoteGenerations
+from areal_ckpt.storage.commits import COMMIT_LOG, CommitLog, CommitRecord, store_of
+from areal_ckpt.storage.folders import check_remote_folder, commit_folder, fetch_folder
+from areal_ckpt.storage.objects import ObjectInfo
+from areal_ckpt.urls import ObjectURL, parse_object_url
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RemoteCheckpoint:
+    """One committed checkpoint on object storage: ``export``, ``recover`` or ``deepspeed``
+    (a ``save_checkpoint`` tag), the model (or the tag) it holds, its folder's URL, its commit record, its size and when it was committed."""
+
+    kind: str
+    name: str
+    url: ObjectURL
+    record: CommitRecord
+    bytes: int
+    created_unix: float | None
+
+    @property
+    def manifest_name(self) -> str:
+        """Where in its folder the manifest lies."""
+        return RECOVER_MANIFEST if self.kind == "recover" else MANIFEST_NAME
+
+
+def committed_under(value: str) -> list[RemoteCheckpoint]:
+    """The committed checkpoints the URL ``value`` names: a trial's (every model's exports and
+    the recovery checkpoint), a model's exports (its prefix), or the one committed folder it
+    is. One listing plus one read per commit record. CheckpointError when there is none."""
+    url = parse_object_url(value, "checkpoint URL")
+    store = store_of(url)
+    base = url.key() + "/" if url.key() else ""
+    listing = store.list_prefix(base)
+    logs: set[str] = set()
+    for item in listing:
+        parts = item.key[len(base) :].split("/")
+        if len(parts) in (2, 3) and parts[-2] == COMMIT_LOG:
+            logs.add("/".join(parts[:-2]))
+    found = [
+        checkpoint
+        for parent in sorted(logs)
+        for checkpoint in _committed_in_log(url.child(parent) if parent else url, listing)
+    ]
+    if not found and url.key():  # the URL may be one committed folder
+        parent_key, _, folder = url.key().rpartition("/")
+        parent = ObjectURL(url.scheme, url.bucket, parent_key)
+        found = [c for c in _committed_in_log(parent, listing) if c.record.folder == folder]
+    if not found:
+        raise CheckpointError(f"{url}: no committed checkpoint there (no commit record under it or naming it)")
+    return found
+
+
+def _committed_in_log(parent: ObjectURL, listing: list[ObjectInfo]) -> list[RemoteCheckpoint]:
+    """The checkpoints the commit log of ``parent`` names; sizes and times from ``listing``."""
+    kind = "recover" if parent.key().rsplit("/", 1)[-1] == RECOVER_STORE else "export"
+    model = parent.key().rsplit("/", 1)[-1]
+    store = store_of(parent)
+    log = CommitLog(store, parent)
+    sizes = {item.key: item.size for item in listing}
+    times = {item.key: item.modified for item in listing}
+    found = []
+    for record in log.records():
+        folder = parent.child(record.folder)
+        size = sum(s for key, s in sizes.items() if key.startswith(folder.key() + "/"))
+        when = times.get(parent.key(COMMIT_LOG, f"{record.sequence:012d}.json"))
+        if kind == "export" and isinstance(record.body.get("tag"), str):
+            found.append(RemoteCheckpoint("deepspeed", record.body["tag"], folder, record, size, when))
+        else:
+            found.append(RemoteCheckpoint(kind, "" if kind == "recover" else model, folder, record, size, when))
+    return found
+
+
+def verify_remote(value: str, progress: Callable[[Iterable[str]], Iterable[str]] = iter) -> list[tuple[str, list[str]]]:
+    """(checkpoint URL, problems) for every committed checkpoint ``value`` names, each object
+    checked by size and CRC-32 where it lies (ranged reads, no local copy). Read-only."""
+    return [
+        (str(c.url), check_remote_folder(store_of(c.url), c.url, c.manifest_name, progress))
+        for c in committed_under(value)
+    ]
+
+
+def list_remote(value: str) -> list[dict[str, Any]]:
+    """Every committed export and recovery checkpoint under the URL ``value``, newest first,
+    in the entries ``areal-ckpt list`` prints for a local trial. Read-only."""
+    entries = []
+    for checkpoint in committed_under(value):
+        entry: dict[str, Any] = {
+            "kind": checkpoint.kind,
+            "name": checkpoint.name,
+            "bytes": checkpoint.bytes,
+            "created_unix": checkpoint.created_unix,
+            "path": str(checkpoint.url),
+        }
+        if checkpoint.kind == "deepspeed":
+            step: Any = {}
+        elif checkpoint.kind == "export":
+            step = checkpoint.record.body.get("step") or {}
+            if not step and (leaf := parse_export_leaf(checkpoint.record.folder.split(".")[0])) is not None:
+                step = dict(zip(("epoch", "epoch_step", "global_step"), leaf, strict=True))
+        else:
+            manifest = _remote_json(checkpoint.url, RECOVER_MANIFEST)
+            step = manifest.get("step") or {}
+            entry["name"] = ",".join(manifest.get("models", []))
+        entries.append(
+            {**entry, **{k: step.get(k) for k in ("epoch", "epoch_step", "global_step")}}
+            if isinstance(step, dict)
+            else {**entry, "epoch": None, "epoch_step": None, "global_step": None}
+        )
+    return sorted(entries, key=lambda e: (e["global_step"] or 0, e["created_unix"] or 0), reverse=True)
+
+
+def _remote_json(folder: ObjectURL, name: str) -> dict[str, Any]:
+    """The JSON object ``name`` of ``folder``; CheckpointError naming its URL otherwise."""
+    raw = store_of(folder).get_bytes(folder.key(name))
+    try:
+        if raw is None:
+            raise ValueError("missing")
+        value = json.loads(raw)
+        if not isinstance(value, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as error:
+        raise CheckpointError(f"{folder.url_of(folder.key(name))}: unreadable ({error})") from None
+    return value
+
+
+def fetch_checkpoint(value: str, scratch: Path) -> tuple[Path, str]:
+    """Download the one checkpoint the URL ``value`` names into the empty local folder
+    ``scratch``: a trial's recovery checkpoint (as a local trial: ``scratch`` itself), or an
+    export (the model's newest, or the committed folder named). Returns the local path to
+    read and the checkpoint's URL. Blocking; each file is checked against the manifest when
+    it is read. A ``save_checkpoint`` folder gives its ``latest`` tag (else its newest)."""
+    found = committed_under(value)
+    recoveries = [c for c in found if c.kind == "recover"]
+    if recoveries:
+        checkpoint = max(recoveries, key=lambda c: c.record.sequence)
+        store_root = scratch / RECOVER_STORE
+        fetch_folder(store_of(checkpoint.url), checkpoint.url, store_root / checkpoint.record.folder, RECOVER_MANIFEST)
+        switch_symlink(store_root / RECOVER_CURRENT, checkpoint.record.folder)
+        return scratch, str(checkpoint.url)
+    tags = [c for c in found if c.kind == "deepspeed"]
+    if tags:
+        found = [c for c in tags if c.record.body.get("latest")] or tags
+    names = {c.name for c in found if c.kind == "export"}
+    if len(names) > 1:
+        raise CheckpointError(f"{value}: holds exports of models {sorted(names)}; name one: {value}/NAME")
+    checkpoint = max(found, key=lambda c: c.record.sequence)
+    folder = scratch / checkpoint.url.key().rsplit("/", 1)[-1]
+    fetch_folder(store_of(checkpoint.url), checkpoint.url, folder, MANIFEST_NAME)
+    return folder, str(checkpoint.url)
+
+
+def fetch_tag_into(value: str, tag: str | None, scratch: Path) -> Path:
+    """Download the ``save_checkpoint`` tag ``tag`` (None: ``latest``) of the save_dir URL
+    ``value`` into ``scratch/{its folder}`` and return that folder. Blocking."""
+    root = parse_object_url(value, "save_dir URL")
+    found = find_tag(root, tag)
+    if found is None:
+        raise CheckpointError(f"{root}: no tag saved with save_latest; name one with --tag")
+    folder = found[0]
+    fetch_folder(store_of(root), root.child(folder), scratch / folder, MANIFEST_NAME)
+    return scratch / folder
+
+
+def commit_output(folder: Path, value: str) -> str:
+    """Upload the local export ``folder`` to the URL ``value``, which must hold nothing yet,
+    and commit it in its parent's log (as the Saver commits an export: ``download_export``
+    and ``from_pretrained`` after it read it). Returns the committed URL. Blocking."""
+    url = parse_object_url(value, "output URL")
+    parent_key, _, name = url.key().rpartition("/")
+    if not name:
+        raise CheckpointError(f"{value}: name a prefix inside the bucket to write to (s3://bucket/prefix/name)")
+    store = store_of(url)
+    if store.list_prefix(url.key() + "/"):
+        raise CheckpointError(f"{url}: already holds objects; choose a new output prefix")
+    local = folder.rename(folder.with_name(name)) if folder.name != name else folder
+    header = read_manifest(local, MANIFEST_NAME)
+    parent = ObjectURL(url.scheme, url.bucket, parent_key)
+    record = commit_folder(
+        store, parent, local, MANIFEST_NAME, {"name": header.get("name"), "step": header.get("step")}
+    )
+    return str(parent.child(record.folder))
+
+
+def repoint_remote(value: str) -> tuple[str, dict[str, list[str]], bool]:
+    """``recover-pointer`` on object storage: when the newest commit record of the trial
+    ``value`` names a recovery generation that is missing or damaged, commit (a new record,
+    create-only) the newest generation under ``.recover/`` whose every object matches its
+    manifest. Returns the generation, the generations skipped with their problems, and
+    whether a record was written. Run it while no job writes the trial. Blocking."""
+    generations = RemoteGenerations(parse_object_url(value, "trial URL"))
+    generations.check_access()
+    store, root = store_of(generations.root), generations.root
+    newest = generations.newest()
+    skipped: dict[str, list[str]] = {}
+    if newest is not None:
+        problems = check_remote_folder(store, root.child(newest.folder), RECOVER_MANIFEST)
+        if not problems:
+            return newest.folder, skipped, False
+        skipped[newest.folder] = problems
+    base = root.key() + "/"
+    present = {item.key[len(base) :].split("/", 1)[0] for item in store.list_prefix(base)}
+    for name in sorted((n for n in present if is_generation_name(n) and n not in skipped), key=generation_step)[::-1]:
+        problems = check_remote_folder(store, root.child(name), RECOVER_MANIFEST)
+        if problems:
+            skipped[name] = problems
+            continue
+        generations.log.append({"folder": name, "run": "recover-pointer", "global_step": generation_step(name)})
+        return name, skipped, True
+    raise CheckpointError(
+        f"{root}: no intact recovery generation to point at"
+        + "".join(f"; {name}: {'; '.join(problems)}" for name, problems in skipped.items())
+    )
