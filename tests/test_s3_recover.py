@@ -205,3 +205,16 @@ def test_a_torn_file_in_the_staging_copy_is_downloaded_again(s3_server, s3_bucke
     assert "__0_0.distcp: checksum mismatch (file corrupted); downloading it again" in caplog.text
     for name, tensor in setup.model.state_dict().items():
         assert torch.equal(fresh.model.state_dict()[name], tensor), name
+
+
+@pytest.mark.dist
+def test_lora_on_two_nodes_dumps_twice_and_resumes_from_fresh_disks_bit_exact(s3_server, s3_bucket, tmp_path):
+    # the frozen base is written once per dump on each node: no node's staging copy holds the
+    # other node's files, so an unchanged part cannot be linked from the previous generation
+    lora = ["--lora"]
+    run_job(tmp_path / "ref/root", tmp_path / "ref/out", world_size=2, wrap="ddp", extra=lora)
+    root, out = f"{s3_bucket}/root", tmp_path / "out"
+    args = [*lora, *job_args(s3_server, tmp_path / "first"), "--kill-at", "6"]
+    assert run_job(root, out, world_size=2, wrap="ddp", extra=args) == [-9, -9]
+    run_job(root, out, world_size=2, wrap="ddp", extra=[*lora, *job_args(s3_server, tmp_path / "second")])
+    assert_same_run(tmp_path / "ref/out", out, world_size=2)

@@ -17,7 +17,14 @@ from typing import Any
 from areal_ckpt import fsio
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.publish import check_files, read_manifest
-from areal_ckpt.storage.commits import CommitLog, CommitRecord, delete_prefix, fresh_folder, upload_folder_files
+from areal_ckpt.storage.commits import (
+    CommitLog,
+    CommitRecord,
+    delete_prefix,
+    fresh_folder,
+    store_of,
+    upload_folder_files,
+)
 from areal_ckpt.storage.objects import ObjectStore
 from areal_ckpt.urls import ObjectURL
 
@@ -66,18 +73,20 @@ def fetch_shared(
     manifest_name: str,
     token: str,
     then: Callable[[Path], None] = lambda folder: None,
+    deferred: Callable[[str], bool] = lambda name: False,
 ) -> Path:
     """Complete the local copy ``copies/{name}`` of the committed checkpoint ``source``
-    (:func:`fetch_folder`), once per load: processes sharing ``copies`` (the ranks of one node)
-    take turns under a file lock, and the first leaves a marker named by ``token`` (one per
-    load, the same on every rank) so the others skip the check. ``then(copy)`` runs under the
-    lock too. Returns the copy. Blocking; local to the caller."""
+    (:func:`fetch_folder`; the files ``deferred`` names are left for :class:`OnDemandFiles`),
+    once per load: processes sharing ``copies`` (the ranks of one node) take turns under a
+    file lock, and the first leaves a marker named by ``token`` (one per load, the same on
+    every rank) so the others skip the check. ``then(copy)`` runs under the lock too. Returns
+    the copy. Blocking; local to the caller."""
     name = source.key().rsplit("/", 1)[-1]
     copies.mkdir(parents=True, exist_ok=True)
     with _Locked(copies / _FETCH_LOCK):
         folder, marker = copies / name, copies / f"{_FETCHED_PREFIX}{token}"
         if not marker.is_file():
-            fetched = fetch_folder(store, source, folder, manifest_name)
+            fetched = fetch_folder(store, source, folder, manifest_name, deferred)
             if fetched:
                 logger.info("fetched %d file(s) of %s", fetched, source)
             for stale in copies.glob(f"{_FETCHED_PREFIX}*"):  # earlier loads'
@@ -87,11 +96,45 @@ def fetch_shared(
     return folder
 
 
-def fetch_folder(store: ObjectStore, source: ObjectURL, folder: Path, manifest_name: str) -> int:
+class OnDemandFiles:
+    """The files of a local copy (``folder``) of the committed checkpoint ``source`` that come
+    down only when a reader asks for them (:meth:`ensure`): a rank downloads the data files its
+    load reads, not every rank's. ``files`` is the checkpoint's manifest file list. Local to
+    the calling process; blocking."""
+
+    def __init__(self, source: ObjectURL, folder: Path, files: dict[str, dict[str, int]]) -> None:
+        self.source, self.folder, self.files = source, folder, files
+        self._ready: set[str] = set()
+
+    def ensure(self, path: Path) -> None:
+        """Make ``path`` (a file of the copy) hold the manifest's bytes: a copy already there is
+        checked once by size and CRC-32 (torn by a crash: downloaded again, with a warning
+        naming it), a missing one is downloaded. Processes sharing the copy take turns (a file
+        lock). A path the manifest does not list is left to the reader to refuse."""
+        name = path.relative_to(self.folder).as_posix()
+        if name in self._ready or name not in self.files:
+            return
+        with _Locked(self.folder.parent / _FETCH_LOCK):
+            problems = check_files(self.folder, self.files, [name])
+            if problems:
+                if path.exists():
+                    logger.warning("%s; downloading it again from %s", problems[0], self.source)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                store_of(self.source).get_file(self.source.key(name), path)
+        self._ready.add(name)
+
+
+def fetch_folder(
+    store: ObjectStore,
+    source: ObjectURL,
+    folder: Path,
+    manifest_name: str,
+    deferred: Callable[[str], bool] = lambda name: False,
+) -> int:
     """Download into the local ``folder`` the manifest of the committed checkpoint ``source``
-    and every file it lists that ``folder`` lacks or holds damaged (size or CRC-32 differ: a
-    copy torn by a crash is fetched again, with a warning naming it); returns how many files
-    were downloaded. Blocking; local to the caller."""
+    and every file it lists, but those ``deferred`` names, that ``folder`` lacks or holds
+    damaged (size or CRC-32 differ: a copy torn by a crash is fetched again, with a warning
+    naming it); returns how many files were downloaded. Blocking; local to the caller."""
     (folder / manifest_name).parent.mkdir(parents=True, exist_ok=True)
     store.get_file(source.key(manifest_name), folder / manifest_name)
     try:
@@ -99,7 +142,8 @@ def fetch_folder(store: ObjectStore, source: ObjectURL, folder: Path, manifest_n
     except CheckpointError as error:
         raise CheckpointError(f"{source.url_of(source.key(manifest_name))}: {error}") from None
     fetched = 0
-    for name in files:
+    wanted = [name for name in files if not deferred(name)]
+    for name in wanted:
         problems = check_files(folder, files, [name])
         if not problems:
             continue
@@ -108,7 +152,7 @@ def fetch_folder(store: ObjectStore, source: ObjectURL, folder: Path, manifest_n
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         store.get_file(source.key(name), folder / name)
         fetched += 1
-    problems = [problem.replace(str(folder), str(source), 1) for problem in check_files(folder, files, files, False)]
+    problems = [problem.replace(str(folder), str(source), 1) for problem in check_files(folder, files, wanted, False)]
     if problems:
         raise CheckpointError(f"{source}: the downloaded copy is damaged: " + "; ".join(problems))
     return fetched
