@@ -35,6 +35,7 @@ from areal_ckpt.deepspeed_objects import (
     OFFLINE_CONVERTER,
     choose_folder,
     commit_tag,
+    data_fetcher,
     fetch_tag,
     find_tag,
     object_root,
@@ -314,6 +315,8 @@ def load_checkpoint(
             lambda: fetch_tag(remote, name, token), f"{remote.child(name)}: cannot fetch the checkpoint"
         )
         shown = str(remote.child(name))
+        manifest = verify_checkpoint(folder, MANIFEST_NAME, TAGGED_FORMAT, READABLE_TAGGED_VERSIONS, True)
+        fetch = data_fetcher(remote, name, folder, manifest["files"])
     else:
         root = _local_dir(load_dir, "load_checkpoint: load_dir")
         if tag is None:
@@ -328,7 +331,8 @@ def load_checkpoint(
         if agree.decided_by_rank0(lambda: is_deepspeed_own(folder), "load_checkpoint"):
             flags = (load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only)
             return _load_deepspeed_own(engine, folder, *flags)
-    manifest = verify_checkpoint(folder, MANIFEST_NAME, TAGGED_FORMAT, READABLE_TAGGED_VERSIONS)
+        manifest = verify_checkpoint(folder, MANIFEST_NAME, TAGGED_FORMAT, READABLE_TAGGED_VERSIONS)
+        fetch = None
     client_state = _client_state(folder, manifest)  # agreed by every rank before any weight is loaded
     if not load_module_only:  # a continued run, as opposed to weights taken for something else
         warn_if_numerics_changed(str(folder), manifest, dist.rank())
@@ -340,6 +344,7 @@ def load_checkpoint(
         load_scheduler=load_lr_scheduler_states and not load_module_only,
         strict=load_module_strict,
         load_counters=not load_module_only,
+        fetch=fetch,
     )
     return shown, client_state
 

@@ -23,11 +23,12 @@ import logging
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.paths import MANIFEST_NAME, TAG_CLIENT_STATE, TAG_MODEL, staging_trial_root
+from areal_ckpt.paths import DATA_SUFFIX, MANIFEST_NAME, TAG_CLIENT_STATE, TAG_MODEL, staging_trial_root
 from areal_ckpt.storage.commits import (
     CommitLog,
     CommitRecord,
@@ -36,7 +37,7 @@ from areal_ckpt.storage.commits import (
     store_of,
     upload_folder_files,
 )
-from areal_ckpt.storage.folders import fetch_shared, upload_rest
+from areal_ckpt.storage.folders import OnDemandFiles, fetch_shared, upload_rest
 from areal_ckpt.urls import ObjectURL, parse_object_url, url_scheme
 
 logger = logging.getLogger(__name__)
@@ -142,7 +143,18 @@ def _is_tag(record: CommitRecord) -> bool:
 
 
 def fetch_tag(root: ObjectURL, folder: str, token: str) -> Path:
-    """Every rank: the local copy of the committed tag ``folder``, completed and checked
-    against its manifest (see :func:`areal_ckpt.storage.folders.fetch_shared`). Blocking."""
+    """Every rank: the local copy of the committed tag ``folder``: its manifest and small files
+    completed and checked (see :func:`areal_ckpt.storage.folders.fetch_shared`), its data files
+    left for :func:`data_fetcher` to bring down as they are read. Blocking."""
     source = root.child(folder)
-    return fetch_shared(store_of(source), source, staging_trial_root(None, root), MANIFEST_NAME, token)
+    copies = staging_trial_root(None, root)
+    return fetch_shared(store_of(source), source, copies, MANIFEST_NAME, token, deferred=_is_data)
+
+
+def data_fetcher(root: ObjectURL, folder: str, copy: Path, files: dict[str, dict[str, int]]) -> Callable[[Path], None]:
+    """What brings a data file of the tag's local ``copy`` down before a rank reads it."""
+    return OnDemandFiles(root.child(folder), copy, files).ensure
+
+
+def _is_data(name: str) -> bool:
+    return name.endswith(DATA_SUFFIX)

@@ -7,11 +7,13 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import recover_job
 import torch
-from distributed import start_processes
+from distributed import run_distributed, start_processes
+from helpers import wrap_model
 from recover_fixtures import SPEC, make_setup, step_info, train_step
 from recovery_runs import assert_same_run, run_job
 from seaweed import SeaweedServer, kill_at_next_upload
@@ -218,3 +220,43 @@ def test_lora_on_two_nodes_dumps_twice_and_resumes_from_fresh_disks_bit_exact(s3
     assert run_job(root, out, world_size=2, wrap="ddp", extra=args) == [-9, -9]
     run_job(root, out, world_size=2, wrap="ddp", extra=[*lora, *job_args(s3_server, tmp_path / "second")])
     assert_same_run(tmp_path / "ref/out", out, world_size=2)
+
+
+def data_files_read_worker(rank: int, world_size: int, environment: dict, bucket: str, tmp: str) -> None:
+    os.environ.update(environment)
+    from areal_ckpt.demo.tiny import build_model
+
+    torch.manual_seed(0)
+    model = wrap_model(build_model(48), "fsdp2")
+    handler = ac.RecoverHandler(s3_config(bucket, f"{tmp}/first/node{rank}"), SPEC)
+    handler.dump(ac.TorchEngine(model), step_info(0), force=True)
+    handler.close()
+    torch.manual_seed(1)
+    fresh = wrap_model(build_model(48), "fsdp2")
+    loader = ac.RecoverHandler(s3_config(bucket, f"{tmp}/second/node{rank}"), SPEC)  # a node that never saw the job
+    assert loader.load(ac.TorchEngine(fresh)) is not None
+    loader.close()
+    same = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(model.parameters(), fresh.parameters()))
+    files = sorted(p.name for p in Path(f"{tmp}/second/node{rank}").rglob("*.distcp"))
+    Path(f"{tmp}/report.{rank}").write_text(json.dumps({"same": same, "files": files}))
+
+
+@pytest.mark.dist
+def test_each_node_downloads_only_the_data_files_its_ranks_read(s3_server, s3_bucket, tmp_path):
+    run_distributed(data_files_read_worker, 2, s3_server.environment(), s3_bucket, str(tmp_path))
+    for rank in range(2):  # the same world size: each rank reads its own shard file, and only that comes down
+        report = json.loads((tmp_path / f"report.{rank}").read_text())
+        assert report == {"same": True, "files": [f"__{rank}_0.distcp"]}
+
+    from areal_ckpt.demo.tiny import build_model
+
+    torch.manual_seed(0)
+    saved = build_model(48)
+    torch.manual_seed(1)
+    fresh = build_model(48)  # one rank now: it reads both shard files
+    loader = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "third"), SPEC)
+    assert loader.load(ac.TorchEngine(fresh), drop_rank_state=True) is not None
+    loader.close()
+    assert sorted(p.name for p in (tmp_path / "third").rglob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    for name, tensor in saved.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name

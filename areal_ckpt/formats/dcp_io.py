@@ -12,6 +12,7 @@ One 4-byte collective remains: every rank learns whether any rank failed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,6 +38,7 @@ def load_tensors(
     optional_prefixes: tuple[str, ...] = (),
     expected: dict[str, FileRecord] | None = None,
     metadata: Metadata | None = None,
+    fetch: Callable[[Path], None] | None = None,
 ) -> None:
     """Fill ``template`` (flat name -> Tensor / DTensor, in place) from ``folder``; blocking.
 
@@ -48,7 +50,8 @@ def load_tensors(
     (data file name -> manifest record) every data file read is checked against its CRC-32
     and a mismatch raises CheckpointError naming the file; the template then holds partial
     data and must not be used. ``metadata`` is the folder's, when the caller read it already
-    (so it is parsed once per load).
+    (so it is parsed once per load). ``fetch`` is called with each data file's path before
+    it is read (see :class:`~areal_ckpt.formats.dcp_storage.RawStorageReader`).
     """
     metadata = read_metadata_json(folder) if metadata is None else metadata
     stored = tensor_index(metadata)
@@ -67,7 +70,7 @@ def load_tensors(
                 f"{folder}: {name}: checkpoint has {dtype} {list(shape)}, model has {tensor.dtype} {list(tensor.shape)}"
             )
     agree.on_every_rank(  # every rank learns whether all read their shards, so none goes on alone
-        lambda: _read_planned(template, RawStorageReader(folder, expected, metadata), metadata),
+        lambda: _read_planned(template, RawStorageReader(folder, expected, metadata, fetch), metadata),
         f"{folder}: reading DCP shards failed",
     )
 

@@ -20,7 +20,7 @@ import io
 import json
 import os
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -167,13 +167,20 @@ class RawStorageReader(StorageReader):
     is checked against its CRC-32 while it is read; one read in part is checked with a full
     pass afterwards. Without ``expected`` nothing is checked (the caller verified already).
     ``metadata``, when given, is the folder's metadata already read by the caller.
+    ``fetch``, when given, is called with a data file's path before it is opened (a local copy
+    of a checkpoint on object storage brings the file down then).
     """
 
     def __init__(
-        self, folder: Path, expected: dict[str, FileRecord] | None = None, metadata: Metadata | None = None
+        self,
+        folder: Path,
+        expected: dict[str, FileRecord] | None = None,
+        metadata: Metadata | None = None,
+        fetch: Callable[[Path], None] | None = None,
     ) -> None:
         super().__init__()
         self.folder = Path(folder)
+        self.fetch = fetch
         self.expected = expected
         self._given = metadata
         self._metadata: Metadata | None = None
@@ -225,6 +232,8 @@ class RawStorageReader(StorageReader):
 
     def _read_file(self, file_name: str, items: list[tuple[_StorageInfo, ReadItem]], planner: LoadPlanner) -> None:
         path = self.folder / file_name
+        if self.fetch is not None:
+            self.fetch(path)
         expected = None if self.expected is None else self.expected.get(file_name)
         segments = _segments(items, None if expected is None else expected.size)
         source = open_ranges(path, [(offset, length) for offset, length, _ in segments])

@@ -300,12 +300,12 @@ class RecoverHandler:
         opened = open_committed(self.store, sorted(engines), policy, dataloader)
         if opened is None:
             return None
-        found, manifest, info = opened
+        found, manifest, info, fetch = opened
         folder = self.store.path(found)
 
         def load_engines() -> None:
             for name in sorted(engines):
-                load_engine(engines[name], folder / name, manifest, self.config.no_load_optim)
+                load_engine(engines[name], folder / name, manifest, self.config.no_load_optim, fetch=fetch)
 
         if rollout is None:
             load_engines()

@@ -6,6 +6,7 @@ Every function here reads; none changes a committed generation. Collective ones 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from areal_ckpt.state.components import Stateful, check_dataloader_state
 from areal_ckpt.state.numerics import warn_if_numerics_changed
 from areal_ckpt.state.recover_info import RecoverInfo, read_recover_info
 from areal_ckpt.state.rng import check_rng_state
+from areal_ckpt.storage.folders import OnDemandFiles
 
 logger = logging.getLogger(__name__)
 
@@ -58,20 +60,25 @@ def find_committed(store: RecoverStore) -> str | None:
 
 def open_committed(
     store: RecoverStore, models: list[str], on_world_size_change: str, dataloader: Stateful | None = None
-) -> tuple[str, dict[str, Any], RecoverInfo] | None:
-    """The committed generation of ``store``, its verified manifest and this rank's recover
-    info, or None when there is none. Collective: rank 0 finds it (removing debris), every rank
+) -> tuple[str, dict[str, Any], RecoverInfo, Callable[[Path], None] | None] | None:
+    """The committed generation of ``store``, its verified manifest, this rank's recover info
+    and what brings a data file down before it is read (None on a local trial), or None when
+    there is none. On object storage the generation's small files come down to the node's
+    staging copy first and its data files only as a rank reads them (each rank the files its
+    share needs). Collective: rank 0 finds it (removing debris), every rank
     verifies its share and reads its info. Raises CheckpointError on every rank when the
     commit record is broken, the trial holds AReaL's folders, a file is damaged, the models
     differ from ``models``, the three records of its step disagree, or a component cannot be
     restored (``dataloader``: the one the load restores); nothing is loaded then."""
-    if store.remote is not None:  # object storage holds what counts: its newest commit, into the staging copy
-        RemoteGenerations(store.remote).fetch_newest(store.root)
+    remote = None if store.remote is None else RemoteGenerations(store.remote)
+    if remote is not None:  # object storage holds what counts: its newest commit, into the staging copy
+        remote.fetch_newest(store.root, deferred=lambda name: name.endswith(DATA_SUFFIX))
     found = agree.decided_by_rank0(lambda: find_committed(store), "RecoverHandler.load")
     if found is None:
         return None
     folder = store.path(found)
-    manifest = verify_checkpoint(folder)
+    manifest = verify_checkpoint(folder, data_on_demand=remote is not None)
+    fetch = None if remote is None else OnDemandFiles(remote.root.child(found), folder, manifest["files"]).ensure
     if models != manifest["models"]:
         raise CheckpointError(f"{folder}: checkpoint holds models {manifest['models']}, load was given {models}")
     info = read_recover_info(
@@ -80,7 +87,7 @@ def open_committed(
     check_one_step(folder, manifest, info)
     check_restorable(info, dataloader)  # before any weight is loaded: a failed load changes nothing
     warn_if_numerics_changed(str(folder), manifest, dist.rank())
-    return found, manifest, info
+    return found, manifest, info, fetch
 
 
 def check_one_step(folder: Path, manifest: dict[str, Any], info: RecoverInfo) -> None:
@@ -119,10 +126,13 @@ def verify_checkpoint(
     manifest_name: str = RECOVER_MANIFEST,
     fmt: str = RECOVER_FORMAT,
     versions: tuple[int, ...] = READABLE_RECOVER_VERSIONS,
+    data_on_demand: bool = False,
 ) -> dict[str, Any]:
     """Check the manifest's format, every file's presence and size, and the CRC-32 of every
     file but the tensor data files (those are checked while :func:`load_engine` reads them,
-    saving a full pass); returns the manifest. Defaults: a recovery generation.
+    saving a full pass); returns the manifest. Defaults: a recovery generation. With
+    ``data_on_demand`` (a local copy of a checkpoint on object storage) the data files are not
+    looked at here: each is brought down, and checked, when a rank reads it.
 
     Collective: the files are dealt out to the ranks, each checks its share, all agree.
     Raises CheckpointError naming every damaged file.
@@ -140,7 +150,8 @@ def verify_checkpoint(
 
     def check_share() -> None:
         problems = check_files(folder, files, [name for name in mine if not name.endswith(DATA_SUFFIX)])
-        problems += check_files(folder, files, [name for name in mine if name.endswith(DATA_SUFFIX)], checksum=False)
+        if not data_on_demand:
+            problems += check_files(folder, files, [n for n in mine if n.endswith(DATA_SUFFIX)], checksum=False)
         if problems:
             raise CheckpointError("; ".join(problems))
 
@@ -156,13 +167,15 @@ def load_engine(
     load_scheduler: bool = True,
     strict: bool = True,
     load_counters: bool = True,
+    fetch: Callable[[Path], None] | None = None,
 ) -> None:
     """Load one model's weights (and optimizer unless ``no_load_optim`` or not saved; LR
     scheduler when ``load_scheduler``; an engine's step counters when ``load_counters``) from
     its folder of a checkpoint checked by
     :func:`verify_checkpoint`, checking the data files' CRC-32 as they are read. ``strict``
-    False loads the model tensors both sides have and logs the others. Collective (DCP;
-    FSDP2 / DDP / DeepSpeed state-dict helpers)."""
+    False loads the model tensors both sides have and logs the others. ``fetch`` brings a
+    data file into a local copy before it is read (:class:`~areal_ckpt.storage.folders.OnDemandFiles`).
+    Collective (DCP; FSDP2 / DDP / DeepSpeed state-dict helpers)."""
     try:
         engine_state = safe_json.loads((folder / ENGINE_STATE_FILE).read_bytes(), str(folder / ENGINE_STATE_FILE))
     except ValueError as error:
@@ -222,6 +235,7 @@ def load_engine(
             optional_prefixes=optional,
             expected=_data_files(manifest, f"{folder.name}/{FROZEN_PART}/"),
             metadata=frozen_metadata,
+            fetch=fetch,
         )
     load_tensors(
         template,
@@ -229,6 +243,7 @@ def load_engine(
         optional_prefixes=optional if include_optimizer else optional + (OPTIM_PREFIX,),
         expected=_data_files(manifest, f"{folder.name}/"),
         metadata=metadata,
+        fetch=fetch,
     )
     if frozen is not None:
         template.update(frozen_template)

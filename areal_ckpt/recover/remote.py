@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from areal_ckpt import agree
@@ -109,7 +109,7 @@ class RemoteGenerations:
         agree.gathered_then_decided(upload_mine, commit, f"{target}: upload failed (not committed there)")
         logger.info("committed %s", target)
 
-    def fetch_newest(self, store_root: Path) -> str | None:
+    def fetch_newest(self, store_root: Path, deferred: Callable[[str], bool] = lambda name: False) -> str | None:
         """Every rank: bring the newest committed generation into the local store ``store_root``
         and point its ``current`` at it; returns its name, None when object storage holds none.
         A file the copy already holds is kept when its size and CRC-32 match the manifest, else
@@ -117,7 +117,9 @@ class RemoteGenerations:
         load fail while the bucket holds the file intact). Ranks sharing ``store_root`` take
         turns (a file lock) and the first one leaves a marker for the others of this load (a
         token rank 0 draws per load), so each copy is checked and completed once per load.
-        Collective (the ranks agree on the generation and on success)."""
+        The files ``deferred`` names are left for the reader to bring down
+        (:class:`~areal_ckpt.storage.folders.OnDemandFiles`). Collective (the ranks agree on
+        the generation and on success)."""
 
         decided = agree.decided_by_rank0(
             lambda: None if (record := self.newest()) is None else (record.folder, secrets.token_hex(4)),
@@ -134,7 +136,9 @@ class RemoteGenerations:
 
         def fetch() -> None:
             source = self.root.child(generation)
-            fetch_shared(store_of(source), source, store_root, RECOVER_MANIFEST, token, then=point_current)
+            fetch_shared(
+                store_of(source), source, store_root, RECOVER_MANIFEST, token, then=point_current, deferred=deferred
+            )
 
         agree.on_every_rank(fetch, f"{self.root}: cannot fetch the committed recovery checkpoint")
         return generation
