@@ -7,6 +7,7 @@ model a server that dies and comes back; committed objects survive it.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -22,6 +23,8 @@ import botocore.exceptions
 
 ACCESS_KEY = "areal-ckpt-test"
 SECRET_KEY = "areal-ckpt-test-secret"
+#: Keys of an identity that may read and list but not write (a server started with ``reader``).
+READER_KEYS = {"AWS_ACCESS_KEY_ID": "areal-ckpt-reader", "AWS_SECRET_ACCESS_KEY": "areal-ckpt-reader-secret"}
 _GRPC_OFFSET = 10000  # weed's default gRPC port = HTTP port + 10000
 _READY_SECONDS = 60
 
@@ -44,8 +47,9 @@ def _free_port() -> int:
 class SeaweedServer:
     """One ``weed mini`` process serving S3 on ``endpoint``."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, reader: bool = False) -> None:
         self.folder = folder
+        self.reader = reader
         self.ports = {name: _free_port() for name in ("master", "volume", "filer", "s3", "admin")}
         self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
         self.process: subprocess.Popen[bytes] | None = None
@@ -82,6 +86,26 @@ class SeaweedServer:
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
         ]
+        if self.reader:  # identities: the admin, and one that may only read and list
+            identities = [
+                {
+                    "name": "admin",
+                    "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+                    "actions": ["Admin"],
+                },
+                {
+                    "name": "reader",
+                    "credentials": [
+                        {
+                            "accessKey": READER_KEYS["AWS_ACCESS_KEY_ID"],
+                            "secretKey": READER_KEYS["AWS_SECRET_ACCESS_KEY"],
+                        }
+                    ],
+                    "actions": ["Read", "List"],
+                },
+            ]
+            (self.folder / "s3.json").write_text(json.dumps({"identities": identities}))
+            command.append(f"-s3.config={self.folder / 's3.json'}")
         environment = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
         log = open(self.folder / "weed.log", "ab")
         self.process = subprocess.Popen(

@@ -224,3 +224,29 @@ def test_a_new_job_aborts_the_unfinished_multipart_uploads_a_dead_one_left(s3_se
     s3_saver(s3_bucket, tmp_path).finalize()
     assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")
     assert keys_under(s3_server, s3_bucket, TRIAL) == []  # the uncommitted export's objects are gone too
+
+
+def test_credentials_without_write_permission_are_named_and_nothing_is_committed(tmp_path, monkeypatch, make_model):
+    from seaweed import READER_KEYS
+    from test_s3_recover import s3_config
+
+    server = SeaweedServer(tmp_path / "server", reader=True)  # the reader may list and read, not write
+    server.start()
+    try:
+        server.make_bucket("guarded")
+        for variable, value in {**server.environment(), **READER_KEYS}.items():
+            monkeypatch.setenv(variable, value)
+        engine = ac.TorchEngine(make_model())
+        saver = s3_saver("s3://guarded", tmp_path)
+        with pytest.raises(
+            ac.CheckpointError, match=r"s3://guarded/runs/\S+ at http\S+: access denied \(AccessDenied\)"
+        ):
+            saver.save(engine, 0, 1, 1, force=True)
+        saver.finalize()
+        handler = ac.RecoverHandler(s3_config("s3://guarded", tmp_path / "disk", write_retries=3), SPEC)
+        with pytest.raises(ac.CheckpointError, match=r"access denied \(AccessDenied\); check the credentials"):
+            handler.dump(engine, ac.StepInfo(epoch=0, epoch_step=0, global_step=0, steps_per_epoch=4), force=True)
+        handler.close()
+        assert keys_under(server, "s3://guarded", "") == []
+    finally:
+        server.stop()
