@@ -20,7 +20,7 @@ import stat
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from areal_ckpt.errors import CheckpointError
 
@@ -91,6 +91,20 @@ class FileRecord:
     crc32: int
 
 
+class WriteObserver(Protocol):
+    """Follows a file while :class:`ChecksummedWriter` writes it (an upload that sends each part
+    as soon as it is written). Called from the writing thread."""
+
+    def written(self, size: int) -> None:
+        """The file's first ``size`` bytes are written and will not change."""
+
+    def finish(self, size: int) -> None:
+        """The file is complete at ``size`` bytes; blocks until the observer is done with it."""
+
+    def abort(self) -> None:
+        """The file is discarded; stop and release everything (blocking)."""
+
+
 class ChecksummedWriter:
     """Binary writer that tracks size and CRC-32 of what it writes and fsyncs on close.
 
@@ -98,12 +112,14 @@ class ChecksummedWriter:
     is not: fsync the parent directory, as :mod:`areal_ckpt.publish` does before publishing).
     With ``durable`` False (a copy staged for upload, whose durability is the object store's)
     nothing is fsync'd and no writeback is started: the bytes stay in the page cache for the
-    upload to read.
+    upload to read. An ``observer`` is told of every piece written, then of the complete file
+    (after the fsync) or of its abort.
     """
 
-    def __init__(self, path: Path, durable: bool = True) -> None:
+    def __init__(self, path: Path, durable: bool = True, observer: WriteObserver | None = None) -> None:
         self.path = path
         self._durable = durable
+        self._observer = observer
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._size = 0
         self._handed_to_disk = 0  # bytes whose writeback has been started
@@ -121,20 +137,32 @@ class ChecksummedWriter:
             if self._durable and self._size - self._handed_to_disk >= _WRITEBACK_STEP:
                 start_writeback(self._fd, self._handed_to_disk, self._size - self._handed_to_disk)
                 self._handed_to_disk = self._size
+            if self._observer is not None:
+                self._observer.written(self._size)
 
     def close(self) -> FileRecord:
-        """fsync (when durable) and close the file; returns its record."""
+        """fsync (when durable) and close the file, then let the observer finish; returns its
+        record. On an error the observer is aborted."""
         try:
-            if self._durable:
-                os.fsync(self._fd)
-            crc = self._crc.value()
-        finally:
-            os.close(self._fd)
+            try:
+                if self._durable:
+                    os.fsync(self._fd)
+                crc = self._crc.value()
+            finally:
+                os.close(self._fd)
+            if self._observer is not None:
+                self._observer.finish(self._size)
+        except BaseException:
+            if self._observer is not None:
+                self._observer.abort()
+            raise
         return FileRecord(size=self._size, crc32=crc)
 
     def abort(self) -> None:
-        """Close without fsync (the caller discards the file)."""
+        """Close without fsync (the caller discards the file); the observer is aborted."""
         os.close(self._fd)
+        if self._observer is not None:
+            self._observer.abort()
 
 
 def record_of(path: Path) -> FileRecord:

@@ -162,16 +162,28 @@ class SeaweedServer:
             self.kill()
 
 
-def kill_at_next_upload(server: SeaweedServer, monkeypatch) -> Callable[[], None]:  # type: ignore[no-untyped-def]
-    """Make the next file upload of areal_ckpt SIGKILL ``server`` before it starts (the event a
-    fault test waits for); returns the function that puts uploads back as they were."""
+def kill_at_next_upload(server: SeaweedServer, monkeypatch, streamed: bool = True) -> Callable[[], None]:  # type: ignore[no-untyped-def]
+    """Make the next file upload of areal_ckpt (a whole file, or, unless not ``streamed``, one
+    streamed while it is written) SIGKILL ``server`` before it starts (the event a fault test
+    waits for); returns the function that puts uploads back as they were."""
     from areal_ckpt.storage.s3 import S3Store
 
-    real_put = S3Store.put_file
+    real_put, real_stream = S3Store.put_file, S3Store.stream_file
 
     def put_after_killing(self, key, path):  # type: ignore[no-untyped-def]
         server.kill()
         return real_put(self, key, path)
 
+    def stream_after_killing(self, key, path):  # type: ignore[no-untyped-def]
+        server.kill()
+        return real_stream(self, key, path)
+
     monkeypatch.setattr(S3Store, "put_file", put_after_killing)
-    return lambda: monkeypatch.setattr(S3Store, "put_file", real_put)
+    if streamed:
+        monkeypatch.setattr(S3Store, "stream_file", stream_after_killing)
+
+    def restore() -> None:
+        monkeypatch.setattr(S3Store, "put_file", real_put)
+        monkeypatch.setattr(S3Store, "stream_file", real_stream)
+
+    return restore

@@ -18,7 +18,6 @@ from transformers import AutoModelForCausalLM
 import areal_ckpt as ac
 from areal_ckpt.demo.tiny import build_model
 from areal_ckpt.export.download import download_export
-from areal_ckpt.storage.s3 import S3Store
 from areal_ckpt.urls import parse_object_url
 
 SPEC = ac.FinetuneSpec(total_train_epochs=1, dataset_size=8, train_batch_size=2)
@@ -163,10 +162,12 @@ def test_ctrl_c_during_an_upload_commits_nothing_and_stays_an_interrupt(
     engine = ac.TorchEngine(make_model())
     saver.save(engine, 0, 1, 1, force=True)
 
-    def interrupted(self, key, path):
+    from areal_ckpt.storage.s3 import S3FileStream
+
+    def interrupted(self, size):  # a shard's upload, streamed while it is written, at its end
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(S3Store, "put_file", interrupted)
+    monkeypatch.setattr(S3FileStream, "finish", interrupted)
     with pytest.raises(KeyboardInterrupt):
         saver.save(engine, 0, 2, 2, force=True)
     monkeypatch.undo()

@@ -103,17 +103,23 @@ def test_two_ranks_on_two_disks_dump_to_s3_and_resume_bit_exact(reference_run_fs
     assert_same_run(reference_run_fsdp2, out, world_size=2)
 
 
-def test_a_server_killed_during_a_dump_leaves_the_previous_one_committed(own_s3_server, tmp_path, monkeypatch):
+@pytest.mark.parametrize("event", ["data file streamed while written", "upload after the local commit"])
+def test_a_server_killed_during_a_dump_leaves_the_previous_one_committed(own_s3_server, tmp_path, monkeypatch, event):
     server = own_s3_server
     server.make_bucket("killed-dump")
     setup = make_setup()
     handler = ac.RecoverHandler(s3_config("s3://killed-dump", tmp_path / "disk", write_retries=1), SPEC)
     train_step(setup, 0)
     handler.dump(setup.engine, step_info(0), force=True)
-    restore = kill_at_next_upload(server, monkeypatch)  # the event: the second dump's first upload starts
+    streamed = event == "data file streamed while written"
+    restore = kill_at_next_upload(server, monkeypatch, streamed)  # the event: that upload of the second dump starts
     train_step(setup, 1)
     started = time.monotonic()
-    with pytest.raises(ac.CheckpointError, match=r"upload of the recovery dump at global step 1 .*committed in"):
+    if streamed:  # the dump fails while writing: not even the staging copy commits it
+        failed = r"recovery dump at global step 1 failed after 2 attempts: .*cannot upload s3://killed-dump/\S+/__0_0"
+    else:  # the staging copy committed it; the bucket did not
+        failed = r"upload of the recovery dump at global step 1 \(committed in \S+ only\) failed after 2 attempts: "
+    with pytest.raises(ac.CheckpointError, match=failed + r".*the server did not answer.*the previous checkpoint is"):
         handler.dump(setup.engine, step_info(1), force=True)
     assert time.monotonic() - started < 120  # bounded: no endless retries against a dead server
     restore()
@@ -260,3 +266,65 @@ def test_each_node_downloads_only_the_data_files_its_ranks_read(s3_server, s3_bu
     assert sorted(p.name for p in (tmp_path / "third").rglob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     for name, tensor in saved.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], tensor), name
+
+
+def test_a_data_file_larger_than_a_part_streams_while_written_and_loads_bit_exact(
+    s3_server, s3_bucket, tmp_path, monkeypatch
+):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4096, 4608)  # 75.5 MB of fp32 weights: two 64 MiB parts
+    handler = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "disk"), SPEC)
+    parts = []
+    from areal_ckpt.storage.s3 import S3FileStream
+
+    real_upload_part = S3FileStream._upload_part
+
+    def counted(self, number, offset, length):
+        parts.append((number, offset, length))
+        return real_upload_part(self, number, offset, length)
+
+    monkeypatch.setattr(S3FileStream, "_upload_part", counted)
+    handler.dump(ac.TorchEngine(model), step_info(0), force=True)
+    handler.close()
+    assert sorted(parts)[:2] == [(1, 0, 64 << 20), (2, 64 << 20, sorted(parts)[1][2])] and len(parts) == 2
+    torch.manual_seed(1)
+    fresh = torch.nn.Linear(4096, 4608)
+    loader = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "new-disk"), SPEC)
+    assert loader.load(ac.TorchEngine(fresh)).last_step_info.global_step == 0
+    loader.close()
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+
+
+def test_ctrl_c_while_a_part_streams_aborts_the_upload_and_commits_nothing(s3_server, s3_bucket, tmp_path, monkeypatch):
+    from areal_ckpt.storage.s3 import S3FileStream
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4096, 4608)
+    handler = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "disk", write_retries=3), SPEC)
+    handler.dump(ac.TorchEngine(model), step_info(0), force=True)
+    committed = model.weight.detach().clone()
+    real_upload_part = S3FileStream._upload_part
+    calls = []
+
+    def interrupted(self, number, offset, length):
+        calls.append(number)
+        if number == 2:
+            raise KeyboardInterrupt
+        return real_upload_part(self, number, offset, length)
+
+    monkeypatch.setattr(S3FileStream, "_upload_part", interrupted)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    with pytest.raises(KeyboardInterrupt):
+        handler.dump(ac.TorchEngine(model), step_info(1), force=True)
+    assert 2 in calls
+    monkeypatch.setattr(S3FileStream, "_upload_part", real_upload_part)
+    handler.close()
+    bucket = s3_bucket.removeprefix("s3://")
+    assert s3_server.client().list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    assert [record["global_step"] for record in commit_records(s3_server, s3_bucket, TRIAL)] == [0]
+    fresh = torch.nn.Linear(4096, 4608)
+    loader = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "new-disk"), SPEC)
+    assert loader.load(ac.TorchEngine(fresh)).last_step_info.global_step == 0
+    loader.close()
+    assert torch.equal(fresh.weight, committed)

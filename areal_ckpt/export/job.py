@@ -37,13 +37,12 @@ from areal_ckpt.formats.hf_export import (
     write_rank_shards,
 )
 from areal_ckpt.formats.hf_keys import check_loadable
-from areal_ckpt.fsio import FileRecord, make_dirs
+from areal_ckpt.fsio import FileRecord, WriteObserver, make_dirs
 from areal_ckpt.jobs.shm_arena import ArenaLayout, StagingArena, arena_layout_of_specs
 from areal_ckpt.paths import EXPORT_FORMAT, MANIFEST_NAME, export_staging, export_trash
 from areal_ckpt.publish import publish, write_manifest
 from areal_ckpt.storage.commits import (
     CommitLog,
-    FolderUploader,
     delete_prefix,
     fresh_folder,
     store_of,
@@ -221,26 +220,26 @@ def finish_export(
     rank, world = dist.rank(), dist.world_size()
 
     def write_shards() -> dict[str, tuple[int, int]]:
-        uploader = None
+        observe = None
         if target.remote is not None and target.remote_folder is not None:  # every rank uploads its own shards,
-            target.staging.mkdir(parents=True, exist_ok=True)  # each as soon as it is written; on another node
-            remote = target.remote.child(target.remote_folder)  # than rank 0 the staging folder is this rank's own
-            uploader = FolderUploader(store_of(remote), target.staging, remote)
-        try:
-            records, error = write_rank_shards(  # staged for upload: durable once the store holds them
-                source,
-                target.plan,
-                target.staging,
-                rank,
-                world,
-                target.dtype,
-                progress,
-                durable=uploader is None,
-                written=None if uploader is None else uploader.submit,
-            )
-        finally:  # the uploads in flight end before anything else happens, on success or not
-            if uploader is not None:
-                uploader.wait()
+            target.staging.mkdir(parents=True, exist_ok=True)  # each part as soon as it is written; on another
+            remote = target.remote.child(target.remote_folder)  # node than rank 0 the staging folder is its own
+            store = store_of(remote)
+
+            def observe(name: str) -> WriteObserver:
+                return store.stream_file(remote.key(name), target.staging / name)
+
+        records, error = write_rank_shards(  # staged for upload: durable once the store holds them
+            source,
+            target.plan,
+            target.staging,
+            rank,
+            world,
+            target.dtype,
+            progress,
+            durable=observe is None,
+            observe=observe,
+        )
         if error is not None:
             logger.error("rank %d: writing export shards into %s failed: %s", rank, target.staging, error)
             raise CheckpointError(error)

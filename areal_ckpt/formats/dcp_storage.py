@@ -51,7 +51,7 @@ from areal_ckpt.formats.dcp_metadata import (
 )
 from areal_ckpt.formats.range_read import RangeReader, open_ranges
 from areal_ckpt.formats.torch_record import frame_for
-from areal_ckpt.fsio import ChecksummedWriter, FileRecord, record_of, write_file_durably
+from areal_ckpt.fsio import ChecksummedWriter, FileRecord, WriteObserver, record_of, write_file_durably
 from areal_ckpt.tensors import tensor_bytes
 
 _RUN_BYTES = 64 << 20  # one read fills tensors stored back to back up to this size
@@ -79,11 +79,15 @@ class RawStorageWriter(StorageWriter):
     """Writes each rank's tensors raw into its own file in ``folder``; metadata as JSON.
 
     After ``dcp.save`` returns, :attr:`record` is this rank's data file's size and CRC-32.
+    ``observe``, when given, makes the observer that follows this rank's data file as it is
+    written (an upload that streams it, see :class:`~areal_ckpt.fsio.WriteObserver`), given
+    the file's name.
     """
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, observe: Callable[[str], WriteObserver] | None = None) -> None:
         super().__init__()
         self.folder = Path(folder)
+        self.observe = observe
         self.record: FileRecord | None = None
         self.file_name: str | None = None
 
@@ -105,7 +109,8 @@ class RawStorageWriter(StorageWriter):
         """Write this rank's records into its file and fsync it: tensor chunks first, then the
         entries only stock readers read; blocking (the future is done)."""
         self.file_name = plan.storage_data
-        writer = ChecksummedWriter(self.folder / self.file_name)
+        observer = None if self.observe is None else self.observe(self.file_name)
+        writer = ChecksummedWriter(self.folder / self.file_name, observer=observer)
         results = []
         offset = 0
         ordered = sorted(plan.items, key=lambda item: item.type == WriteItemType.BYTE_IO)

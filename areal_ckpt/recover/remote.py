@@ -83,16 +83,17 @@ class RemoteGenerations:
         if removed:
             logger.warning("removed uncommitted recovery generations from %s: %s", self.root, removed)
 
-    def publish(self, folder: Path, mine: Iterable[str], run: str, step: int) -> None:
+    def publish(self, folder: Path, mine: Iterable[str], run: str, step: int, uploaded: Iterable[str] = ()) -> None:
         """Upload the committed local generation ``folder``: every rank its own files
-        (``mine``), then rank 0 the other files it lists, its manifest and the commit record,
-        then deletes older generations (record first). Collective; blocking; every rank raises
-        the same error when any upload failed, and nothing is committed then."""
+        (``mine``, but those ``uploaded`` already while they were written), then rank 0 the
+        other files it lists, its manifest and the commit record, then deletes older
+        generations (record first). Collective; blocking; every rank raises the same error when
+        any upload failed, and nothing is committed then."""
         target = self.root.child(folder.name)
-        mine = sorted(mine)
+        mine, done = sorted(mine), set(uploaded)
 
         def upload_mine() -> list[str]:
-            upload_folder_files(store_of(target), folder, mine, target)
+            upload_folder_files(store_of(target), folder, [name for name in mine if name not in done], target)
             return mine
 
         def commit(every: list[list[str]]) -> None:

@@ -11,6 +11,7 @@ generation is discarded, so the previous checkpoint stays the committed one what
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,13 +21,14 @@ from areal_ckpt._version import __version__
 from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError, TransientError
 from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.hf_export import HFFiles
-from areal_ckpt.fsio import FileRecord, write_file_durably
+from areal_ckpt.fsio import FileRecord, WriteObserver, write_file_durably
 from areal_ckpt.jobs.shm_arena import ArenaLayout
 from areal_ckpt.paths import HF_FILES, MODEL_SEPARATOR, RECOVER_FORMAT, RECOVER_FORMAT_VERSION
 from areal_ckpt.recover.remote import RemoteGenerations
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.state.numerics import numerics_record
+from areal_ckpt.storage.commits import store_of
 from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
@@ -94,9 +96,10 @@ class DumpJob:
         step = self.header["step"]["global_step"]
         what = f"{store.root}: recovery dump at global step {step}"
         mine: set[str] = set()  # the files of this rank's in the generation, for its uploads
+        streamed: set[str] = set()  # those already uploaded while they were written
         try:
             written, hidden = retried(
-                lambda: self._attempt(store, by_folder, mine), self.retries, what, give_up=discard
+                lambda: self._attempt(store, by_folder, mine, streamed), self.retries, what, give_up=discard
             )
         except RankMismatchError:  # refused before anything was written: no debris either
             discard()
@@ -106,7 +109,7 @@ class DumpJob:
             return {"path": str(store.path(self.generation)), "bytes": written}
         remote = RemoteGenerations(self.remote)
         retried(
-            lambda: remote.publish(store.path(self.generation), mine, self.run_token, step),
+            lambda: remote.publish(store.path(self.generation), mine, self.run_token, step, streamed),
             self.retries,
             f"{remote.root}: upload of the recovery dump at global step {step} (committed in {store.root} only)",
         )
@@ -117,11 +120,13 @@ class DumpJob:
         return {"path": str(remote.root.child(self.generation)), "bytes": written}
 
     def _attempt(
-        self, store: RecoverStore, by_folder: dict[str, dict[str, Any]], mine: set[str]
+        self, store: RecoverStore, by_folder: dict[str, dict[str, Any]], mine: set[str], streamed: set[str]
     ) -> tuple[int, list[str]]:
         """One write + commit; returns (the bytes written, the hidden superseded
-        generations) and puts this rank's files into ``mine``. Collective; rank 0 commits;
-        every rank raises the same TransientError when a rank's write or the commit failed."""
+        generations) and puts this rank's files into ``mine``, those it uploaded while writing
+        them (object storage: its data files) also into ``streamed``. Collective; rank 0
+        commits; every rank raises the same TransientError when a rank's write or the commit
+        failed."""
         folder = store.path(self.generation)
 
         def write() -> dict[str, tuple[int, int]]:
@@ -131,8 +136,11 @@ class DumpJob:
                     tensors, groups = by_folder[part], self.param_groups.get(part)
                     plan_key = f"{self.trial}/{part}"
                     (folder / part).mkdir(parents=True, exist_ok=True)  # a frozen part's; on another node any
-                    for file_name, record in save_tensors(tensors, folder / part, groups, plan_key).items():
+                    observe = self._streamer(folder, part)
+                    for file_name, record in save_tensors(tensors, folder / part, groups, plan_key, observe).items():
                         records[f"{part}/{file_name}"] = (record.size, record.crc32)
+                        if observe is not None:
+                            streamed.add(f"{part}/{file_name}")
                 for relative, data in self.files.items():  # local from here on
                     (folder / relative).parent.mkdir(parents=True, exist_ok=True)  # on another node than rank 0's
                     record = write_file_durably(folder / relative, data)
@@ -148,6 +156,14 @@ class DumpJob:
             return records
 
         return agree.gathered_then_decided(write, lambda every: self._commit(store, every), "writing failed")
+
+    def _streamer(self, folder: Path, part: str) -> Callable[[str], WriteObserver] | None:
+        """On object storage: what uploads a data file of ``part`` while it is written, to the
+        generation's prefix (uncommitted until the commit record; debris if the dump fails)."""
+        if self.remote is None:
+            return None
+        target = RemoteGenerations(self.remote).root.child(self.generation, part)
+        return lambda file_name: store_of(target).stream_file(target.key(file_name), folder / part / file_name)
 
     def _commit(self, store: RecoverStore, every: list[dict[str, tuple[int, int]]]) -> tuple[int, list[str]]:
         """Rank 0: commit the generation; returns the bytes written for it (linked files left

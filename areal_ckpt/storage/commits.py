@@ -40,8 +40,10 @@ _stores: dict[tuple[int, str], ObjectStore] = {}
 
 def store_of(url: ObjectURL) -> ObjectStore:
     """This process's store for ``url``'s bucket, made on first use (a forked or spawned
-    writer makes its own). Contacts nothing."""
-    key = (os.getpid(), f"{url.scheme}://{url.bucket}")
+    writer makes its own) and again when the environment names another endpoint, profile or
+    access key. Contacts nothing."""
+    chosen = "|".join(os.environ.get(name, "") for name in ("AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_ACCESS_KEY_ID"))
+    key = (os.getpid(), f"{url.scheme}://{url.bucket}|{chosen}")
     if key not in _stores:
         _stores[key] = S3Store(ObjectURL(url.scheme, url.bucket, ""))
     return _stores[key]

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -30,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 _PART = 64 << 20
 _WORKERS = 8
+_STREAM_WORKERS = 4  # parts of one streamed file in flight (each 64 MiB in memory while it goes up)
 _CLIENT_SETTINGS = botocore.config.Config(
     connect_timeout=10,
     read_timeout=120,
@@ -99,6 +102,11 @@ class S3Store:
         except botocore.exceptions.ClientError:
             return False
         return True
+
+    def stream_file(self, key: str, path: Path) -> S3FileStream:
+        """An upload of ``path`` as ``key`` that sends each 64 MiB part as soon as the writer has
+        written it (see :class:`S3FileStream`); contacts nothing until the first part."""
+        return S3FileStream(self, key, path)
 
     def get_bytes(self, key: str) -> bytes | None:
         """The object ``key`` read whole, or None when there is none. Blocking."""
@@ -230,3 +238,82 @@ class S3Store:
             if f"({code})" in message:
                 return self._client_error("upload", where, code, Exception(message))
         return TransientError(f"cannot upload {where}: {message}")
+
+
+class S3FileStream:
+    """A file uploaded while it is written: a :class:`~areal_ckpt.fsio.WriteObserver` of its
+    writer. Each 64 MiB part goes up (a few at once, each read back from the page cache when
+    its turn comes, so at most those few parts are in memory) as soon as the writer passed it;
+    :meth:`finish` sends the tail and completes the multipart upload, so the object appears
+    whole or not at all. A file smaller than one part is one PUT at :meth:`finish`. Errors are
+    the store's (CheckpointError / TransientError naming the key); after one, or on
+    :meth:`abort`, the parts are discarded on the server. Used by one writing thread."""
+
+    def __init__(self, store: S3Store, key: str, path: Path) -> None:
+        self._store, self._key, self._path = store, key, path
+        self._bucket = store.url.bucket
+        self._pool = ThreadPoolExecutor(_STREAM_WORKERS, thread_name_prefix="areal_ckpt-part")
+        self._parts: list[Future[dict[str, Any]]] = []
+        self._sent = 0  # bytes handed to part uploads
+        self._upload_id: str | None = None
+
+    def written(self, size: int) -> None:
+        """Start uploading every whole part below ``size``."""
+        while size - self._sent >= _PART:
+            self._send(_PART)
+
+    def finish(self, size: int) -> None:
+        """Upload what is left and complete the object; blocking. Aborts it on failure."""
+        try:
+            if self._upload_id is None:
+                with self._store._translated("upload", self._key), open(self._path, "rb") as body:
+                    self._store._client.put_object(Bucket=self._bucket, Key=self._key, Body=body)
+                return
+            if size > self._sent:
+                self._send(size - self._sent)
+            parts = [part.result() for part in self._parts]
+            with self._store._translated("upload", self._key):
+                self._store._client.complete_multipart_upload(
+                    Bucket=self._bucket, Key=self._key, UploadId=self._upload_id, MultipartUpload={"Parts": parts}
+                )
+            self._upload_id = None
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            self._pool.shutdown(cancel_futures=True)
+
+    def abort(self) -> None:
+        """Stop: queued parts cancelled, those in flight waited for, the upload aborted on the
+        server (best effort: the next start removes what is left). Idempotent."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        upload, self._upload_id = self._upload_id, None
+        if upload is not None:
+            try:
+                with self._store._translated("abort the upload of", self._key):
+                    self._store._client.abort_multipart_upload(Bucket=self._bucket, Key=self._key, UploadId=upload)
+            except CheckpointError as error:
+                logger.warning("%s", error)
+
+    def _send(self, length: int) -> None:
+        if self._upload_id is None:
+            with self._store._translated("upload", self._key):
+                answer = self._store._client.create_multipart_upload(Bucket=self._bucket, Key=self._key)
+            self._upload_id = str(answer["UploadId"])
+        self._parts.append(self._pool.submit(self._upload_part, len(self._parts) + 1, self._sent, length))
+        self._sent += length
+
+    def _upload_part(self, number: int, offset: int, length: int) -> dict[str, Any]:
+        with open(self._path, "rb", buffering=0) as handle:
+            data = os.pread(handle.fileno(), length, offset)
+        if len(data) != length:
+            raise CheckpointError(f"{self._path}: {len(data)} bytes at {offset}, expected {length} (file changed)")
+        with self._store._translated("upload", self._key):
+            answer = self._store._client.upload_part(
+                Bucket=self._bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number, Body=data
+            )
+        part = {"PartNumber": number, "ETag": answer["ETag"]}
+        for checksum in ("ChecksumCRC32", "ChecksumCRC32C", "ChecksumSHA1", "ChecksumSHA256", "ChecksumCRC64NVME"):
+            if checksum in answer:
+                part[checksum] = answer[checksum]
+        return part
