@@ -36,6 +36,7 @@ from areal_ckpt.deepspeed_objects import (
     choose_folder,
     commit_tag,
     data_fetcher,
+    data_streamer,
     fetch_tag,
     find_tag,
     object_root,
@@ -155,10 +156,11 @@ def save_checkpoint(
         groups, plan_key = engine_state.get("optimizer_param_groups"), f"{base}/{TAG_MODEL}"
 
         def write_shards() -> dict[str, tuple[int, int]]:
-            for name, record in save_tensors(tensors, staging / TAG_MODEL, groups, plan_key).items():
+            observe = None if remote is None else data_streamer(remote, folder, staging)
+            for name, record in save_tensors(tensors, staging / TAG_MODEL, groups, plan_key, observe).items():
                 records[f"{TAG_MODEL}/{name}"] = (record.size, record.crc32)
-            if remote is not None:
-                upload_own(remote, folder, staging, sorted(records))
+            if remote is not None:  # its data file went up while it was written
+                upload_own(remote, folder, staging, sorted(n for n in records if not n.startswith(f"{TAG_MODEL}/")))
             return records
 
         def finish(every: list[dict[str, tuple[int, int]]]) -> None:

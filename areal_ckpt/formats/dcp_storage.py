@@ -81,7 +81,7 @@ class RawStorageWriter(StorageWriter):
     After ``dcp.save`` returns, :attr:`record` is this rank's data file's size and CRC-32.
     ``observe``, when given, makes the observer that follows this rank's data file as it is
     written (an upload that streams it, see :class:`~areal_ckpt.fsio.WriteObserver`), given
-    the file's name.
+    the file's name; the file is then not fsync'd (the store makes it durable).
     """
 
     def __init__(self, folder: Path, observe: Callable[[str], WriteObserver] | None = None) -> None:
@@ -110,7 +110,8 @@ class RawStorageWriter(StorageWriter):
         entries only stock readers read; blocking (the future is done)."""
         self.file_name = plan.storage_data
         observer = None if self.observe is None else self.observe(self.file_name)
-        writer = ChecksummedWriter(self.folder / self.file_name, observer=observer)
+        # a file streamed to object storage is not fsync'd here: its durability is the store's
+        writer = ChecksummedWriter(self.folder / self.file_name, durable=observer is None, observer=observer)
         results = []
         offset = 0
         ordered = sorted(plan.items, key=lambda item: item.type == WriteItemType.BYTE_IO)

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 _PART = 64 << 20
 _WORKERS = 8
-_STREAM_WORKERS = 4  # parts of one streamed file in flight (each 64 MiB in memory while it goes up)
+_STREAM_WORKERS = _WORKERS  # parts of one streamed file in flight (each 64 MiB in memory while it goes up)
 _CLIENT_SETTINGS = botocore.config.Config(
     connect_timeout=10,
     read_timeout=120,
