@@ -36,7 +36,7 @@ from areal_ckpt.deepspeed_objects import (
     choose_folder,
     commit_tag,
     data_fetcher,
-    data_streamer,
+    data_writer,
     fetch_tag,
     find_tag,
     object_root,
@@ -156,10 +156,10 @@ def save_checkpoint(
         groups, plan_key = engine_state.get("optimizer_param_groups"), f"{base}/{TAG_MODEL}"
 
         def write_shards() -> dict[str, tuple[int, int]]:
-            observe = None if remote is None else data_streamer(remote, folder, staging)
-            for name, record in save_tensors(tensors, staging / TAG_MODEL, groups, plan_key, observe).items():
+            open_writer = None if remote is None else data_writer(remote, folder)
+            for name, record in save_tensors(tensors, staging / TAG_MODEL, groups, plan_key, open_writer).items():
                 records[f"{TAG_MODEL}/{name}"] = (record.size, record.crc32)
-            if remote is not None:  # its data file went up while it was written
+            if remote is not None:  # its data file went up as it was made
                 upload_own(remote, folder, staging, sorted(n for n in records if not n.startswith(f"{TAG_MODEL}/")))
             return records
 
@@ -171,9 +171,11 @@ def save_checkpoint(
                 commit_tag(remote, folder, staging, {name for part in every for name in part}, tag, save_latest)
 
         agree.gathered_then_decided(write_shards, finish, failed)
-    except BaseException:
+    except BaseException as error:
         if remote is not None and dist.rank() == 0:
             remove_uncommitted(remote, folder)
+        if isinstance(error, CheckpointError) and not str(error).startswith(failed):  # the same on every rank
+            raise type(error)(f"{failed}: {error}") from error
         raise
     finally:
         if remote is not None or dist.rank() == 0:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.fsio import WriteObserver
+from areal_ckpt.fsio import FileWriter
 from areal_ckpt.paths import DATA_SUFFIX, MANIFEST_NAME, TAG_CLIENT_STATE, TAG_MODEL, staging_trial_root
 from areal_ckpt.storage.commits import (
     CommitLog,
@@ -86,10 +86,10 @@ def choose_folder(root: ObjectURL, tag: str) -> str:
     return fresh_folder(store, root, tag)
 
 
-def data_streamer(root: ObjectURL, folder: str, staging: Path) -> Callable[[str], WriteObserver]:
-    """What uploads this rank's DCP data file of the tag while it is written (by name)."""
+def data_writer(root: ObjectURL, folder: str) -> Callable[[Path], FileWriter]:
+    """What writes this rank's DCP data file of the tag straight to the bucket, from memory."""
     target = root.child(folder, TAG_MODEL)
-    return lambda name: store_of(target).stream_file(target.key(name), staging / TAG_MODEL / name)
+    return lambda path: store_of(target).open_writer(target.key(path.name))
 
 
 def upload_own(root: ObjectURL, folder: str, staging: Path, names: list[str]) -> None:

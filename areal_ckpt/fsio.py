@@ -91,18 +91,19 @@ class FileRecord:
     crc32: int
 
 
-class WriteObserver(Protocol):
-    """Follows a file while :class:`ChecksummedWriter` writes it (an upload that sends each part
-    as soon as it is written). Called from the writing thread."""
+class FileWriter(Protocol):
+    """Where a checkpoint file's bytes go as a format writer produces them: a local file
+    (:class:`ChecksummedWriter`) or an object uploaded part by part from memory (object
+    storage). ``write`` may keep reading ``data`` until ``close`` returns."""
 
-    def written(self, size: int) -> None:
-        """The file's first ``size`` bytes are written and will not change."""
+    def write(self, data: memoryview | bytes) -> None:
+        """Append ``data``."""
 
-    def finish(self, size: int) -> None:
-        """The file is complete at ``size`` bytes; blocks until the observer is done with it."""
+    def close(self) -> FileRecord:
+        """Finish: the bytes are where they go, whole; returns their size and CRC-32."""
 
     def abort(self) -> None:
-        """The file is discarded; stop and release everything (blocking)."""
+        """Discard what was written (blocking)."""
 
 
 class ChecksummedWriter:
@@ -112,14 +113,12 @@ class ChecksummedWriter:
     is not: fsync the parent directory, as :mod:`areal_ckpt.publish` does before publishing).
     With ``durable`` False (a copy staged for upload, whose durability is the object store's)
     nothing is fsync'd and no writeback is started: the bytes stay in the page cache for the
-    upload to read. An ``observer`` is told of every piece written, then of the complete file
-    (after the fsync) or of its abort.
+    upload to read.
     """
 
-    def __init__(self, path: Path, durable: bool = True, observer: WriteObserver | None = None) -> None:
+    def __init__(self, path: Path, durable: bool = True) -> None:
         self.path = path
         self._durable = durable
-        self._observer = observer
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._size = 0
         self._handed_to_disk = 0  # bytes whose writeback has been started
@@ -137,32 +136,20 @@ class ChecksummedWriter:
             if self._durable and self._size - self._handed_to_disk >= _WRITEBACK_STEP:
                 start_writeback(self._fd, self._handed_to_disk, self._size - self._handed_to_disk)
                 self._handed_to_disk = self._size
-            if self._observer is not None:
-                self._observer.written(self._size)
 
     def close(self) -> FileRecord:
-        """fsync (when durable) and close the file, then let the observer finish; returns its
-        record. On an error the observer is aborted."""
+        """fsync (when durable) and close the file; returns its record."""
         try:
-            try:
-                if self._durable:
-                    os.fsync(self._fd)
-                crc = self._crc.value()
-            finally:
-                os.close(self._fd)
-            if self._observer is not None:
-                self._observer.finish(self._size)
-        except BaseException:
-            if self._observer is not None:
-                self._observer.abort()
-            raise
+            if self._durable:
+                os.fsync(self._fd)
+            crc = self._crc.value()
+        finally:
+            os.close(self._fd)
         return FileRecord(size=self._size, crc32=crc)
 
     def abort(self) -> None:
-        """Close without fsync (the caller discards the file); the observer is aborted."""
+        """Close without fsync (the caller discards the file)."""
         os.close(self._fd)
-        if self._observer is not None:
-            self._observer.abort()
 
 
 def record_of(path: Path) -> FileRecord:

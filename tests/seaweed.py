@@ -164,26 +164,26 @@ class SeaweedServer:
 
 def kill_at_next_upload(server: SeaweedServer, monkeypatch, streamed: bool = True) -> Callable[[], None]:  # type: ignore[no-untyped-def]
     """Make the next file upload of areal_ckpt (a whole file, or, unless not ``streamed``, one
-    streamed while it is written) SIGKILL ``server`` before it starts (the event a fault test
+    written straight from memory) SIGKILL ``server`` before it starts (the event a fault test
     waits for); returns the function that puts uploads back as they were."""
     from areal_ckpt.storage.s3 import S3Store
 
-    real_put, real_stream = S3Store.put_file, S3Store.stream_file
+    real_put, real_writer = S3Store.put_file, S3Store.open_writer
 
     def put_after_killing(self, key, path):  # type: ignore[no-untyped-def]
         server.kill()
         return real_put(self, key, path)
 
-    def stream_after_killing(self, key, path):  # type: ignore[no-untyped-def]
+    def writer_after_killing(self, key):  # type: ignore[no-untyped-def]
         server.kill()
-        return real_stream(self, key, path)
+        return real_writer(self, key)
 
     monkeypatch.setattr(S3Store, "put_file", put_after_killing)
     if streamed:
-        monkeypatch.setattr(S3Store, "stream_file", stream_after_killing)
+        monkeypatch.setattr(S3Store, "open_writer", writer_after_killing)
 
     def restore() -> None:
         monkeypatch.setattr(S3Store, "put_file", real_put)
-        monkeypatch.setattr(S3Store, "stream_file", real_stream)
+        monkeypatch.setattr(S3Store, "open_writer", real_writer)
 
     return restore

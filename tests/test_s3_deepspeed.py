@@ -36,6 +36,7 @@ def assert_same_training_state(saved, loaded) -> None:
 
 
 def test_tags_and_latest_on_the_bucket_load_bit_exact(s3_server, s3_bucket, tmp_path, monkeypatch):
+    (tmp_path / "node").mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp_path / "node"))
     monkeypatch.setattr(tempfile, "tempdir", None)  # staging and local copies go under this TMPDIR
     root = f"{s3_bucket}/ds"
@@ -50,7 +51,7 @@ def test_tags_and_latest_on_the_bucket_load_bit_exact(s3_server, s3_bucket, tmp_
     keys = keys_under(s3_server, s3_bucket, "ds/")
     assert [k for k in keys if "/.commits/" in k] == [f"ds/.commits/00000000000{n}.json" for n in (1, 2, 3)]
     assert "ds/zero_to_fp32.py" in keys and "ds/step2/areal_ckpt_manifest.json" in keys
-    assert not list((tmp_path / "node").rglob("*.distcp"))  # every rank's staging folder is gone
+    assert list((tmp_path / "node").iterdir()) and not list((tmp_path / "node").rglob("*.distcp"))  # staged there
 
     fresh = make_setup(seed=3)
     path, client_state = ac.load_checkpoint(fresh.engine, root)  # latest: step2, not "side"
@@ -74,6 +75,7 @@ def test_tags_and_latest_on_the_bucket_load_bit_exact(s3_server, s3_bucket, tmp_
 
 
 def test_a_server_killed_mid_save_leaves_the_previous_tag_and_latest(own_s3_server, tmp_path, monkeypatch):
+    (tmp_path / "node").mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp_path / "node"))
     monkeypatch.setattr(tempfile, "tempdir", None)
     server = own_s3_server
@@ -84,7 +86,9 @@ def test_a_server_killed_mid_save_leaves_the_previous_tag_and_latest(own_s3_serv
     saved = {name: tensor.clone() for name, tensor in setup.model.state_dict().items()}
     train_step(setup, 1)
     restore = kill_at_next_upload(server, monkeypatch)  # the event: the next save's first upload starts
-    with pytest.raises(ac.CheckpointError, match=r"s3://killed/ds/bad: checkpoint not saved"):
+    with pytest.raises(
+        ac.CheckpointError, match=r"s3://killed/ds/bad: checkpoint not saved .*cannot upload s3://killed"
+    ):
         ac.save_checkpoint(setup.engine, "s3://killed/ds", tag="bad")
     restore()
     server.start()
@@ -129,6 +133,7 @@ def test_two_ranks_on_separate_disks_save_to_the_bucket_and_resume_exactly(s3_se
 
 
 def test_the_cli_lists_verifies_and_converts_tags_on_the_bucket(s3_bucket, tmp_path, monkeypatch, capsys):
+    (tmp_path / "node").mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp_path / "node"))
     monkeypatch.setattr(tempfile, "tempdir", None)
     root = f"{s3_bucket}/ds"

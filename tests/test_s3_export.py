@@ -162,12 +162,12 @@ def test_ctrl_c_during_an_upload_commits_nothing_and_stays_an_interrupt(
     engine = ac.TorchEngine(make_model())
     saver.save(engine, 0, 1, 1, force=True)
 
-    from areal_ckpt.storage.s3 import S3FileStream
+    from areal_ckpt.storage.s3 import S3ObjectWriter
 
-    def interrupted(self, size):  # a shard's upload, streamed while it is written, at its end
+    def interrupted(self):  # a shard's upload, written from memory, at its end
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(S3FileStream, "finish", interrupted)
+    monkeypatch.setattr(S3ObjectWriter, "close", interrupted)
     with pytest.raises(KeyboardInterrupt):
         saver.save(engine, 0, 2, 2, force=True)
     monkeypatch.undo()

@@ -202,6 +202,9 @@ def test_a_torn_file_in_the_staging_copy_is_downloaded_again(s3_server, s3_bucke
     train_step(setup, 0)
     handler.dump(setup.engine, step_info(0), force=True)
     handler.close()
+    first = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "disk"), SPEC)  # a load brings the data file down
+    assert first.load(make_setup(seed=2).engine) is not None
+    first.close()
     (data,) = (tmp_path / "disk").rglob("gen-*/default/__0_0.distcp")
     torn = bytearray(data.read_bytes())
     torn[len(torn) // 2] ^= 0xFF  # as a crash of this node could leave it: right size, wrong bytes
@@ -268,25 +271,26 @@ def test_each_node_downloads_only_the_data_files_its_ranks_read(s3_server, s3_bu
         assert torch.equal(fresh.state_dict()[name], tensor), name
 
 
-def test_a_data_file_larger_than_a_part_streams_while_written_and_loads_bit_exact(
+def test_a_data_file_larger_than_a_part_goes_up_from_memory_and_loads_bit_exact(
     s3_server, s3_bucket, tmp_path, monkeypatch
 ):
+    from areal_ckpt.storage.s3 import S3ObjectWriter
+
     torch.manual_seed(0)
     model = torch.nn.Linear(4096, 4608)  # 75.5 MB of fp32 weights: two 64 MiB parts
     handler = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "disk"), SPEC)
     parts = []
-    from areal_ckpt.storage.s3 import S3FileStream
+    real_upload_part = S3ObjectWriter._upload_part
 
-    real_upload_part = S3FileStream._upload_part
+    def counted(self, number, data):
+        parts.append((number, len(data)))
+        return real_upload_part(self, number, data)
 
-    def counted(self, number, offset, length):
-        parts.append((number, offset, length))
-        return real_upload_part(self, number, offset, length)
-
-    monkeypatch.setattr(S3FileStream, "_upload_part", counted)
+    monkeypatch.setattr(S3ObjectWriter, "_upload_part", counted)
     handler.dump(ac.TorchEngine(model), step_info(0), force=True)
     handler.close()
-    assert sorted(parts)[:2] == [(1, 0, 64 << 20), (2, 64 << 20, sorted(parts)[1][2])] and len(parts) == 2
+    assert sorted(parts)[0] == (1, 64 << 20) and [number for number, _ in sorted(parts)] == [1, 2]
+    assert not list((tmp_path / "disk").rglob("*.distcp"))  # no local copy of the data was written
     torch.manual_seed(1)
     fresh = torch.nn.Linear(4096, 4608)
     loader = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "new-disk"), SPEC)
@@ -295,30 +299,31 @@ def test_a_data_file_larger_than_a_part_streams_while_written_and_loads_bit_exac
     assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
 
 
-def test_ctrl_c_while_a_part_streams_aborts_the_upload_and_commits_nothing(s3_server, s3_bucket, tmp_path, monkeypatch):
-    from areal_ckpt.storage.s3 import S3FileStream
+def test_ctrl_c_while_a_part_goes_up_aborts_the_upload_and_commits_nothing(s3_server, s3_bucket, tmp_path, monkeypatch):
+    from areal_ckpt.storage.s3 import S3ObjectWriter
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4096, 4608)
     handler = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "disk", write_retries=3), SPEC)
     handler.dump(ac.TorchEngine(model), step_info(0), force=True)
     committed = model.weight.detach().clone()
-    real_upload_part = S3FileStream._upload_part
+    real_upload_part = S3ObjectWriter._upload_part
     calls = []
 
-    def interrupted(self, number, offset, length):
+    def interrupted(self, number, data):
         calls.append(number)
         if number == 2:
+            self._slots.release()  # as the real one does when it ends
             raise KeyboardInterrupt
-        return real_upload_part(self, number, offset, length)
+        return real_upload_part(self, number, data)
 
-    monkeypatch.setattr(S3FileStream, "_upload_part", interrupted)
+    monkeypatch.setattr(S3ObjectWriter, "_upload_part", interrupted)
     with torch.no_grad():
         model.weight.add_(1.0)
     with pytest.raises(KeyboardInterrupt):
         handler.dump(ac.TorchEngine(model), step_info(1), force=True)
     assert 2 in calls
-    monkeypatch.setattr(S3FileStream, "_upload_part", real_upload_part)
+    monkeypatch.setattr(S3ObjectWriter, "_upload_part", real_upload_part)
     handler.close()
     bucket = s3_bucket.removeprefix("s3://")
     assert s3_server.client().list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []

@@ -37,7 +37,7 @@ from areal_ckpt.formats.hf_export import (
     write_rank_shards,
 )
 from areal_ckpt.formats.hf_keys import check_loadable
-from areal_ckpt.fsio import FileRecord, WriteObserver, make_dirs
+from areal_ckpt.fsio import FileRecord, FileWriter, make_dirs
 from areal_ckpt.jobs.shm_arena import ArenaLayout, StagingArena, arena_layout_of_specs
 from areal_ckpt.paths import EXPORT_FORMAT, MANIFEST_NAME, export_staging, export_trash
 from areal_ckpt.publish import publish, write_manifest
@@ -220,14 +220,14 @@ def finish_export(
     rank, world = dist.rank(), dist.world_size()
 
     def write_shards() -> dict[str, tuple[int, int]]:
-        observe = None
+        open_writer = None
         if target.remote is not None and target.remote_folder is not None:  # every rank uploads its own shards,
-            target.staging.mkdir(parents=True, exist_ok=True)  # each part as soon as it is written; on another
-            remote = target.remote.child(target.remote_folder)  # node than rank 0 the staging folder is its own
-            store = store_of(remote)
+            target.staging.mkdir(parents=True, exist_ok=True)  # from memory, part by part as they are made (on
+            remote = target.remote.child(target.remote_folder)  # another node than rank 0 the staging folder is
+            store = store_of(remote)  # its own, for the small files)
 
-            def observe(name: str) -> WriteObserver:
-                return store.stream_file(remote.key(name), target.staging / name)
+            def open_writer(name: str) -> FileWriter:
+                return store.open_writer(remote.key(name))
 
         records, error = write_rank_shards(  # staged for upload: durable once the store holds them
             source,
@@ -237,8 +237,7 @@ def finish_export(
             world,
             target.dtype,
             progress,
-            durable=observe is None,
-            observe=observe,
+            open_writer=open_writer,
         )
         if error is not None:
             logger.error("rank %d: writing export shards into %s failed: %s", rank, target.staging, error)

@@ -34,7 +34,7 @@ from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_storage import RawStorageWriter
 from areal_ckpt.formats.replicas import check_replicas, check_replicas_sampled, fingerprints
-from areal_ckpt.fsio import FileRecord, WriteObserver
+from areal_ckpt.fsio import FileRecord, FileWriter
 
 
 @dataclasses.dataclass
@@ -56,7 +56,7 @@ def save_tensors(
     folder: Path,
     param_groups: list[dict[str, Any]] | None = None,
     plan_key: str | None = None,
-    observe: Callable[[str], WriteObserver] | None = None,
+    open_writer: Callable[[Path], FileWriter] | None = None,
 ) -> dict[str, FileRecord]:
     """Collective: every rank saves its part of ``tensors`` (flat name -> Tensor / DTensor) into ``folder``.
 
@@ -68,13 +68,13 @@ def save_tensors(
     writing); rank 0 also writes ``dcp_metadata.json`` and ``.metadata``. Saves with the same
     ``plan_key`` (e.g. one model's dumps) reuse the global plan while nothing changed. Blocking;
     the folder's entries are made durable by the caller's commit. Raises CheckpointError on
-    every rank when any rank failed, naming each rank and its cause. ``observe`` follows this
-    rank's data file as it is written (see :class:`~areal_ckpt.formats.dcp_storage.RawStorageWriter`).
+    every rank when any rank failed, naming each rank and its cause. ``open_writer`` makes the
+    writer of this rank's data file (see :class:`~areal_ckpt.formats.dcp_storage.RawStorageWriter`).
     """
     non_tensors = [name for name, value in tensors.items() if not isinstance(value, torch.Tensor)]
     if non_tensors:
         raise CheckpointError(f"only tensors go through DCP; not tensors: {non_tensors[:5]}")
-    writer = RawStorageWriter(folder, observe)
+    writer = RawStorageWriter(folder, open_writer)
     planner = DefaultSavePlanner()
     central, metadata = _plan(tensors, _stored_layout(tensors, param_groups), writer, planner, plan_key, folder)
     agree.gathered_then_decided(  # the write results go to rank 0, which writes the metadata

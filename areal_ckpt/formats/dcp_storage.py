@@ -51,7 +51,7 @@ from areal_ckpt.formats.dcp_metadata import (
 )
 from areal_ckpt.formats.range_read import RangeReader, open_ranges
 from areal_ckpt.formats.torch_record import frame_for
-from areal_ckpt.fsio import ChecksummedWriter, FileRecord, WriteObserver, record_of, write_file_durably
+from areal_ckpt.fsio import ChecksummedWriter, FileRecord, FileWriter, record_of, write_file_durably
 from areal_ckpt.tensors import tensor_bytes
 
 _RUN_BYTES = 64 << 20  # one read fills tensors stored back to back up to this size
@@ -79,15 +79,15 @@ class RawStorageWriter(StorageWriter):
     """Writes each rank's tensors raw into its own file in ``folder``; metadata as JSON.
 
     After ``dcp.save`` returns, :attr:`record` is this rank's data file's size and CRC-32.
-    ``observe``, when given, makes the observer that follows this rank's data file as it is
-    written (an upload that streams it, see :class:`~areal_ckpt.fsio.WriteObserver`), given
-    the file's name; the file is then not fsync'd (the store makes it durable).
+    ``open_writer``, when given, makes the writer of this rank's data file from its path (an
+    object uploaded from memory, see :class:`~areal_ckpt.fsio.FileWriter`: no local file is
+    written then); by default a local file, fsync'd.
     """
 
-    def __init__(self, folder: Path, observe: Callable[[str], WriteObserver] | None = None) -> None:
+    def __init__(self, folder: Path, open_writer: Callable[[Path], FileWriter] | None = None) -> None:
         super().__init__()
         self.folder = Path(folder)
-        self.observe = observe
+        self.open_writer = open_writer
         self.record: FileRecord | None = None
         self.file_name: str | None = None
 
@@ -109,9 +109,8 @@ class RawStorageWriter(StorageWriter):
         """Write this rank's records into its file and fsync it: tensor chunks first, then the
         entries only stock readers read; blocking (the future is done)."""
         self.file_name = plan.storage_data
-        observer = None if self.observe is None else self.observe(self.file_name)
-        # a file streamed to object storage is not fsync'd here: its durability is the store's
-        writer = ChecksummedWriter(self.folder / self.file_name, durable=observer is None, observer=observer)
+        path = self.folder / self.file_name
+        writer = ChecksummedWriter(path) if self.open_writer is None else self.open_writer(path)
         results = []
         offset = 0
         ordered = sorted(plan.items, key=lambda item: item.type == WriteItemType.BYTE_IO)

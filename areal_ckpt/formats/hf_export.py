@@ -22,7 +22,7 @@ from huggingface_hub.serialization import split_state_dict_into_shards_factory
 from areal_ckpt import dist
 from areal_ckpt.errors import CollectiveError
 from areal_ckpt.formats.safetensors_io import write_safetensors
-from areal_ckpt.fsio import FileRecord, WriteObserver, write_file_durably
+from areal_ckpt.fsio import FileRecord, FileWriter, write_file_durably
 from areal_ckpt.tensors import TensorSpec, export_dtype_for
 
 SINGLE_FILE = "model.safetensors"
@@ -89,7 +89,7 @@ def write_rank_shards(
     dtype: torch.dtype | None,
     progress: Callable[[Iterable[int]], Iterable[int]] = iter,
     durable: bool = True,
-    observe: Callable[[str], WriteObserver] | None = None,
+    open_writer: Callable[[str], FileWriter] | None = None,
 ) -> tuple[dict[str, FileRecord], BaseException | None]:
     """Write this rank's shard files into ``folder``; returns their records and any write error.
 
@@ -103,8 +103,8 @@ def write_rank_shards(
     moves: a rank holds at most two gathered tensors, not a shard file's worth; a rank that
     failed to write keeps receiving its file's tensors and drops them. Each file is fsync'd
     before this returns, unless ``durable`` is False (files staged for an upload).
-    ``observe`` makes, from a file's name, what follows that file as it is written (an upload
-    that streams it; the file is then uploaded when its write returns).
+    ``open_writer`` makes, from a file's name, the writer that takes its bytes instead of a
+    local file (an object uploaded from memory: the file is uploaded when its write returns).
     """
     records: dict[str, FileRecord] = {}
     error: BaseException | None = None
@@ -120,7 +120,7 @@ def write_rank_shards(
                     [plan.specs[name] for name in plan.files[file_name]],
                     ((plan.specs[name].name, _to_dtype(tensor, dtype)) for name, tensor in tensors),
                     durable=durable,
-                    observer=None if observe is None else observe(file_name),
+                    writer=None if open_writer is None else open_writer(file_name),
                 )
             except CollectiveError:
                 raise

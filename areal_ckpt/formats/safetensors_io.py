@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from areal_ckpt.fsio import ChecksummedWriter, FileRecord, WriteObserver
+from areal_ckpt.fsio import ChecksummedWriter, FileRecord, FileWriter
 from areal_ckpt.tensors import SAFETENSORS_DTYPES, TensorSpec, tensor_bytes
 
 if sys.byteorder != "little":
@@ -49,7 +49,7 @@ def write_safetensors(
     tensors: Iterable[tuple[str, torch.Tensor]],
     metadata: dict[str, str] | None = None,
     durable: bool = True,
-    observer: WriteObserver | None = None,
+    writer: FileWriter | None = None,
 ) -> FileRecord:
     """Write a safetensors file holding ``specs`` at ``path`` and fsync it; local, blocking.
 
@@ -57,10 +57,11 @@ def write_safetensors(
     those names, shapes and dtypes in that order. It may be a generator: each tensor is written
     as it arrives, so the whole file never has to be in memory. Durable on return (the file;
     its directory entry is fsync'd at commit); with ``durable`` False, not fsync'd (a copy
-    staged for upload). ``observer`` follows the file as it is written (an upload that streams
-    it). On error the partial file is left for the caller's staging folder to discard.
+    staged for upload). ``writer``, when given, takes the bytes instead of a local file at
+    ``path`` (an object uploaded from memory). On error the partial file is left for the
+    caller's staging folder to discard (a ``writer`` is aborted).
     """
-    writer = ChecksummedWriter(path, durable, observer)
+    writer = ChecksummedWriter(path, durable) if writer is None else writer
     try:
         writer.write(render_safetensors_header(specs, metadata or {"format": "pt"}))
         count = 0

@@ -173,8 +173,9 @@ def _link_unchanged(
     """True when ``folder`` (a frozen model, or a model's frozen part) has the fingerprint it
     had in the previous generation on every rank: rank 0 then hard-links its files from there
     into ``generation`` and adds their records. Collective (one reduction). Never on object
-    storage: there each node's staging copy holds only its own ranks' files, so rank 0 could
-    not link the others' (the part is written and uploaded again instead)."""
+    storage: there no staging copy holds the previous generation's data files (they go to the
+    bucket from memory, and a node's copy would hold only its own ranks' anyway), so the part
+    is uploaded again instead."""
     if store.remote is not None:
         return False
     unchanged = fingerprint is not None and previous.fingerprints.get(folder) == fingerprint

@@ -21,7 +21,7 @@ from areal_ckpt._version import __version__
 from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError, TransientError
 from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.hf_export import HFFiles
-from areal_ckpt.fsio import FileRecord, WriteObserver, write_file_durably
+from areal_ckpt.fsio import FileRecord, FileWriter, write_file_durably
 from areal_ckpt.jobs.shm_arena import ArenaLayout
 from areal_ckpt.paths import HF_FILES, MODEL_SEPARATOR, RECOVER_FORMAT, RECOVER_FORMAT_VERSION
 from areal_ckpt.recover.remote import RemoteGenerations
@@ -136,10 +136,12 @@ class DumpJob:
                     tensors, groups = by_folder[part], self.param_groups.get(part)
                     plan_key = f"{self.trial}/{part}"
                     (folder / part).mkdir(parents=True, exist_ok=True)  # a frozen part's; on another node any
-                    observe = self._streamer(folder, part)
-                    for file_name, record in save_tensors(tensors, folder / part, groups, plan_key, observe).items():
+                    open_writer = self._object_writer(part)
+                    for file_name, record in save_tensors(
+                        tensors, folder / part, groups, plan_key, open_writer
+                    ).items():
                         records[f"{part}/{file_name}"] = (record.size, record.crc32)
-                        if observe is not None:
+                        if open_writer is not None:
                             streamed.add(f"{part}/{file_name}")
                 for relative, data in self.files.items():  # local from here on
                     (folder / relative).parent.mkdir(parents=True, exist_ok=True)  # on another node than rank 0's
@@ -157,13 +159,14 @@ class DumpJob:
 
         return agree.gathered_then_decided(write, lambda every: self._commit(store, every), "writing failed")
 
-    def _streamer(self, folder: Path, part: str) -> Callable[[str], WriteObserver] | None:
-        """On object storage: what uploads a data file of ``part`` while it is written, to the
-        generation's prefix (uncommitted until the commit record; debris if the dump fails)."""
+    def _object_writer(self, part: str) -> Callable[[Path], FileWriter] | None:
+        """On object storage: what writes a data file of ``part`` straight to the generation's
+        prefix, from memory (uncommitted until the commit record; debris if the dump fails).
+        The staging copy then holds no data file of its own: a load brings it down when read."""
         if self.remote is None:
             return None
         target = RemoteGenerations(self.remote).root.child(self.generation, part)
-        return lambda file_name: store_of(target).stream_file(target.key(file_name), folder / part / file_name)
+        return lambda path: store_of(target).open_writer(target.key(path.name))
 
     def _commit(self, store: RecoverStore, every: list[dict[str, tuple[int, int]]]) -> tuple[int, list[str]]:
         """Rank 0: commit the generation; returns the bytes written for it (linked files left

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from areal_ckpt.fsio import WriteObserver
+from areal_ckpt.fsio import FileWriter
 from areal_ckpt.urls import ObjectURL
 
 
@@ -48,10 +48,10 @@ class ObjectStore(Protocol):
         """Store ``data`` as ``key``; with ``create_only``, only if no object has that key
         (False, nothing written, when one has)."""
 
-    def stream_file(self, key: str, path: Path) -> WriteObserver:
-        """An upload of ``path`` as ``key`` that follows its writer (pass it to
-        :class:`~areal_ckpt.fsio.ChecksummedWriter`): parts go up as they are written, and the
-        key appears whole when the writer closes the file, or not at all."""
+    def open_writer(self, key: str) -> FileWriter:
+        """A :class:`~areal_ckpt.fsio.FileWriter` of the object ``key``: the bytes go up from
+        memory in parts as they are written (no local file), and the key appears whole when
+        the writer is closed, or not at all."""
 
     def get_bytes(self, key: str) -> bytes | None:
         """The whole object ``key``, or None when there is none."""

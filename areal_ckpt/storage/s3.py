@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +25,7 @@ import botocore.config
 import botocore.exceptions
 
 from areal_ckpt.errors import CheckpointError, TransientError
+from areal_ckpt.fsio import FileRecord, RunningCrc
 from areal_ckpt.storage.objects import ObjectInfo
 from areal_ckpt.urls import ObjectURL
 
@@ -32,7 +33,6 @@ logger = logging.getLogger(__name__)
 
 _PART = 64 << 20
 _WORKERS = 8
-_STREAM_WORKERS = _WORKERS  # parts of one streamed file in flight (each 64 MiB in memory while it goes up)
 _CLIENT_SETTINGS = botocore.config.Config(
     connect_timeout=10,
     read_timeout=120,
@@ -103,10 +103,10 @@ class S3Store:
             return False
         return True
 
-    def stream_file(self, key: str, path: Path) -> S3FileStream:
-        """An upload of ``path`` as ``key`` that sends each 64 MiB part as soon as the writer has
-        written it (see :class:`S3FileStream`); contacts nothing until the first part."""
-        return S3FileStream(self, key, path)
+    def open_writer(self, key: str) -> S3ObjectWriter:
+        """A writer of the object ``key`` that uploads each 64 MiB part from memory as soon as it
+        is full (see :class:`S3ObjectWriter`); contacts nothing until a part or the close."""
+        return S3ObjectWriter(self, key)
 
     def get_bytes(self, key: str) -> bytes | None:
         """The object ``key`` read whole, or None when there is none. Blocking."""
@@ -240,43 +240,59 @@ class S3Store:
         return TransientError(f"cannot upload {where}: {message}")
 
 
-class S3FileStream:
-    """A file uploaded while it is written: a :class:`~areal_ckpt.fsio.WriteObserver` of its
-    writer. Each 64 MiB part goes up (a few at once, each read back from the page cache when
-    its turn comes, so at most those few parts are in memory) as soon as the writer passed it;
-    :meth:`finish` sends the tail and completes the multipart upload, so the object appears
-    whole or not at all. A file smaller than one part is one PUT at :meth:`finish`. Errors are
-    the store's (CheckpointError / TransientError naming the key); after one, or on
+class S3ObjectWriter:
+    """An object written part by part from memory: a :class:`~areal_ckpt.fsio.FileWriter` that
+    uploads instead of writing a local file. What :meth:`write` is given is copied into a
+    64 MiB part buffer (and checksummed meanwhile); each full part goes up on a helper thread,
+    at most 8 at once, and :meth:`write` waits while 8 are in flight (memory stays bounded at
+    about 9 parts). :meth:`close` sends the last part and completes the multipart upload, so the
+    object appears whole or not at all; an object under 64 MiB is one PUT at :meth:`close`.
+    Errors are the store's (CheckpointError / TransientError naming the key); after one, or on
     :meth:`abort`, the parts are discarded on the server. Used by one writing thread."""
 
-    def __init__(self, store: S3Store, key: str, path: Path) -> None:
-        self._store, self._key, self._path = store, key, path
-        self._bucket = store.url.bucket
-        self._pool = ThreadPoolExecutor(_STREAM_WORKERS, thread_name_prefix="areal_ckpt-part")
+    def __init__(self, store: S3Store, key: str) -> None:
+        self._store, self._key, self._bucket = store, key, store.url.bucket
+        self._pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="areal_ckpt-part")
+        self._slots = threading.BoundedSemaphore(_WORKERS)
         self._parts: list[Future[dict[str, Any]]] = []
-        self._sent = 0  # bytes handed to part uploads
+        self._buffer, self._filled, self._size = bytearray(_PART), 0, 0
+        self._crc = RunningCrc(max_pending=4)
         self._upload_id: str | None = None
 
-    def written(self, size: int) -> None:
-        """Start uploading every whole part below ``size``."""
-        while size - self._sent >= _PART:
-            self._send(_PART)
+    def write(self, data: memoryview | bytes) -> None:
+        """Append ``data``; blocks while 8 parts are in flight. Raises the first failed part's
+        error."""
+        view = memoryview(data).cast("B")
+        self._crc.update(view)
+        self._size += len(view)
+        while view:
+            piece = view[: _PART - self._filled]
+            self._buffer[self._filled : self._filled + len(piece)] = piece
+            self._filled += len(piece)
+            view = view[len(piece) :]
+            if self._filled == _PART:
+                self._send(self._buffer)
+                self._buffer, self._filled = bytearray(_PART), 0
 
-    def finish(self, size: int) -> None:
-        """Upload what is left and complete the object; blocking. Aborts it on failure."""
+    def close(self) -> FileRecord:
+        """Upload what is left and complete the object; returns its size and CRC-32. Blocking;
+        aborts the upload on failure."""
         try:
             if self._upload_id is None:
-                with self._store._translated("upload", self._key), open(self._path, "rb") as body:
-                    self._store._client.put_object(Bucket=self._bucket, Key=self._key, Body=body)
-                return
-            if size > self._sent:
-                self._send(size - self._sent)
-            parts = [part.result() for part in self._parts]
-            with self._store._translated("upload", self._key):
-                self._store._client.complete_multipart_upload(
-                    Bucket=self._bucket, Key=self._key, UploadId=self._upload_id, MultipartUpload={"Parts": parts}
-                )
-            self._upload_id = None
+                with self._store._translated("upload", self._key):
+                    self._store._client.put_object(
+                        Bucket=self._bucket, Key=self._key, Body=bytes(self._buffer[: self._filled])
+                    )
+            else:
+                if self._filled:
+                    self._send(self._buffer[: self._filled])
+                parts = [part.result() for part in self._parts]
+                with self._store._translated("upload", self._key):
+                    self._store._client.complete_multipart_upload(
+                        Bucket=self._bucket, Key=self._key, UploadId=self._upload_id, MultipartUpload={"Parts": parts}
+                    )
+                self._upload_id = None
+            return FileRecord(size=self._size, crc32=self._crc.value())
         except BaseException:
             self.abort()
             raise
@@ -295,23 +311,25 @@ class S3FileStream:
             except CheckpointError as error:
                 logger.warning("%s", error)
 
-    def _send(self, length: int) -> None:
+    def _send(self, part: bytearray) -> None:
+        for done in self._parts:  # fail early: a part that failed stops the writer at its next part
+            if done.done() and done.exception() is not None:
+                done.result()
         if self._upload_id is None:
             with self._store._translated("upload", self._key):
                 answer = self._store._client.create_multipart_upload(Bucket=self._bucket, Key=self._key)
             self._upload_id = str(answer["UploadId"])
-        self._parts.append(self._pool.submit(self._upload_part, len(self._parts) + 1, self._sent, length))
-        self._sent += length
+        self._slots.acquire()
+        self._parts.append(self._pool.submit(self._upload_part, len(self._parts) + 1, part))
 
-    def _upload_part(self, number: int, offset: int, length: int) -> dict[str, Any]:
-        with open(self._path, "rb", buffering=0) as handle:
-            data = os.pread(handle.fileno(), length, offset)
-        if len(data) != length:
-            raise CheckpointError(f"{self._path}: {len(data)} bytes at {offset}, expected {length} (file changed)")
-        with self._store._translated("upload", self._key):
-            answer = self._store._client.upload_part(
-                Bucket=self._bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number, Body=data
-            )
+    def _upload_part(self, number: int, data: bytearray) -> dict[str, Any]:
+        try:
+            with self._store._translated("upload", self._key):
+                answer = self._store._client.upload_part(
+                    Bucket=self._bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number, Body=data
+                )
+        finally:
+            self._slots.release()
         part = {"PartNumber": number, "ETag": answer["ETag"]}
         for checksum in ("ChecksumCRC32", "ChecksumCRC32C", "ChecksumSHA1", "ChecksumSHA256", "ChecksumCRC64NVME"):
             if checksum in answer:
