@@ -333,3 +333,20 @@ def test_ctrl_c_while_a_part_goes_up_aborts_the_upload_and_commits_nothing(s3_se
     assert loader.load(ac.TorchEngine(fresh)).last_step_info.global_step == 0
     loader.close()
     assert torch.equal(fresh.weight, committed)
+
+
+def test_a_link_planted_in_the_staging_copy_is_never_written_through(s3_server, s3_bucket, tmp_path):
+    setup = make_setup()
+    handler = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "disk"), SPEC)
+    handler.dump(setup.engine, step_info(0), force=True)
+    handler.close()
+    (generation,) = (tmp_path / "disk").rglob("gen-*")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (generation / "default").rename(tmp_path / "moved")  # the model's folder becomes a link to elsewhere
+    (generation / "default").symlink_to(elsewhere)
+    loader = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "disk"), SPEC)
+    with pytest.raises(ac.CheckpointError, match=r"/default: a link in the local copy of s3://\S+; not writing"):
+        loader.load(make_setup(seed=1).engine)
+    loader.close()
+    assert list(elsewhere.iterdir()) == []

@@ -119,8 +119,7 @@ class OnDemandFiles:
             if problems:
                 if path.exists():
                     logger.warning("%s; downloading it again from %s", problems[0], self.source)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                store_of(self.source).get_file(self.source.key(name), path)
+                _download(store_of(self.source), self.source, self.folder, name)
         self._ready.add(name)
 
 
@@ -149,13 +148,25 @@ def fetch_folder(
             continue
         if (folder / name).exists():
             logger.warning("%s; downloading it again from %s", problems[0], source)
-        (folder / name).parent.mkdir(parents=True, exist_ok=True)
-        store.get_file(source.key(name), folder / name)
+        _download(store, source, folder, name)
         fetched += 1
     problems = [problem.replace(str(folder), str(source), 1) for problem in check_files(folder, files, wanted, False)]
     if problems:
         raise CheckpointError(f"{source}: the downloaded copy is damaged: " + "; ".join(problems))
     return fetched
+
+
+def _download(store: ObjectStore, source: ObjectURL, folder: Path, name: str) -> None:
+    """Download ``name`` of ``source`` into ``folder``; CheckpointError, nothing written, when a
+    link stands on its path inside ``folder`` (never written through: the copy is ours)."""
+    path = folder / name
+    for part in [path, *path.parents]:
+        if part.is_symlink():
+            raise CheckpointError(f"{part}: a link in the local copy of {source}; not writing through it")
+        if part == folder:
+            break
+    path.parent.mkdir(parents=True, exist_ok=True)
+    store.get_file(source.key(name), path)
 
 
 def check_remote_folder(
