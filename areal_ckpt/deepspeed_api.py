@@ -31,8 +31,8 @@ import torch
 from areal_ckpt import agree, dist
 from areal_ckpt._version import __version__
 from areal_ckpt.config import check_path_component, local_path
+from areal_ckpt.deepspeed_local import prepare_staging, publish_tag, read_latest
 from areal_ckpt.deepspeed_objects import (
-    OFFLINE_CONVERTER,
     choose_folder,
     commit_tag,
     data_fetcher,
@@ -40,7 +40,6 @@ from areal_ckpt.deepspeed_objects import (
     fetch_tag,
     find_tag,
     object_root,
-    offline_converter_script,
     prepare_rank_staging,
     rank_staging,
     remove_uncommitted,
@@ -52,7 +51,7 @@ from areal_ckpt.engines.deepspeed_engine import DeepSpeedEngine
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.deepspeed_pickles import check_pickles, is_deepspeed_own, weights_only_deepspeed_loads
-from areal_ckpt.fsio import FileRecord, fsync_dir, make_dirs, write_file_durably
+from areal_ckpt.fsio import FileRecord, write_file_durably
 from areal_ckpt.paths import (
     ENGINE_STATE_FILE,
     HF_FILES,
@@ -65,7 +64,7 @@ from areal_ckpt.paths import (
     TAGGED_FORMAT,
     TAGGED_FORMAT_VERSION,
 )
-from areal_ckpt.publish import publish, write_manifest
+from areal_ckpt.publish import write_manifest
 from areal_ckpt.recover.read import load_engine, verify_checkpoint
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.numerics import numerics_record, warn_if_numerics_changed
@@ -141,7 +140,7 @@ def save_checkpoint(
     if remote is None:
         root = _local_dir(save_dir, "save_checkpoint: save_dir")
         final, staging, folder, base = root / tag, root / f".{tag}.staging", "", str(root)
-        agree.decided_by_rank0(lambda: _prepare(staging), "save_checkpoint")
+        agree.decided_by_rank0(lambda: prepare_staging(staging), "save_checkpoint")
     else:  # each rank stages its own files locally, uploads them, and rank 0 commits
         staging, base = rank_staging(remote, tag), str(remote)
         folder = agree.decided_by_rank0(lambda: choose_folder(remote, tag), "save_checkpoint")
@@ -166,7 +165,7 @@ def save_checkpoint(
         def finish(every: list[dict[str, tuple[int, int]]]) -> None:
             _write_tag_manifest(staging, tag, every)
             if remote is None:
-                _publish(root, tag, staging, final, save_latest)
+                publish_tag(root, tag, staging, final, save_latest)
             else:
                 commit_tag(remote, folder, staging, {name for part in every for name in part}, tag, save_latest)
 
@@ -181,18 +180,6 @@ def save_checkpoint(
         if remote is not None or dist.rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
     return True
-
-
-def _prepare(staging: Path) -> None:
-    """Rank 0: an empty staging folder for a tag. Raises CheckpointError naming it."""
-    try:
-        if staging.exists():
-            shutil.rmtree(staging)
-        make_dirs(staging.parent)  # the save_dir, durably: the publish renames into it
-        (staging / TAG_MODEL).mkdir(parents=True)
-        (staging / TAG_CLIENT_STATE).mkdir()
-    except OSError as error:
-        raise CheckpointError(f"{staging}: cannot prepare the checkpoint folder: {error}") from error
 
 
 def _write_rank_files(
@@ -227,57 +214,6 @@ def _write_tag_manifest(staging: Path, tag: str, every: list[dict[str, tuple[int
         **numerics_record(),
     }
     write_manifest(staging, MANIFEST_NAME, records, header)
-
-
-def _publish(root: Path, tag: str, staging: Path, final: Path, save_latest: bool) -> None:
-    """Rank 0: publish the staged tag folder, then ``latest``."""
-    publish(staging, final, root / f".{tag}.trash")
-    if save_latest:
-        _write_latest(root, tag)
-    try:
-        _place_offline_converter(root)
-    except OSError as error:  # the checkpoint is committed; the script is a convenience
-        logger.warning("%s: could not place %s: %s", root, OFFLINE_CONVERTER, error)
-
-
-def _place_offline_converter(root: Path) -> None:
-    """Rank 0: put ``zero_to_fp32.py`` (torch + safetensors only, see
-    :mod:`areal_ckpt.tools.offline_zero_to_fp32`) into ``root``, as DeepSpeed puts its own, by
-    renaming a complete new file over it; nothing when the same script is there already."""
-    script = offline_converter_script()
-    target = root / OFFLINE_CONVERTER
-    if target.is_file() and not target.is_symlink() and target.read_bytes() == script:
-        return
-    temporary = root / f".{OFFLINE_CONVERTER}.{os.getpid()}"
-    write_file_durably(temporary, script)
-    os.replace(temporary, target)
-    fsync_dir(root)
-
-
-def _write_latest(root: Path, tag: str) -> None:
-    """Point ``latest`` at ``tag`` by renaming a complete new file over it; durable."""
-    temporary = root / f".{LATEST}.{os.getpid()}"
-    write_file_durably(temporary, f"{tag}\n".encode())
-    os.replace(temporary, root / LATEST)
-    fsync_dir(root)
-
-
-def read_latest(root: Path) -> str | None:
-    """The tag ``latest`` names, None when there is no ``latest``; local.
-
-    Raises CheckpointError when it names something that is not a tag folder of ``root``.
-    """
-    path = root / LATEST
-    if not path.is_file():
-        return None
-    tag = path.read_text(errors="replace").strip()
-    try:
-        check_path_component(tag, "tag")
-    except ValueError as error:
-        raise CheckpointError(f"{path}: {error}") from None
-    if not (root / tag).is_dir():
-        raise CheckpointError(f"{path}: names {tag!r}, but {root / tag} does not exist")
-    return tag
 
 
 def load_checkpoint(

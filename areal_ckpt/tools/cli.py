@@ -6,7 +6,6 @@ Errors print one line plus a hint and exit non-zero; `--help` works on every com
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import logging
 import sys
@@ -14,8 +13,6 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-from tqdm import tqdm
 
 from areal_ckpt.config import local_path, parse_size
 from areal_ckpt.config_loader import load_config
@@ -26,6 +23,7 @@ from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.recover.repoint import repoint_newest_verified
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.tensors import EXPORT_DTYPES
+from areal_ckpt.tools import cli_format as fmt
 from areal_ckpt.tools.convert import export_deepspeed, export_recovery, export_stock_dcp
 from areal_ckpt.tools.import_areal import import_areal_trial
 from areal_ckpt.tools.inspection import describe, list_trial, verify_each
@@ -41,40 +39,6 @@ from areal_ckpt.tools.remote_trial import (
 from areal_ckpt.urls import url_scheme
 
 
-def _progress(unit: str) -> Any:
-    """A tqdm bar on stderr when it is a terminal; silent otherwise (scripts, CI logs)."""
-    return lambda items: tqdm(items, unit=unit, leave=False, disable=not sys.stderr.isatty())
-
-
-def _when(unix: float | None) -> str:
-    if unix is None:
-        return "-"
-    return datetime.datetime.fromtimestamp(unix).strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _size(size: int | None) -> str:
-    if size is None:
-        return "-"
-    count = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if count < 1024 or unit == "TiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    return str(count)
-
-
-def _step(step: dict[str, Any] | None) -> str:
-    if not step:
-        return "-"
-    return f"global {step.get('global_step')} (epoch {step.get('epoch')}, step {step.get('epoch_step')})"
-
-
-def _print_table(rows: list[list[str]]) -> None:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
-
-
 def cmd_inspect(args: argparse.Namespace) -> int:
     if url_scheme(args.path):  # read from a local copy: one checkpoint, downloaded whole
         with tempfile.TemporaryDirectory(prefix="areal-ckpt-inspect-") as scratch:
@@ -88,10 +52,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     rows = [
         ["kind", facts["kind"]],
         ["path", facts["path"]],
-        ["step", _step(facts.get("step"))],
+        ["step", fmt.step(facts.get("step"))],
         ["world size", str(facts.get("world_size") or "-")],
-        ["created", _when(facts.get("created_unix"))],
-        ["size", f"{_size(facts['bytes'])} in {facts['files']} files"],
+        ["created", fmt.when(facts.get("created_unix"))],
+        ["size", f"{fmt.size(facts['bytes'])} in {facts['files']} files"],
         ["complete", {True: "yes", False: "NO", None: "unknown (no manifest)"}[facts["complete"]]],
     ]
     if facts["kind"] == "export":
@@ -113,19 +77,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             rows.append(
                 [
                     f"model {model}",
-                    f"{info['parameters']:,} parameters ({dtypes}), {_size(info['bytes'])}, "
+                    f"{info['parameters']:,} parameters ({dtypes}), {fmt.size(info['bytes'])}, "
                     f"optimizer {'yes' if info['optimizer'] else 'no'}",
                 ]
             )
-    _print_table(rows)
+    fmt.print_table(rows)
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     if url_scheme(args.path):
-        results: list[tuple[Any, list[str]]] = list(verify_remote(args.path, progress=_progress("object")))
+        results: list[tuple[Any, list[str]]] = list(verify_remote(args.path, progress=fmt.progress("object")))
     else:
-        results = list(verify_each(Path(args.path), progress=_progress("file")))
+        results = list(verify_each(Path(args.path), progress=fmt.progress("file")))
     bad = 0
     for checkpoint, problems in results:
         if problems:
@@ -155,12 +119,12 @@ def cmd_list(args: argparse.Namespace) -> int:
                 e["name"],
                 str(e["global_step"]),
                 str(e["epoch"]),
-                _size(e["bytes"]),
-                _when(e["created_unix"]),
+                fmt.size(e["bytes"]),
+                fmt.when(e["created_unix"]),
                 e["path"],
             ]
         )
-    _print_table(rows)
+    fmt.print_table(rows)
     return 0
 
 
@@ -171,7 +135,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             source, _ = fetch_checkpoint(args.recover_dir, Path(scratch) / "source")
         out_dir = Path(scratch) / "out" if url_scheme(args.out_dir) else Path(args.out_dir)
         dtype = EXPORT_DTYPES[args.dtype] if args.dtype else None
-        options = {"dtype": dtype, "max_shard_size": parse_size(args.max_shard_size), "progress": _progress("shard")}
+        options = {"dtype": dtype, "max_shard_size": parse_size(args.max_shard_size), "progress": fmt.progress("shard")}
         config_from = Path(args.config_from) if args.config_from else None
         if is_stock_dcp(source):
             result = export_stock_dcp(source, out_dir, config_from, **options)
@@ -189,7 +153,7 @@ def _committed(local: Path, out: str) -> str:
 
 
 def _report(size: int, seconds: float, where: str) -> None:
-    print(f"exported {_size(size)} in {seconds:.2f} s to {where}")
+    print(f"exported {fmt.size(size)} in {seconds:.2f} s to {where}")
 
 
 def cmd_convert_deepspeed(args: argparse.Namespace) -> int:
@@ -205,7 +169,7 @@ def cmd_convert_deepspeed(args: argparse.Namespace) -> int:
             dtype=EXPORT_DTYPES[args.dtype] if args.dtype else None,
             max_shard_size=parse_size(args.max_shard_size),
             config_dir=Path(args.config) if args.config else None,
-            progress=_progress("shard"),
+            progress=fmt.progress("shard"),
         )
         _report(result.bytes, result.seconds, _committed(result.path, args.out_dir))
     return 0

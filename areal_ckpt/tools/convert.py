@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from areal_ckpt.deepspeed_api import read_latest
+from areal_ckpt.deepspeed_local import read_latest
 from areal_ckpt.engines.contract import ExportSource
 from areal_ckpt.engines.peft_configs import peft_model_on_meta
 from areal_ckpt.engines.peft_export import PeftExport

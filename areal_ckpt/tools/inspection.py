@@ -10,7 +10,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from areal_ckpt.deepspeed_api import read_latest
+from areal_ckpt.deepspeed_local import read_latest
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_metadata import read_metadata_json, tensor_entries
 from areal_ckpt.formats.stock_dcp import is_stock_dcp, read_stock_metadata

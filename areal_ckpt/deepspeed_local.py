@@ -1,0 +1,82 @@
+"""``save_checkpoint`` / ``load_checkpoint`` with ``save_dir`` on a local (or shared POSIX)
+filesystem: the tag folder staged and renamed into place whole, ``latest`` renamed over, the
+offline converter placed (see :mod:`areal_ckpt.deepspeed_api` for the layout)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from areal_ckpt.config import check_path_component
+from areal_ckpt.deepspeed_objects import OFFLINE_CONVERTER, offline_converter_script
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.fsio import fsync_dir, make_dirs, write_file_durably
+from areal_ckpt.paths import LATEST, TAG_CLIENT_STATE, TAG_MODEL
+from areal_ckpt.publish import publish
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_staging(staging: Path) -> None:
+    """Rank 0: an empty staging folder for a tag. Raises CheckpointError naming it."""
+    try:
+        if staging.exists():
+            shutil.rmtree(staging)
+        make_dirs(staging.parent)  # the save_dir, durably: the publish renames into it
+        (staging / TAG_MODEL).mkdir(parents=True)
+        (staging / TAG_CLIENT_STATE).mkdir()
+    except OSError as error:
+        raise CheckpointError(f"{staging}: cannot prepare the checkpoint folder: {error}") from error
+
+
+def publish_tag(root: Path, tag: str, staging: Path, final: Path, save_latest: bool) -> None:
+    """Rank 0: publish the staged tag folder, then ``latest``."""
+    publish(staging, final, root / f".{tag}.trash")
+    if save_latest:
+        write_latest(root, tag)
+    try:
+        place_offline_converter(root)
+    except OSError as error:  # the checkpoint is committed; the script is a convenience
+        logger.warning("%s: could not place %s: %s", root, OFFLINE_CONVERTER, error)
+
+
+def place_offline_converter(root: Path) -> None:
+    """Rank 0: put ``zero_to_fp32.py`` (torch + safetensors only, see
+    :mod:`areal_ckpt.tools.offline_zero_to_fp32`) into ``root``, as DeepSpeed puts its own, by
+    renaming a complete new file over it; nothing when the same script is there already."""
+    script = offline_converter_script()
+    target = root / OFFLINE_CONVERTER
+    if target.is_file() and not target.is_symlink() and target.read_bytes() == script:
+        return
+    temporary = root / f".{OFFLINE_CONVERTER}.{os.getpid()}"
+    write_file_durably(temporary, script)
+    os.replace(temporary, target)
+    fsync_dir(root)
+
+
+def write_latest(root: Path, tag: str) -> None:
+    """Point ``latest`` at ``tag`` by renaming a complete new file over it; durable."""
+    temporary = root / f".{LATEST}.{os.getpid()}"
+    write_file_durably(temporary, f"{tag}\n".encode())
+    os.replace(temporary, root / LATEST)
+    fsync_dir(root)
+
+
+def read_latest(root: Path) -> str | None:
+    """The tag ``latest`` names, None when there is no ``latest``; local.
+
+    Raises CheckpointError when it names something that is not a tag folder of ``root``.
+    """
+    path = root / LATEST
+    if not path.is_file():
+        return None
+    tag = path.read_text(errors="replace").strip()
+    try:
+        check_path_component(tag, "tag")
+    except ValueError as error:
+        raise CheckpointError(f"{path}: {error}") from None
+    if not (root / tag).is_dir():
+        raise CheckpointError(f"{path}: names {tag!r}, but {root / tag} does not exist")
+    return tag
