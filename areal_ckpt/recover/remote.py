@@ -85,7 +85,7 @@ class RemoteGenerations:
 
     def publish(self, folder: Path, mine: Iterable[str], run: str, step: int, uploaded: Iterable[str] = ()) -> None:
         """Upload the committed local generation ``folder``: every rank its own files
-        (``mine``, but those ``uploaded`` already while they were written), then rank 0 the
+        (``mine``, but those ``uploaded`` already: written straight to the bucket), then rank 0 the
         other files it lists, its manifest and the commit record, then deletes older
         generations (record first). Collective; blocking; every rank raises the same error when
         any upload failed, and nothing is committed then."""

@@ -96,7 +96,7 @@ class DumpJob:
         step = self.header["step"]["global_step"]
         what = f"{store.root}: recovery dump at global step {step}"
         mine: set[str] = set()  # the files of this rank's in the generation, for its uploads
-        streamed: set[str] = set()  # those already uploaded while they were written
+        streamed: set[str] = set()  # those written straight to the bucket (its data files)
         try:
             written, hidden = retried(
                 lambda: self._attempt(store, by_folder, mine, streamed), self.retries, what, give_up=discard
@@ -123,8 +123,8 @@ class DumpJob:
         self, store: RecoverStore, by_folder: dict[str, dict[str, Any]], mine: set[str], streamed: set[str]
     ) -> tuple[int, list[str]]:
         """One write + commit; returns (the bytes written, the hidden superseded
-        generations) and puts this rank's files into ``mine``, those it uploaded while writing
-        them (object storage: its data files) also into ``streamed``. Collective; rank 0
+        generations) and puts this rank's files into ``mine``, those it wrote straight to the
+        bucket (object storage: its data files) also into ``streamed``. Collective; rank 0
         commits; every rank raises the same TransientError when a rank's write or the commit
         failed."""
         folder = store.path(self.generation)
