@@ -66,6 +66,14 @@ def _evict(path: Path) -> None:
         os.close(fd)
 
 
+def _cold_after_evict(monkeypatch) -> None:
+    """Make the reader take every file for cold, as after :func:`_evict`: the kernel drops a
+    file's pages only on a best-effort basis (under a loaded test run it kept them now and then),
+    and these tests are about what the direct reader reads, not about the cache check, which
+    ``test_a_cold_file_is_read_around_the_page_cache_and_a_warm_one_through_it`` tests."""
+    monkeypatch.setattr(range_read, "_is_cached", lambda fd, offset: False)
+
+
 def _big_state() -> dict[str, torch.Tensor]:
     """~90 KB over tensors that straddle 4 KiB blocks."""
     generator = torch.Generator().manual_seed(1)
@@ -92,9 +100,12 @@ def test_a_cold_file_is_read_around_the_page_cache_and_a_warm_one_through_it(tmp
     spans = [(0, 4096)]
     warm = range_read.open_ranges(tmp_path / file_name, spans)
     warm.close()
-    _evict(tmp_path / file_name)
-    cold = range_read.open_ranges(tmp_path / file_name, spans)
-    cold.close()
+    for _ in range(20):  # the kernel drops pages on a best-effort basis: asked again until it did (the event)
+        _evict(tmp_path / file_name)
+        cold = range_read.open_ranges(tmp_path / file_name, spans)
+        cold.close()
+        if isinstance(cold, range_read.DirectRanges):
+            break
     assert (type(warm), type(cold)) == (range_read.BufferedRanges, range_read.DirectRanges)
 
 
@@ -131,6 +142,7 @@ def test_cold_reads_in_blocks_fill_every_tensor_exactly(tmp_path: Path, monkeypa
     monkeypatch.setattr(range_read, "BLOCK", block)
     monkeypatch.setattr(range_read, "IN_FLIGHT", in_flight)
     monkeypatch.setattr(dcp_storage, "_RUN_ITEMS", 3)  # runs end inside blocks too
+    _cold_after_evict(monkeypatch)
     chosen = _record_readers(monkeypatch)
     state = _big_state()
     records = save_tensors(state, tmp_path)
@@ -146,6 +158,7 @@ def test_cold_reads_in_blocks_fill_every_tensor_exactly(tmp_path: Path, monkeypa
 def _saved_in_small_blocks(tmp_path: Path, monkeypatch) -> tuple[list[type], dict[str, torch.Tensor], dict, Path]:
     """The big state saved, 4 KiB read blocks (many per file), and the list of readers chosen."""
     monkeypatch.setattr(range_read, "BLOCK", 4096)
+    _cold_after_evict(monkeypatch)
     chosen = _record_readers(monkeypatch)
     state = _big_state()
     records = save_tensors(state, tmp_path)
