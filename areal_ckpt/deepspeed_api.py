@@ -53,6 +53,7 @@ from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.deepspeed_pickles import check_pickles, is_deepspeed_own, weights_only_deepspeed_loads
 from areal_ckpt.fsio import FileRecord, write_file_durably
 from areal_ckpt.paths import (
+    DATA_SUFFIX,
     ENGINE_STATE_FILE,
     HF_FILES,
     LATEST,
@@ -159,7 +160,7 @@ def save_checkpoint(
             for name, record in save_tensors(tensors, staging / TAG_MODEL, groups, plan_key, open_writer).items():
                 records[f"{TAG_MODEL}/{name}"] = (record.size, record.crc32)
             if remote is not None:  # its data file went up as it was made
-                upload_own(remote, folder, staging, sorted(n for n in records if not n.startswith(f"{TAG_MODEL}/")))
+                upload_own(remote, folder, staging, sorted(n for n in records if not n.endswith(DATA_SUFFIX)))
             return records
 
         def finish(every: list[dict[str, tuple[int, int]]]) -> None:

@@ -28,8 +28,9 @@ from pathlib import Path
 
 from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
+from areal_ckpt.formats.dcp_slices import read_when_needed
 from areal_ckpt.fsio import FileWriter
-from areal_ckpt.paths import DATA_SUFFIX, MANIFEST_NAME, TAG_CLIENT_STATE, TAG_MODEL, staging_trial_root
+from areal_ckpt.paths import MANIFEST_NAME, TAG_CLIENT_STATE, TAG_MODEL, staging_trial_root
 from areal_ckpt.storage.commits import (
     CommitLog,
     CommitRecord,
@@ -152,16 +153,13 @@ def _is_tag(record: CommitRecord) -> bool:
 def fetch_tag(root: ObjectURL, folder: str, token: str) -> Path:
     """Every rank: the local copy of the committed tag ``folder``: its manifest and small files
     completed and checked (see :func:`areal_ckpt.storage.folders.fetch_shared`), its data files
-    left for :func:`data_fetcher` to bring down as they are read. Blocking."""
+    (and DCP metadata) left for :func:`data_fetcher` to bring down as they are read. Blocking."""
     source = root.child(folder)
     copies = staging_trial_root(None, root)
-    return fetch_shared(store_of(source), source, copies, MANIFEST_NAME, token, deferred=_is_data)
+    return fetch_shared(store_of(source), source, copies, MANIFEST_NAME, token, deferred=read_when_needed)
 
 
 def data_fetcher(root: ObjectURL, folder: str, copy: Path, files: dict[str, dict[str, int]]) -> Callable[[Path], None]:
-    """What brings a data file of the tag's local ``copy`` down before a rank reads it."""
+    """What brings a DCP file of the tag's local ``copy`` (data, chunks, metadata) down before a
+    rank reads it."""
     return OnDemandFiles(root.child(folder), copy, files).ensure
-
-
-def _is_data(name: str) -> bool:
-    return name.endswith(DATA_SUFFIX)

@@ -6,9 +6,10 @@ process. Each round, interleaved: an HF export of a Qwen2-shaped fp32 model to `
 `Saver`, 1 GB shards) against boto3's `upload_file` of one file of the export's size; a sync
 recovery dump (weights and AdamW state) to `s3://` against `upload_file` of the dump's bytes; a
 load of that dump on a fresh staging folder (every file downloaded, then verified and loaded)
-against `download_file` of one object of the same size. Same client settings on both sides
-(64 MiB parts, 8 at once). Ratios are raw seconds over ours per round (1.0 = as fast as the raw
-client), reported as median and range.
+against `download_file` of one object of the same size; each pair's order alternates by round.
+A control pairs two raw uploads. Same client settings on both sides (64 MiB parts, 8 at once).
+Ratios are raw seconds over ours per round (1.0 = as fast as the raw client), reported as
+median and range.
 
     python benchmarks/bench_s3.py --size 400 --rounds 5 --out docs/benchmarks-s3.md
 """
@@ -20,11 +21,12 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import boto3
 import torch
-from common import machine_description, model_of_size, publish, scratch_folder, size_and_rounds
+from common import machine_description, model_of_size, publish, scratch_folder, size_and_rounds, state_bytes
 
 import areal_ckpt as ac
 from areal_ckpt.storage.s3 import _TRANSFER
@@ -36,7 +38,21 @@ SPEC = ac.FinetuneSpec(total_train_epochs=1, dataset_size=1000, train_batch_size
 TOKENS = torch.arange(32).reshape(2, 16)
 
 
-def _raw_put(client, bucket: str, size: int, work: Path) -> float:  # type: ignore[no-untyped-def]
+def _paired(ours_first: bool, ours: Callable[[], None], raw: Callable[[], None]) -> None:
+    """Run ``ours`` and ``raw`` back to back, ``ours`` first when ``ours_first``."""
+    for run in (ours, raw) if ours_first else (raw, ours):
+        run()
+
+
+def dump_size(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of tensors a dump writes: the weights and the optimizer's state."""
+    size = state_bytes(model)
+    for state in optimizer.state.values():
+        size += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
+    return size
+
+
+def _raw_put(client, size: int, work: Path, bucket: str = "bench") -> float:  # type: ignore[no-untyped-def]
     source = work / "raw.bin"
     if not source.exists() or source.stat().st_size != size:
         with open(source, "wb") as handle:  # incompressible; read from the page cache, as ours reads its staging copy
@@ -47,7 +63,7 @@ def _raw_put(client, bucket: str, size: int, work: Path) -> float:  # type: igno
     return time.perf_counter() - start
 
 
-def _raw_get(client, bucket: str, size: int, work: Path) -> float:  # type: ignore[no-untyped-def]
+def _raw_get(client, size: int, work: Path, bucket: str = "bench") -> float:  # type: ignore[no-untyped-def]
     start = time.perf_counter()
     client.download_file(bucket, f"raw/{size}", str(work / "raw.down"), Config=_TRANSFER)
     return time.perf_counter() - start
@@ -70,29 +86,42 @@ def measure(mib: int, rounds: int) -> list[dict[str, float]]:
     try:
         for index in range(rounds):
             row: dict[str, float] = {}
+            ours_first = index % 2 == 0  # the order within each pair alternates by round
             fields = dict(experiment_name="bench", trial_name=f"r{index}", user="bench", fileroot="s3://bench/runs")
             saver = ac.Saver(ac.SaverConfig(**fields, mode="sync", max_shard_size="1GB"), SPEC)
-            start = time.perf_counter()
-            saver.save(engine, 0, 0, 0, force=True)
-            row["export"] = time.perf_counter() - start
-            row["export bytes"] = saver.last_metrics["bytes"]
-            saver.finalize()
-            row["raw export"] = _raw_put(client, "bench", int(row["export bytes"]), work)
+            export_bytes = state_bytes(model)  # what the export writes, to within its small files
+
+            def export() -> None:
+                start = time.perf_counter()
+                saver.save(engine, 0, 0, 0, force=True)
+                row["export"] = time.perf_counter() - start
+                row["export bytes"] = saver.last_metrics["bytes"]
+                saver.finalize()
+
+            _paired(ours_first, export, lambda: row.update({"raw export": _raw_put(client, export_bytes, work)}))
 
             config = ac.RecoverConfig(**fields, mode="sync", staging_dir=str(work / f"disk{index}"))
-            handler = ac.RecoverHandler(config, SPEC)
-            step = ac.StepInfo(epoch=0, epoch_step=0, global_step=0, steps_per_epoch=500)
-            handler.dump(engine, step, force=True)
-            row["dump"], row["dump bytes"] = handler.last_metrics["time/saving"], handler.last_metrics["bytes"]
-            handler.close()
-            row["raw dump"] = _raw_put(client, "bench", int(row["dump bytes"]), work)
+            dump_bytes = dump_size(model, optimizer)
 
-            loader = ac.RecoverHandler(config.model_copy(update={"staging_dir": str(work / f"new{index}")}), SPEC)
-            start = time.perf_counter()
-            loader.load(engine)
-            row["load"] = time.perf_counter() - start
-            loader.close()
-            row["raw load"] = _raw_get(client, "bench", int(row["dump bytes"]), work)
+            def dump() -> None:
+                handler = ac.RecoverHandler(config, SPEC)
+                handler.dump(engine, ac.StepInfo(epoch=0, epoch_step=0, global_step=0, steps_per_epoch=500), force=True)
+                row["dump"], row["dump bytes"] = handler.last_metrics["time/saving"], handler.last_metrics["bytes"]
+                handler.close()
+
+            _paired(ours_first, dump, lambda: row.update({"raw dump": _raw_put(client, dump_bytes, work)}))
+
+            def load() -> None:
+                loader = ac.RecoverHandler(config.model_copy(update={"staging_dir": str(work / f"new{index}")}), SPEC)
+                start = time.perf_counter()
+                loader.load(engine)
+                row["load"] = time.perf_counter() - start
+                loader.close()
+
+            _paired(ours_first, load, lambda: row.update({"raw load": _raw_get(client, dump_bytes, work)}))
+            # the control: the raw upload against itself, to read the other rows' spread against
+            row["control"] = _raw_put(client, dump_bytes, work)
+            row["raw control"] = _raw_put(client, dump_bytes, work)
             rows.append(row)
             for folder in (f"disk{index}", f"new{index}"):
                 shutil.rmtree(work / folder, ignore_errors=True)
@@ -119,8 +148,10 @@ def report(rows: list[dict[str, float]], mib: int, rounds: int) -> str:
         "they are made, small files, manifest, commit record; dump: the same for the DCP data file, the local "
         "commit of the small files, then their upload and the commit record; load: the download of every file "
         "into a fresh staging folder, checksums, the load). Raw: boto3 `upload_file` / `download_file` of the "
-        "same number of bytes from / to the page cache, same transfer settings (64 MiB parts, 8 at once). "
-        "Ratio = raw seconds / ours, per round: median (range).",
+        "same number of bytes from / to the page cache, same transfer settings (64 MiB parts, 8 at once), "
+        "right before or after ours (the order alternating by round). Ratio = raw seconds / ours, per round: "
+        "median (range). The control row pairs two raw uploads of the dump's size: its range is how far a "
+        "ratio moves here with nothing changed.",
         "",
         "| operation | bytes | ours (s) | raw client (s) | raw / ours |",
         "| --- | --- | --- | --- | --- |",
@@ -130,6 +161,10 @@ def report(rows: list[dict[str, float]], mib: int, rounds: int) -> str:
             f"| {what} | {median[size] / 2**20:.0f} MiB | {median[what]:.2f} | {median[f'raw {what}']:.2f} | "
             f"{_ratio(rows, what)} |"
         )
+    lines.append(
+        f"| control: raw upload against raw upload | {median['dump bytes'] / 2**20:.0f} MiB | "
+        f"{median['control']:.2f} | {median['raw control']:.2f} | {_ratio(rows, 'control')} |"
+    )
     lines += [
         "",
         "The goal is 0.9x or better for each row. Before shards went up from memory (each was written to a "

@@ -6,7 +6,8 @@ loaded back on the same number of ranks. Every collective of areal_ckpt goes thr
 ``areal_ckpt.dist``, which counts each rank's calls and payload bytes; the table gives them for
 rank 0 and for the busiest other rank, for the first dump (which makes the global plan), the
 later ones (which reuse it) and the load, with times (the slowest rank, median of the later
-dumps), and the sizes of what only rank 0 writes (the metadata and the manifest). A
+dumps), the sizes of what only rank 0 writes (the metadata and the manifest) and of the slice
+of the metadata one rank reads on a load at the same number of ranks. A
 least-squares line through the 1-4 rank points extrapolates each to 1024 ranks. The measured
 section of docs/scale.md is replaced; the prose around it is kept.
 
@@ -37,6 +38,7 @@ from common import machine_description, model_of_size, scratch_folder, state_byt
 import areal_ckpt as ac
 from areal_ckpt import dist
 from areal_ckpt.formats.dcp_metadata import read_metadata_json
+from areal_ckpt.formats.dcp_slices import INDEX_JSON, chunks_file_for, rank_metadata
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
@@ -103,19 +105,30 @@ def _measure(mib: int, dumps: int, workdir: str) -> dict:
     current = Path(workdir) / "checkpoints/bench/scale/t/.recover/current"
     sizes = {
         name: (current / name).stat().st_size
-        for name in ("default/dcp_metadata.json", "default/.metadata", "recover_info/areal_ckpt_manifest.json")
+        for name in (
+            "default/dcp_metadata.json",
+            "default/.metadata",
+            "recover_info/areal_ckpt_manifest.json",
+            f"default/{INDEX_JSON}",
+        )
     }
-    parses = []
-    for _ in range(3):  # what every rank does first on a load: parse the model's whole metadata
+    chunks = current / "default" / chunks_file_for(f"__{dist.rank()}_0.distcp")
+    whole, sliced = [], []
+    for _ in range(3):  # what a rank parses first on a load: its slice (same ranks), the whole metadata (others)
         start = time.perf_counter()
         read_metadata_json(current / "default")
-        parses.append(time.perf_counter() - start)
+        whole.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        rank_metadata(current / "default", dist.rank())
+        sliced.append(time.perf_counter() - start)
     return {
         "bytes": size,
         "tensors": tensors,
         "phases": phases,
         "rank0_files": sizes,
-        "metadata_parse_s": statistics.median(parses),
+        "chunk_file": chunks.stat().st_size if chunks.is_file() else 0,
+        "metadata_parse_s": statistics.median(whole),
+        "slice_parse_s": statistics.median(sliced),
     }
 
 
@@ -179,17 +192,21 @@ def render(results: dict[int, list[dict]], dumps: int) -> str:
             )
     lines += [
         "",
-        "Files only rank 0 writes (bytes), per model and per dump, and the time one rank takes to "
-        "parse the model's `dcp_metadata.json` (every rank does, first thing in a load):",
+        "Files only rank 0 writes (bytes), per model and per dump; the largest rank's chunk file; "
+        "and the time one rank takes to parse the metadata a load starts with: its slice (index and own "
+        "chunk file, a load on the same number of ranks) or the whole `dcp_metadata.json` (any other load):",
         "",
-        "| ranks | dcp_metadata.json | .metadata | manifest | parse s |",
-        "|---|---|---|---|---|",
+        "| ranks | dcp_metadata.json | .metadata | manifest | dcp_index.json | chunk file | "
+        "slice parse s | whole parse s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for world, ranks in results.items():
         files = ranks[0]["rank0_files"]
         lines.append(
             f"| {world} | {files['default/dcp_metadata.json']} | {files['default/.metadata']} | "
-            f"{files['recover_info/areal_ckpt_manifest.json']} | {ranks[0]['metadata_parse_s']:.3f} |"
+            f"{files['recover_info/areal_ckpt_manifest.json']} | {files[f'default/{INDEX_JSON}']} | "
+            f"{max(rank['chunk_file'] for rank in ranks)} | {max(rank['slice_parse_s'] for rank in ranks):.3f} | "
+            f"{ranks[0]['metadata_parse_s']:.3f} |"
         )
     worlds = list(results)
     lines += [
@@ -205,6 +222,10 @@ def render(results: dict[int, list[dict]], dumps: int) -> str:
         "dcp_metadata.json KiB": [results[w][0]["rank0_files"]["default/dcp_metadata.json"] / 1024 for w in worlds],
         ".metadata KiB": [results[w][0]["rank0_files"]["default/.metadata"] / 1024 for w in worlds],
         "manifest KiB": [results[w][0]["rank0_files"]["recover_info/areal_ckpt_manifest.json"] / 1024 for w in worlds],
+        "slice a rank reads on a same-size load KiB": [
+            (results[w][0]["rank0_files"][f"default/{INDEX_JSON}"] + max(r["chunk_file"] for r in results[w])) / 1024
+            for w in worlds
+        ],
     }
     parse = [results[w][0]["metadata_parse_s"] for w in worlds]
     for name, ys in series.items():
@@ -220,7 +241,7 @@ def render(results: dict[int, list[dict]], dumps: int) -> str:
     rate = statistics.median(seconds / kib for seconds, kib in zip(parse, sizes))  # parse time grows with bytes
     intercept, slope = _fit(worlds, sizes)
     lines.append(
-        f"| metadata parse per rank on load ({rate * 1e6:.0f} us per KiB, the median rate) | "
+        f"| whole metadata parse per rank on another-size load ({rate * 1e6:.0f} us per KiB, the median rate) | "
         f"{slope * rate * 1000:+.1f} ms | {(intercept + slope * EXTRAPOLATE_TO) * rate:.1f} s |"
     )
     lines += ["", END]

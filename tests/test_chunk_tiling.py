@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 from recover_fixtures import committed_generation, dump_once, make_setup
-from test_forged import edit_json, load_into_fresh
+from test_forged import edit_json, forget_index, load_into_fresh
 from test_import_areal import _snapshot, areal_trial  # noqa: F401  (a fixture)
 from test_stock_dcp import LAYOUTS, _stock_save
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
@@ -22,7 +22,12 @@ from areal_ckpt.tools.cli import main as cli_main
 ROWS, COLUMNS = 48, 64  # lm_head.weight of the tiny model
 GAP = [([0, 0], [24, COLUMNS])]  # rows 24-47 in no chunk
 OVERLAP = [([0, 0], [24, COLUMNS]), ([12, 0], [24, COLUMNS])]  # as many elements as the tensor; rows 36-47 in none
-FORGERIES = {"gap": (GAP, "chunks hold 1536 elements, the tensor 3072"), "overlap": (OVERLAP, "overlap")}
+#: forgery -> (chunks, the refusal when the whole metadata is read, when the index is read; the index's
+#: chunk of a whole tensor is also checked against the bytes stored for it, which a gap fails first)
+FORGERIES = {
+    "gap": (GAP, "chunks hold 1536 elements, the tensor 3072", "12288 stored bytes for a [24, 64] chunk"),
+    "overlap": (OVERLAP, "overlap", "overlap"),
+}
 
 
 def _entry(size: list[int], chunks: list[tuple[list[int], list[int]]]) -> TensorStorageMetadata:
@@ -52,20 +57,23 @@ def _as_json_chunks(chunks):
     return [{"offsets": offsets, "sizes": sizes} for offsets, sizes in chunks]
 
 
+@pytest.mark.parametrize("forged", ["dcp_index.json", "dcp_metadata.json"])
 @pytest.mark.parametrize("forgery", sorted(FORGERIES))
-def test_our_format_refuses_chunks_that_do_not_tile_before_loading_anything(fileroot, forgery):
-    chunks, message = FORGERIES[forgery]
+def test_our_format_refuses_chunks_that_do_not_tile_before_loading_anything(fileroot, forgery, forged):
+    """The index is what a load at the same world size reads; the whole metadata what a load
+    reads when the folder has no index (written before it existed) or the slice falls short."""
+    chunks, whole_message, index_message = FORGERIES[forgery]
     dump_once(fileroot)
     generation = committed_generation(fileroot)
+    if forged == "dcp_metadata.json":
+        forget_index(generation)
     name = "dcp.model.lm_head.weight"
-    edit_json(
-        generation, "default/dcp_metadata.json", lambda d: d["tensors"][name].update(chunks=_as_json_chunks(chunks))
-    )
+    edit_json(generation, f"default/{forged}", lambda d: d["tensors"][name].update(chunks=_as_json_chunks(chunks)))
     with pytest.raises(CheckpointError) as caught:
-        load_into_fresh(fileroot)
+        assert load_into_fresh(fileroot)
     error = str(caught.value)
-    assert "default/dcp_metadata.json: malformed DCP metadata" in error and "model.lm_head.weight: " in error
-    assert message in error
+    assert f"default/{forged}: malformed DCP metadata" in error and "model.lm_head.weight: " in error
+    assert (index_message if forged == "dcp_index.json" else whole_message) in error
 
 
 def _forge_stock(folder, key: str, chunks) -> None:
@@ -77,7 +85,7 @@ def _forge_stock(folder, key: str, chunks) -> None:
 
 @pytest.mark.parametrize("forgery", sorted(FORGERIES))
 def test_a_stock_dcp_export_refuses_chunks_that_do_not_tile(tmp_path, capsys, forgery):
-    chunks, message = FORGERIES[forgery]
+    chunks, message, _ = FORGERIES[forgery]
     folder, base, out = tmp_path / "dcp", tmp_path / "base", tmp_path / "hf"
     _stock_save(folder, LAYOUTS["plain"])
     make_setup().model.config.save_pretrained(base)
@@ -90,7 +98,7 @@ def test_a_stock_dcp_export_refuses_chunks_that_do_not_tile(tmp_path, capsys, fo
 
 @pytest.mark.parametrize("forgery", sorted(FORGERIES))
 def test_an_areal_import_refuses_chunks_that_do_not_tile_and_changes_nothing(areal_trial, capsys, forgery):  # noqa: F811
-    chunks, message = FORGERIES[forgery]
+    chunks, message, _ = FORGERIES[forgery]
     trial, _ = areal_trial
     folder = trial / "default/recover_checkpoint"
     _forge_stock(folder, "dcp.model.lm_head.weight", chunks)

@@ -34,6 +34,17 @@ def forge(generation: Path, relative: str, content: bytes) -> None:
         manifest_path.write_bytes(render_manifest(manifest))
 
 
+def forget_index(generation: Path, model: str = "default") -> None:
+    """Make a generation's model folder one written before ``dcp_index.json`` existed: no index,
+    no chunk files, the manifest re-signed without them."""
+    manifest_path = generation / "recover_info/areal_ckpt_manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    for path in [generation / model / "dcp_index.json", *(generation / model).glob("*.chunks.json")]:
+        path.unlink()
+        del manifest["files"][path.relative_to(generation).as_posix()]
+    manifest_path.write_bytes(render_manifest(manifest))
+
+
 def edit_json(generation: Path, relative: str, change) -> None:
     data = json.loads((generation / relative).read_text())
     change(data)
@@ -63,19 +74,19 @@ def _set(path: list, value):
 FORGERIES = [
     (
         "tensors is a list",
-        "default/dcp_metadata.json",
+        "default/dcp_index.json",
         _set(["tensors"], []),
-        "dcp_metadata.json: malformed DCP metadata",
+        "dcp_index.json: malformed DCP metadata",
     ),
     (
         "huge chunk",
-        "default/dcp_metadata.json",
+        "default/dcp_index.json",
         lambda d: d["tensors"]["dcp.model.lm_head.weight"]["chunks"][0].update(sizes=[28, 2**33]),
-        "dcp_metadata.json: malformed DCP metadata",
+        "dcp_index.json: malformed DCP metadata",
     ),
     (
         "chunk length forged too",
-        "default/dcp_metadata.json",
+        "default/dcp_index.json",
         lambda d: [
             d["tensors"]["dcp.model.lm_head.weight"].update(size=[48, 2**33]),
             d["tensors"]["dcp.model.lm_head.weight"]["chunks"][0].update(sizes=[48, 2**33]),
@@ -85,7 +96,7 @@ FORGERIES = [
     ),
     (
         "overflowing shape",
-        "default/dcp_metadata.json",
+        "default/dcp_index.json",
         lambda d: d["tensors"]["dcp.model.lm_head.weight"].update(size=[2**70, 64]),
         "up to 2**48",
     ),
@@ -138,17 +149,27 @@ def test_malformed_rng_or_schedule_state_is_refused_before_any_weight_is_loaded(
 
 
 @pytest.mark.parametrize(
-    "relative", ["default/dcp_metadata.json", "recover_info/rank0.json", "recover_info/areal_ckpt_manifest.json"]
+    "relative",
+    [
+        "default/dcp_index.json",
+        "default/dcp_metadata.json",
+        "recover_info/rank0.json",
+        "recover_info/areal_ckpt_manifest.json",
+    ],
 )
 @pytest.mark.parametrize("signed", [True, False], ids=["forged", "corrupted"])
 def test_deeply_nested_json_is_named_by_every_reader(fileroot, tmp_path, capsys, relative, signed):
     dump_once(fileroot)
     generation = committed_generation(fileroot)
+    if relative == "default/dcp_metadata.json":  # what a load reads when the folder has no index
+        forget_index(generation)
     if signed:
         forge(generation, relative, DEEP.encode())
     else:
         (generation / relative).write_text(DEEP)
-    with pytest.raises(ac.CheckpointError, match=Path(relative).name if signed else "recover_info|dcp_metadata|rank0"):
+    with pytest.raises(
+        ac.CheckpointError, match=Path(relative).name if signed else "recover_info|dcp_metadata|dcp_index|rank0"
+    ):
         load_into_fresh(fileroot)
     for command in (
         ["verify", str(trial_dir(fileroot))],

@@ -10,6 +10,7 @@ import pytest
 import torch
 from distributed import run_distributed
 from safetensors.torch import load_file, save_file
+from test_forged import forge
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 import areal_ckpt as ac
@@ -75,6 +76,18 @@ def load_worker(rank: int, world: int, root: str, trial: str, wrap: str, expecte
     info = ac.RecoverHandler(recover_config(root, trial), SPEC).load(engine, drop_rank_state=drop)
     assert info is not None and info.last_step_info.global_step == 2 and info.world_size != world
     assert info.client_state == {"kl": 0.5}
+    check_loaded(rank, model, optimizer, scheduler, expected)
+
+
+def same_world_worker(rank: int, world: int, root: str, trial: str, wrap: str, expected: str, drop: bool) -> None:
+    model, optimizer, engine, scheduler = setup(wrap, seed=1)
+    info = ac.RecoverHandler(recover_config(root, trial), SPEC).load(engine)
+    assert info is not None and info.world_size == world
+    check_loaded(rank, model, optimizer, scheduler, expected)
+
+
+def check_loaded(rank: int, model, optimizer, scheduler, expected: str) -> None:
+    """Rank 0 compares the whole loaded state with what the save wrote down; collective."""
     state = full_state(model, optimizer)
     if rank == 0:
         want = load_file(expected)
@@ -122,3 +135,21 @@ def test_a_shard_damaged_on_one_rank_fails_the_load_on_every_rank(tmp_path):
     data[len(data) // 2] ^= 1
     shard.write_bytes(bytes(data))
     run_distributed(damaged_shard_worker, 2, str(tmp_path), "t", "fsdp2", expected, False, group=True)
+
+
+def whole_metadata_refused_worker(rank: int, world: int, root: str, trial: str, *_: object) -> None:
+    _, _, engine, _ = setup("fsdp2", seed=1)
+    with pytest.raises(ac.CheckpointError, match=r"default/dcp_metadata\.json: malformed DCP metadata"):
+        ac.RecoverHandler(recover_config(root, trial), SPEC).load(engine)
+
+
+def test_a_load_at_the_same_world_size_reads_its_slice_of_the_metadata_and_another_reads_it_whole(tmp_path):
+    """Each rank reads the index and its own chunk file; the whole dcp_metadata.json (every
+    rank's chunks) only when its slice does not hold its shards. Shown with a whole metadata
+    file that no reader accepts (forged: its manifest entry matches)."""
+    expected = str(tmp_path / "expected.safetensors")
+    run_distributed(save_worker, 2, str(tmp_path), "t", "fsdp2", expected, False, group=True)
+    (generation,) = tmp_path.rglob("gen-*")
+    forge(generation, "default/dcp_metadata.json", b"{}")
+    run_distributed(same_world_worker, 2, str(tmp_path), "t", "fsdp2", expected, False, group=True)
+    run_distributed(whole_metadata_refused_worker, 1, str(tmp_path), "t", group=True)

@@ -19,6 +19,7 @@ from recovery_runs import assert_same_run, run_job
 from seaweed import SeaweedServer, kill_at_next_upload
 
 import areal_ckpt as ac
+from areal_ckpt.formats.dcp_slices import read_when_needed
 from areal_ckpt.storage.s3 import S3Store
 
 TRIAL = "runs/checkpoints/tester/exp/trial"
@@ -246,16 +247,21 @@ def data_files_read_worker(rank: int, world_size: int, environment: dict, bucket
     assert loader.load(ac.TorchEngine(fresh)) is not None
     loader.close()
     same = all(torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(model.parameters(), fresh.parameters()))
-    files = sorted(p.name for p in Path(f"{tmp}/second/node{rank}").rglob("*.distcp"))
-    Path(f"{tmp}/report.{rank}").write_text(json.dumps({"same": same, "files": files}))
+    Path(f"{tmp}/report.{rank}").write_text(json.dumps({"same": same, "files": dcp_files(f"{tmp}/second/node{rank}")}))
+
+
+def dcp_files(copy: Path | str) -> list[str]:
+    """The names of the DCP files (data, chunk files, metadata) a node's copy holds."""
+    return sorted(p.name for p in Path(copy).rglob("*") if read_when_needed(p.name))
 
 
 @pytest.mark.dist
-def test_each_node_downloads_only_the_data_files_its_ranks_read(s3_server, s3_bucket, tmp_path):
+def test_each_node_downloads_only_the_data_files_and_metadata_its_ranks_read(s3_server, s3_bucket, tmp_path):
     run_distributed(data_files_read_worker, 2, s3_server.environment(), s3_bucket, str(tmp_path))
-    for rank in range(2):  # the same world size: each rank reads its own shard file, and only that comes down
+    for rank in range(2):  # the same world size: each rank reads its own shard file, index and chunk file
         report = json.loads((tmp_path / f"report.{rank}").read_text())
-        assert report == {"same": True, "files": [f"__{rank}_0.distcp"]}
+        own = [f"__{rank}_0.chunks.json", f"__{rank}_0.distcp", "dcp_index.json"]
+        assert report == {"same": True, "files": own}, report
 
     from areal_ckpt.demo.tiny import build_model
 
@@ -266,7 +272,9 @@ def test_each_node_downloads_only_the_data_files_its_ranks_read(s3_server, s3_bu
     loader = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "third"), SPEC)
     assert loader.load(ac.TorchEngine(fresh), drop_rank_state=True) is not None
     loader.close()
-    assert sorted(p.name for p in (tmp_path / "third").rglob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    # its own slice does not hold rank 1's shards: it read the whole metadata, never the stock pickle
+    whole = ["__0_0.chunks.json", "__0_0.distcp", "__1_0.distcp", "dcp_index.json", "dcp_metadata.json"]
+    assert dcp_files(tmp_path / "third") == whole
     for name, tensor in saved.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], tensor), name
 

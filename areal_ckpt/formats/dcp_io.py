@@ -19,6 +19,8 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.tensor import DTensor
 
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
@@ -39,6 +41,7 @@ def load_tensors(
     expected: dict[str, FileRecord] | None = None,
     metadata: Metadata | None = None,
     fetch: Callable[[Path], None] | None = None,
+    whole: Callable[[], Metadata] | None = None,
 ) -> None:
     """Fill ``template`` (flat name -> Tensor / DTensor, in place) from ``folder``; blocking.
 
@@ -50,8 +53,10 @@ def load_tensors(
     (data file name -> manifest record) every data file read is checked against its CRC-32
     and a mismatch raises CheckpointError naming the file; the template then holds partial
     data and must not be used. ``metadata`` is the folder's, when the caller read it already
-    (so it is parsed once per load). ``fetch`` is called with each data file's path before
-    it is read (see :class:`~areal_ckpt.formats.dcp_storage.RawStorageReader`).
+    (so it is parsed once per load): this rank's slice of it when ``whole`` is given, which
+    reads all of it for a load the slice does not cover (:func:`~areal_ckpt.formats.dcp_slices.rank_metadata`).
+    ``fetch`` is called with each data file's path before it is read (see
+    :class:`~areal_ckpt.formats.dcp_storage.RawStorageReader`).
     """
     metadata = read_metadata_json(folder) if metadata is None else metadata
     stored = tensor_index(metadata)
@@ -70,21 +75,53 @@ def load_tensors(
                 f"{folder}: {name}: checkpoint has {dtype} {list(shape)}, model has {tensor.dtype} {list(tensor.shape)}"
             )
     agree.on_every_rank(  # every rank learns whether all read their shards, so none goes on alone
-        lambda: _read_planned(template, RawStorageReader(folder, expected, metadata, fetch), metadata),
+        lambda: _read_planned(
+            template, lambda given: RawStorageReader(folder, expected, given, fetch), metadata, whole
+        ),
         f"{folder}: reading DCP shards failed",
     )
 
 
-def _read_planned(template: dict[str, torch.Tensor], reader: RawStorageReader, metadata: Metadata) -> None:
+def _read_planned(
+    template: dict[str, torch.Tensor],
+    reader_of: Callable[[Metadata], RawStorageReader],
+    metadata: Metadata,
+    whole: Callable[[], Metadata] | None,
+) -> None:
     """DCP's load protocol on this rank alone: the default planner finds the stored chunks that
-    overlap this rank's tensors (resharding included) and ``reader`` fills them. Local, blocking."""
-    planner = DefaultLoadPlanner()
+    overlap this rank's tensors (resharding included) and the reader fills them. When
+    ``metadata`` is a slice that leaves part of a tensor uncovered, the plan is made again from
+    ``whole()``. Local, blocking."""
     coordinator = dist.rank() == 0
+    planner = DefaultLoadPlanner()
     planner.set_up_planner(template, metadata, coordinator)
+    local = planner.create_local_plan()
+    if whole is not None and not _covered(template, local):
+        metadata, planner = whole(), DefaultLoadPlanner()
+        planner.set_up_planner(template, metadata, coordinator)
+        local = planner.create_local_plan()
+    reader = reader_of(metadata)
     reader.set_up_storage_reader(metadata, coordinator)
-    plan = reader.prepare_local_plan(planner.create_local_plan())
+    plan = reader.prepare_local_plan(local)
     plan = reader.prepare_global_plan(planner.create_global_plan([plan]))[0]
     reader.read_data(planner.finish_plan(plan), planner).wait()
+
+
+def _covered(template: dict[str, torch.Tensor], plan: LoadPlan) -> bool:
+    """True when ``plan`` fills every element of this rank's part of each tensor of
+    ``template`` (its local shard of a DTensor). The stored chunks it reads from do not
+    overlap (checked when the metadata was read), so counting elements suffices; pure."""
+    filled: dict[str, int] = {}
+    for item in plan.items:
+        count = 1
+        for length in item.lengths:
+            count *= length
+        filled[item.dest_index.fqn] = filled.get(item.dest_index.fqn, 0) + count
+    for name, value in template.items():
+        local = value.to_local() if isinstance(value, DTensor) else value
+        if filled.get(name, 0) != local.numel():
+            return False
+    return True
 
 
 def interruption_in(error: BaseException) -> BaseException | None:

@@ -36,6 +36,8 @@ STOCK_METADATA = ".metadata"
 #: writes (an AReaL engine's own layout); any other name ``n`` under ``dcp.n``. Format 2 stored
 #: the flat names as they are.
 STORED_PREFIXES = {"model.": "dcp.model.", "optim.": "dcp.optim.state.", "": "dcp."}
+#: The ``key_prefixes`` a metadata file records: stored prefix -> our prefix.
+KEY_PREFIXES = {stored: ours for ours, stored in STORED_PREFIXES.items()}
 _DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 
 
@@ -68,20 +70,21 @@ def metadata_to_json(metadata: Metadata) -> dict[str, Any]:
             "size": list(entry.size),
             "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in entry.chunks],
         }
-    storage = [
-        {
-            "fqn": index.fqn,
-            "offset": None if index.offset is None else list(index.offset),
-            "index": index.index,
-            "file": info.relative_path,
-            "byte_offset": info.offset,
-            "length": info.length,
-            "transforms": list(info.transform_descriptors or []),
-        }
-        for index, info in metadata.storage_data.items()
-    ]
-    prefixes = {stored: ours for ours, stored in STORED_PREFIXES.items()}
-    return {"version": metadata.version, "key_prefixes": prefixes, "tensors": tensors, "storage": storage}
+    storage = [storage_entry(index, info) for index, info in metadata.storage_data.items()]
+    return {"version": metadata.version, "key_prefixes": KEY_PREFIXES, "tensors": tensors, "storage": storage}
+
+
+def storage_entry(index: MetadataIndex, info: _StorageInfo) -> dict[str, Any]:
+    """The JSON entry saying where the stored chunk ``index`` lies (``info``); pure."""
+    return {
+        "fqn": index.fqn,
+        "offset": None if index.offset is None else list(index.offset),
+        "index": index.index,
+        "file": info.relative_path,
+        "byte_offset": info.offset,
+        "length": info.length,
+        "transforms": list(info.transform_descriptors or []),
+    }
 
 
 def _our_name(stored: str, prefixes: dict[str, str]) -> str:
@@ -94,8 +97,10 @@ def _our_name(stored: str, prefixes: dict[str, str]) -> str:
     raise ValueError(f"entry {stored!r} is under none of the stored prefixes {sorted(prefixes)}")
 
 
-def metadata_from_json(data: dict[str, Any], source: Path) -> Metadata:
-    """Rebuild DCP ``Metadata`` from :func:`metadata_to_json`; raises CheckpointError naming ``source``."""
+def metadata_from_json(data: dict[str, Any], source: Path, complete: bool = True) -> Metadata:
+    """Rebuild DCP ``Metadata`` from :func:`metadata_to_json`; raises CheckpointError naming
+    ``source``. ``complete=False`` accepts tensors that only some of their chunks tile (a
+    rank's slice of the metadata, :mod:`areal_ckpt.formats.dcp_slices`); every other check holds."""
     try:
         prefixes = data.get("key_prefixes", {})
         if not isinstance(prefixes, dict) or not all(isinstance(v, str) for v in prefixes.values()):
@@ -123,7 +128,7 @@ def metadata_from_json(data: dict[str, Any], source: Path) -> Metadata:
             storage[index] = _StorageInfo(
                 relative_path=item["file"], offset=_ints([item["byte_offset"]])[0], length=_ints([item["length"]])[0]
             )
-        _check_consistent(tensors, storage)
+        _check_consistent(tensors, storage, complete)
         entries: dict[str, TensorStorageMetadata | BytesStorageMetadata] = dict(tensors)
         return Metadata(
             state_dict_metadata=entries,
@@ -155,10 +160,10 @@ def _numel(sizes: Any) -> int:
     return count
 
 
-def check_tiling(fqn: str, entry: TensorStorageMetadata) -> None:
+def check_tiling(fqn: str, entry: TensorStorageMetadata, complete: bool = True) -> None:
     """Raise ValueError naming ``fqn`` unless its chunks tile the tensor exactly: each lies inside
-    it, no two overlap, and together they hold its element count (so no element is left out).
-    Pure; a sweep along the axis with the most distinct chunk starts, so the usual row- or
+    it, no two overlap, and together they hold its element count (so no element is left out;
+    not checked when ``complete`` is False: chunks of a slice of the metadata). Pure; a sweep along the axis with the most distinct chunk starts, so the usual row- or
     column-sharded layouts cost O(chunks log chunks)."""
     size = list(entry.size)
     if _numel(size) > _LARGEST:
@@ -174,7 +179,7 @@ def check_tiling(fqn: str, entry: TensorStorageMetadata) -> None:
         covered += _numel(sizes)
         if _numel(sizes):
             boxes.append((offsets, sizes))
-    if covered != _numel(size):
+    if complete and covered != _numel(size):
         raise ValueError(f"{fqn}: chunks hold {covered} elements, the tensor {_numel(size)}")
     if not size:
         return
@@ -192,14 +197,17 @@ def check_tiling(fqn: str, entry: TensorStorageMetadata) -> None:
         open_boxes.append((offsets, sizes))
 
 
-def _check_consistent(tensors: dict[str, TensorStorageMetadata], storage: dict[MetadataIndex, _StorageInfo]) -> None:
-    """Raise ValueError unless the chunks of every tensor tile it (:func:`check_tiling`) and each
+def _check_consistent(
+    tensors: dict[str, TensorStorageMetadata], storage: dict[MetadataIndex, _StorageInfo], complete: bool
+) -> None:
+    """Raise ValueError unless the chunks of every tensor tile it (:func:`check_tiling`; only
+    lie inside it without overlapping when not ``complete``) and each
     stored chunk's byte length matches its shape and dtype. With the data files' sizes checked
     against the manifest, a forged shape can then never make a reader allocate more than the
     checkpoint holds, nor leave part of a tensor unread."""
     chunk_sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
     for fqn, entry in tensors.items():
-        check_tiling(fqn, entry)
+        check_tiling(fqn, entry, complete)
         for chunk in entry.chunks:
             chunk_sizes[(fqn, tuple(chunk.offsets))] = tuple(chunk.sizes)
     for index, info in storage.items():

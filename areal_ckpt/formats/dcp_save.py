@@ -64,8 +64,9 @@ def save_tensors(
     other name ``n`` as ``dcp.n`` (:data:`~areal_ckpt.formats.dcp_metadata.STORED_PREFIXES`).
     ``param_groups`` (the optimizer's, as ``get_optimizer_state_dict`` gives them; the same on
     every rank) are stored for stock readers only. Each rank writes and fsyncs its own
-    ``__{rank}_0.distcp`` and returns its record (file name -> size and CRC-32, computed while
-    writing); rank 0 also writes ``dcp_metadata.json`` and ``.metadata``. Saves with the same
+    ``__{rank}_0.distcp`` (and its chunk file, :mod:`areal_ckpt.formats.dcp_slices`) and returns
+    their records (file name -> size and CRC-32, computed while writing); rank 0 also writes
+    ``dcp_metadata.json``, ``dcp_index.json`` and ``.metadata``. Saves with the same
     ``plan_key`` (e.g. one model's dumps) reuse the global plan while nothing changed. Blocking;
     the folder's entries are made durable by the caller's commit. Raises CheckpointError on
     every rank when any rank failed, naming each rank and its cause. ``open_writer`` makes the
@@ -82,9 +83,9 @@ def save_tensors(
         lambda results: writer.finish(_global(metadata, folder), results),
         f"{folder}: writing DCP shards failed",
     )
-    if writer.file_name is None or writer.record is None:
+    if not writer.records:
         raise CheckpointError(f"{folder}: DCP planned no data file for rank {dist.rank()}")
-    return {writer.file_name: writer.record}
+    return writer.records
 
 
 def _global(metadata: Metadata | None, folder: Path) -> Metadata:

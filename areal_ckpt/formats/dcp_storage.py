@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.planner import (
     ReadItem,
     SavePlan,
     SavePlanner,
+    WriteItem,
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
@@ -49,6 +50,7 @@ from areal_ckpt.formats.dcp_metadata import (
     tensor_entries,
     tensor_entry,
 )
+from areal_ckpt.formats.dcp_slices import INDEX_JSON, chunks_file_for, chunks_to_json, index_to_json
 from areal_ckpt.formats.range_read import RangeReader, open_ranges
 from areal_ckpt.formats.torch_record import frame_for
 from areal_ckpt.fsio import ChecksummedWriter, FileRecord, FileWriter, record_of, write_file_durably
@@ -78,7 +80,9 @@ def data_file_of(rank: int) -> str:
 class RawStorageWriter(StorageWriter):
     """Writes each rank's tensors raw into its own file in ``folder``; metadata as JSON.
 
-    After ``dcp.save`` returns, :attr:`record` is this rank's data file's size and CRC-32.
+    After ``dcp.save`` returns, :attr:`records` maps this rank's files to their size and
+    CRC-32: its data file and, when it holds chunks of sharded tensors, its chunk file
+    (:mod:`areal_ckpt.formats.dcp_slices`, written locally and fsync'd).
     ``open_writer``, when given, makes the writer of this rank's data file from its path (an
     object uploaded from memory, see :class:`~areal_ckpt.fsio.FileWriter`: no local file is
     written then); by default a local file, fsync'd.
@@ -88,8 +92,7 @@ class RawStorageWriter(StorageWriter):
         super().__init__()
         self.folder = Path(folder)
         self.open_writer = open_writer
-        self.record: FileRecord | None = None
-        self.file_name: str | None = None
+        self.records: dict[str, FileRecord] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Nothing to reset: the folder is fixed at construction."""
@@ -108,10 +111,11 @@ class RawStorageWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's records into its file and fsync it: tensor chunks first, then the
         entries only stock readers read; blocking (the future is done)."""
-        self.file_name = plan.storage_data
-        path = self.folder / self.file_name
+        file_name = plan.storage_data
+        path = self.folder / file_name
         writer = ChecksummedWriter(path) if self.open_writer is None else self.open_writer(path)
         results = []
+        chunks: list[tuple[WriteItem, _StorageInfo]] = []
         offset = 0
         ordered = sorted(plan.items, key=lambda item: item.type == WriteItemType.BYTE_IO)
         try:
@@ -119,7 +123,7 @@ class RawStorageWriter(StorageWriter):
                 if item.type == WriteItemType.BYTE_IO:
                     record = _as_bytes_io(planner.resolve_data(item)).getvalue()  # a torch.save record by DCP
                     writer.write(record)
-                    placement = Placement(_StorageInfo(self.file_name, offset, len(record)), None)
+                    placement = Placement(_StorageInfo(file_name, offset, len(record)), None)
                     results.append(WriteResult(index=item.index, size_in_bytes=len(record), storage_data=placement))
                     offset += len(record)
                     continue
@@ -132,28 +136,35 @@ class RawStorageWriter(StorageWriter):
                 writer.write(data)
                 writer.write(frame.tail)
                 placement = Placement(
-                    record=_StorageInfo(self.file_name, offset, frame.length(len(data))),
-                    payload=_StorageInfo(self.file_name, offset + len(frame.head), len(data)),
+                    record=_StorageInfo(file_name, offset, frame.length(len(data))),
+                    payload=_StorageInfo(file_name, offset + len(frame.head), len(data)),
                 )
+                chunks.append((item, placement.payload))
                 results.append(WriteResult(index=item.index, size_in_bytes=len(data), storage_data=placement))
                 offset += frame.length(len(data))
         except BaseException:
             writer.abort()
             raise
-        self.record = writer.close()
+        self.records = {file_name: writer.close()}
+        listed = chunks_to_json(chunks)
+        if listed is not None:
+            name = chunks_file_for(file_name)
+            self.records[name] = write_file_durably(self.folder / name, json.dumps(listed).encode())
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator: write ``dcp_metadata.json`` (raw byte positions, tensors only) and the
-        standard ``.metadata`` (record positions, every entry) durably."""
+        """Coordinator: write ``dcp_metadata.json`` (raw byte positions, tensors only), its
+        index ``dcp_index.json`` and the standard ``.metadata`` (record positions, every entry)
+        durably."""
         placements = {result.index: result.storage_data for part in results for result in part}
         metadata.storage_data = {index: p.payload for index, p in placements.items() if p.payload is not None}
         ours = metadata_to_json(metadata)
         stock = dataclasses.replace(metadata, storage_data={index: p.record for index, p in placements.items()})
         write_file_durably(self.folder / STOCK_METADATA, pickle.dumps(stock))
         write_file_durably(self.folder / METADATA_JSON, json.dumps(ours).encode())
+        write_file_durably(self.folder / INDEX_JSON, json.dumps(index_to_json(metadata)).encode())
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

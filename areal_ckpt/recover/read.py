@@ -16,7 +16,7 @@ from areal_ckpt.config import RecoverConfig
 from areal_ckpt.engines.contract import LoadTarget
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import load_tensors, tensor_index
-from areal_ckpt.formats.dcp_metadata import read_metadata_json
+from areal_ckpt.formats.dcp_slices import rank_metadata, read_when_needed
 from areal_ckpt.fsio import FileRecord
 from areal_ckpt.paths import (
     DATA_SUFFIX,
@@ -72,7 +72,7 @@ def open_committed(
     restored (``dataloader``: the one the load restores); nothing is loaded then."""
     remote = None if store.remote is None else RemoteGenerations(store.remote)
     if remote is not None:  # object storage holds what counts: its newest commit, into the staging copy
-        remote.fetch_newest(store.root, deferred=lambda name: name.endswith(DATA_SUFFIX))
+        remote.fetch_newest(store.root, deferred=read_when_needed)
     found = agree.decided_by_rank0(lambda: find_committed(store), "RecoverHandler.load")
     if found is None:
         return None
@@ -131,8 +131,9 @@ def verify_checkpoint(
     """Check the manifest's format, every file's presence and size, and the CRC-32 of every
     file but the tensor data files (those are checked while :func:`load_engine` reads them,
     saving a full pass); returns the manifest. Defaults: a recovery generation. With
-    ``data_on_demand`` (a local copy of a checkpoint on object storage) the data files are not
-    looked at here: each is brought down, and checked, when a rank reads it.
+    ``data_on_demand`` (a local copy of a checkpoint on object storage) the DCP files (data,
+    chunks, metadata) are not looked at here: each is brought down, and checked, when a rank
+    reads it.
 
     Collective: the files are dealt out to the ranks, each checks its share, all agree.
     Raises CheckpointError naming every damaged file.
@@ -149,7 +150,8 @@ def verify_checkpoint(
     mine = [name for index, name in enumerate(sorted(files)) if index % dist.world_size() == dist.rank()]
 
     def check_share() -> None:
-        problems = check_files(folder, files, [name for name in mine if not name.endswith(DATA_SUFFIX)])
+        later = [name for name in mine if data_on_demand and read_when_needed(name)]
+        problems = check_files(folder, files, [n for n in mine if not n.endswith(DATA_SUFFIX) and n not in later])
         if not data_on_demand:
             problems += check_files(folder, files, [n for n in mine if n.endswith(DATA_SUFFIX)], checksum=False)
         if problems:
@@ -210,10 +212,10 @@ def load_engine(
         engine.validate_recover_state(engine_state, include_optimizer)
     except ValueError as error:
         raise CheckpointError(f"{folder / ENGINE_STATE_FILE}: {error}") from None
-    metadata = read_metadata_json(folder)
+    metadata, whole = rank_metadata(folder, dist.rank(), fetch)
     stored = tensor_index(metadata)
     frozen = folder / FROZEN_PART if engine_state.get("frozen_part") else None
-    frozen_metadata = read_metadata_json(frozen) if frozen is not None else None
+    frozen_metadata, frozen_whole = rank_metadata(frozen, dist.rank(), fetch) if frozen is not None else (None, None)
     frozen_stored = tensor_index(frozen_metadata) if frozen_metadata is not None else {}
     stored.update(frozen_stored)
     template = engine.recover_template(include_optimizer and engine_state.get("optimizer_has_state", True), stored)
@@ -236,6 +238,7 @@ def load_engine(
             expected=_data_files(manifest, f"{folder.name}/{FROZEN_PART}/"),
             metadata=frozen_metadata,
             fetch=fetch,
+            whole=frozen_whole,
         )
     load_tensors(
         template,
@@ -244,6 +247,7 @@ def load_engine(
         expected=_data_files(manifest, f"{folder.name}/"),
         metadata=metadata,
         fetch=fetch,
+        whole=whole,
     )
     if frozen is not None:
         template.update(frozen_template)

@@ -23,7 +23,7 @@ from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.hf_export import HFFiles
 from areal_ckpt.fsio import FileRecord, FileWriter, write_file_durably
 from areal_ckpt.jobs.shm_arena import ArenaLayout
-from areal_ckpt.paths import HF_FILES, MODEL_SEPARATOR, RECOVER_FORMAT, RECOVER_FORMAT_VERSION
+from areal_ckpt.paths import DATA_SUFFIX, HF_FILES, MODEL_SEPARATOR, RECOVER_FORMAT, RECOVER_FORMAT_VERSION
 from areal_ckpt.recover.remote import RemoteGenerations
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.store import RecoverStore
@@ -141,7 +141,7 @@ class DumpJob:
                         tensors, folder / part, groups, plan_key, open_writer
                     ).items():
                         records[f"{part}/{file_name}"] = (record.size, record.crc32)
-                        if open_writer is not None:
+                        if open_writer is not None and file_name.endswith(DATA_SUFFIX):
                             streamed.add(f"{part}/{file_name}")
                 for relative, data in self.files.items():  # local from here on
                     (folder / relative).parent.mkdir(parents=True, exist_ok=True)  # on another node than rank 0's
