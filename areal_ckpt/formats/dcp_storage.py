@@ -135,11 +135,9 @@ class RawStorageWriter(StorageWriter):
                 writer.write(frame.head)
                 writer.write(data)
                 writer.write(frame.tail)
-                placement = Placement(
-                    record=_StorageInfo(file_name, offset, frame.length(len(data))),
-                    payload=_StorageInfo(file_name, offset + len(frame.head), len(data)),
-                )
-                chunks.append((item, placement.payload))
+                payload = _StorageInfo(file_name, offset + len(frame.head), len(data))
+                placement = Placement(record=_StorageInfo(file_name, offset, frame.length(len(data))), payload=payload)
+                chunks.append((item, payload))
                 results.append(WriteResult(index=item.index, size_in_bytes=len(data), storage_data=placement))
                 offset += frame.length(len(data))
         except BaseException:
