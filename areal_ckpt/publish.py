@@ -22,7 +22,7 @@ import os
 import shutil
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -133,16 +133,22 @@ def hide_folder(folder: Path, trash: Path) -> None:
 
 
 class TrashCollector:
-    """Deletes hidden folders (see :func:`hide_folder`) on one helper thread, off the caller's
-    path; errors are logged, never raised (what is deleted was already superseded)."""
+    """Deletes what a commit superseded on one helper thread, off the caller's path, in the
+    order queued; errors are logged, never raised (what is deleted was already superseded).
+    Freeing a large file is not free: unlinking a fresh 450 MB file took ~0.3 s here."""
 
     def __init__(self) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="areal_ckpt-trash")
         self._pending: list[concurrent.futures.Future[None]] = []
 
     def delete(self, folders: Iterable[Path]) -> None:
-        """Queue ``folders`` for deletion; returns at once."""
+        """Queue hidden ``folders`` (see :func:`hide_folder`) for deletion; returns at once."""
         self._pending += [self._pool.submit(_delete_logged, folder) for folder in folders]
+
+    def run(self, task: Callable[[], None]) -> None:
+        """Queue ``task`` (a deletion that logs its own errors); returns at once."""
+        self._pending = [future for future in self._pending if not future.done()]
+        self._pending.append(self._pool.submit(task))
 
     def wait(self) -> None:
         """Block until every queued deletion has finished."""

@@ -6,6 +6,7 @@ import json
 import logging
 import resource
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -290,3 +291,29 @@ def test_stateless_optimizer_keeps_its_param_groups_without_a_hidden_copy(filero
     assert fresh_sgd.param_groups[0]["lr"] == 0.125
     assert all(parameter.grad is None for parameter in fresh.model.parameters())  # nor when loading
     assert torch.equal(fresh.model.lm_head.weight, setup.model.lm_head.weight)
+
+
+def test_the_superseded_dump_is_deleted_off_the_callers_thread_after_the_commit(fileroot, monkeypatch):
+    from areal_ckpt.recover.store import RecoverStore
+
+    deleted: list[tuple[list[str], str, str | None]] = []  # (generations, thread, committed when deleting)
+    real_delete = RecoverStore.delete_rank_files
+
+    def recording_delete(store, hidden, rank, models):
+        deleted.append((list(hidden), threading.current_thread().name, store.committed()))
+        return real_delete(store, hidden, rank, models)
+
+    monkeypatch.setattr(RecoverStore, "delete_rank_files", recording_delete)
+    setup = make_setup()
+    handler = ac.RecoverHandler(recover_config(fileroot), SPEC)
+    for step in range(2):
+        train_step(setup, step)
+        handler.dump(setup.engine, step_info(step), force=True)
+    newest = committed_generation(fileroot)
+    handler.close()  # waits for the deletion
+    (hidden, thread, committed_then) = deleted[-1]
+    assert len(hidden) == 1 and hidden[0].startswith(".trash-gen-00000000-")
+    assert thread.startswith("areal_ckpt-trash") and thread != threading.current_thread().name
+    assert committed_then == newest.name  # the newer dump was committed before anything was deleted
+    store = trial_dir(fileroot) / ".recover"
+    assert sorted(p.name for p in store.iterdir() if p.name.startswith((".trash", "gen-"))) == [newest.name]

@@ -34,7 +34,7 @@ from areal_ckpt.recover.read import load_engine, open_committed
 from areal_ckpt.recover.remote import RemoteGenerations, new_run_token
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.rollout_sync import RolloutSync
-from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.recover.store import RecoverStore, wait_for_deletions
 from areal_ckpt.recover.write import DumpJob
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state.components import Stateful, capture_components, dataloader_state, restore_components
@@ -79,10 +79,11 @@ class RecoverHandler:
         return self._jobs.last_metrics
 
     def close(self) -> None:
-        """Wait for the dump in flight, stop the background writer, free its shared memory and
-        release the trial's lock (held from construction on rank 0). Call it on every rank;
+        """Wait for the dump in flight and this rank's deletion of superseded files, stop the
+        background writer, free its shared memory and release the trial's lock (held from
+        construction on rank 0). Call it on every rank;
         idempotent. Raises the background error of the last dump, after releasing everything."""
-        self._jobs.close(then=self.store.remove_trash if dist.rank() == 0 else None)
+        self._jobs.close(then=self.store.remove_trash if dist.rank() == 0 else wait_for_deletions)
 
     # -- dump -------------------------------------------------------------------------------
 

@@ -46,7 +46,7 @@ from areal_ckpt.paths import (
     staging_trial_root,
     trial_root,
 )
-from areal_ckpt.publish import hide_folder, read_manifest, switch_symlink, write_manifest
+from areal_ckpt.publish import TrashCollector, hide_folder, read_manifest, switch_symlink, write_manifest
 from areal_ckpt.recover.foreign import refuse_foreign_layout
 from areal_ckpt.urls import ObjectURL, parse_object_url, url_scheme
 
@@ -191,7 +191,7 @@ class RecoverStore:
             if first:  # later dumps: each commit hides what it superseded, the ranks delete it
                 self.remove_debris(keep=committed)
             else:
-                self.remove_trash()
+                _DELETIONS.run(self._sweep_trash)  # after this process's own deletions, off the dump's path
             return self.create(global_step, names)
         except OSError as error:
             raise TransientError(f"{self.root}: cannot create a generation folder: {error}") from error
@@ -249,6 +249,23 @@ class RecoverStore:
             logger.warning("%s: committed %s, but tidying up failed: %s", self.root, generation, error)
             return []
 
+    def delete_rank_files_later(
+        self, generations: list[str], rank: int, models: list[str], remove_folders: bool = False
+    ) -> None:
+        """Queue :meth:`delete_rank_files` of ``generations`` (then, with ``remove_folders``,
+        :meth:`remove_empty_folders`) on this process's deletion thread, off the dump's blocking
+        path: what it deletes was superseded by a commit already. Waits first for this process's
+        previous deletion, so at most one runs. :meth:`remove_trash`, :meth:`remove_debris` and
+        :func:`wait_for_deletions` wait for it. Local."""
+        _DELETIONS.wait()
+
+        def delete() -> None:
+            self.delete_rank_files(generations, rank, models)
+            for name in generations if remove_folders else []:
+                self.remove_empty_folders(name)
+
+        _DELETIONS.run(delete)
+
     def delete_rank_files(self, hidden: list[str], rank: int, models: list[str]) -> None:
         """Delete ``rank``'s own files (its data file of each model, its rank state) from the
         hidden generations ``hidden``, so that no rank deletes O(world size) files; missing ones
@@ -286,7 +303,12 @@ class RecoverStore:
 
     def remove_trash(self) -> None:
         """Delete the hidden generations left by earlier commits (what other ranks' deletions
-        left: the global files); rank 0 only. Local; errors are logged, never raised."""
+        left: the global files); rank 0 only, once this process's own deletions finished.
+        Local; errors are logged, never raised."""
+        _DELETIONS.wait()
+        self._sweep_trash()
+
+    def _sweep_trash(self) -> None:
         if not self.root.is_dir() or self.root.is_symlink():
             return
         for entry in self.root.iterdir():
@@ -347,7 +369,9 @@ class RecoverStore:
 
     def remove_debris(self, keep: str | None) -> list[str]:
         """Delete the generations ``keep`` supersedes (see :meth:`_superseded`), hidden ones and
-        stray pointer links; returns the generations deleted. Rank 0 only, while no rank writes."""
+        stray pointer links; returns the generations deleted. Rank 0 only, while no rank writes
+        (this process's own deletions are waited for)."""
+        _DELETIONS.wait()
         if not self.root.is_dir() or self.root.is_symlink():
             return []
         removed = self._superseded(keep)
@@ -368,6 +392,15 @@ class RecoverStore:
     def discard(self, generation: str) -> None:
         """Delete an uncommitted generation after a failed dump (best effort)."""
         shutil.rmtree(self.path(generation), ignore_errors=True)
+
+
+#: This process's deletions of superseded recovery files (a rank's own share), in order.
+_DELETIONS = TrashCollector()
+
+
+def wait_for_deletions() -> None:
+    """Block until this process's queued deletions of superseded files have finished. Local."""
+    _DELETIONS.wait()
 
 
 def resolve_recovery(path: Path) -> tuple[Path, str | None]:

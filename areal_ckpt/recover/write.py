@@ -104,7 +104,7 @@ class DumpJob:
         except RankMismatchError:  # refused before anything was written: no debris either
             discard()
             raise
-        store.delete_rank_files(hidden, dist.rank(), self.models)  # every rank its own share
+        store.delete_rank_files_later(hidden, dist.rank(), self.models)  # every rank its own share
         if self.remote is None:
             return {"path": str(store.path(self.generation)), "bytes": written}
         remote = RemoteGenerations(self.remote)
@@ -114,9 +114,8 @@ class DumpJob:
             f"{remote.root}: upload of the recovery dump at global step {step} (committed in {store.root} only)",
         )
         older = [name for name in store.generations() if name != self.generation]
-        store.delete_rank_files(older, dist.rank(), self.models)  # on its own node, a rank's alone to delete
-        for name in older:
-            store.remove_empty_folders(name)
+        # on its own node, a rank's alone to delete
+        store.delete_rank_files_later(older, dist.rank(), self.models, remove_folders=True)
         return {"path": str(remote.root.child(self.generation)), "bytes": written}
 
     def _attempt(
