@@ -10,7 +10,10 @@ attempts by botocore), so a stalled server becomes an error instead of a hang.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import io
+import itertools
 import logging
 import threading
 import time
@@ -242,10 +245,12 @@ class S3Store:
 
 class S3ObjectWriter:
     """An object written part by part from memory: a :class:`~areal_ckpt.fsio.FileWriter` that
-    uploads instead of writing a local file. What :meth:`write` is given is copied into a
-    64 MiB part buffer (and checksummed meanwhile); each full part goes up on a helper thread,
-    at most 8 at once, and :meth:`write` waits while 8 are in flight (memory stays bounded at
-    about 9 parts). :meth:`close` sends the last part and completes the multipart upload, so the
+    uploads instead of writing a local file. What :meth:`write` is given is not copied: each
+    64 MiB part is a list of views of it (checksummed meanwhile), read by the upload straight
+    from the caller's memory (as the FileWriter Protocol allows: it stays unchanged until
+    :meth:`close`). Each full part goes up on a helper thread, at most 8 at once, and
+    :meth:`write` waits while 8 are in flight, so what the parts keep alive stays bounded at
+    about 9 parts. :meth:`close` sends the last part and completes the multipart upload, so the
     object appears whole or not at all; an object under 64 MiB is one PUT at :meth:`close`.
     Errors are the store's (CheckpointError / TransientError naming the key); after one, or on
     :meth:`abort`, the parts are discarded on the server. Used by one writing thread."""
@@ -255,24 +260,25 @@ class S3ObjectWriter:
         self._pool = ThreadPoolExecutor(_WORKERS, thread_name_prefix="areal_ckpt-part")
         self._slots = threading.BoundedSemaphore(_WORKERS)
         self._parts: list[Future[dict[str, Any]]] = []
-        self._buffer, self._filled, self._size = bytearray(_PART), 0, 0
+        self._views: list[memoryview] = []  # the part being gathered
+        self._filled, self._size = 0, 0
         self._crc = RunningCrc(max_pending=4)
         self._upload_id: str | None = None
 
     def write(self, data: memoryview | bytes) -> None:
-        """Append ``data``; blocks while 8 parts are in flight. Raises the first failed part's
-        error."""
+        """Append ``data`` (kept and read until :meth:`close` returns, never copied); blocks
+        while 8 parts are in flight. Raises the first failed part's error."""
         view = memoryview(data).cast("B")
         self._crc.update(view)
         self._size += len(view)
         while view:
             piece = view[: _PART - self._filled]
-            self._buffer[self._filled : self._filled + len(piece)] = piece
+            self._views.append(piece)
             self._filled += len(piece)
             view = view[len(piece) :]
             if self._filled == _PART:
-                self._send(self._buffer)
-                self._buffer, self._filled = bytearray(_PART), 0
+                self._send(self._views)
+                self._views, self._filled = [], 0
 
     def close(self) -> FileRecord:
         """Upload what is left and complete the object; returns its size and CRC-32. Blocking;
@@ -280,12 +286,10 @@ class S3ObjectWriter:
         try:
             if self._upload_id is None:
                 with self._store._translated("upload", self._key):
-                    self._store._client.put_object(
-                        Bucket=self._bucket, Key=self._key, Body=bytes(self._buffer[: self._filled])
-                    )
+                    self._store._client.put_object(Bucket=self._bucket, Key=self._key, Body=b"".join(self._views))
             else:
                 if self._filled:
-                    self._send(self._buffer[: self._filled])
+                    self._send(self._views)
                 parts = [part.result() for part in self._parts]
                 with self._store._translated("upload", self._key):
                     self._store._client.complete_multipart_upload(
@@ -311,7 +315,7 @@ class S3ObjectWriter:
             except CheckpointError as error:
                 logger.warning("%s", error)
 
-    def _send(self, part: bytearray) -> None:
+    def _send(self, part: list[memoryview]) -> None:
         for done in self._parts:  # fail early: a part that failed stops the writer at its next part
             if done.done() and done.exception() is not None:
                 done.result()
@@ -322,11 +326,11 @@ class S3ObjectWriter:
         self._slots.acquire()
         self._parts.append(self._pool.submit(self._upload_part, len(self._parts) + 1, part))
 
-    def _upload_part(self, number: int, data: bytearray) -> dict[str, Any]:
+    def _upload_part(self, number: int, views: list[memoryview]) -> dict[str, Any]:
         try:
             with self._store._translated("upload", self._key):
                 answer = self._store._client.upload_part(
-                    Bucket=self._bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number, Body=data
+                    Bucket=self._bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number, Body=_Views(views)
                 )
         finally:
             self._slots.release()
@@ -335,3 +339,42 @@ class S3ObjectWriter:
             if checksum in answer:
                 part[checksum] = answer[checksum]
         return part
+
+
+class _Views(io.RawIOBase):
+    """A seekable, read-only file over a list of memory views, end to end: the body of one
+    part, read (and re-read on a retry) by the HTTP client without first copying it into one
+    buffer."""
+
+    def __init__(self, views: list[memoryview]) -> None:
+        super().__init__()
+        self._views = views
+        self._starts = list(itertools.accumulate((len(view) for view in views), initial=0))
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._starts[-1]}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        target = memoryview(buffer).cast("B")
+        copied = 0
+        index = bisect.bisect_right(self._starts, self._position) - 1
+        while copied < len(target) and index < len(self._views):
+            view = self._views[index][self._position - self._starts[index] :]
+            take = min(len(view), len(target) - copied)
+            target[copied : copied + take] = view[:take]
+            copied += take
+            self._position += take
+            index += 1
+        return copied
