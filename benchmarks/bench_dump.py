@@ -4,7 +4,8 @@ One process trains a Qwen2-shaped model one step with AdamW (so the state is the
 two moments), then one RecoverHandler (defaults, ``mode: on``) dumps it ``--rounds`` times into
 one trial, as a job does: every dump after the first reuses the save plan and deletes the
 generation it supersedes, off the dump's path; the benchmark waits for that deletion after each
-dump (untimed, as a job's training steps would pass meanwhile) and reports how long it ran on. Each dump is paired with a raw write + fsync of the same bytes (one
+dump (untimed, as a job's training steps would pass meanwhile) and reports how long it ran on,
+and pauses ``--pause`` seconds (default 3) after every write and its deletion, the raw ones too. Each dump is paired with a raw write + fsync of the same bytes (one
 new file, the tensors back to back; the previous one is deleted before the clock starts), the
 order alternating per round; the ratio is raw seconds over dump seconds per pair, reported as
 the median and the range over the pairs.
@@ -49,7 +50,7 @@ def write_raw(tensors: list[torch.Tensor], path: Path) -> None:
     os.close(folder)
 
 
-def measure(mib: int, rounds: int) -> tuple[int, list[dict[str, float]]]:
+def measure(mib: int, rounds: int, pause: float) -> tuple[int, list[dict[str, float]]]:
     """(state bytes, one row per round: raw and dump seconds)."""
     model = model_of_size(mib, torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -71,19 +72,20 @@ def measure(mib: int, rounds: int) -> tuple[int, list[dict[str, float]]]:
             row: dict[str, float] = {}
             for what in ("raw", "dump") if index % 2 == 0 else ("dump", "raw"):
                 if what == "raw":
-                    (raw_folder / "raw.bin").unlink(missing_ok=True)  # not timed: the raw write is the bytes alone
                     start = time.perf_counter()
                     write_raw(tensors, raw_folder / "raw.bin")
-                else:
-                    step = ac.StepInfo(epoch=0, epoch_step=index, global_step=index, steps_per_epoch=500)
-                    start = time.perf_counter()
-                    handler.dump(engine, step, force=True)
                     row[what] = time.perf_counter() - start
-                    start = time.perf_counter()  # the superseded generation's deletion, after the dump returned
-                    wait_for_deletions()
-                    row["deletion"] = time.perf_counter() - start
+                    (raw_folder / "raw.bin").unlink()  # untimed, as the dump's deletion is
+                    time.sleep(pause)
                     continue
+                step = ac.StepInfo(epoch=0, epoch_step=index, global_step=index, steps_per_epoch=500)
+                start = time.perf_counter()
+                handler.dump(engine, step, force=True)
                 row[what] = time.perf_counter() - start
+                start = time.perf_counter()  # the superseded generation's deletion, after the dump returned
+                wait_for_deletions()
+                row["deletion"] = time.perf_counter() - start
+                time.sleep(pause)
             if index:
                 rows.append({**row, "raw first": float(index % 2 == 0)})
         handler.close()
@@ -92,7 +94,7 @@ def measure(mib: int, rounds: int) -> tuple[int, list[dict[str, float]]]:
     return size, rows
 
 
-def render(size: int, rows: list[dict[str, float]]) -> str:
+def render(size: int, rows: list[dict[str, float]], pause: float) -> str:
     ratios = [row["raw"] / row["dump"] for row in rows]
     dumps = [row["dump"] for row in rows]
     raws = [row["raw"] for row in rows]
@@ -104,7 +106,10 @@ def render(size: int, rows: list[dict[str, float]]) -> str:
             f"{time.strftime('%Y-%m-%d')}: {machine_description()}; one process, fp32, a Qwen2-shaped model and "
             f"its AdamW state, {size / 2**20:.0f} MiB in all; {len(rows)} dumps by one RecoverHandler into one "
             "trial (after a first, not counted), each paired with a raw write + fsync of the same bytes, the "
-            "order alternating. Regenerate: `python benchmarks/bench_dump.py --out docs/benchmarks-dump.md`.",
+            f"order alternating; each write's predecessor is deleted right after it (untimed), then {pause:g} s "
+            "pass (a job's training steps; on this VM memory freed just before a write makes that write slow, "
+            "whichever it is). Regenerate: "
+            "`python benchmarks/bench_dump.py --out docs/benchmarks-dump.md`.",
             "",
             "| | median s | range s | GB/s |",
             "| --- | --- | --- | --- |",
@@ -117,8 +122,8 @@ def render(size: int, rows: list[dict[str, float]]) -> str:
             "",
             f"Dump against the raw write (raw seconds / dump seconds, per pair): median "
             f"{statistics.median(ratios):.2f}x, range {min(ratios):.2f}-{max(ratios):.2f}x (goal >= 0.9x). "
-            f"Pairs whose raw write came first: {_median_of(rows, ratios, True)}; whose dump came first (right "
-            f"after the previous round's dump): {_median_of(rows, ratios, False)}.",
+            f"Pairs whose raw write came first: {_median_of(rows, ratios, True)}; whose dump came first: "
+            f"{_median_of(rows, ratios, False)}.",
             "",
         ]
     )
@@ -130,9 +135,11 @@ def _median_of(rows: list[dict[str, float]], ratios: list[float], raw_first: boo
 
 
 def main() -> int:
-    args = size_and_rounds(__doc__, 135, "MiB of fp32 weights (the state is about three times that)").parse_args()
-    size, rows = measure(args.size, args.rounds)
-    return publish(render(size, rows), args.out)
+    parser = size_and_rounds(__doc__, 135, "MiB of fp32 weights (the state is about three times that)")
+    parser.add_argument("--pause", type=float, default=3.0, help="seconds between two writes (a job's steps)")
+    args = parser.parse_args()
+    size, rows = measure(args.size, args.rounds, args.pause)
+    return publish(render(size, rows, args.pause), args.out)
 
 
 if __name__ == "__main__":
