@@ -224,12 +224,12 @@ def render(results: dict[int, list[dict]], dumps: int) -> str:
         "manifest KiB": [results[w][0]["rank0_files"]["recover_info/areal_ckpt_manifest.json"] / 1024 for w in worlds],
         "slice a rank reads on a same-size load KiB": [
             (results[w][0]["rank0_files"][f"default/{INDEX_JSON}"] + max(r["chunk_file"] for r in results[w])) / 1024
-            for w in worlds
+            for w in worlds[1:]  # on one rank every tensor is stored whole: all of it is in the index
         ],
     }
     parse = [results[w][0]["metadata_parse_s"] for w in worlds]
     for name, ys in series.items():
-        xs = worlds[1:] if name.startswith("other") else worlds
+        xs = worlds[1:] if name.startswith(("other", "slice")) else worlds
         intercept, slope = _fit(xs, ys)
         at_scale = (
             f"{intercept + slope * EXTRAPOLATE_TO:.0f} KiB"
