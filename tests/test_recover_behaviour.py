@@ -294,16 +294,17 @@ def test_stateless_optimizer_keeps_its_param_groups_without_a_hidden_copy(filero
 
 
 def test_the_superseded_dump_is_deleted_off_the_callers_thread_after_the_commit(fileroot, monkeypatch):
+    from areal_ckpt.recover import tidy
     from areal_ckpt.recover.store import RecoverStore
 
     deleted: list[tuple[list[str], str, str | None]] = []  # (generations, thread, committed when deleting)
-    real_delete = RecoverStore.delete_rank_files
+    real_delete = tidy.delete_rank_files
 
-    def recording_delete(store, hidden, rank, models):
-        deleted.append((list(hidden), threading.current_thread().name, store.committed()))
-        return real_delete(store, hidden, rank, models)
+    def recording_delete(root, hidden, rank, models):
+        deleted.append((list(hidden), threading.current_thread().name, RecoverStore(trial_dir(fileroot)).committed()))
+        return real_delete(root, hidden, rank, models)
 
-    monkeypatch.setattr(RecoverStore, "delete_rank_files", recording_delete)
+    monkeypatch.setattr(tidy, "delete_rank_files", recording_delete)
     setup = make_setup()
     handler = ac.RecoverHandler(recover_config(fileroot), SPEC)
     for step in range(2):

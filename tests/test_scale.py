@@ -128,6 +128,7 @@ def test_a_per_rank_position_is_refused_on_every_rank_for_any_change(tmp_path, o
 
 def test_a_rank_deletes_only_its_own_files_and_never_through_a_link(tmp_path):
     from areal_ckpt.recover.store import RecoverStore
+    from areal_ckpt.recover.tidy import delete_rank_files, remove_trash
 
     store = RecoverStore(tmp_path / "trial")
     hidden = store.root / ".trash-gen-00000001-0123abcd"
@@ -140,9 +141,9 @@ def test_a_rank_deletes_only_its_own_files_and_never_through_a_link(tmp_path):
     outside.mkdir()
     (outside / "__1_0.distcp").write_bytes(b"keep")
     (hidden / "actor").symlink_to(outside)
-    store.delete_rank_files([hidden.name], 1, ["default", "actor"])
+    delete_rank_files(store.root, [hidden.name], 1, ["default", "actor"])
     left = sorted(str(path.relative_to(hidden)) for path in hidden.rglob("*") if path.is_file())
     assert left == ["default/__0_0.distcp", "recover_info/rank0.json"]  # rank 0's are rank 0's to delete
     assert (outside / "__1_0.distcp").read_bytes() == b"keep"
-    store.remove_trash()
+    remove_trash(store.root)
     assert not hidden.exists() and (outside / "__1_0.distcp").exists()

@@ -34,7 +34,8 @@ from areal_ckpt.recover.read import load_engine, open_committed
 from areal_ckpt.recover.remote import RemoteGenerations, new_run_token
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.rollout_sync import RolloutSync
-from areal_ckpt.recover.store import RecoverStore, wait_for_deletions
+from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.recover.tidy import remove_trash, wait_for_deletions
 from areal_ckpt.recover.write import DumpJob
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state.components import Stateful, capture_components, dataloader_state, restore_components
@@ -83,7 +84,7 @@ class RecoverHandler:
         background writer, free its shared memory and release the trial's lock (held from
         construction on rank 0). Call it on every rank;
         idempotent. Raises the background error of the last dump, after releasing everything."""
-        self._jobs.close(then=self.store.remove_trash if dist.rank() == 0 else wait_for_deletions)
+        self._jobs.close(then=(lambda: remove_trash(self.store.root)) if dist.rank() == 0 else wait_for_deletions)
 
     # -- dump -------------------------------------------------------------------------------
 

@@ -26,7 +26,6 @@ from typing import Any
 
 from areal_ckpt.config import RecoverConfig
 from areal_ckpt.errors import CheckpointError, TransientError
-from areal_ckpt.formats.dcp_storage import data_file_of
 from areal_ckpt.fsio import FileRecord, fsync_dir, make_dirs, write_file_durably
 from areal_ckpt.paths import (
     RECOVER_CURRENT,
@@ -38,7 +37,6 @@ from areal_ckpt.paths import (
     generation_name,
     generation_step,
     is_generation_name,
-    rank_state_file,
     recover_checkpoint_link,
     recover_info_link,
     recover_pointer,
@@ -46,8 +44,9 @@ from areal_ckpt.paths import (
     staging_trial_root,
     trial_root,
 )
-from areal_ckpt.publish import TrashCollector, hide_folder, read_manifest, switch_symlink, write_manifest
+from areal_ckpt.publish import hide_folder, read_manifest, switch_symlink, write_manifest
 from areal_ckpt.recover.foreign import refuse_foreign_layout
+from areal_ckpt.recover.tidy import remove_trash, sweep_trash_later, wait_for_deletions
 from areal_ckpt.urls import ObjectURL, parse_object_url, url_scheme
 
 logger = logging.getLogger(__name__)
@@ -191,7 +190,7 @@ class RecoverStore:
             if first:  # later dumps: each commit hides what it superseded, the ranks delete it
                 self.remove_debris(keep=committed)
             else:
-                _DELETIONS.run(self._sweep_trash)  # after this process's own deletions, off the dump's path
+                sweep_trash_later(self.root)  # after this process's own deletions, off the dump's path
             return self.create(global_step, names)
         except OSError as error:
             raise TransientError(f"{self.root}: cannot create a generation folder: {error}") from error
@@ -222,7 +221,7 @@ class RecoverStore:
         pending marker, so that a power cut between its manifest and the switch leaves a
         generation known never to have been committed (a fresh start), not one that looks like
         a lost commit record (which is refused, see :meth:`committed`). The hidden folders are deleted by every
-        rank in parallel (:meth:`delete_rank_files`, then :meth:`remove_trash` on rank 0)."""
+        rank in parallel (:mod:`areal_ckpt.recover.tidy`: each its own files, then rank 0 the rest)."""
         first = not self.pointer.is_symlink()
         marker = self.root / f"{PENDING_PREFIX}{generation}"
         if first:  # until the switch, a complete generation without a commit record is this one, not a lost record
@@ -248,78 +247,6 @@ class RecoverStore:
         except OSError as error:
             logger.warning("%s: committed %s, but tidying up failed: %s", self.root, generation, error)
             return []
-
-    def delete_rank_files_later(
-        self, generations: list[str], rank: int, models: list[str], remove_folders: bool = False
-    ) -> None:
-        """Queue :meth:`delete_rank_files` of ``generations`` (then, with ``remove_folders``,
-        :meth:`remove_empty_folders`) on this process's deletion thread, off the dump's blocking
-        path: what it deletes was superseded by a commit already. Waits first for this process's
-        previous deletion, so at most one runs. :meth:`remove_trash`, :meth:`remove_debris` and
-        :func:`wait_for_deletions` wait for it. Local."""
-        _DELETIONS.wait()
-
-        def delete() -> None:
-            self.delete_rank_files(generations, rank, models)
-            for name in generations if remove_folders else []:
-                self.remove_empty_folders(name)
-
-        _DELETIONS.run(delete)
-
-    def delete_rank_files(self, hidden: list[str], rank: int, models: list[str]) -> None:
-        """Delete ``rank``'s own files (its data file of each model, its rank state) from the
-        hidden generations ``hidden``, so that no rank deletes O(world size) files; missing ones
-        are skipped, and nothing is deleted under a link. Local; errors are logged (the folder
-        was already superseded and :meth:`remove_trash` takes the rest)."""
-        for name in hidden:
-            folder = self.root / name
-            for sub, file_name in [(model, data_file_of(rank)) for model in models] + [
-                (RECOVER_INFO, rank_state_file(rank))
-            ]:
-                if folder.is_symlink() or (folder / sub).is_symlink():
-                    continue
-                try:
-                    (folder / sub / file_name).unlink(missing_ok=True)
-                except OSError as error:
-                    logger.warning("could not delete %s: %s (it is removed later)", folder / sub / file_name, error)
-
-    def remove_empty_folders(self, generation: str) -> None:
-        """Remove ``generation``'s folder and the folders in it, where empty (what is left on a
-        node whose ranks deleted their own files); never through a link. Local; errors ignored
-        (a folder still holding another rank's files stays)."""
-        folder = self.path(generation)
-        if folder.is_symlink() or not folder.is_dir():
-            return
-        for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-            if path.is_dir() and not path.is_symlink():
-                try:
-                    path.rmdir()
-                except OSError:
-                    pass
-        try:
-            folder.rmdir()
-        except OSError:
-            pass
-
-    def remove_trash(self) -> None:
-        """Delete the hidden generations left by earlier commits (what other ranks' deletions
-        left: the global files); rank 0 only, once this process's own deletions finished.
-        Local; errors are logged, never raised."""
-        _DELETIONS.wait()
-        self._sweep_trash()
-
-    def _sweep_trash(self) -> None:
-        if not self.root.is_dir() or self.root.is_symlink():
-            return
-        for entry in self.root.iterdir():
-            if not entry.name.startswith(RECOVER_TRASH_PREFIX):
-                continue
-            if entry.is_symlink():
-                entry.unlink()
-            else:  # another rank may still be deleting its own files in it
-                shutil.rmtree(entry, ignore_errors=True)
-                if entry.exists():
-                    logger.warning("could not delete %s entirely (it is removed later)", entry)
 
     def ensure_links(self, models: list[str]) -> None:
         """Point ``recover_info`` and each model's ``recover_checkpoint`` at the committed
@@ -371,13 +298,13 @@ class RecoverStore:
         """Delete the generations ``keep`` supersedes (see :meth:`_superseded`), hidden ones and
         stray pointer links; returns the generations deleted. Rank 0 only, while no rank writes
         (this process's own deletions are waited for)."""
-        _DELETIONS.wait()
+        wait_for_deletions()
         if not self.root.is_dir() or self.root.is_symlink():
             return []
         removed = self._superseded(keep)
         for name in removed:
             shutil.rmtree(self.path(name))
-        self.remove_trash()
+        remove_trash(self.root)
         for entry in self.root.iterdir():
             if entry.name.startswith(f".{RECOVER_CURRENT}.") and entry.is_symlink():
                 entry.unlink()
@@ -392,15 +319,6 @@ class RecoverStore:
     def discard(self, generation: str) -> None:
         """Delete an uncommitted generation after a failed dump (best effort)."""
         shutil.rmtree(self.path(generation), ignore_errors=True)
-
-
-#: This process's deletions of superseded recovery files (a rank's own share), in order.
-_DELETIONS = TrashCollector()
-
-
-def wait_for_deletions() -> None:
-    """Block until this process's queued deletions of superseded files have finished. Local."""
-    _DELETIONS.wait()
 
 
 def resolve_recovery(path: Path) -> tuple[Path, str | None]:

@@ -27,6 +27,7 @@ from areal_ckpt.paths import DATA_SUFFIX, HF_FILES, MODEL_SEPARATOR, RECOVER_FOR
 from areal_ckpt.recover.remote import RemoteGenerations
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.recover.tidy import delete_later
 from areal_ckpt.state.numerics import numerics_record
 from areal_ckpt.storage.commits import store_of
 from areal_ckpt.urls import ObjectURL
@@ -104,7 +105,7 @@ class DumpJob:
         except RankMismatchError:  # refused before anything was written: no debris either
             discard()
             raise
-        store.delete_rank_files_later(hidden, dist.rank(), self.models)  # every rank its own share
+        delete_later(store.root, hidden, dist.rank(), self.models)  # every rank its own share
         if self.remote is None:
             return {"path": str(store.path(self.generation)), "bytes": written}
         remote = RemoteGenerations(self.remote)
@@ -115,7 +116,7 @@ class DumpJob:
         )
         older = [name for name in store.generations() if name != self.generation]
         # on its own node, a rank's alone to delete
-        store.delete_rank_files_later(older, dist.rank(), self.models, remove_folders=True)
+        delete_later(store.root, older, dist.rank(), self.models, remove_folders=True)
         return {"path": str(remote.root.child(self.generation)), "bytes": written}
 
     def _attempt(
