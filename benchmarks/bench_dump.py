@@ -23,20 +23,12 @@ import time
 from pathlib import Path
 
 import torch
-from common import machine_description, model_of_size, publish, scratch_folder, size_and_rounds
+from common import machine_description, model_of_size, publish, scratch_folder, size_and_rounds, state_tensors
 
 import areal_ckpt as ac
 from areal_ckpt.recover.store import wait_for_deletions
 
 TOKENS = torch.arange(32).reshape(2, 16)
-
-
-def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """Every tensor a dump writes: the weights and the optimizer's state."""
-    tensors = list(model.state_dict().values())
-    for state in optimizer.state.values():
-        tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
-    return tensors
 
 
 def write_raw(tensors: list[torch.Tensor], path: Path) -> None:

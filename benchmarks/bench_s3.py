@@ -26,7 +26,15 @@ from pathlib import Path
 
 import boto3
 import torch
-from common import machine_description, model_of_size, publish, scratch_folder, size_and_rounds, state_bytes
+from common import (
+    machine_description,
+    model_of_size,
+    publish,
+    scratch_folder,
+    size_and_rounds,
+    state_bytes,
+    state_tensors,
+)
 
 import areal_ckpt as ac
 from areal_ckpt.storage.s3 import _TRANSFER
@@ -42,14 +50,6 @@ def _paired(ours_first: bool, ours: Callable[[], None], raw: Callable[[], None])
     """Run ``ours`` and ``raw`` back to back, ``ours`` first when ``ours_first``."""
     for run in (ours, raw) if ours_first else (raw, ours):
         run()
-
-
-def dump_size(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """The bytes of tensors a dump writes: the weights and the optimizer's state."""
-    size = state_bytes(model)
-    for state in optimizer.state.values():
-        size += sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
-    return size
 
 
 def _raw_put(client, size: int, work: Path, bucket: str = "bench") -> float:  # type: ignore[no-untyped-def]
@@ -101,7 +101,7 @@ def measure(mib: int, rounds: int) -> list[dict[str, float]]:
             _paired(ours_first, export, lambda: row.update({"raw export": _raw_put(client, export_bytes, work)}))
 
             config = ac.RecoverConfig(**fields, mode="sync", staging_dir=str(work / f"disk{index}"))
-            dump_bytes = dump_size(model, optimizer)
+            dump_bytes = sum(t.numel() * t.element_size() for t in state_tensors(model, optimizer))
 
             def dump() -> None:
                 handler = ac.RecoverHandler(config, SPEC)

@@ -63,6 +63,14 @@ def fsync_tree(folder: Path) -> None:
         os.close(fd)
 
 
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor a dump writes: the weights and the optimizer's state."""
+    tensors = list(model.state_dict().values())
+    for state in optimizer.state.values():
+        tensors += [value for value in state.values() if isinstance(value, torch.Tensor)]
+    return tensors
+
+
 def state_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 

@@ -31,7 +31,6 @@ from areal_ckpt.formats.dcp_metadata import (
     KEY_PREFIXES,
     METADATA_JSON,
     STOCK_METADATA,
-    check_tiling,
     metadata_from_json,
     read_metadata_json,
     storage_entry,
@@ -113,8 +112,9 @@ def rank_metadata(
     folder written before the index existed) the whole metadata and None. ``fetch`` is called
     with each file's path before it is read (see :class:`~areal_ckpt.formats.dcp_storage.RawStorageReader`).
     Raises CheckpointError naming a malformed file; the checks of
-    :func:`~areal_ckpt.formats.dcp_metadata.metadata_from_json` hold for the slice, and a
-    tensor the index says is stored whole must be tiled by its chunk.
+    :func:`~areal_ckpt.formats.dcp_metadata.metadata_from_json` hold for the slice but
+    completeness, which the load checks for what it reads (a slice that does not fill a
+    tensor sends it to the whole metadata).
     """
     bring = fetch or (lambda path: None)
 
@@ -127,19 +127,13 @@ def rank_metadata(
     if not index_path.is_file():
         return whole(), None
     index = _json_object(index_path, "DCP index")
-    metadata = metadata_from_json(index, index_path, complete=False)
-    for fqn, entry in tensor_entries(metadata).items():
-        try:
-            if entry.chunks:  # a tensor stored whole: its chunk must be all of it
-                check_tiling(fqn, entry)
-        except ValueError as error:
-            raise CheckpointError(f"{index_path}: malformed DCP metadata: ValueError: {error}") from None
     chunks_path = folder / chunks_file_for(f"__{rank}_0{DATA_SUFFIX}")
     bring(chunks_path)
+    source = index_path
     if chunks_path.is_file():
-        _merge(index, _json_object(chunks_path, "DCP chunk file"), chunks_path)
-        metadata = metadata_from_json(index, chunks_path, complete=False)
-    return metadata, whole
+        source = Path(f"{index_path} + {chunks_path.name}")  # what an error names: either may be at fault
+        _merge(index, _json_object(chunks_path, "DCP chunk file"), source)
+    return metadata_from_json(index, source, complete=False), whole
 
 
 def _json_object(path: Path, what: str) -> dict[str, Any]:
@@ -151,7 +145,7 @@ def _json_object(path: Path, what: str) -> dict[str, Any]:
 
 def _merge(index: dict[str, Any], chunks: dict[str, Any], source: Path) -> None:
     """Add the chunk file's chunks and positions to the index (in place); CheckpointError
-    naming ``source`` when it names a tensor the index lacks or is malformed."""
+    naming ``source`` when the chunk file names a tensor the index lacks or either is malformed."""
     try:
         tensors = index["tensors"]
         for fqn, listed in chunks["chunks"].items():
@@ -160,4 +154,4 @@ def _merge(index: dict[str, Any], chunks: dict[str, Any], source: Path) -> None:
             tensors[fqn]["chunks"] = [*tensors[fqn]["chunks"], *listed]
         index["storage"] = [*index["storage"], *chunks["storage"]]
     except (KeyError, TypeError, ValueError, AttributeError) as error:
-        raise CheckpointError(f"{source}: malformed DCP chunk file: {type(error).__name__}: {error}") from None
+        raise CheckpointError(f"{source}: malformed DCP metadata: {type(error).__name__}: {error}") from None
