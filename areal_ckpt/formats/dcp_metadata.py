@@ -64,14 +64,19 @@ def metadata_to_json(metadata: Metadata) -> dict[str, Any]:
     for fqn, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):
             continue
-        tensors[fqn] = {
-            "dtype": str(entry.properties.dtype).removeprefix("torch."),
-            "requires_grad": entry.properties.requires_grad,
-            "size": list(entry.size),
-            "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in entry.chunks],
-        }
+        tensors[fqn] = tensor_json(entry, entry.chunks)
     storage = [storage_entry(index, info) for index, info in metadata.storage_data.items()]
     return {"version": metadata.version, "key_prefixes": KEY_PREFIXES, "tensors": tensors, "storage": storage}
+
+
+def tensor_json(entry: TensorStorageMetadata, chunks: list[ChunkStorageMetadata]) -> dict[str, Any]:
+    """The JSON entry of one tensor (dtype, shape) listing ``chunks`` of it; pure."""
+    return {
+        "dtype": str(entry.properties.dtype).removeprefix("torch."),
+        "requires_grad": entry.properties.requires_grad,
+        "size": list(entry.size),
+        "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in chunks],
+    }
 
 
 def storage_entry(index: MetadataIndex, info: _StorageInfo) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from areal_ckpt.formats.dcp_metadata import (
     read_metadata_json,
     storage_entry,
     tensor_entries,
+    tensor_json,
 )
 from areal_ckpt.fsio import read_json_file
 from areal_ckpt.paths import DATA_SUFFIX
@@ -68,16 +69,10 @@ def index_to_json(metadata: Metadata) -> dict[str, Any]:
     tensors = {}
     whole = {}
     for fqn, entry in tensor_entries(metadata).items():
-        tensors[fqn] = {
-            "dtype": str(entry.properties.dtype).removeprefix("torch."),
-            "requires_grad": entry.properties.requires_grad,
-            "size": list(entry.size),
-            "chunks": [],
-        }
-        for chunk in entry.chunks:
-            if _is_whole(chunk.offsets, chunk.sizes, entry.size):
-                tensors[fqn]["chunks"] = [{"offsets": list(chunk.offsets), "sizes": list(chunk.sizes)}]
-                whole[fqn] = tuple(chunk.offsets)
+        spanning = [chunk for chunk in entry.chunks if _is_whole(chunk.offsets, chunk.sizes, entry.size)][:1]
+        tensors[fqn] = tensor_json(entry, spanning)
+        if spanning:
+            whole[fqn] = tuple(spanning[0].offsets)
     storage = [
         storage_entry(index, info)
         for index, info in metadata.storage_data.items()
