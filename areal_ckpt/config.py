@@ -213,6 +213,34 @@ class RecoverConfig(_TimerBlock):
     # derived from the checkpoint and its rank, other differing state is still an error;
     # drop_rank_state: all of it is left out, logged (what load(drop_rank_state=True) asks).
     on_world_size_change: Literal["refuse", "fresh_rng", "drop_rank_state"] = "refuse"
+    # Ours: with fileroot on object storage, a folder on this node's own disk that becomes the
+    # fast tier (docs/storage.md, "Tiers"): a dump commits there, blocking as a local dump does,
+    # and goes up to object storage in the background; a restart resumes from whichever tier
+    # holds the newest commit. It takes staging_dir's place. None: dumps go straight up.
+    local_dir: str | None = None
+
+    @field_validator("local_dir")
+    @classmethod
+    def _local_tier(cls, value: str | None) -> str | None:
+        if value is not None:
+            local_path(value, "local_dir")
+        return value
+
+    @model_validator(mode="after")
+    def _tier_over_object_storage(self) -> Self:
+        if self.local_dir is None:
+            return self
+        if url_scheme(self.fileroot) is None:
+            raise ValueError(
+                f"local_dir adds a local tier under a fileroot on object storage (s3://...); fileroot "
+                f"{self.fileroot!r} is a local folder already: drop local_dir"
+            )
+        if self.staging_dir is not None:
+            raise ValueError(
+                "local_dir and staging_dir both name the node's local copy of the trial; with local_dir set "
+                "the dump commits there (the local tier): drop staging_dir"
+            )
+        return self
 
     @field_validator("mode", mode="before")
     @classmethod

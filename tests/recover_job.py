@@ -46,6 +46,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mode", choices=["on", "sync", "async"], default="on")
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters (peft) on a frozen base")
     parser.add_argument("--staging-dir", help="staging_dir (fileroot on object storage): rank r uses {this}/node{r}")
+    parser.add_argument("--local-dir", help="local_dir (a tiered trial): rank r uses {this}/node{r}")
+    parser.add_argument("--wait-before-kill", action="store_true", help="RecoverHandler.wait() before --kill-at")
     parser.add_argument("--environment", default="{}", help="JSON object of environment variables to set first")
     return parser.parse_args(argv)
 
@@ -116,6 +118,7 @@ def train(args: argparse.Namespace) -> None:
         trial_name=args.trial,
         fileroot=args.fileroot,
         staging_dir=None if args.staging_dir is None else f"{args.staging_dir}/node{rank}",
+        local_dir=None if args.local_dir is None else f"{args.local_dir}/node{rank}",
         user="tester",
         mode=args.mode,
         freq_steps=args.freq_steps,
@@ -156,6 +159,8 @@ def train(args: argparse.Namespace) -> None:
             )
             recover.dump(engine, step_info, dataloader=loader, client_state={"noise_scale": noise_scale})
             if global_step == args.kill_at:
+                if args.wait_before_kill:
+                    recover.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
             epoch_step += 1
             global_step += 1

@@ -59,7 +59,8 @@ class BackgroundJob(Protocol):
 
     @property
     def layout(self) -> ArenaLayout | None:
-        """Where the job's tensors lie in the shared-memory arena (set when it is submitted)."""
+        """Where the job's tensors lie in the shared-memory arena (set when it is submitted);
+        None for a job that takes no tensors (an upload of files already written)."""
         ...
 
     def run(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -322,9 +323,13 @@ def _serve(
             continue
         start = time.perf_counter()
         try:
-            if buffer is None or payload.layout is None:
+            if payload.layout is None:
+                tensors: dict[str, torch.Tensor] = {}
+            elif buffer is None:
                 raise CheckpointError("background writer: a job arrived without its staged tensors")
-            result = payload.run(staged.materialize(buffer, payload.layout))
+            else:
+                tensors = staged.materialize(buffer, payload.layout)
+            result = payload.run(tensors)
             conn.send(("done", result, time.perf_counter() - start))
         except BaseException as error:  # reported to the parent, which raises it
             conn.send(("failed", f"{type(error).__name__}: {error}", traceback.format_exc()))

@@ -36,6 +36,8 @@ from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.rollout_sync import RolloutSync
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.tidy import remove_trash, wait_for_deletions
+from areal_ckpt.recover.tiers import restore_from_tiers
+from areal_ckpt.recover.upload import Uploads
 from areal_ckpt.recover.write import DumpJob
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state.components import Stateful, capture_components, dataloader_state, restore_components
@@ -71,20 +73,44 @@ class RecoverHandler:
         self._run = new_run_token()  # names this job in commit records on object storage
         if self.enabled and self.store.remote is not None:
             remote = RemoteGenerations(self.store.remote)
-            agree.decided_by_rank0(remote.check_access, f"RecoverHandler: cannot use {remote.trial}")
+            try:
+                agree.decided_by_rank0(remote.check_access, f"RecoverHandler: cannot use {remote.trial}")
+            except CheckpointError as error:
+                if not self.store.tiered:
+                    raise
+                logger.warning("%s; dumps commit to the local tier %s until it answers", error, self.store.trial)
         self._jobs = SaveLifecycle("recover", self.store.trial, lock=self.enabled and dist.rank() == 0)
+        #: A tiered trial's uploads to object storage (recover.local_dir), None otherwise.
+        self._uploads = (
+            Uploads(self.store, self._run, config.write_retries) if self.enabled and self.store.tiered else None
+        )
 
     @property
     def last_metrics(self) -> dict[str, float]:
-        """The last dump's ``time/saving``, ``time/background``, ``bytes`` and ``gbps``."""
-        return self._jobs.last_metrics
+        """The last dump's ``time/saving``, ``time/background``, ``bytes`` and ``gbps``; for a
+        tiered trial also the last upload's ``upload/seconds``, ``upload/bytes``,
+        ``upload/gbps``, and ``upload/lag_steps`` / ``upload/failures`` (how far object storage
+        lags the local tier, failed uploads in a row)."""
+        return {**self._jobs.last_metrics, **(self._uploads.metrics if self._uploads is not None else {})}
 
     def close(self) -> None:
         """Wait for the dump in flight and this rank's deletion of superseded files, stop the
         background writer, free its shared memory and release the trial's lock (held from
-        construction on rank 0). Call it on every rank;
-        idempotent. Raises the background error of the last dump, after releasing everything."""
-        self._jobs.close(then=(lambda: remove_trash(self.store.root)) if dist.rank() == 0 else wait_for_deletions)
+        construction on rank 0). A tiered trial first uploads its newest local commit (blocking).
+        Call it on every rank; idempotent. Raises the background error of the last dump, or the
+        failed final upload, after releasing everything."""
+        self._jobs.close(then=self._finish)
+
+    def _finish(self) -> None:
+        uploads, self._uploads = self._uploads, None
+        try:
+            if uploads is not None:
+                try:
+                    uploads.drain()
+                finally:
+                    uploads.close()
+        finally:
+            remove_trash(self.store.root) if dist.rank() == 0 else wait_for_deletions()
 
     # -- dump -------------------------------------------------------------------------------
 
@@ -129,6 +155,8 @@ class RecoverHandler:
         """
         if not self.enabled:
             return None
+        if self._uploads is not None:
+            self._uploads.poll()
         try:
             step_info.check_completed()
         except ValueError as error:
@@ -173,13 +201,15 @@ class RecoverHandler:
             )
         except CollectiveError as lost:  # retrying without the other ranks cannot succeed
             raise self._stopped(step_info, lost) from lost
+        if self._uploads is not None:
+            job = dataclasses.replace(job, protected=self._uploads.protected)
         if background:
             return self._hand_off(job, tensors, fingerprints, start)
         try:
             result = job.run(tensors)
         except CollectiveError as lost:
             raise self._stopped(step_info, lost) from lost
-        self._committed(job.generation, fingerprints)
+        self._committed(job.generation, fingerprints, result.get("files", ()))
         self.last_step_info = step_info
         path = str(result["path"])
         self._jobs.finished(
@@ -203,7 +233,7 @@ class RecoverHandler:
             raise
 
         def collected(outcome: JobOutcome) -> str:
-            self._committed(job.generation, fingerprints)
+            self._committed(job.generation, fingerprints, outcome.result.get("files", ()))
             return f"recovery checkpoint {outcome.result['path']} committed"
 
         def committed_anyway() -> str | None:
@@ -233,22 +263,29 @@ class RecoverHandler:
         return self._jobs.busy
 
     def wait(self) -> None:
-        """Block until the dump in flight (async mode) is committed; no-op otherwise.
+        """Block until the dump in flight (async mode) is committed and, for a tiered trial,
+        until the newest local commit is on object storage too; no-op otherwise.
 
-        Call it on every rank. Raises the background error, if the dump failed.
+        Call it on every rank. Raises the background error, if the dump or upload failed.
         """
         self._jobs.wait()
+        if self._uploads is not None:
+            self._uploads.drain()
 
-    def _committed(self, generation: str, fingerprints: dict[str, list[int]]) -> None:
+    def _committed(self, generation: str, fingerprints: dict[str, list[int]], files: Any = ()) -> None:
+        """Record that ``generation`` committed (collective for a tiered trial: its upload is
+        offered; ``files``: this rank's files in it)."""
         self._generation = generation
         self._fingerprints.update(fingerprints)
+        if self._uploads is not None:
+            self._uploads.offer(generation, list(files))
 
     def _begin(self, global_step: int, names: list[str]) -> str:
         """Rank 0: create the generation folder (see RecoverStore.begin), after checking that
         the newest commit on object storage (if the trial is there) is this job's; local."""
-        if self.store.remote is not None:
+        if self.store.remote is not None and not self.store.tiered:  # tiered: the upload checks
             remote = RemoteGenerations(self.store.remote)
-            remote.check_owner(self._run, self._generation)
+            remote.check_owner(self._run, [] if self._generation is None else [self._generation])
             if not self._remote_tidied:
                 remote.remove_debris()
                 self._remote_tidied = True
@@ -299,20 +336,38 @@ class RecoverHandler:
         )
         engines = engines_by_name(engine, "RecoverHandler.load")
         policy = "drop_rank_state" if drop_rank_state else self.config.on_world_size_change
-        opened = open_committed(self.store, sorted(engines), policy, dataloader)
-        if opened is None:
-            return None
-        found, manifest, info, fetch = opened
-        folder = self.store.path(found)
 
-        def load_engines() -> None:
-            for name in sorted(engines):
-                load_engine(engines[name], folder / name, manifest, self.config.no_load_optim, fetch=fetch)
+        def restore(local: bool) -> tuple[str, dict[str, Any], RecoverInfo] | None:
+            opened = open_committed(self.store, sorted(engines), policy, dataloader, local=local)
+            if opened is None:
+                return None
+            found, manifest, info, fetch = opened
 
-        if rollout is None:
-            load_engines()
+            def load_engines() -> None:
+                for name in sorted(engines):
+                    load_engine(
+                        engines[name], self.store.path(found) / name, manifest, self.config.no_load_optim, fetch=fetch
+                    )
+
+            if rollout is None:
+                load_engines()
+            else:
+                rollout.run(info.last_step_info.global_step + 1, load_engines)
+            return found, manifest, info
+
+        if self.store.tiered:
+            restored, choice = restore_from_tiers(self.store, restore)
         else:
-            rollout.run(info.last_step_info.global_step + 1, load_engines)
+            restored, choice = restore(False), None
+        if restored is None:
+            return None
+        found, manifest, info = restored
+        folder = self.store.path(found)
+        if self._uploads is not None and choice is not None:
+            self._uploads.loaded = tuple(sorted({found, *([choice.remote_newest] if choice.remote_newest else [])}))
+            self._uploads.known_uploaded(choice.remote_newest if choice.local else found)
+            if choice.local and found != choice.remote_newest:  # object storage lags: catch it up
+                self._uploads.offer(found, ())
         restore_components(
             info.path,
             {

@@ -119,6 +119,7 @@ def prepare_dump(
         retries=config.write_retries,
         remote=store.remote,
         run_token=run,
+        tiered=store.tiered,
     )
     return job, tensors, collected.fingerprints
 

@@ -59,18 +59,23 @@ def find_committed(store: RecoverStore) -> str | None:
 
 
 def open_committed(
-    store: RecoverStore, models: list[str], on_world_size_change: str, dataloader: Stateful | None = None
+    store: RecoverStore,
+    models: list[str],
+    on_world_size_change: str,
+    dataloader: Stateful | None = None,
+    local: bool = False,
 ) -> tuple[str, dict[str, Any], RecoverInfo, Callable[[Path], None] | None] | None:
     """The committed generation of ``store``, its verified manifest, this rank's recover info
     and what brings a data file down before it is read (None on a local trial), or None when
     there is none. On object storage the generation's small files come down to the node's
     staging copy first and its data files only as a rank reads them (each rank the files its
-    share needs). Collective: rank 0 finds it (removing debris), every rank
+    share needs); with ``local`` (a tiered trial resuming from its local tier,
+    :mod:`areal_ckpt.recover.tiers`) the local copy is read as a local trial. Collective: rank 0 finds it (removing debris), every rank
     verifies its share and reads its info. Raises CheckpointError on every rank when the
     commit record is broken, the trial holds AReaL's folders, a file is damaged, the models
     differ from ``models``, the three records of its step disagree, or a component cannot be
     restored (``dataloader``: the one the load restores); nothing is loaded then."""
-    remote = None if store.remote is None else RemoteGenerations(store.remote)
+    remote = None if store.remote is None or local else RemoteGenerations(store.remote)
     if remote is not None:  # object storage holds what counts: its newest commit, into the staging copy
         remote.fetch_newest(store.root, deferred=read_when_needed)
     found = agree.decided_by_rank0(lambda: find_committed(store), "RecoverHandler.load")

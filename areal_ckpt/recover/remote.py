@@ -64,11 +64,13 @@ class RemoteGenerations:
             )
         return record
 
-    def check_owner(self, run: str, loaded: str | None) -> None:
-        """Rank 0 before a dump: CheckpointError unless the newest commit is none, one this job
-        (``run``) wrote, or the generation it loaded; nothing is written otherwise."""
+    def check_owner(self, run: str, loaded: Iterable[str]) -> None:
+        """Rank 0 before a dump or an upload: CheckpointError unless the newest commit is none,
+        one this job (``run``) wrote, or one of the generations it loaded (``loaded``: of a
+        tiered trial, the one it resumed from and the one object storage held then); nothing
+        is written otherwise."""
         record = self.newest()
-        if record is None or record.body.get("run") == run or record.folder == loaded:
+        if record is None or record.body.get("run") == run or record.folder in set(loaded):
             return
         raise CheckpointError(
             f"{self.root.child(record.folder)} is a recovery checkpoint this job has not loaded (committed by "

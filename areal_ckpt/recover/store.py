@@ -62,24 +62,33 @@ _LINKED_FOLDERS_NAMED: set[Path] = set()
 class RecoverStore:
     """The recovery generations of one trial."""
 
-    def __init__(self, trial: Path, remote: ObjectURL | None = None) -> None:
+    def __init__(self, trial: Path, remote: ObjectURL | None = None, tiered: bool = False) -> None:
         self.trial = trial
         self.root = recover_store(trial)
         self.pointer = recover_pointer(trial)
         #: The trial's prefix on object storage, where commits count (``trial`` is then its
         #: local staging copy; see :mod:`areal_ckpt.recover.remote`); None for a local trial.
         self.remote = remote
+        #: True when ``trial`` is the local tier of a tiered trial (``recover.local_dir``): its
+        #: commits count too, and uploads to ``remote`` run in the background
+        #: (:mod:`areal_ckpt.recover.upload`).
+        self.tiered = tiered and remote is not None
 
     @classmethod
     def of(cls, config: RecoverConfig) -> RecoverStore:
         """The store of the trial a ``recover:`` block names (``user`` defaults to the login name);
-        for a ``fileroot`` on object storage, its staging copy with the trial's prefix."""
+        for a ``fileroot`` on object storage, its staging copy with the trial's prefix, or with
+        ``local_dir`` its local tier (the trial's folders under ``local_dir``, as under a local
+        ``fileroot``)."""
         user = config.user or default_user()
         if url_scheme(config.fileroot) is None:
             return cls(trial_root(config.fileroot, user, config.experiment_name, config.trial_name))
         remote = parse_object_url(config.fileroot, "fileroot").child(
             "checkpoints", user, config.experiment_name, config.trial_name
         )
+        if config.local_dir is not None:
+            local = trial_root(config.local_dir, user, config.experiment_name, config.trial_name)
+            return cls(local, remote, tiered=True)
         return cls(staging_trial_root(config.staging_dir, remote), remote)
 
     def committed(self) -> str | None:
@@ -213,7 +222,12 @@ class RecoverStore:
         return records
 
     def commit(
-        self, generation: str, records: dict[str, FileRecord], header: dict[str, Any], models: list[str]
+        self,
+        generation: str,
+        records: dict[str, FileRecord],
+        header: dict[str, Any],
+        models: list[str],
+        protected: tuple[str, ...] = (),
     ) -> list[str]:
         """Write the manifest, switch ``current`` to ``generation``, then hide the generations it
         supersedes (one rename each); returns their hidden names. Durable on return; until the
@@ -221,7 +235,8 @@ class RecoverStore:
         pending marker, so that a power cut between its manifest and the switch leaves a
         generation known never to have been committed (a fresh start), not one that looks like
         a lost commit record (which is refused, see :meth:`committed`). The hidden folders are deleted by every
-        rank in parallel (:mod:`areal_ckpt.recover.tidy`: each its own files, then rank 0 the rest)."""
+        rank in parallel (:mod:`areal_ckpt.recover.tidy`: each its own files, then rank 0 the rest).
+        The generations ``protected`` names (a tiered trial's uploads in flight or queued) are kept."""
         first = not self.pointer.is_symlink()
         marker = self.root / f"{PENDING_PREFIX}{generation}"
         if first:  # until the switch, a complete generation without a commit record is this one, not a lost record
@@ -240,7 +255,7 @@ class RecoverStore:
             logger.warning("%s: committed %s, but its fixed links were not placed: %s", self.root, generation, error)
         try:
             hidden = []
-            for name in self._superseded(keep=generation):
+            for name in self._superseded(keep=generation, protected=protected):
                 hide_folder(self.path(name), self.root / f"{RECOVER_TRASH_PREFIX}{name}")
                 hidden.append(f"{RECOVER_TRASH_PREFIX}{name}")
             return hidden
@@ -276,14 +291,14 @@ class RecoverStore:
             make_dirs(link.parent)
             switch_symlink(link, target)
 
-    def _superseded(self, keep: str | None) -> list[str]:
-        """Generations other than ``keep`` that are incomplete, or complete but older than
-        ``keep``. A complete generation at or after ``keep``'s step (a dump interrupted between
-        its manifest and the switch) is not among them, with a warning: a checkpoint is never
-        deleted unless a newer committed one exists. Read-only."""
+    def _superseded(self, keep: str | None, protected: tuple[str, ...] = ()) -> list[str]:
+        """Generations other than ``keep`` and ``protected`` that are incomplete, or complete but
+        older than ``keep``. A complete generation at or after ``keep``'s step (a dump
+        interrupted between its manifest and the switch) is not among them, with a warning: a
+        checkpoint is never deleted unless a newer committed one exists. Read-only."""
         superseded = []
         for name in self.generations():
-            if name == keep:
+            if name == keep or name in protected:
                 continue
             committable = self.is_complete(name) and not self.is_pending(name)
             if committable and (keep is None or generation_step(name) >= generation_step(keep)):

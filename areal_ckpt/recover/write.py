@@ -57,7 +57,11 @@ class DumpJob:
     content) and ``hf`` rank 0's HF files per model; ``header`` is the manifest header;
     ``layout`` locates the staged tensors (async only). With ``remote`` (the trial's prefix on
     object storage) the generation committed in ``trial`` (the staging copy) is then uploaded
-    and committed there, in a commit record naming the job's ``run_token``.
+    and committed there, in a commit record naming the job's ``run_token``; with ``tiered`` as
+    well, ``trial`` is the local tier: the dump ends with the local commit (its data files
+    written there, not streamed) and its upload is another job's
+    (:mod:`areal_ckpt.recover.upload`), whose generations ``protected`` names (kept by the
+    commit's tidying).
     """
 
     trial: Path
@@ -72,6 +76,8 @@ class DumpJob:
     layout: ArenaLayout | None = None
     remote: ObjectURL | None = None
     run_token: str = ""
+    tiered: bool = False
+    protected: tuple[str, ...] = ()
 
     def run(self, tensors: dict[str, Any]) -> dict[str, Any]:
         """Write ``tensors`` (``"{folder}/{name}"`` -> tensor, the folder a model's or its frozen
@@ -82,9 +88,9 @@ class DumpJob:
         rank) after ``retries`` failed attempts, with the generation discarded;
         CollectiveError at once when a peer is gone. The bytes are those written by this dump:
         files hard-linked from the previous generation (an unchanged frozen model or part) are
-        not counted.
+        not counted. Tiered, the result also lists this rank's files (``files``), for the upload.
         """
-        store = RecoverStore(self.trial, self.remote)
+        store = RecoverStore(self.trial, self.remote, self.tiered)
         by_folder: dict[str, dict[str, Any]] = {}  # a model's folder, or its frozen part's
         for key, tensor in tensors.items():
             folder, _, name = key.rpartition(MODEL_SEPARATOR)
@@ -105,9 +111,14 @@ class DumpJob:
         except RankMismatchError:  # refused before anything was written: no debris either
             discard()
             raise
-        delete_later(store.root, hidden, dist.rank(), self.models)  # every rank its own share
-        if self.remote is None:
-            return {"path": str(store.path(self.generation)), "bytes": written}
+        if self.tiered and _committed_or_none(store) != self.generation:
+            # another node's local tier: never committed there, it holds only its own ranks' files
+            others = [name for name in store.generations() if name != self.generation and name not in self.protected]
+            delete_later(store.root, hidden + others, dist.rank(), self.models, remove_folders=True)
+        else:
+            delete_later(store.root, hidden, dist.rank(), self.models)  # every rank its own share
+        if self.remote is None or self.tiered:
+            return {"path": str(store.path(self.generation)), "bytes": written, "files": sorted(mine)}
         remote = RemoteGenerations(self.remote)
         retried(
             lambda: remote.publish(store.path(self.generation), mine, self.run_token, step, streamed),
@@ -163,7 +174,7 @@ class DumpJob:
         """On object storage: what writes a data file of ``part`` straight to the generation's
         prefix, from memory (uncommitted until the commit record; debris if the dump fails).
         The staging copy then holds no data file of its own: a load brings it down when read."""
-        if self.remote is None:
+        if self.remote is None or self.tiered:
             return None
         target = RemoteGenerations(self.remote).root.child(self.generation, part)
         return lambda path: store_of(target).open_writer(target.key(path.name))
@@ -174,7 +185,7 @@ class DumpJob:
         records = {k: FileRecord(size, crc) for part in every for k, (size, crc) in part.items()}
         hidden: list[str] = []
         try:
-            hidden = store.commit(self.generation, records, self.header, self.models)
+            hidden = store.commit(self.generation, records, self.header, self.models, self.protected)
         except Exception as error:
             if _committed_or_none(store) != self.generation:
                 raise TransientError(f"commit failed: {error}") from error

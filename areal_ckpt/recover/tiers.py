@@ -1,0 +1,142 @@
+"""Which tier a tiered trial resumes from: the node's local tier or object storage.
+
+A tiered trial (``recover.local_dir``) commits each dump locally first and uploads it later
+(:mod:`areal_ckpt.recover.upload`), so at a restart either tier may hold the newest commit.
+Every rank looks at its own local tier; rank 0 also asks object storage; all ranks then follow
+one decision (:func:`choose_tier`):
+
+- every rank's local tier has the same committed generation, and object storage holds that
+  one, an older one or none: resume locally (as fast as a local trial);
+- object storage holds a newer one, or some rank has no local copy of the local one (a node
+  that lost its disk, a job moved to other nodes): resume from object storage, with a warning
+  when that skips a newer local generation;
+- object storage cannot be reached: resume locally, saying so, when every rank can; else a
+  CheckpointError (never a silent fresh start).
+
+A local generation that turns out damaged while it loads is given up for object storage's
+newest by the caller (:meth:`~areal_ckpt.recover.handler.RecoverHandler.load`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from areal_ckpt import agree, dist
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.paths import generation_step
+from areal_ckpt.recover.read import find_committed
+from areal_ckpt.recover.remote import RemoteGenerations
+from areal_ckpt.recover.store import RecoverStore
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dist.exchanged
+@dataclass(frozen=True)
+class TierChoice:
+    """Where a tiered trial resumes from: ``local`` (the local tier's committed generation) or
+    object storage; ``remote_newest`` is object storage's newest generation (None: none, or
+    it could not be reached, ``reachable`` False)."""
+
+    local: bool
+    remote_newest: str | None
+    reachable: bool
+
+
+def choose_tier(store: RecoverStore) -> TierChoice:
+    """Decide where the tiered trial ``store`` resumes from (see the module docstring).
+    Collective: every rank reads its own local tier, rank 0 object storage and decides. Raises
+    CheckpointError on every rank when neither tier can serve every rank although a checkpoint
+    exists. Rank 0 removes its local tier's debris (as a local load does)."""
+    if store.remote is None:
+        raise ValueError("choose_tier needs a tiered trial")
+    remote = RemoteGenerations(store.remote)
+
+    def own_local() -> str | None:
+        return find_committed(store) if dist.rank() == 0 else _committed_quietly(store)
+
+    return agree.gathered_then_decided(
+        own_local, lambda locals_: _decide(store, remote, locals_), f"{store.root}: cannot choose a tier to resume from"
+    )
+
+
+def restore_from_tiers(store: RecoverStore, restore: Callable[[bool], T | None]) -> tuple[T | None, TierChoice]:
+    """Resume the tiered trial ``store``: :func:`choose_tier`, then ``restore(local)`` (a
+    collective load from the local tier, or from object storage, returning None when there is
+    nothing to load). When a rank's load from the local tier fails (a file damaged or missing)
+    and object storage holds a generation, every rank loads that one instead, with a warning
+    naming the failure. Collective; returns what ``restore`` returned and the choice it
+    followed."""
+    choice = choose_tier(store)
+    if not choice.local:
+        return restore(False), choice
+    failure: CheckpointError | None = None
+    restored: T | None = None
+    try:
+        restored = restore(True)
+    except CheckpointError as error:
+        failure = error
+    if dist.all_true(failure is None):
+        return restored, choice
+    if choice.remote_newest is None:
+        raise failure or CheckpointError(f"{store.root}: another rank could not load the local tier")
+    logger.warning(
+        "the local tier's recovery checkpoint cannot be loaded (%s): loading %s from object storage",
+        failure or "on another rank",
+        choice.remote_newest,
+    )
+    return restore(False), dataclasses.replace(choice, local=False)
+
+
+def _committed_quietly(store: RecoverStore) -> str | None:
+    try:
+        return store.committed()
+    except CheckpointError:
+        return None
+
+
+def _decide(store: RecoverStore, remote: RemoteGenerations, locals_: list[str | None]) -> TierChoice:
+    """Rank 0: the decision, from every rank's local committed generation (``locals_``)."""
+    local = locals_[0]
+    everywhere = local is not None and all(name == local for name in locals_)
+    missing = [rank for rank, name in enumerate(locals_) if name != local]
+    try:
+        record = remote.newest()
+    except CheckpointError as error:
+        if everywhere:
+            logger.warning(
+                "cannot reach object storage (%s): resuming from the local tier's %s; it is uploaded once object "
+                "storage answers",
+                error,
+                store.path(local),  # type: ignore[arg-type]
+            )
+            return TierChoice(local=True, remote_newest=None, reachable=False)
+        what = "holds no committed recovery checkpoint" if local is None else f"of ranks {missing} lacks {local}"
+        raise CheckpointError(
+            f"cannot reach object storage ({error}), and the local tier {what}; not starting fresh: restart when "
+            f"{remote.root} answers"
+        ) from None
+    newest = None if record is None else record.folder
+    if everywhere and (newest is None or newest == local or generation_step(local) > generation_step(newest)):  # type: ignore[arg-type]
+        return TierChoice(local=True, remote_newest=newest, reachable=True)
+    if local is not None and (newest is None or generation_step(local) > generation_step(newest)):
+        if newest is None:
+            raise CheckpointError(
+                f"{store.path(local)}: the newest recovery checkpoint is committed on the local tier of rank 0's "
+                f"node, but ranks {missing} have no local copy of it and {remote.root} holds none; not starting "
+                "fresh: restart the job on the nodes that hold it"
+            )
+        logger.warning(
+            "%s is newer than object storage's %s, but ranks %s have no local copy of it (a node lost its disk, "
+            "or the job moved): resuming from object storage",
+            store.path(local),
+            newest,
+            missing,
+        )
+    return TierChoice(local=False, remote_newest=newest, reachable=True)

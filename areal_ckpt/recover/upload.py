@@ -1,0 +1,247 @@
+"""The persistent tier of a tiered trial: committed local generations go up to object storage in
+the background, the newest first.
+
+With ``recover.local_dir`` a dump ends with its local commit (:mod:`areal_ckpt.recover.write`);
+:class:`Uploads` then hands the generation to one upload process per rank (a background writer,
+:mod:`areal_ckpt.jobs.background`, whose own gloo group runs the create-only commit of
+:meth:`~areal_ckpt.recover.remote.RemoteGenerations.publish`), and the loop goes on.
+
+When uploads fall behind dumps: one upload runs at a time; a generation committed meanwhile
+waits as the *pending* one, and a newer commit replaces it, so the generations in between are
+never uploaded (object storage moves from one committed generation to a newer one, never to a
+mix). The commit's tidying keeps the generation in flight and the pending one, so the local tier
+holds at most three (in flight, pending, the one being written) and no upload is ever cut by
+its own job. A failed upload (after ``write_retries`` tries) is logged with how far object
+storage lags, and the newest committed generation is tried again at the next ``dump`` call;
+training goes on. ``close`` uploads the newest and raises if it cannot.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from areal_ckpt import agree, dist
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.jobs.background import BackgroundWriter, JobOutcome
+from areal_ckpt.jobs.shm_arena import ArenaLayout
+from areal_ckpt.paths import RECOVER_MANIFEST, generation_step
+from areal_ckpt.publish import read_manifest
+from areal_ckpt.recover.remote import RemoteGenerations
+from areal_ckpt.recover.retry import retried
+from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.urls import ObjectURL
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UploadJob:
+    """The upload of one committed generation of the local tier ``trial`` to ``remote``; plain,
+    picklable data (a :class:`~areal_ckpt.jobs.background.BackgroundJob` without tensors).
+
+    ``files`` are this rank's own files in it (rank 0 uploads the rest); ``loaded`` the
+    generations the job resumed from (the newest commit on object storage must be one of them,
+    or the job's own, ``run_token``); ``tidy`` removes what killed uploads left first (a job's
+    first upload)."""
+
+    trial: Path
+    remote: ObjectURL
+    generation: str
+    files: tuple[str, ...]
+    run_token: str
+    loaded: tuple[str, ...]
+    retries: int
+    tidy: bool = False
+    layout: ArenaLayout | None = None
+
+    def run(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Upload and commit the generation on object storage, retried ``retries`` times.
+        Collective over the uploaders' group; blocking; returns its URL and size. Raises
+        CheckpointError on every rank when it failed (nothing committed there then)."""
+        folder = RecoverStore(self.trial, self.remote, tiered=True).path(self.generation)
+        remote = RemoteGenerations(self.remote)
+        step = generation_step(self.generation)
+        what = f"{remote.root}: upload of the recovery dump at global step {step} (committed in {folder} only)"
+
+        def attempt() -> None:
+            def check() -> None:
+                remote.check_owner(self.run_token, self.loaded)
+                if self.tidy:
+                    remote.remove_debris()
+
+            agree.decided_by_rank0(check, what)
+            remote.publish(folder, self.files, self.run_token, step)
+
+        retried(attempt, self.retries, what)
+        size = agree.decided_by_rank0(
+            lambda: sum(entry["size"] for entry in read_manifest(folder, RECOVER_MANIFEST)["files"].values()), what
+        )
+        return {"path": str(remote.root.child(self.generation)), "bytes": size, "generation": self.generation}
+
+
+@dataclass(frozen=True)
+class _Offer:
+    """A committed local generation waiting for its upload, and this rank's files in it."""
+
+    generation: str
+    files: tuple[str, ...]
+
+
+class Uploads:
+    """The uploads of one RecoverHandler's tiered trial (the policy in the module docstring).
+
+    Owned by the training process of every rank; every method is collective and must be called
+    by every rank at the same points (the handler's ``dump``, ``load`` and ``close``)."""
+
+    def __init__(self, store: RecoverStore, run_token: str, retries: int) -> None:
+        if store.remote is None:
+            raise ValueError("Uploads needs a trial on object storage")
+        self.store = store
+        self.remote: ObjectURL = store.remote
+        self.run_token = run_token
+        self.retries = retries
+        self.loaded: tuple[str, ...] = ()  # set by the handler's load
+        self.metrics: dict[str, float] = {}
+        self._writer = BackgroundWriter("recover-upload", store.trial)
+        self._in_flight: _Offer | None = None
+        self._pending: _Offer | None = None
+        self._uploaded: str | None = None  # the newest generation object storage is known to hold
+        self._committed: str | None = None  # the newest generation committed locally
+        self._failures = 0  # failed uploads since the last one that went through
+        self._tidied = False
+
+    @property
+    def protected(self) -> tuple[str, ...]:
+        """The generations the local tier must keep for their uploads: in flight and pending."""
+        return tuple(offer.generation for offer in (self._in_flight, self._pending) if offer is not None)
+
+    def known_uploaded(self, generation: str | None) -> None:
+        """Record that object storage holds ``generation`` (what a load found there); local."""
+        self._uploaded = generation
+
+    def offer(self, generation: str, files: list[str] | tuple[str, ...]) -> None:
+        """After ``generation`` committed locally: upload it now if no upload is in flight on any
+        rank, else keep it as the pending one (replacing an older pending one). Collective;
+        non-blocking."""
+        self._committed = generation
+        self._pending = _Offer(generation, tuple(files))
+        self.poll()
+
+    def poll(self) -> None:
+        """Collect a finished upload and start the pending one; no-op while nothing is in flight
+        or pending, and only one small reduction while an upload runs. Collective;
+        non-blocking."""
+        if self._in_flight is None and self._pending is None:
+            return
+        if self._in_flight is not None:
+            if not dist.all_true(not self._writer.busy):
+                return
+            self._collect()
+        if self._pending is not None:
+            self._start(self._pending)
+
+    def drain(self) -> None:
+        """Wait for the upload in flight, then upload the pending generation and wait for it.
+        Collective; blocking. Raises CheckpointError naming both tiers when the newest committed
+        generation is not on object storage in the end."""
+        if self._in_flight is not None:
+            self._collect(blocking=True)
+        if self._pending is not None:
+            self._start(self._pending)
+            self._collect(blocking=True)
+        if self._pending is not None:
+            raise CheckpointError(
+                f"{self.store.path(self._pending.generation)}: the newest recovery checkpoint is committed on "
+                f"this node's local tier only; its upload to {self.remote} failed ({self._lag_text()}). A restart "
+                "on this node resumes from it and uploads it"
+            )
+
+    def close(self) -> None:
+        """Stop the upload processes (an upload still in flight is dropped: call :meth:`drain`
+        first); local, idempotent."""
+        self._writer.close()
+
+    def _start(self, offer: _Offer) -> None:
+        job = UploadJob(
+            trial=self.store.trial,
+            remote=self.remote,
+            generation=offer.generation,
+            files=offer.files,
+            run_token=self.run_token,
+            loaded=self.loaded,
+            retries=self.retries,
+            tidy=not self._tidied,
+        )
+        self._writer.submit(job)
+        self._in_flight, self._pending = offer, None
+
+    def _collect(self, blocking: bool = False) -> None:
+        """Collect the upload in flight (every rank's has finished, or ``blocking``): record its
+        metrics, or on any rank's failure stop the uploaders, log it and make its generation
+        pending again unless a newer one is."""
+        offer, self._in_flight = self._in_flight, None
+        assert offer is not None
+        outcome: JobOutcome | None = None
+        failure: CheckpointError | None = None
+        try:
+            outcome = self._writer.wait()
+        except CheckpointError as error:
+            failure = error
+        if dist.all_reduce_ints([int(failure is not None)], "max")[0]:
+            self._writer.stop()
+            self._failures += 1
+            if self._pending is None:
+                self._pending = offer
+            logger.warning(
+                "%s: upload failed (%s); the local tier keeps it committed and the newest is uploaded at the next "
+                "dump; %s",
+                self.remote.child(offer.generation),
+                failure or "on another rank",
+                self._lag_text(),
+            )
+            self._record(None)
+            return
+        assert outcome is not None
+        self._tidied = True
+        self._uploaded = offer.generation
+        self._failures = 0
+        self._record(outcome)
+        logger.info(
+            "uploaded recovery checkpoint %s (%.3f GB in %.2f s, %.2f GB/s); %s",
+            outcome.result["path"],
+            self.metrics["upload/bytes"] / 1e9,
+            self.metrics["upload/seconds"],
+            self.metrics["upload/gbps"],
+            self._lag_text(),
+        )
+
+    def _lag(self) -> int:
+        """Steps by which object storage lags the local tier (the whole newest step when it
+        holds nothing of this trial)."""
+        newest = 0 if self._committed is None else generation_step(self._committed)
+        return newest - (-1 if self._uploaded is None else generation_step(self._uploaded))
+
+    def _lag_text(self) -> str:
+        held = "none of this trial's" if self._uploaded is None else self._uploaded
+        return (
+            f"object storage holds {held}, {self._lag()} step(s) behind the local tier's {self._committed} "
+            f"({self._failures} failed upload(s) in a row)"
+        )
+
+    def _record(self, outcome: JobOutcome | None) -> None:
+        if outcome is not None:
+            self.metrics = {
+                "upload/bytes": float(outcome.result["bytes"]),
+                "upload/seconds": outcome.seconds,
+                "upload/gbps": outcome.result["bytes"] / outcome.seconds / 1e9 if outcome.seconds > 0 else 0.0,
+            }
+        self.metrics = {
+            **self.metrics,
+            "upload/lag_steps": float(self._lag()),
+            "upload/failures": float(self._failures),
+        }

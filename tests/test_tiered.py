@@ -1,0 +1,189 @@
+"""Tiered recovery checkpoints (recover.local_dir over a real SeaweedFS on 127.0.0.1): a dump
+commits to the local tier, goes up in the background, and a restart resumes from whichever tier
+holds the newest commit."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from recover_fixtures import SPEC, make_setup, step_info, train_step
+from recovery_runs import assert_same_run, run_job
+from test_s3_recover import commit_records
+
+import areal_ckpt as ac
+from areal_ckpt.errors import CheckpointError, ConfigError
+from areal_ckpt.paths import generation_step
+
+TRIAL = "runs/checkpoints/tester/exp/trial"
+
+
+def tiered_config(bucket_url: str, local_dir: Path, **fields) -> ac.RecoverConfig:
+    fields.setdefault("mode", "sync")
+    return ac.RecoverConfig(
+        experiment_name="exp",
+        trial_name="trial",
+        fileroot=f"{bucket_url}/runs",
+        user="tester",
+        local_dir=str(local_dir),
+        **fields,
+    )
+
+
+def local_step(local_dir: Path) -> int | None:
+    """The global step of the generation the local tier has committed (None: none)."""
+    pointer = local_dir / "checkpoints/tester/exp/trial/.recover/current"
+    return generation_step(pointer.readlink().name) if pointer.is_symlink() else None
+
+
+def uploaded_steps(server, bucket_url: str) -> list[int]:
+    return [record["global_step"] for record in commit_records(server, bucket_url, TRIAL)]
+
+
+def assert_same_weights(expected: torch.nn.Module, actual: torch.nn.Module) -> None:
+    for name, tensor in expected.state_dict().items():
+        assert torch.equal(actual.state_dict()[name], tensor), name
+
+
+def test_local_dir_needs_a_fileroot_on_object_storage_and_replaces_staging_dir(tmp_path):
+    with pytest.raises(ConfigError, match="is a local folder already: drop local_dir"):
+        ac.RecoverConfig.of(
+            {"experiment_name": "e", "trial_name": "t", "fileroot": str(tmp_path), "local_dir": str(tmp_path / "l")}
+        )
+    with pytest.raises(ConfigError, match="drop staging_dir"):
+        ac.RecoverConfig.of(
+            {
+                "experiment_name": "e",
+                "trial_name": "t",
+                "fileroot": "s3://bucket/runs",
+                "local_dir": str(tmp_path / "l"),
+                "staging_dir": str(tmp_path / "s"),
+            }
+        )
+    with pytest.raises(ConfigError, match="local_dir"):
+        ac.RecoverConfig.of(
+            {"experiment_name": "e", "trial_name": "t", "fileroot": "s3://bucket/runs", "local_dir": "s3://b/x"}
+        )
+
+
+def test_a_dump_commits_locally_uploads_in_the_background_and_reports_both(s3_server, s3_bucket, tmp_path, caplog):
+    setup = make_setup()
+    handler = ac.RecoverHandler(tiered_config(s3_bucket, tmp_path / "local"), SPEC)
+    for step in range(3):
+        train_step(setup, step)
+        handler.dump(setup.engine, step_info(step), force=True)
+        assert local_step(tmp_path / "local") == step  # committed locally on return
+    handler.wait()  # the newest is on object storage too
+    metrics = handler.last_metrics
+    handler.close()
+    assert uploaded_steps(s3_server, s3_bucket) == [2]
+    assert metrics["upload/bytes"] > 0 and metrics["upload/gbps"] > 0 and metrics["bytes"] > 0
+    assert metrics["upload/lag_steps"] == 0 and metrics["upload/failures"] == 0
+    assert "uploaded recovery checkpoint s3://" in caplog.text
+    # a restart on the same node loads the local tier (nothing fetched), on a fresh node the bucket
+    for local, fetched in ((tmp_path / "local", False), (tmp_path / "fresh-node", True)):
+        caplog.clear()
+        fresh = make_setup(seed=1)
+        loader = ac.RecoverHandler(tiered_config(s3_bucket, local), SPEC)
+        assert loader.load(fresh.engine).last_step_info.global_step == 2
+        loader.close()
+        assert ("fetched" in caplog.text) == fetched
+        assert_same_weights(setup.model, fresh.model)
+
+
+def test_uploads_wait_out_a_stopped_server_and_a_restart_without_it_resumes_locally(
+    own_s3_server, tmp_path, caplog
+):
+    server, bucket = own_s3_server, "s3://tiered-outage"
+    server.make_bucket("tiered-outage")
+    config = tiered_config(bucket, tmp_path / "local", write_retries=1)
+    setup = make_setup()
+    handler = ac.RecoverHandler(config, SPEC)
+    train_step(setup, 0)
+    handler.dump(setup.engine, step_info(0), force=True)
+    handler.wait()
+    server.kill()  # object storage gone for a while: training and local commits go on
+    for step in (1, 2):
+        train_step(setup, step)
+        assert handler.dump(setup.engine, step_info(step), force=True) is not None
+        assert local_step(tmp_path / "local") == step
+    with pytest.raises(CheckpointError, match="committed on this node's local tier only"):
+        handler.wait()
+    assert handler.last_metrics["upload/lag_steps"] == 2 and handler.last_metrics["upload/failures"] >= 1
+    server.start()  # back: the next dump's upload catches up with the newest
+    train_step(setup, 3)
+    handler.dump(setup.engine, step_info(3), force=True)
+    handler.wait()
+    assert uploaded_steps(server, bucket) == [3] and handler.last_metrics["upload/lag_steps"] == 0
+    handler.close()
+    server.kill()  # down at the restart: resume from the local tier, saying so
+    caplog.clear()
+    fresh = make_setup(seed=1)
+    with caplog.at_level(logging.WARNING):
+        loader = ac.RecoverHandler(config, SPEC)
+        assert loader.load(fresh.engine).last_step_info.global_step == 3
+    assert "cannot reach object storage" in caplog.text and "resuming from the local tier" in caplog.text
+    assert_same_weights(setup.model, fresh.model)
+    server.start()
+    loader.close()
+
+
+def test_a_restart_after_a_cut_upload_resumes_from_the_local_tier_and_uploads_it(own_s3_server, tmp_path):
+    server, bucket = own_s3_server, "s3://tiered-cut"
+    server.make_bucket("tiered-cut")
+    config = tiered_config(bucket, tmp_path / "local", write_retries=0)
+    setup = make_setup()
+    handler = ac.RecoverHandler(config, SPEC)
+    train_step(setup, 0)
+    handler.dump(setup.engine, step_info(0), force=True)
+    handler.wait()
+    server.kill()
+    train_step(setup, 1)
+    handler.dump(setup.engine, step_info(1), force=True)  # committed locally; its upload cannot go through
+    with pytest.raises(CheckpointError, match="local tier only"):
+        handler.close()
+    server.start()
+    assert uploaded_steps(server, bucket) == [0]
+    fresh = make_setup(seed=1)
+    loader = ac.RecoverHandler(config, SPEC)
+    assert loader.load(fresh.engine).last_step_info.global_step == 1  # the local tier's, newer
+    assert_same_weights(setup.model, fresh.model)
+    loader.wait()
+    loader.close()
+    assert uploaded_steps(server, bucket) == [1]  # caught up by the resumed job
+
+
+def test_a_damaged_local_file_is_ignored_for_the_intact_upload_with_a_warning(s3_server, s3_bucket, tmp_path, caplog):
+    setup = make_setup()
+    handler = ac.RecoverHandler(tiered_config(s3_bucket, tmp_path / "local"), SPEC)
+    train_step(setup, 0)
+    handler.dump(setup.engine, step_info(0), force=True)
+    handler.close()
+    (data,) = (tmp_path / "local").rglob("gen-*/default/__0_0.distcp")
+    damaged = bytearray(data.read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    data.write_bytes(bytes(damaged))
+    fresh = make_setup(seed=1)
+    loader = ac.RecoverHandler(tiered_config(s3_bucket, tmp_path / "local"), SPEC)
+    assert loader.load(fresh.engine).last_step_info.global_step == 0
+    loader.close()
+    assert "the local tier's recovery checkpoint cannot be loaded" in caplog.text
+    assert "__0_0.distcp" in caplog.text
+    assert_same_weights(setup.model, fresh.model)
+
+
+@pytest.mark.dist
+def test_two_nodes_with_their_own_local_dirs_resume_bit_exact_after_one_loses_its_disk(
+    reference_run_fsdp2, s3_server, s3_bucket, tmp_path
+):
+    root, out, local = f"{s3_bucket}/root", tmp_path / "out", tmp_path / "local"
+    tiered = ["--local-dir", str(local), "--environment", json.dumps(s3_server.environment())]
+    killed = [*tiered, "--kill-at", "7", "--wait-before-kill"]  # its last dump is on both tiers
+    assert run_job(root, out, world_size=2, wrap="fsdp2", extra=killed) == [-9, -9]
+    shutil.rmtree(local / "node1")  # the second node's disk is lost with it
+    run_job(root, out, world_size=2, wrap="fsdp2", extra=tiered)
+    assert_same_run(reference_run_fsdp2, out, world_size=2)
