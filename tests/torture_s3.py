@@ -2,7 +2,9 @@
 (SeaweedFS on 127.0.0.1) forever, SIGKILLed at a random instant after their first commit; or
 the server SIGKILLed at a random instant under a dumping job and started again. After each
 kill a fresh process on an empty staging folder (a node that never saw the job) loads what the
-bucket holds; the weights must be those of the step it names."""
+bucket holds; the weights must be those of the step it names. A tiered job (``recover.local_dir``)
+is also resumed on its own node, from whichever tier holds the newer commit, which must not be
+older than the bucket's."""
 
 from __future__ import annotations
 
@@ -41,12 +43,14 @@ def s3_job(rank: int, world: int, environment: dict, trial: str, kind: str, stag
     node = f"{staging}/node{rank}"
     if kind == "recover":
         handler = ac.RecoverHandler(ac.RecoverConfig(**_fields(trial), mode="sync", staging_dir=node), SPEC)
+    elif kind == "tiered":
+        handler = ac.RecoverHandler(ac.RecoverConfig(**_fields(trial), mode="sync", local_dir=node), SPEC)
     else:
         handler = ac.Saver(ac.SaverConfig(**_fields(trial), mode="sync", max_shard_size="1MB", staging_dir=node), SPEC)
     for step in range(10**6):
         _fill(setup.model, float(step))
         try:
-            if kind == "recover":
+            if kind != "saver":
                 handler.dump(setup.engine, step_info(step), force=True)
             else:
                 handler.save(setup.engine, 0, step, step, force=True)
@@ -56,7 +60,7 @@ def s3_job(rank: int, world: int, environment: dict, trial: str, kind: str, stag
 
 def _committed(server: SeaweedServer, trial: str, kind: str) -> bool:
     prefix = f"runs/checkpoints/tester/exp/{trial}/" + (
-        ".recover/.commits/" if kind == "recover" else "default/.commits/"
+        "default/.commits/" if kind == "saver" else ".recover/.commits/"
     )
     try:
         return bool(server.client().list_objects_v2(Bucket=BUCKET, Prefix=prefix, MaxKeys=1).get("KeyCount"))
@@ -64,23 +68,38 @@ def _committed(server: SeaweedServer, trial: str, kind: str) -> bool:
         return False
 
 
-def _check(trial: str, kind: str, work: Path) -> tuple[str, str]:
-    """What a fresh node finds: ``resumed_correctly``, ``lost`` (nothing or an error) or
-    ``wrong`` (weights of another step)."""
-    if kind == "recover":
-        setup = make_setup(seed=1, **BIG)
-        config = ac.RecoverConfig(**_fields(trial), mode="sync", staging_dir=str(work / f"check-{trial}"))
-        handler = ac.RecoverHandler(config, SPEC)
-        try:
-            info = handler.load(setup.engine, drop_rank_state=True)  # a 2-rank dump, loaded by one process
-        except ac.CheckpointError as error:
-            return "lost", str(error)[:300]
-        finally:
-            handler.close()
+def _resume(config: ac.RecoverConfig) -> tuple[float | None, str, list[torch.Tensor]]:
+    """Load ``config``'s trial in this process: the step it names (None: nothing or an error,
+    explained) and the weights."""
+    setup = make_setup(seed=1, **BIG)
+    handler = ac.RecoverHandler(config, SPEC)
+    try:
+        info = handler.load(setup.engine, drop_rank_state=True)  # a 2-rank dump, loaded by one process
         if info is None:
-            return "lost", "no checkpoint after a commit"
-        step = float(info.last_step_info.global_step)
-        weights = list(setup.model.parameters())
+            return None, "no checkpoint after a commit", []
+        return float(info.last_step_info.global_step), "", list(setup.model.parameters())
+    except ac.CheckpointError as error:
+        return None, str(error)[:300], []
+    finally:
+        handler.close()
+
+
+def _check(trial: str, kind: str, work: Path, local: str = "") -> tuple[str, str]:
+    """What a fresh node finds (and, tiered, the job's first node, ``local``):
+    ``resumed_correctly``, ``lost`` (nothing, an error, or an older commit than the bucket's)
+    or ``wrong`` (weights of another step)."""
+    if kind != "saver":
+        fresh = ac.RecoverConfig(**_fields(trial), mode="sync", staging_dir=str(work / f"check-{trial}"))
+        step, why, weights = _resume(fresh)
+        if step is None:
+            return "lost", why
+        if kind == "tiered":  # the same node: its local tier or the bucket, the newer
+            bucket_step, bucket_weights = step, weights
+            step, why, weights = _resume(ac.RecoverConfig(**_fields(trial), mode="sync", local_dir=local))
+            if step is None or step < bucket_step:
+                return "lost", why or f"resumed step {step:.0f} on its node, the bucket holds {bucket_step:.0f}"
+            if not all(bool((w == bucket_step).all()) for w in bucket_weights):
+                return "wrong", f"the bucket's weights do not all equal step {bucket_step:.0f}"
     else:
         model = f"s3://{BUCKET}/runs/checkpoints/tester/exp/{trial}/default"
         try:
@@ -112,6 +131,8 @@ def scenario_s3(trials: int, rng: random.Random, work: Path, select: str | None 
             ("recover", 2, "job"),
             ("saver", 2, "job"),
             ("recover", 1, "server"),
+            ("tiered", 1, "job"),
+            ("tiered", 1, "server"),
         ):
             row = Row(f"s3-kill-{victim}-{kind}-{world}")
             if select is not None and select not in row.scenario and not "s3-kill".startswith(select):
@@ -135,7 +156,7 @@ def scenario_s3(trials: int, rng: random.Random, work: Path, select: str | None 
                 finally:
                     for process in processes:
                         process.join(30)
-                row.record(*_check(trial, kind, work))
+                row.record(*_check(trial, kind, work, f"{staging}/node0"))
             rows.append(row)
     finally:
         server.stop()
