@@ -95,9 +95,7 @@ def test_a_dump_commits_locally_uploads_in_the_background_and_reports_both(s3_se
         assert_same_weights(setup.model, fresh.model)
 
 
-def test_uploads_wait_out_a_stopped_server_and_a_restart_without_it_resumes_locally(
-    own_s3_server, tmp_path, caplog
-):
+def test_uploads_wait_out_a_stopped_server_and_a_restart_without_it_resumes_locally(own_s3_server, tmp_path, caplog):
     server, bucket = own_s3_server, "s3://tiered-outage"
     server.make_bucket("tiered-outage")
     config = tiered_config(bucket, tmp_path / "local", write_retries=1)
