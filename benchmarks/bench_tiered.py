@@ -6,8 +6,9 @@ process. Each round, interleaved and alternating the order: a tiered dump of a Q
 model with AdamW state (the seconds `dump` blocked, then `wait()` for its upload) against a sync
 dump of the same state to a local `fileroot` (blocking seconds); the upload's own seconds (the
 background job: owner check, every file up, manifest, commit record) against boto3's
-`upload_file` of the same number of bytes (64 MiB parts, 8 at once on both sides). Controls pair
-a local dump with a local dump, and a raw upload with a raw upload.
+`upload_file` of the same number of bytes (64 MiB parts, 8 at once on both sides); a resume of
+the tiered dump on its own node (from the local tier) against a resume of the local dump.
+Controls pair a local dump with a local dump, and a raw upload with a raw upload.
 
     python benchmarks/bench_tiered.py --size 400 --rounds 5 --out docs/benchmarks-tiered.md
 """
@@ -61,11 +62,13 @@ def measure(mib: int, rounds: int) -> list[dict[str, float]]:
             row: dict[str, float] = {}
             fields = dict(experiment_name="bench", user="bench", mode="sync")
 
+            tiered_config = ac.RecoverConfig(
+                **fields, trial_name=f"t{index}", fileroot="s3://bench/runs", local_dir=str(work / "tier")
+            )
+            local_config = ac.RecoverConfig(**fields, trial_name=f"local{index}", fileroot=str(work / "local"))
+
             def tiered() -> None:
-                config = ac.RecoverConfig(
-                    **fields, trial_name=f"t{index}", fileroot="s3://bench/runs", local_dir=str(work / "tier")
-                )
-                handler = ac.RecoverHandler(config, SPEC)
+                handler = ac.RecoverHandler(tiered_config, SPEC)
                 handler.dump(engine, STEP, force=True)
                 row["tiered"] = handler.last_metrics["time/saving"]
                 handler.wait()
@@ -85,7 +88,18 @@ def measure(mib: int, rounds: int) -> list[dict[str, float]]:
 
                 return run
 
+            def load(name: str, config: ac.RecoverConfig) -> Callable[[], None]:
+                def run() -> None:
+                    handler = ac.RecoverHandler(config, SPEC)
+                    start = time.perf_counter()
+                    handler.load(engine)
+                    row[name] = time.perf_counter() - start
+                    handler.close()
+
+                return run
+
             _in_order(index % 2 == 0, tiered, local("local"))
+            _in_order(index % 2 == 0, load("tiered load", tiered_config), load("local load", local_config))
             _in_order(index % 2 == 0, local("control"), local("local control"))
             size = int(row["upload bytes"])
             row["raw upload"] = _raw_put(client, size, work)
@@ -118,7 +132,9 @@ def report(rows: list[dict[str, float]], mib: int, rounds: int) -> str:
         "upload then runs in a background process and is waited for before the next measurement) against a "
         "sync dump to a local `fileroot`, right before or after it (the order alternating by round). Upload: "
         "the background job's seconds (owner check, every file, manifest, commit record) against boto3 "
-        "`upload_file` of the same number of bytes from the page cache, same transfer settings. Per round "
+        "`upload_file` of the same number of bytes from the page cache, same transfer settings. Load: "
+        "`RecoverHandler.load` on the tiered trial's own node (it reads the local tier, after one listing of the "
+        "bucket's commit log) against a load of the local dump, alternating. Per round "
         "ratios, median (range); the control rows pair a measurement with itself, so their range is how far "
         "a ratio moves here with nothing changed.",
         "",
@@ -128,6 +144,8 @@ def report(rows: list[dict[str, float]], mib: int, rounds: int) -> str:
         f"{_ratio(rows, 'tiered', 'local')} | <= 1.1x |",
         f"| control: local dump / local dump | {size} | {median['control']:.2f} | {median['local control']:.2f} | "
         f"{_ratio(rows, 'control', 'local control')} | |",
+        f"| tiered load (own node) / local load | {size} | {median['tiered load']:.2f} | "
+        f"{median['local load']:.2f} | {_ratio(rows, 'tiered load', 'local load')} | <= 1.1x |",
         f"| raw upload / background upload | {size} | {median['upload']:.2f} | {median['raw upload']:.2f} | "
         f"{_ratio(rows, 'raw upload', 'upload')} | >= 0.9x |",
         f"| control: raw upload / raw upload | {size} | {median['control upload']:.2f} | "

@@ -15,6 +15,7 @@ import json
 import os
 import random
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--staging-dir", help="staging_dir (fileroot on object storage): rank r uses {this}/node{r}")
     parser.add_argument("--local-dir", help="local_dir (a tiered trial): rank r uses {this}/node{r}")
     parser.add_argument("--wait-before-kill", action="store_true", help="RecoverHandler.wait() before --kill-at")
+    parser.add_argument("--hold-after-load", help="after load: touch {this}/loaded-rank{r}, then wait for {this}/go")
     parser.add_argument("--environment", default="{}", help="JSON object of environment variables to set first")
     return parser.parse_args(argv)
 
@@ -126,6 +128,11 @@ def train(args: argparse.Namespace) -> None:
     recover = ac.RecoverHandler(config, ft_spec)
 
     info = recover.load(engine, dataloader=loader)
+    if args.hold_after_load:  # the test acts (e.g. stops the server) between the load and the first step
+        held = Path(args.hold_after_load)
+        (held / f"loaded-rank{rank}").touch()
+        while not (held / "go").exists():
+            time.sleep(0.01)
     start = (
         info.last_step_info.next()
         if info

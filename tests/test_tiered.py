@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -34,14 +36,14 @@ def tiered_config(bucket_url: str, local_dir: Path, **fields) -> ac.RecoverConfi
     )
 
 
-def local_step(local_dir: Path) -> int | None:
+def local_step(local_dir: Path, trial: str = "trial") -> int | None:
     """The global step of the generation the local tier has committed (None: none)."""
-    pointer = local_dir / "checkpoints/tester/exp/trial/.recover/current"
+    pointer = local_dir / f"checkpoints/tester/exp/{trial}/.recover/current"
     return generation_step(pointer.readlink().name) if pointer.is_symlink() else None
 
 
-def uploaded_steps(server, bucket_url: str) -> list[int]:
-    return [record["global_step"] for record in commit_records(server, bucket_url, TRIAL)]
+def uploaded_steps(server, bucket_url: str, trial: str = TRIAL) -> list[int]:
+    return [record["global_step"] for record in commit_records(server, bucket_url, trial)]
 
 
 def assert_same_weights(expected: torch.nn.Module, actual: torch.nn.Module) -> None:
@@ -185,3 +187,59 @@ def test_two_nodes_with_their_own_local_dirs_resume_bit_exact_after_one_loses_it
     shutil.rmtree(local / "node1")  # the second node's disk is lost with it
     run_job(root, out, world_size=2, wrap="fsdp2", extra=tiered)
     assert_same_run(reference_run_fsdp2, out, world_size=2)
+
+
+@pytest.mark.dist
+def test_two_nodes_whose_uploads_never_went_through_refuse_to_start_fresh(own_s3_server, tmp_path):
+    # only rank 0's node commits its local tier: the other node's ranks cannot load that dump
+    # from their own disk, and the bucket never got it
+    server, root, out, local = own_s3_server, "s3://tiered-nodes/root", tmp_path / "out", tmp_path / "local"
+    server.make_bucket("tiered-nodes")
+    tiered = ["--local-dir", str(local), "--environment", json.dumps(server.environment())]
+    held = tmp_path / "held"
+    held.mkdir()
+
+    def stop_server_once_loaded() -> None:  # every upload of the first run fails: its dumps stay on the nodes
+        while not all((held / f"loaded-rank{rank}").exists() for rank in range(2)):
+            time.sleep(0.01)
+        server.kill()
+        (held / "go").touch()
+
+    stopper = threading.Thread(target=stop_server_once_loaded, daemon=True)
+    stopper.start()
+    first = [*tiered, "--kill-at", "7", "--hold-after-load", str(held)]
+    assert run_job(root, out, world_size=2, wrap="fsdp2", extra=first) == [-9, -9]
+    stopper.join()
+    assert local_step(local / "node0", "bitexact") == 7 and local_step(local / "node1", "bitexact") is None
+    server.start()
+    with pytest.raises(AssertionError, match=r"ranks \[1\] have no local copy of it .* not starting fresh"):
+        run_job(root, out, world_size=2, wrap="fsdp2", extra=tiered)
+    assert local_step(local / "node0", "bitexact") == 7  # nothing deleted
+
+
+def test_async_tiered_dumps_upload_after_their_background_commit(s3_server, s3_bucket, tmp_path):
+    setup = make_setup()
+    handler = ac.RecoverHandler(tiered_config(s3_bucket, tmp_path / "local", mode="async"), SPEC)
+    for step in range(3):
+        train_step(setup, step)
+        handler.dump(setup.engine, step_info(step), force=True)
+    handler.wait()
+    handler.close()
+    assert local_step(tmp_path / "local") == 2 and uploaded_steps(s3_server, s3_bucket) == [2]
+    fresh = make_setup(seed=1)
+    loader = ac.RecoverHandler(tiered_config(s3_bucket, tmp_path / "fresh-node"), SPEC)
+    assert loader.load(fresh.engine).last_step_info.global_step == 2
+    loader.close()
+    assert_same_weights(setup.model, fresh.model)
+
+
+def test_a_second_job_that_did_not_load_is_refused_at_its_first_dump(s3_server, s3_bucket, tmp_path):
+    setup = make_setup()
+    first = ac.RecoverHandler(tiered_config(s3_bucket, tmp_path / "node-a"), SPEC)
+    first.dump(setup.engine, step_info(0), force=True)
+    first.close()
+    second = ac.RecoverHandler(tiered_config(s3_bucket, tmp_path / "node-b"), SPEC)
+    with pytest.raises(CheckpointError, match="this job has not loaded"):
+        second.dump(setup.engine, step_info(5), force=True)
+    second.close()
+    assert local_step(tmp_path / "node-b") is None and uploaded_steps(s3_server, s3_bucket) == [0]

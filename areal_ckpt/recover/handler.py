@@ -105,10 +105,7 @@ class RecoverHandler:
         uploads, self._uploads = self._uploads, None
         try:
             if uploads is not None:
-                try:
-                    uploads.drain()
-                finally:
-                    uploads.close()
+                uploads.finish()
         finally:
             remove_trash(self.store.root) if dist.rank() == 0 else wait_for_deletions()
 
@@ -282,13 +279,18 @@ class RecoverHandler:
 
     def _begin(self, global_step: int, names: list[str]) -> str:
         """Rank 0: create the generation folder (see RecoverStore.begin), after checking that
-        the newest commit on object storage (if the trial is there) is this job's; local."""
-        if self.store.remote is not None and not self.store.tiered:  # tiered: the upload checks
-            remote = RemoteGenerations(self.store.remote)
-            remote.check_owner(self._run, [] if self._generation is None else [self._generation])
-            if not self._remote_tidied:
-                remote.remove_debris()
-                self._remote_tidied = True
+        the newest commit on object storage (if the trial is there) is this job's; local. A
+        tiered trial checks at its first dump only, and goes on when the bucket does not answer
+        (each upload checks again before it commits)."""
+        if self.store.remote is not None and not (self.store.tiered and self._remote_tidied):
+            loaded = [
+                *([] if self._generation is None else [self._generation]),
+                *(self._uploads.loaded if self._uploads else ()),
+            ]
+            RemoteGenerations(self.store.remote).before_dump(
+                self._run, loaded, first=not self._remote_tidied, tiered=self.store.tiered
+            )
+            self._remote_tidied = True
         generation = self.store.begin(global_step, names, loaded=self._generation, first=not self._tidied)
         self._tidied = True
         return generation
@@ -364,10 +366,7 @@ class RecoverHandler:
         found, manifest, info = restored
         folder = self.store.path(found)
         if self._uploads is not None and choice is not None:
-            self._uploads.loaded = tuple(sorted({found, *([choice.remote_newest] if choice.remote_newest else [])}))
-            self._uploads.known_uploaded(choice.remote_newest if choice.local else found)
-            if choice.local and found != choice.remote_newest:  # object storage lags: catch it up
-                self._uploads.offer(found, ())
+            self._uploads.resumed(found, choice.remote_newest, choice.local)
         restore_components(
             info.path,
             {

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from areal_ckpt import agree
-from areal_ckpt.errors import CheckpointError
+from areal_ckpt.errors import CheckpointError, TransientError
 from areal_ckpt.paths import RECOVER_CURRENT, RECOVER_MANIFEST, RECOVER_STORE, is_generation_name
 from areal_ckpt.publish import switch_symlink
 from areal_ckpt.storage.commits import CommitLog, CommitRecord, remove_debris, store_of, upload_folder_files
@@ -76,6 +76,21 @@ class RemoteGenerations:
             f"{self.root.child(record.folder)} is a recovery checkpoint this job has not loaded (committed by "
             "another job); call RecoverHandler.load() first (or use another trial_name) so it is not overwritten"
         )
+
+    def before_dump(self, run: str, loaded: list[str], first: bool, tiered: bool) -> None:
+        """Rank 0 before a dump: :meth:`check_owner`, then at the job's ``first`` dump
+        :meth:`remove_debris`. A ``tiered`` trial is checked at its first dump only, goes on
+        (logged) when the bucket does not answer, since each of its uploads checks again, and
+        leaves the debris to its first upload. Local; blocking."""
+        if not tiered:
+            self.check_owner(run, loaded)
+            if first:
+                self.remove_debris()
+            return
+        try:
+            self.check_owner(run, loaded)
+        except TransientError as error:
+            logger.warning("%s; the dump commits to the local tier, its upload checks again", error)
 
     def remove_debris(self) -> None:
         """Rank 0 at a job's first dump (after :meth:`check_owner`): delete the objects of

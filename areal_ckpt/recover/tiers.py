@@ -129,8 +129,9 @@ def _decide(store: RecoverStore, remote: RemoteGenerations, locals_: list[str | 
         if newest is None:
             raise CheckpointError(
                 f"{store.path(local)}: the newest recovery checkpoint is committed on the local tier of rank 0's "
-                f"node, but ranks {missing} have no local copy of it and {remote.root} holds none; not starting "
-                "fresh: restart the job on the nodes that hold it"
+                f"node only; ranks {missing} have no local copy of it (their files of it, if any, are on their own "
+                f"nodes) and {remote.root} holds none, so these ranks cannot load it; not starting fresh, nothing "
+                "was deleted"
             )
         logger.warning(
             "%s is newer than object storage's %s, but ranks %s have no local copy of it (a node lost its disk, "

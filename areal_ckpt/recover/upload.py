@@ -120,9 +120,14 @@ class Uploads:
         """The generations the local tier must keep for their uploads: in flight and pending."""
         return tuple(offer.generation for offer in (self._in_flight, self._pending) if offer is not None)
 
-    def known_uploaded(self, generation: str | None) -> None:
-        """Record that object storage holds ``generation`` (what a load found there); local."""
-        self._uploaded = generation
+    def resumed(self, generation: str, remote_newest: str | None, local: bool) -> None:
+        """After the job resumed from ``generation`` (from the local tier when ``local``;
+        ``remote_newest``: the bucket's newest then): both count as loaded for the owner check,
+        and a local generation the bucket lacks is offered for upload at once. Collective."""
+        self.loaded = tuple(sorted({generation, *([remote_newest] if remote_newest else [])}))
+        self._uploaded = remote_newest if local else generation
+        if local and generation != remote_newest:  # object storage lags: catch it up
+            self.offer(generation, ())
 
     def offer(self, generation: str, files: list[str] | tuple[str, ...]) -> None:
         """After ``generation`` committed locally: upload it now if no upload is in flight on any
@@ -161,10 +166,12 @@ class Uploads:
                 "on this node resumes from it and uploads it"
             )
 
-    def close(self) -> None:
-        """Stop the upload processes (an upload still in flight is dropped: call :meth:`drain`
-        first); local, idempotent."""
-        self._writer.close()
+    def finish(self) -> None:
+        """:meth:`drain`, then stop the upload processes, even when it raised. Collective."""
+        try:
+            self.drain()
+        finally:
+            self._writer.close()
 
     def _start(self, offer: _Offer) -> None:
         job = UploadJob(
