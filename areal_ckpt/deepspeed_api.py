@@ -130,14 +130,16 @@ def save_checkpoint(
     committed by a record rank 0 writes last.
     """
     engine = as_engine(engine, "save_checkpoint")
-    if engine.checkpoint_options().node_local_storage:
+    remote = object_root(save_dir, "save_checkpoint: save_dir")
+    if remote is None and engine.checkpoint_options().node_local_storage:
         raise CheckpointError(
             "save_checkpoint: checkpoint.use_node_local_storage is set, so each node would keep only its own "
             "ranks' shards; areal_ckpt commits one checkpoint that every rank can read, so it needs one save_dir "
-            "on storage every node shares. Set use_node_local_storage to false (nothing was written)"
+            "on storage every node shares. Give an s3:// save_dir (each node then writes only its own ranks' "
+            "files to its local disk, and the bucket is what the nodes share), or set use_node_local_storage to "
+            "false (nothing was written)"
         )
     tag = _agreed_tag(engine, tag if tag is not None else _default_tag(engine))
-    remote = object_root(save_dir, "save_checkpoint: save_dir")
     if remote is None:
         root = _local_dir(save_dir, "save_checkpoint: save_dir")
         final, staging, folder, base = root / tag, root / f".{tag}.staging", "", str(root)

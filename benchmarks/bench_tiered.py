@@ -36,11 +36,13 @@ from seaweed import SeaweedServer  # noqa: E402  (the tests' real server harness
 SPEC = ac.FinetuneSpec(total_train_epochs=1, dataset_size=1000, train_batch_size=2)
 TOKENS = torch.arange(32).reshape(2, 16)
 STEP = ac.StepInfo(epoch=0, epoch_step=0, global_step=0, steps_per_epoch=500)
+PAUSE_SECONDS = 3.0  # between measurements, as a job's steps are: a write right after a large free is slow here
 
 
 def _in_order(first: bool, one: Callable[[], None], other: Callable[[], None]) -> None:
     for run in (one, other) if first else (other, one):
         run()
+        time.sleep(PAUSE_SECONDS)
 
 
 def measure(mib: int, rounds: int) -> list[dict[str, float]]:
@@ -80,11 +82,14 @@ def measure(mib: int, rounds: int) -> list[dict[str, float]]:
 
             def local(name: str) -> Callable[[], None]:
                 def run() -> None:
-                    config = ac.RecoverConfig(**fields, trial_name=f"{name}{index}", fileroot=str(work / "local"))
+                    trial = f"{name.replace(' ', '-')}{index}"
+                    config = ac.RecoverConfig(**fields, trial_name=trial, fileroot=str(work / "local"))
                     handler = ac.RecoverHandler(config, SPEC)
                     handler.dump(engine, STEP, force=True)
                     row[name] = handler.last_metrics["time/saving"]
                     handler.close()
+                    if name != "local":  # a control's dump is not loaded: deleted at once
+                        shutil.rmtree(work / "local/checkpoints/bench/bench" / trial)
 
                 return run
 
@@ -100,14 +105,15 @@ def measure(mib: int, rounds: int) -> list[dict[str, float]]:
 
             _in_order(index % 2 == 0, tiered, local("local"))
             _in_order(index % 2 == 0, load("tiered load", tiered_config), load("local load", local_config))
+            for folder in ("tier", "local"):  # each dump's bytes are freed before the next writes
+                shutil.rmtree(work / folder, ignore_errors=True)
+            time.sleep(PAUSE_SECONDS)
             _in_order(index % 2 == 0, local("control"), local("local control"))
             size = int(row["upload bytes"])
             row["raw upload"] = _raw_put(client, size, work)
             row["control upload"] = _raw_put(client, size, work)
             row["raw control upload"] = _raw_put(client, size, work)
             rows.append(row)
-            for folder in ("tier", "local"):
-                shutil.rmtree(work / folder, ignore_errors=True)
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
@@ -136,7 +142,8 @@ def report(rows: list[dict[str, float]], mib: int, rounds: int) -> str:
         "`RecoverHandler.load` on the tiered trial's own node (it reads the local tier, after one listing of the "
         "bucket's commit log) against a load of the local dump, alternating. Per round "
         "ratios, median (range); the control rows pair a measurement with itself, so their range is how far "
-        "a ratio moves here with nothing changed.",
+        "a ratio moves here with nothing changed. Each dump's files are deleted before the next pair writes, "
+        "and each measurement is followed by a 3 s pause (as a job's steps are), as in `bench_dump.py`.",
         "",
         "| measured | bytes | ours (s) | against (s) | ratio | goal |",
         "| --- | --- | --- | --- | --- | --- |",

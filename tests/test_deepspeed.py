@@ -19,13 +19,14 @@ pytestmark = pytest.mark.dist
 WORLD = 2
 
 
-def deepspeed_engine(model: torch.nn.Module, stage: int) -> object:
+def deepspeed_engine(model: torch.nn.Module, stage: int, node_local: bool = False) -> object:
     import deepspeed
 
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "checkpoint": {"use_node_local_storage": node_local},
     }
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
@@ -259,7 +260,9 @@ def test_node_local_storage_is_refused_before_anything_is_written_and_the_defaul
         outcomes = json.loads((tmp_path / f"report.{rank}").read_text())
         refused, existed = outcomes["True"].rsplit("|", 1)
         assert (
-            "checkpoint.use_node_local_storage is set" in refused and "Set use_node_local_storage to false" in refused
+            "checkpoint.use_node_local_storage is set" in refused
+            and "Give an s3:// save_dir" in refused  # followed by the test of two nodes on the bucket
+            and "or set use_node_local_storage to false" in refused
         )
         assert existed == "False"  # nothing was written
         assert outcomes["False"] == ["latest", "step1", "zero_to_fp32.py"]  # the hint followed

@@ -106,12 +106,12 @@ def two_node_worker(rank: int, world_size: int, environment: dict, root: str, no
     from areal_ckpt.demo.tiny import build_model
 
     torch.manual_seed(0)
-    trained = deepspeed_engine(build_model(VOCAB), stage=2)
+    trained = deepspeed_engine(build_model(VOCAB), stage=2, node_local=True)  # DeepSpeed's node-local setting
     for step in range(2):
         _ds_step(trained, step)
     ac.save_checkpoint(trained, root, client_state={"rank": rank})
     torch.manual_seed(1)
-    fresh = deepspeed_engine(build_model(VOCAB), stage=2)
+    fresh = deepspeed_engine(build_model(VOCAB), stage=2, node_local=True)
     tempfile.tempdir = f"{nodes}/node{rank}-restarted"  # the copy comes from the bucket, not the staging
     os.makedirs(tempfile.tempdir)
     path, client_state = ac.load_checkpoint(fresh, root)
@@ -122,7 +122,7 @@ def two_node_worker(rank: int, world_size: int, environment: dict, root: str, no
 
 
 @pytest.mark.dist
-def test_two_ranks_on_separate_disks_save_to_the_bucket_and_resume_exactly(s3_server, s3_bucket, tmp_path):
+def test_two_node_local_ranks_on_separate_disks_save_to_the_bucket_and_resume_exactly(s3_server, s3_bucket, tmp_path):
     root, report = f"{s3_bucket}/ds", tmp_path / "report"
     run_distributed(two_node_worker, 2, s3_server.environment(), root, str(tmp_path), str(report))
     for rank in range(2):

@@ -121,6 +121,7 @@ def test_uploads_wait_out_a_stopped_server_and_a_restart_without_it_resumes_loca
     assert uploaded_steps(server, bucket) == [3] and handler.last_metrics["upload/lag_steps"] == 0
     handler.close()
     server.kill()  # down at the restart: resume from the local tier, saying so
+    assert ac.check_if_recover(config)  # a launcher sees the local tier's checkpoint
     caplog.clear()
     fresh = make_setup(seed=1)
     with caplog.at_level(logging.WARNING):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -107,7 +107,10 @@ class RecoverHandler:
             if uploads is not None:
                 uploads.finish()
         finally:
-            remove_trash(self.store.root) if dist.rank() == 0 else wait_for_deletions()
+            if dist.rank() == 0:
+                remove_trash(self.store.root)
+            else:
+                wait_for_deletions()
 
     # -- dump -------------------------------------------------------------------------------
 
@@ -269,7 +272,7 @@ class RecoverHandler:
         if self._uploads is not None:
             self._uploads.drain()
 
-    def _committed(self, generation: str, fingerprints: dict[str, list[int]], files: Any = ()) -> None:
+    def _committed(self, generation: str, fingerprints: dict[str, list[int]], files: Iterable[str] = ()) -> None:
         """Record that ``generation`` committed (collective for a tiered trial: its upload is
         offered; ``files``: this rank's files in it)."""
         self._generation = generation
@@ -283,10 +286,7 @@ class RecoverHandler:
         tiered trial checks at its first dump only, and goes on when the bucket does not answer
         (each upload checks again before it commits)."""
         if self.store.remote is not None and not (self.store.tiered and self._remote_tidied):
-            loaded = [
-                *([] if self._generation is None else [self._generation]),
-                *(self._uploads.loaded if self._uploads else ()),
-            ]
+            loaded = [name for name in (self._generation, *(self._uploads.loaded if self._uploads else ())) if name]
             RemoteGenerations(self.store.remote).before_dump(
                 self._run, loaded, first=not self._remote_tidied, tiered=self.store.tiered
             )

@@ -276,13 +276,16 @@ def _data_files(manifest: dict[str, Any], prefix: str) -> dict[str, FileRecord]:
 
 
 def check_if_auto_recover(config: RecoverConfig | Any) -> bool:
-    """True when the trial has a committed recovery checkpoint (whatever ``mode`` says); local.
+    """True when the trial has a committed recovery checkpoint (whatever ``mode`` says): on
+    object storage, in its commit log; tiered, also on this node's local tier. Local.
 
     Raises CheckpointError when a commit record exists but is broken, or when the trial holds
     AReaL's own recovery folders, so a launcher never mistakes a checkpoint for a fresh trial.
     Checksums are verified by ``RecoverHandler.load``.
     """
     store = RecoverStore.of(RecoverConfig.of(config))
+    if store.tiered and store.committed() is not None:  # this node's local tier: no need to ask the bucket
+        return True
     if store.remote is not None:
         return RemoteGenerations(store.remote).newest() is not None
     refuse_foreign_layout(store.trial)

@@ -12,8 +12,9 @@ never uploaded (object storage moves from one committed generation to a newer on
 mix). The commit's tidying keeps the generation in flight and the pending one, so the local tier
 holds at most three (in flight, pending, the one being written) and no upload is ever cut by
 its own job. A failed upload (after ``write_retries`` tries) is logged with how far object
-storage lags, and the newest committed generation is tried again at the next ``dump`` call;
-training goes on. ``close`` uploads the newest and raises if it cannot.
+storage lags, and the newest committed generation is tried again at the next local commit (or
+``wait`` / ``close``), not at every step; training goes on. ``close`` uploads the newest and
+raises if it cannot.
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ class Uploads:
         self._uploaded: str | None = None  # the newest generation object storage is known to hold
         self._committed: str | None = None  # the newest generation committed locally
         self._failures = 0  # failed uploads since the last one that went through
+        self._parked = False  # the pending one failed: tried again at the next commit, wait or close
         self._tidied = False
 
     @property
@@ -125,6 +127,7 @@ class Uploads:
         ``remote_newest``: the bucket's newest then): both count as loaded for the owner check,
         and a local generation the bucket lacks is offered for upload at once. Collective."""
         self.loaded = tuple(sorted({generation, *([remote_newest] if remote_newest else [])}))
+        self._committed = generation
         self._uploaded = remote_newest if local else generation
         if local and generation != remote_newest:  # object storage lags: catch it up
             self.offer(generation, ())
@@ -134,20 +137,21 @@ class Uploads:
         rank, else keep it as the pending one (replacing an older pending one). Collective;
         non-blocking."""
         self._committed = generation
-        self._pending = _Offer(generation, tuple(files))
+        self._pending, self._parked = _Offer(generation, tuple(files)), False
         self.poll()
 
     def poll(self) -> None:
-        """Collect a finished upload and start the pending one; no-op while nothing is in flight
-        or pending, and only one small reduction while an upload runs. Collective;
-        non-blocking."""
+        """Collect a finished upload and start the pending one (unless it failed last: then at
+        the next commit, :meth:`drain` or close, so a server that is away costs no attempt per
+        step); no-op while nothing is in flight or pending, one small reduction while an upload
+        runs. Collective; non-blocking."""
         if self._in_flight is None and self._pending is None:
             return
         if self._in_flight is not None:
             if not dist.all_true(not self._writer.busy):
                 return
             self._collect()
-        if self._pending is not None:
+        if self._pending is not None and not self._parked:
             self._start(self._pending)
 
     def drain(self) -> None:
@@ -203,10 +207,10 @@ class Uploads:
             self._writer.stop()
             self._failures += 1
             if self._pending is None:
-                self._pending = offer
+                self._pending, self._parked = offer, True
             logger.warning(
-                "%s: upload failed (%s); the local tier keeps it committed and the newest is uploaded at the next "
-                "dump; %s",
+                "%s: upload failed (%s); the local tier keeps it committed, and the newest is uploaded after the "
+                "next local commit; %s",
                 self.remote.child(offer.generation),
                 failure or "on another rank",
                 self._lag_text(),
