@@ -69,18 +69,24 @@ def _raw_get(client, size: int, work: Path, bucket: str = "bench") -> float:  # 
     return time.perf_counter() - start
 
 
-def measure(mib: int, rounds: int) -> list[dict[str, float]]:
-    """One row per round: seconds of ours and of the raw client for export, dump and load."""
-    work = scratch_folder("bench-s3-")
+def server_and_state(prefix: str, mib: int):  # type: ignore[no-untyped-def]
+    """A scratch folder, a started server (its bucket ``bench``, its settings in this process's
+    environment), a boto3 client, and an fp32 model of ``mib`` MiB with one AdamW step taken."""
+    work = scratch_folder(prefix)
     server = SeaweedServer(work / "server")
     server.start()
     os.environ.update(server.environment())
     server.make_bucket("bench")
-    client = boto3.client("s3")
     model = model_of_size(mib, torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     model(input_ids=TOKENS, labels=TOKENS).loss.backward()
     optimizer.step()
+    return work, server, boto3.client("s3"), model, optimizer
+
+
+def measure(mib: int, rounds: int) -> list[dict[str, float]]:
+    """One row per round: seconds of ours and of the raw client for export, dump and load."""
+    work, server, client, model, optimizer = server_and_state("bench-s3-", mib)
     engine = ac.TorchEngine(model, optimizer)
     rows = []
     try:

@@ -15,7 +15,6 @@ Controls pair a local dump with a local dump, and a raw upload with a raw upload
 
 from __future__ import annotations
 
-import os
 import shutil
 import statistics
 import sys
@@ -23,15 +22,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import boto3
 import torch
-from bench_s3 import _raw_put
-from common import machine_description, model_of_size, publish, scratch_folder, size_and_rounds
+from bench_s3 import _raw_put, server_and_state
+from common import machine_description, publish, size_and_rounds
 
 import areal_ckpt as ac
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from seaweed import SeaweedServer  # noqa: E402  (the tests' real server harness)
 
 SPEC = ac.FinetuneSpec(total_train_epochs=1, dataset_size=1000, train_batch_size=2)
 TOKENS = torch.arange(32).reshape(2, 16)
@@ -47,16 +44,7 @@ def _in_order(first: bool, one: Callable[[], None], other: Callable[[], None]) -
 
 def measure(mib: int, rounds: int) -> list[dict[str, float]]:
     """One row per round: seconds of the tiered dump, the local dump, the upload, the raw upload."""
-    work = scratch_folder("bench-tiered-")
-    server = SeaweedServer(work / "server")
-    server.start()
-    os.environ.update(server.environment())
-    server.make_bucket("bench")
-    client = boto3.client("s3")
-    model = model_of_size(mib, torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    model(input_ids=TOKENS, labels=TOKENS).loss.backward()
-    optimizer.step()
+    work, server, client, model, optimizer = server_and_state("bench-tiered-", mib)
     engine = ac.TorchEngine(model, optimizer)
     rows = []
     try:

@@ -36,13 +36,14 @@ def commit_records(server: SeaweedServer, bucket_url: str, trial: str) -> list[d
 
 
 def s3_config(bucket_url: str, staging, **fields) -> ac.RecoverConfig:
+    """The trial ``exp/trial`` under ``{bucket_url}/runs``, staged in ``staging`` (None: not set)."""
     fields.setdefault("mode", "sync")
     return ac.RecoverConfig(
         experiment_name="exp",
         trial_name="trial",
         fileroot=f"{bucket_url}/runs",
         user="tester",
-        staging_dir=str(staging),
+        staging_dir=None if staging is None else str(staging),
         **fields,
     )
 

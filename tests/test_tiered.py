@@ -15,7 +15,7 @@ import pytest
 import torch
 from recover_fixtures import SPEC, make_setup, step_info, train_step
 from recovery_runs import assert_same_run, run_job
-from test_s3_recover import commit_records
+from test_s3_recover import commit_records, s3_config
 
 import areal_ckpt as ac
 from areal_ckpt.errors import CheckpointError, ConfigError
@@ -25,15 +25,7 @@ TRIAL = "runs/checkpoints/tester/exp/trial"
 
 
 def tiered_config(bucket_url: str, local_dir: Path, **fields) -> ac.RecoverConfig:
-    fields.setdefault("mode", "sync")
-    return ac.RecoverConfig(
-        experiment_name="exp",
-        trial_name="trial",
-        fileroot=f"{bucket_url}/runs",
-        user="tester",
-        local_dir=str(local_dir),
-        **fields,
-    )
+    return s3_config(bucket_url, None, local_dir=str(local_dir), **fields)
 
 
 def local_step(local_dir: Path, trial: str = "trial") -> int | None:
