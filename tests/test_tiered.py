@@ -236,3 +236,19 @@ def test_a_second_job_that_did_not_load_is_refused_at_its_first_dump(s3_server, 
         second.dump(setup.engine, step_info(5), force=True)
     second.close()
     assert local_step(tmp_path / "node-b") is None and uploaded_steps(s3_server, s3_bucket) == [0]
+
+
+def test_a_broken_local_commit_record_is_warned_about_and_the_bucket_used(s3_server, s3_bucket, tmp_path, caplog):
+    setup = make_setup()
+    handler = ac.RecoverHandler(tiered_config(s3_bucket, tmp_path / "local"), SPEC)
+    handler.dump(setup.engine, step_info(0), force=True)
+    handler.close()
+    pointer = tmp_path / "local/checkpoints/tester/exp/trial/.recover/current"
+    pointer.unlink()
+    pointer.symlink_to("gen-00000009-deadbeef")  # dangling: a generation this copy does not hold
+    fresh = make_setup(seed=1)
+    loader = ac.RecoverHandler(tiered_config(s3_bucket, tmp_path / "local"), SPEC)
+    assert loader.load(fresh.engine).last_step_info.global_step == 0
+    loader.close()
+    assert "the local tier cannot be used" in caplog.text and "gen-00000009-deadbeef is missing" in caplog.text
+    assert_same_weights(setup.model, fresh.model)

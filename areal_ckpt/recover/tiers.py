@@ -53,13 +53,20 @@ def choose_tier(store: RecoverStore) -> TierChoice:
     """Decide where the tiered trial ``store`` resumes from (see the module docstring).
     Collective: every rank reads its own local tier, rank 0 object storage and decides. Raises
     CheckpointError on every rank when neither tier can serve every rank although a checkpoint
-    exists. Rank 0 removes its local tier's debris (as a local load does)."""
+    exists. Rank 0 removes its local tier's debris (as a local load does); a local tier whose
+    commit record is broken counts as empty, with a warning naming the cause."""
     if store.remote is None:
         raise ValueError("choose_tier needs a tiered trial")
     remote = RemoteGenerations(store.remote)
 
     def own_local() -> str | None:
-        return find_committed(store) if dist.rank() == 0 else _committed_quietly(store)
+        if dist.rank() != 0:
+            return _committed_quietly(store)
+        try:
+            return find_committed(store)
+        except CheckpointError as error:  # the bucket may still hold everything: not a reason to stop
+            logger.warning("the local tier cannot be used (%s); looking at object storage", error)
+            return None
 
     return agree.gathered_then_decided(
         own_local, lambda locals_: _decide(store, remote, locals_), f"{store.root}: cannot choose a tier to resume from"
