@@ -252,3 +252,25 @@ def test_a_broken_local_commit_record_is_warned_about_and_the_bucket_used(s3_ser
     loader.close()
     assert "the local tier cannot be used" in caplog.text and "gen-00000009-deadbeef is missing" in caplog.text
     assert_same_weights(setup.model, fresh.model)
+
+
+def test_a_restart_on_a_fresh_node_while_the_bucket_is_down_refuses_then_resumes_once_it_answers(
+    own_s3_server, tmp_path
+):
+    server, bucket = own_s3_server, "s3://tiered-fresh"
+    server.make_bucket("tiered-fresh")
+    setup = make_setup()
+    handler = ac.RecoverHandler(tiered_config(bucket, tmp_path / "node-a"), SPEC)
+    handler.dump(setup.engine, step_info(0), force=True)
+    handler.close()
+    server.kill()
+    fresh = make_setup(seed=1)
+    loader = ac.RecoverHandler(tiered_config(bucket, tmp_path / "node-b"), SPEC)
+    with pytest.raises(CheckpointError, match="cannot reach object storage .* not starting fresh: restart when"):
+        loader.load(fresh.engine)
+    loader.close()
+    server.start()  # the hint followed
+    loader = ac.RecoverHandler(tiered_config(bucket, tmp_path / "node-b"), SPEC)
+    assert loader.load(fresh.engine).last_step_info.global_step == 0
+    loader.close()
+    assert_same_weights(setup.model, fresh.model)
