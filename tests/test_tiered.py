@@ -246,6 +246,7 @@ def test_a_broken_local_commit_record_is_warned_about_and_the_bucket_used(s3_ser
     pointer = tmp_path / "local/checkpoints/tester/exp/trial/.recover/current"
     pointer.unlink()
     pointer.symlink_to("gen-00000009-deadbeef")  # dangling: a generation this copy does not hold
+    assert ac.check_if_recover(tiered_config(s3_bucket, tmp_path / "local"))  # the bucket's, as the load finds
     fresh = make_setup(seed=1)
     loader = ac.RecoverHandler(tiered_config(s3_bucket, tmp_path / "local"), SPEC)
     assert loader.load(fresh.engine).last_step_info.global_step == 0

@@ -284,8 +284,12 @@ def check_if_auto_recover(config: RecoverConfig | Any) -> bool:
     Checksums are verified by ``RecoverHandler.load``.
     """
     store = RecoverStore.of(RecoverConfig.of(config))
-    if store.tiered and store.committed() is not None:  # this node's local tier: no need to ask the bucket
-        return True
+    if store.tiered:  # this node's local tier first (a broken one is left to the bucket, as a load does)
+        try:
+            if store.committed() is not None:
+                return True
+        except CheckpointError as error:
+            logger.warning("the local tier cannot be used (%s); looking at object storage", error)
     if store.remote is not None:
         return RemoteGenerations(store.remote).newest() is not None
     refuse_foreign_layout(store.trial)
