@@ -70,11 +70,12 @@ def open_committed(
     there is none. On object storage the generation's small files come down to the node's
     staging copy first and its data files only as a rank reads them (each rank the files its
     share needs); with ``local`` (a tiered trial resuming from its local tier,
-    :mod:`areal_ckpt.recover.tiers`) the local copy is read as a local trial. Collective: rank 0 finds it (removing debris), every rank
-    verifies its share and reads its info. Raises CheckpointError on every rank when the
-    commit record is broken, the trial holds AReaL's folders, a file is damaged, the models
-    differ from ``models``, the three records of its step disagree, or a component cannot be
-    restored (``dataloader``: the one the load restores); nothing is loaded then."""
+    :mod:`areal_ckpt.recover.tiers`) the local copy is read as a local trial. Collective: rank 0
+    finds it (removing debris), every rank verifies its share and reads its info. Raises
+    CheckpointError on every rank when the commit record is broken, the trial holds AReaL's
+    folders, a file is damaged, the models differ from ``models``, the three records of its step
+    disagree, or a component cannot be restored (``dataloader``: the one the load restores);
+    nothing is loaded then."""
     remote = None if store.remote is None or local else RemoteGenerations(store.remote)
     if remote is not None:  # object storage holds what counts: its newest commit, into the staging copy
         remote.fetch_newest(store.root, deferred=read_when_needed)
