@@ -69,6 +69,7 @@ from areal_ckpt.publish import write_manifest
 from areal_ckpt.recover.read import load_engine, verify_checkpoint
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.numerics import numerics_record, warn_if_numerics_changed
+from areal_ckpt.state.rng import python_random_kept
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ def _agreed_tag(engine: Engine, tag: str) -> str:
     return chosen
 
 
+@python_random_kept()  # a retried request to object storage draws from it (botocore's jitter)
 def save_checkpoint(
     engine: EngineLike,
     save_dir: str | os.PathLike[str],

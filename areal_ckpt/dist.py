@@ -14,7 +14,8 @@ the classes this package marks with :func:`exchanged`, torch's sizes, dtypes and
 not even a peer can make a rank run code or import a module. None of them
 moves O(world size) bytes to or from a rank except :func:`all_gather_objects`, which the
 package calls only on failure paths, and rank 0's side of :func:`gather_objects` /
-:func:`scatter_objects`.
+:func:`scatter_objects`. The pairwise :func:`send_bytes` / :func:`receive_bytes` move a
+checkpoint file's bytes between two nodes (a tiered trial's local tiers, before a load).
 """
 
 from __future__ import annotations
@@ -204,6 +205,26 @@ def scatter_objects(objs: list[Any] | None, src: int = 0) -> Any:
     _count(0, buffer.numel())
     torch_dist.scatter(buffer, None, src=src)
     return _decode(buffer)
+
+
+@_collective
+def send_bytes(data: torch.Tensor, dst: int) -> None:
+    """Pairwise: send ``data`` (a uint8 CPU tensor) to rank ``dst``, which calls
+    :func:`receive_bytes` with the same length at the same point; blocking. Through the
+    accelerator when the backend needs it (NCCL)."""
+    device = _flag_device()
+    _count(data.numel(), 0)
+    torch_dist.send(data if device.type == "cpu" else data.to(device), dst=dst)
+
+
+@_collective
+def receive_bytes(length: int, src: int) -> torch.Tensor:
+    """Pairwise: the ``length`` bytes rank ``src`` sends with :func:`send_bytes`, as a fresh
+    uint8 CPU tensor; blocking."""
+    buffer = torch.empty(length, dtype=torch.uint8, device=_flag_device())
+    _count(0, length)
+    torch_dist.recv(buffer, src=src)
+    return buffer.cpu()
 
 
 @_collective

@@ -209,6 +209,17 @@ def make_dirs(path: Path) -> None:
         fsync_dir(folder.parent)
 
 
+def link_on_path(path: Path, top: Path) -> Path | None:
+    """The first symbolic link among ``path`` and the folders above it up to ``top`` (included),
+    None when there is none: where a writer into ``top`` must not write through. Local."""
+    for part in [path, *path.parents]:
+        if part.is_symlink():
+            return part
+        if part == top:
+            break
+    return None
+
+
 def write_file_durably(path: Path, data: bytes) -> FileRecord:
     """Create or truncate ``path`` with ``data`` and fsync it; returns its record."""
     writer = ChecksummedWriter(path)

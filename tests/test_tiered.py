@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import shutil
 import threading
 import time
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from recover_fixtures import SPEC, make_setup, step_info, train_step
-from recovery_runs import assert_same_run, run_job
+from recovery_runs import assert_same_run, losses, run_job
 from test_s3_recover import commit_records, s3_config
 
 import areal_ckpt as ac
@@ -125,6 +126,23 @@ def test_uploads_wait_out_a_stopped_server_and_a_restart_without_it_resumes_loca
     loader.close()
 
 
+def test_a_dump_whose_requests_are_retried_leaves_the_loops_python_random_stream_alone(own_s3_server, tmp_path):
+    # botocore draws its retry jitter from Python's global random, which the loop seeds and a
+    # checkpoint records: a resumed run must not depend on how often the bucket answered
+    server, bucket = own_s3_server, "s3://tiered-jitter"
+    server.make_bucket("tiered-jitter")
+    setup = make_setup()
+    handler = ac.RecoverHandler(tiered_config(bucket, tmp_path / "local", write_retries=0), SPEC)
+    train_step(setup, 0)
+    server.kill()  # the first dump's check of the bucket is retried by botocore, then given up
+    random.seed(1234)
+    handler.dump(setup.engine, step_info(0), force=True)
+    assert local_step(tmp_path / "local") == 0
+    assert random.random() == random.Random(1234).random()
+    server.start()
+    handler.close()
+
+
 def test_a_restart_after_a_cut_upload_resumes_from_the_local_tier_and_uploads_it(own_s3_server, tmp_path):
     server, bucket = own_s3_server, "s3://tiered-cut"
     server.make_bucket("tiered-cut")
@@ -183,9 +201,11 @@ def test_two_nodes_with_their_own_local_dirs_resume_bit_exact_after_one_loses_it
 
 
 @pytest.mark.dist
-def test_two_nodes_whose_uploads_never_went_through_refuse_to_start_fresh(own_s3_server, tmp_path):
-    # only rank 0's node commits its local tier: the other node's ranks cannot load that dump
-    # from their own disk, and the bucket never got it
+def test_two_nodes_whose_uploads_never_went_through_resume_bit_exact_from_their_local_tiers(
+    reference_run_fsdp2, own_s3_server, tmp_path
+):
+    # each node commits its own copy of every dump (holding its own ranks' data files); the
+    # restart copies over what each node lacks (an FSDP2 load also reads the other rank's file)
     server, root, out, local = own_s3_server, "s3://tiered-nodes/root", tmp_path / "out", tmp_path / "local"
     server.make_bucket("tiered-nodes")
     tiered = ["--local-dir", str(local), "--environment", json.dumps(server.environment())]
@@ -203,11 +223,23 @@ def test_two_nodes_whose_uploads_never_went_through_refuse_to_start_fresh(own_s3
     first = [*tiered, "--kill-at", "7", "--hold-after-load", str(held)]
     assert run_job(root, out, world_size=2, wrap="fsdp2", extra=first) == [-9, -9]
     stopper.join()
-    assert local_step(local / "node0", "bitexact") == 7 and local_step(local / "node1", "bitexact") is None
+    assert local_step(local / "node0", "bitexact") == 7 and local_step(local / "node1", "bitexact") == 7
+    committed = local / "node1/checkpoints/tester/exp/bitexact/.recover/current/default"
+    assert [path.name for path in committed.glob("__*_0.distcp")] == ["__1_0.distcp"]  # its own rank's only
     server.start()
-    with pytest.raises(AssertionError, match=r"ranks \[1\] have no local copy of it .* not starting fresh"):
+    shutil.move(local / "node1", tmp_path / "node1-elsewhere")  # the job restarts without that node's disk
+    with pytest.raises(AssertionError, match=r"ranks \[1\] have no local copy of it .* restart on the nodes whose"):
         run_job(root, out, world_size=2, wrap="fsdp2", extra=tiered)
     assert local_step(local / "node0", "bitexact") == 7  # nothing deleted
+    shutil.rmtree(local / "node1", ignore_errors=True)
+    shutil.move(tmp_path / "node1-elsewhere", local / "node1")  # the hint: on the nodes that hold it
+    generation = committed.parent.resolve()  # as if killed between rank 0's commit and this node's own:
+    (generation / "recover_info/areal_ckpt_manifest.json").unlink()
+    (generation.parent / "current").unlink()
+    run_job(root, out, world_size=2, wrap="fsdp2", extra=tiered)
+    assert_same_run(reference_run_fsdp2, out, world_size=2)
+    for rank in range(2):  # resumed after step 7 (the bucket never held it): no step up to it ran twice
+        assert all(len(values) == 1 for step, values in losses(out, rank).items() if step <= 7)
 
 
 def test_async_tiered_dumps_upload_after_their_background_commit(s3_server, s3_bucket, tmp_path):

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-from distributed import start_processes
+from distributed import run_distributed, start_processes
 from recover_fixtures import SPEC, make_setup, step_info
 from seaweed import SeaweedServer
 
@@ -84,22 +84,37 @@ def _resume(config: ac.RecoverConfig) -> tuple[float | None, str, list[torch.Ten
         handler.close()
 
 
-def _check(trial: str, kind: str, work: Path, local: str = "") -> tuple[str, str]:
-    """What a fresh node finds (and, tiered, the job's first node, ``local``):
-    ``resumed_correctly``, ``lost`` (nothing, an error, or an older commit than the bucket's)
-    or ``wrong`` (weights of another step)."""
+def resume_on_nodes(rank: int, world: int, environment: dict, trial: str, staging: str, report: str) -> None:
+    """Resume a tiered trial on the job's own nodes (rank r on ``{staging}/node{r}``, as the job
+    ran) and write the step it names and whether every weight equals it to ``{report}{rank}.json``."""
+    os.environ.update(environment)
+    config = ac.RecoverConfig(**_fields(trial), mode="sync", local_dir=f"{staging}/node{rank}")
+    step, why, weights = _resume(config)
+    exact = step is not None and all(bool((w == step).all()) for w in weights)
+    Path(f"{report}{rank}.json").write_text(json.dumps({"step": step, "why": why, "exact": exact}))
+
+
+def _check(trial: str, kind: str, work: Path, staging: str, world: int) -> tuple[str, str]:
+    """What a fresh node finds (and, tiered, the job's own nodes, each rank on its ``staging``
+    folder): ``resumed_correctly``, ``lost`` (nothing, an error, or an older commit than the
+    bucket's) or ``wrong`` (weights of another step)."""
     if kind != "saver":
         fresh = ac.RecoverConfig(**_fields(trial), mode="sync", staging_dir=str(work / f"check-{trial}"))
         step, why, weights = _resume(fresh)
         if step is None:
             return "lost", why
-        if kind == "tiered":  # the same node: its local tier or the bucket, the newer
-            bucket_step, bucket_weights = step, weights
-            step, why, weights = _resume(ac.RecoverConfig(**_fields(trial), mode="sync", local_dir=local))
-            if step is None or step < bucket_step:
-                return "lost", why or f"resumed step {step:.0f} on its node, the bucket holds {bucket_step:.0f}"
-            if not all(bool((w == bucket_step).all()) for w in bucket_weights):
-                return "wrong", f"the bucket's weights do not all equal step {bucket_step:.0f}"
+        if kind == "tiered":  # the job's own nodes: their local tiers or the bucket, the newer
+            if not all(bool((w == step).all()) for w in weights):
+                return "wrong", f"the bucket's weights do not all equal step {step:.0f}"
+            report = str(work / f"nodes-{trial}-rank")
+            run_distributed(resume_on_nodes, world, dict(os.environ), trial, staging, report)
+            for rank in range(world):
+                found = json.loads(Path(f"{report}{rank}.json").read_text())
+                if found["step"] is None or found["step"] < step:
+                    return "lost", found["why"] or f"rank {rank} resumed {found['step']}, the bucket holds {step:.0f}"
+                if not found["exact"]:
+                    return "wrong", f"rank {rank}: weights do not all equal step {found['step']:.0f}"
+            return "resumed_correctly", ""
     else:
         model = f"s3://{BUCKET}/runs/checkpoints/tester/exp/{trial}/default"
         try:
@@ -132,6 +147,7 @@ def scenario_s3(trials: int, rng: random.Random, work: Path, select: str | None 
             ("saver", 2, "job"),
             ("recover", 1, "server"),
             ("tiered", 1, "job"),
+            ("tiered", 2, "job"),
             ("tiered", 1, "server"),
         ):
             row = Row(f"s3-kill-{victim}-{kind}-{world}")
@@ -156,7 +172,7 @@ def scenario_s3(trials: int, rng: random.Random, work: Path, select: str | None 
                 finally:
                     for process in processes:
                         process.join(30)
-                row.record(*_check(trial, kind, work, f"{staging}/node0"))
+                row.record(*_check(trial, kind, work, staging, world))
             rows.append(row)
     finally:
         server.stop()

@@ -38,6 +38,7 @@ from areal_ckpt.paths import (
 )
 from areal_ckpt.publish import TrashCollector, hide_folder, remove_stale
 from areal_ckpt.schedule import NamedSchedules, TriggerSchedule
+from areal_ckpt.state.rng import python_random_kept
 from areal_ckpt.step import FinetuneSpec
 from areal_ckpt.storage.commits import CommitLog, remove_debris, store_of
 from areal_ckpt.tensors import EXPORT_DTYPES
@@ -139,6 +140,7 @@ class Saver:
         root = trial_root(fileroot, default_user(), experiment_name, trial_name)  # a URL is refused: no links there
         return str(recover_checkpoint_link(root, name))
 
+    @python_random_kept()  # a retried request to object storage draws from it (botocore's jitter)
     def save(
         self,
         engine: EngineLike,

@@ -42,7 +42,7 @@ from areal_ckpt.recover.write import DumpJob
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state.components import Stateful, capture_components, dataloader_state, restore_components
 from areal_ckpt.state.recover_info import RecoverInfo
-from areal_ckpt.state.rng import capture_rng_state, restore_rng_state
+from areal_ckpt.state.rng import capture_rng_state, python_random_kept, restore_rng_state
 from areal_ckpt.step import FinetuneSpec, StepInfo
 
 logger = logging.getLogger(__name__)
@@ -120,6 +120,7 @@ class RecoverHandler:
         folder, for the login user (as AReaL's helper; see docs/layout.md). Pure: creates nothing."""
         return str(recover_info_link(trial_root(fileroot, default_user(), experiment_name, trial_name)))
 
+    @python_random_kept()  # a retried request to object storage draws from it (botocore's jitter)
     def dump(
         self,
         engine: EnginesLike,
@@ -357,10 +358,8 @@ class RecoverHandler:
                 rollout.run(info.last_step_info.global_step + 1, load_engines)
             return found, manifest, info
 
-        if self.store.tiered:
-            restored, choice = restore_from_tiers(self.store, restore)
-        else:
-            restored, choice = restore(False), None
+        with python_random_kept():  # a request retried meanwhile draws from it; restored below when loaded
+            restored, choice = restore_from_tiers(self.store, restore) if self.store.tiered else (restore(False), None)
         if restored is None:
             return None
         found, manifest, info = restored

@@ -33,6 +33,7 @@ from areal_ckpt.paths import (
 )
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.foreign import refuse_foreign_layout
+from areal_ckpt.recover.nodes import fill_from_peers
 from areal_ckpt.recover.remote import RemoteGenerations
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.schedule import TriggerSchedule
@@ -70,7 +71,8 @@ def open_committed(
     there is none. On object storage the generation's small files come down to the node's
     staging copy first and its data files only as a rank reads them (each rank the files its
     share needs); with ``local`` (a tiered trial resuming from its local tier,
-    :mod:`areal_ckpt.recover.tiers`) the local copy is read as a local trial. Collective: rank 0
+    :mod:`areal_ckpt.recover.tiers`) the local copy is read as a local trial, once each node
+    received the files only other nodes hold (:mod:`areal_ckpt.recover.nodes`). Collective: rank 0
     finds it (removing debris), every rank verifies its share and reads its info. Raises
     CheckpointError on every rank when the commit record is broken, the trial holds AReaL's
     folders, a file is damaged, the models differ from ``models``, the three records of its step
@@ -83,6 +85,8 @@ def open_committed(
     if found is None:
         return None
     folder = store.path(found)
+    if local:  # on several nodes, each node's copy lacks the other nodes' files until now
+        fill_from_peers(store, found)
     manifest = verify_checkpoint(folder, data_on_demand=remote is not None)
     fetch = None if remote is None else OnDemandFiles(remote.root.child(found), folder, manifest["files"]).ensure
     if models != manifest["models"]:

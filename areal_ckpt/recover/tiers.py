@@ -5,13 +5,18 @@ A tiered trial (``recover.local_dir``) commits each dump locally first and uploa
 Every rank looks at its own local tier; rank 0 also asks object storage; all ranks then follow
 one decision (:func:`choose_tier`):
 
-- every rank's local tier has the same committed generation, and object storage holds that
-  one, an older one or none: resume locally (as fast as a local trial);
+- rank 0's local tier has committed a generation, every rank's local tier holds its folder,
+  and object storage holds that one, an older one or none: resume locally (as fast as a local
+  trial);
 - object storage holds a newer one, or some rank has no local copy of the local one (a node
   that lost its disk, a job moved to other nodes): resume from object storage, with a warning
   when that skips a newer local generation;
 - object storage cannot be reached: resume locally, saying so, when every rank can; else a
   CheckpointError (never a silent fresh start).
+
+On several nodes rank 0's commit is the one that counts; each other node holds its own ranks'
+files of it, and commits its own copy right after (:mod:`areal_ckpt.recover.nodes`; a kill may
+fall between the two). Before a local load the nodes exchange the files each lacks.
 
 A local generation that turns out damaged while it loads is given up for object storage's
 newest by the caller (:meth:`~areal_ckpt.recover.handler.RecoverHandler.load`).
@@ -59,17 +64,17 @@ def choose_tier(store: RecoverStore) -> TierChoice:
         raise ValueError("choose_tier needs a tiered trial")
     remote = RemoteGenerations(store.remote)
 
-    def own_local() -> str | None:
+    def own_local() -> tuple[str | None, list[str]]:
         if dist.rank() != 0:
-            return _committed_quietly(store)
+            return None, store.generations()
         try:
-            return find_committed(store)
+            return find_committed(store), store.generations()
         except CheckpointError as error:  # the bucket may still hold everything: not a reason to stop
             logger.warning("the local tier cannot be used (%s); looking at object storage", error)
-            return None
+            return None, []
 
     return agree.gathered_then_decided(
-        own_local, lambda locals_: _decide(store, remote, locals_), f"{store.root}: cannot choose a tier to resume from"
+        own_local, lambda held: _decide(store, remote, held), f"{store.root}: cannot choose a tier to resume from"
     )
 
 
@@ -101,18 +106,12 @@ def restore_from_tiers(store: RecoverStore, restore: Callable[[bool], T | None])
     return restore(False), dataclasses.replace(choice, local=False)
 
 
-def _committed_quietly(store: RecoverStore) -> str | None:
-    try:
-        return store.committed()
-    except CheckpointError:
-        return None
-
-
-def _decide(store: RecoverStore, remote: RemoteGenerations, locals_: list[str | None]) -> TierChoice:
-    """Rank 0: the decision, from every rank's local committed generation (``locals_``)."""
-    local = locals_[0]
-    everywhere = local is not None and all(name == local for name in locals_)
-    missing = [rank for rank, name in enumerate(locals_) if name != local]
+def _decide(store: RecoverStore, remote: RemoteGenerations, held: list[tuple[str | None, list[str]]]) -> TierChoice:
+    """Rank 0: the decision, from rank 0's local committed generation and the generation
+    folders each rank's local tier holds (``held``, by rank)."""
+    local = held[0][0]
+    missing = [rank for rank, (_, folders) in enumerate(held) if local not in folders]
+    everywhere = local is not None and not missing
     try:
         record = remote.newest()
     except CheckpointError as error:
@@ -135,10 +134,10 @@ def _decide(store: RecoverStore, remote: RemoteGenerations, locals_: list[str | 
     if local is not None and (newest is None or generation_step(local) > generation_step(newest)):
         if newest is None:
             raise CheckpointError(
-                f"{store.path(local)}: the newest recovery checkpoint is committed on the local tier of rank 0's "
-                f"node only; ranks {missing} have no local copy of it (their files of it, if any, are on their own "
-                f"nodes) and {remote.root} holds none, so these ranks cannot load it; not starting fresh, nothing "
-                "was deleted"
+                f"{store.path(local)}: the newest recovery checkpoint is committed on local tiers only, "
+                f"{remote.root} holds none, and ranks {missing} have no local copy of it (their node lost its "
+                "disk, or the job moved to other nodes); not starting fresh, nothing was deleted: restart on the "
+                "nodes whose local_dir holds it"
             )
         logger.warning(
             "%s is newer than object storage's %s, but ranks %s have no local copy of it (a node lost its disk, "

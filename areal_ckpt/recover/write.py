@@ -24,6 +24,7 @@ from areal_ckpt.formats.hf_export import HFFiles
 from areal_ckpt.fsio import FileRecord, FileWriter, write_file_durably
 from areal_ckpt.jobs.shm_arena import ArenaLayout
 from areal_ckpt.paths import DATA_SUFFIX, HF_FILES, MODEL_SEPARATOR, RECOVER_FORMAT, RECOVER_FORMAT_VERSION
+from areal_ckpt.recover.nodes import NodeCopy, commit_node_copy, node_copy, node_of
 from areal_ckpt.recover.remote import RemoteGenerations
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.store import RecoverStore
@@ -59,7 +60,8 @@ class DumpJob:
     object storage) the generation committed in ``trial`` (the staging copy) is then uploaded
     and committed there, in a commit record naming the job's ``run_token``; with ``tiered`` as
     well, ``trial`` is the local tier: the dump ends with the local commit (its data files
-    written there, not streamed) and its upload is another job's
+    written there, not streamed; on several nodes each node commits its own copy,
+    :mod:`areal_ckpt.recover.nodes`) and its upload is another job's
     (:mod:`areal_ckpt.recover.upload`), whose generations ``protected`` names (kept by the
     commit's tidying).
     """
@@ -105,18 +107,15 @@ class DumpJob:
         mine: set[str] = set()  # the files of this rank's in the generation, for its uploads
         streamed: set[str] = set()  # those written straight to the bucket (its data files)
         try:
-            written, hidden = retried(
+            written, hidden, copy = retried(
                 lambda: self._attempt(store, by_folder, mine, streamed), self.retries, what, give_up=discard
             )
         except RankMismatchError:  # refused before anything was written: no debris either
             discard()
             raise
-        if self.tiered and _committed_or_none(store) != self.generation:
-            # another node's local tier: never committed there, it holds only its own ranks' files
-            others = [name for name in store.generations() if name != self.generation and name not in self.protected]
-            delete_later(store.root, hidden + others, dist.rank(), self.models, remove_folders=True)
-        else:
-            delete_later(store.root, hidden, dist.rank(), self.models)  # every rank its own share
+        if copy is not None:  # a tiered trial on several nodes: each commits its own copy
+            commit_node_copy(store, self.generation, copy, self.models, self.protected)
+        delete_later(store.root, hidden, dist.rank(), self.models)  # every rank its own share on rank 0's node
         if self.remote is None or self.tiered:
             return {"path": str(store.path(self.generation)), "bytes": written, "files": sorted(mine)}
         remote = RemoteGenerations(self.remote)
@@ -132,15 +131,15 @@ class DumpJob:
 
     def _attempt(
         self, store: RecoverStore, by_folder: dict[str, dict[str, Any]], mine: set[str], streamed: set[str]
-    ) -> tuple[int, list[str]]:
-        """One write + commit; returns (the bytes written, the hidden superseded
-        generations) and puts this rank's files into ``mine``, those it wrote straight to the
-        bucket (object storage: its data files) also into ``streamed``. Collective; rank 0
-        commits; every rank raises the same TransientError when a rank's write or the commit
-        failed."""
+    ) -> tuple[int, list[str], NodeCopy | None]:
+        """One write + commit; returns (the bytes written, the hidden superseded generations,
+        what the other nodes of a tiered trial commit: :mod:`areal_ckpt.recover.nodes`) and
+        puts this rank's files into ``mine``, those it wrote straight to the bucket (object
+        storage: its data files) also into ``streamed``. Collective; rank 0 commits; every rank
+        raises the same TransientError when a rank's write or the commit failed."""
         folder = store.path(self.generation)
 
-        def write() -> dict[str, tuple[int, int]]:
+        def write() -> tuple[dict[str, tuple[int, int]], str]:
             records = dict(self.records)
             try:
                 for part in sorted(by_folder):  # collective: a failed write raises on every rank
@@ -166,7 +165,7 @@ class DumpJob:
             except Exception as error:  # retried, once every rank knows
                 raise TransientError(f"{type(error).__name__}: {error}") from error
             mine.update(records)
-            return records
+            return records, node_of(store.root) if self.tiered else ""
 
         return agree.gathered_then_decided(write, lambda every: self._commit(store, every), "writing failed")
 
@@ -179,10 +178,13 @@ class DumpJob:
         target = RemoteGenerations(self.remote).root.child(self.generation, part)
         return lambda path: store_of(target).open_writer(target.key(path.name))
 
-    def _commit(self, store: RecoverStore, every: list[dict[str, tuple[int, int]]]) -> tuple[int, list[str]]:
-        """Rank 0: commit the generation; returns the bytes written for it (linked files left
-        out) and the hidden superseded generations."""
-        records = {k: FileRecord(size, crc) for part in every for k, (size, crc) in part.items()}
+    def _commit(
+        self, store: RecoverStore, every: list[tuple[dict[str, tuple[int, int]], str]]
+    ) -> tuple[int, list[str], NodeCopy | None]:
+        """Rank 0: commit the generation, given every rank's records and node; returns the bytes
+        written for it (linked files left out), the hidden superseded generations and what the
+        other nodes commit (None on one node)."""
+        records = {k: FileRecord(size, crc) for part, _ in every for k, (size, crc) in part.items()}
         hidden: list[str] = []
         try:
             hidden = store.commit(self.generation, records, self.header, self.models, self.protected)
@@ -191,7 +193,9 @@ class DumpJob:
                 raise TransientError(f"commit failed: {error}") from error
             logger.warning("%s: committed %s, but then: %s", store.root, self.generation, error)
         linked = sum(size for size, _ in self.records.values())  # rank 0's: unchanged parts, not written
-        return sum(record.size for record in records.values()) - linked, hidden
+        nodes = [node for _, node in every]
+        copy = node_copy(store, self.generation, self.header, nodes) if self.tiered else None
+        return sum(record.size for record in records.values()) - linked, hidden, copy
 
 
 def _committed_or_none(store: RecoverStore) -> str | None:

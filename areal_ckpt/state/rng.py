@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
+
+
+@contextlib.contextmanager
+def python_random_kept() -> Iterator[None]:
+    """Leave Python's global ``random`` stream as this block (or decorated function) found it.
+
+    botocore draws the jitter of its retries from that stream, which a training loop seeds and
+    a recovery checkpoint records (before any request): a request retried during a dump would
+    otherwise shift the loop's later draws, and a resumed run would no longer match the
+    uninterrupted one. Local; another thread drawing from the stream meanwhile sees its draws
+    come again."""
+    state = random.getstate()
+    try:
+        yield
+    finally:
+        random.setstate(state)
 
 
 def capture_rng_state() -> dict[str, Any]:

@@ -160,11 +160,9 @@ def _download(store: ObjectStore, source: ObjectURL, folder: Path, name: str) ->
     """Download ``name`` of ``source`` into ``folder``; CheckpointError, nothing written, when a
     link stands on its path inside ``folder`` (never written through: the copy is ours)."""
     path = folder / name
-    for part in [path, *path.parents]:
-        if part.is_symlink():
-            raise CheckpointError(f"{part}: a link in the local copy of {source}; not writing through it")
-        if part == folder:
-            break
+    link = fsio.link_on_path(path, folder)
+    if link is not None:
+        raise CheckpointError(f"{link}: a link in the local copy of {source}; not writing through it")
     path.parent.mkdir(parents=True, exist_ok=True)
     store.get_file(source.key(name), path)
 

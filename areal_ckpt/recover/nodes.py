@@ -1,0 +1,274 @@
+"""The nodes of a tiered trial: each node's local tier holds a copy of every dump.
+
+With ``recover.local_dir`` on each node's own disk, each rank writes its data files to its own
+node's local tier and rank 0 writes the small files there and commits: rank 0's commit is the
+one that counts. Every other node then commits its own copy of the generation
+(:func:`commit_node_copy`): rank 0's manifest, listing every file of the generation, of which
+that node holds only its own ranks', so that each node's local tier names its newest dump and
+drops the ones it superseded. Before a load from the local tiers, each node receives the files
+it lacks, whole, from a node that holds them, over the job's process group
+(:func:`fill_from_peers`), each checked against the manifest's size and CRC-32; rank 0's
+manifest too, when a kill cut the node's own commit. Every rank then loads as from a local
+trial.
+
+Ranks share a node when their local tier is the same folder (host name, device and inode), so
+the rule needs no launcher variables and holds for several nodes simulated on one machine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from areal_ckpt import agree, dist
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.fsio import ChecksummedWriter, FileRecord, fsync_dir, link_on_path, open_regular_file, record_of
+from areal_ckpt.paths import RECOVER_MANIFEST
+from areal_ckpt.publish import read_manifest
+from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.recover.tidy import sweep_trash_later
+
+logger = logging.getLogger(__name__)
+
+#: Bytes one message of a file transfer between nodes carries.
+TRANSFER_CHUNK = 64 << 20
+
+
+def node_of(folder: Path) -> str:
+    """Which node ``folder`` (an existing local tier's store) is on: its host name, device and
+    inode, the same for every rank sharing it. Local."""
+    status = folder.stat()
+    return f"{socket.gethostname()}:{status.st_dev}:{status.st_ino}"
+
+
+def first_ranks(nodes: list[str]) -> dict[str, int]:
+    """Every node of ``nodes`` (each rank's :func:`node_of`, by rank) and its lowest rank; pure."""
+    first: dict[str, int] = {}
+    for rank, node in enumerate(nodes):
+        first.setdefault(node, rank)
+    return first
+
+
+@dist.exchanged
+@dataclass(frozen=True)
+class NodeCopy:
+    """What the other nodes need to commit their copy of a generation rank 0 committed: its
+    manifest's file records and header, and the rank that commits on each node but rank 0's."""
+
+    records: dict[str, tuple[int, int]]
+    header: dict[str, Any]
+    committers: tuple[int, ...]
+
+
+def node_copy(store: RecoverStore, generation: str, header: dict[str, Any], nodes: list[str]) -> NodeCopy | None:
+    """Rank 0, after committing ``generation`` with ``header``: what the other nodes of
+    ``nodes`` (each rank's :func:`node_of`) commit, None when every rank is on rank 0's node
+    or rank 0's manifest cannot be read back (logged: the commit stands, the other nodes keep
+    their older copy). Local."""
+    committers = tuple(rank for node, rank in first_ranks(nodes).items() if node != nodes[0])
+    if not committers:
+        return None
+    try:
+        files = read_manifest(store.path(generation), RECOVER_MANIFEST)["files"]
+    except CheckpointError as error:
+        logger.warning("%s: the other nodes do not commit their copy of %s: %s", store.root, generation, error)
+        return None
+    plain = json.loads(json.dumps(header))  # as the manifest stores it (plain data, as peers accept)
+    return NodeCopy({name: (entry["size"], entry["crc32"]) for name, entry in files.items()}, plain, committers)
+
+
+def commit_node_copy(
+    store: RecoverStore, generation: str, copy: NodeCopy, models: list[str], protected: tuple[str, ...]
+) -> None:
+    """On the committing rank of a node other than rank 0's (``copy.committers``; any other rank
+    returns): commit this node's copy of ``generation`` with rank 0's records (most of its
+    files are on other nodes until :func:`fill_from_peers`), keeping ``protected``, and delete
+    what it superseded on the helper thread. Local; durable on return. A failure is logged,
+    not raised: rank 0's commit is the one that counts, and a load brings its manifest."""
+    if dist.rank() not in copy.committers:
+        return
+    records = {name: FileRecord(size, crc) for name, (size, crc) in copy.records.items()}
+    try:
+        (store.path(generation) / RECOVER_MANIFEST).parent.mkdir(exist_ok=True)
+        store.commit(generation, records, copy.header, models, protected)
+    except (OSError, CheckpointError) as error:
+        logger.warning(
+            "%s: this node's copy of %s was not committed (%s); rank 0's commit stands",
+            store.root,
+            generation,
+            error,
+        )
+        return
+    sweep_trash_later(store.root)
+
+
+@dist.exchanged
+@dataclass(frozen=True)
+class Transfer:
+    """One file of a generation sent whole from rank ``source`` to rank ``target``."""
+
+    name: str
+    size: int
+    crc32: int
+    source: int
+    target: int
+
+
+def fill_from_peers(store: RecoverStore, generation: str) -> int:
+    """Collective, before a load of ``generation`` (rank 0's committed one) from the local
+    tiers, whose folder every node holds: each node receives, whole, every file of it that it
+    lacks (or holds at another size) from a node that holds it, and rank 0's manifest when it
+    has none (its own commit of the copy was cut), each checked against the manifest's size and
+    CRC-32 before it takes its name; returns the bytes this rank received. Nothing is sent on
+    one node. Blocking; durable on return. Raises CheckpointError on every rank, naming the
+    file and the ranks, when no node holds a file or a transfer failed (files received whole
+    are kept)."""
+    folder = store.path(generation)
+    what = f"{folder}: copying the files of other nodes"
+
+    def roles(nodes: list[str]) -> list[tuple[bool, bool]]:  # (several nodes, this rank leads its node)
+        leaders = set(first_ranks(nodes).values())
+        return [(len(leaders) > 1, rank in leaders) for rank in range(len(nodes))]
+
+    several, leading = agree.gathered_then_dealt(lambda: node_of(store.root), roles, what)
+    if not several:
+        return 0
+
+    def plan(listings: list[dict[str, int] | None]) -> list[list[Transfer]]:
+        manifest = record_of(folder / RECOVER_MANIFEST)  # rank 0's: a node's own copy differs in its time stamp
+        listed = read_manifest(folder, RECOVER_MANIFEST)["files"]
+        files = {name: FileRecord(entry["size"], entry["crc32"]) for name, entry in listed.items()}
+        holders = {rank: listing for rank, listing in enumerate(listings) if listing is not None}
+        transfers: list[Transfer] = []
+        for index, (name, record) in enumerate([(RECOVER_MANIFEST, manifest), *sorted(files.items())]):
+            if name == RECOVER_MANIFEST:
+                sources = [0]
+                targets = [rank for rank, listing in holders.items() if name not in listing]
+            else:
+                sources = [rank for rank, listing in holders.items() if listing.get(name) == record.size]
+                targets = [rank for rank, listing in holders.items() if listing.get(name) != record.size]
+            if targets and not sources:
+                raise CheckpointError(f"{folder / name}: no node holds this file of {generation}")
+            for offset, target in enumerate(targets):  # the senders take turns
+                source = sources[(index + offset) % len(sources)]
+                transfers.append(Transfer(name, record.size, record.crc32, source, target))
+        return [[move for move in transfers if rank in (move.source, move.target)] for rank in range(len(listings))]
+
+    mine = agree.gathered_then_dealt(lambda: _listing(folder) if leading else None, plan, what)
+    return agree.on_every_rank(lambda: _run(folder, mine), what)
+
+
+def _listing(folder: Path) -> dict[str, int]:
+    """The size of every regular file in ``folder`` by its path there (links not followed); local."""
+    listing: dict[str, int] = {}
+    for top, _, names in os.walk(folder):
+        for name in names:
+            path = Path(top) / name
+            if path.is_file() and not path.is_symlink():
+                listing[path.relative_to(folder).as_posix()] = path.stat().st_size
+    return listing
+
+
+def _run(folder: Path, transfers: list[Transfer]) -> int:
+    """This rank's share of the transfers, in the global order (so no pair waits on another);
+    each one runs to its end even after a failure, keeping its peer in step. Raises the first
+    failure once all are done; returns the bytes received."""
+    received = 0
+    failure: BaseException | None = None
+    for move in transfers:
+        try:
+            if move.source == dist.rank():
+                _send(folder, move)
+            else:
+                _receive(folder, move)
+                received += move.size
+        except (OSError, CheckpointError) as error:
+            failure = failure or error
+    if failure is not None:
+        raise failure
+    return received
+
+
+def _send(folder: Path, move: Transfer) -> None:
+    """Send ``move``'s file in :data:`TRANSFER_CHUNK` messages; after a read error the rest
+    goes as zeros (the receiver's check refuses it) and the error is raised at the end."""
+    failure: OSError | None = None
+    try:
+        source = open_regular_file(folder / move.name)
+    except OSError as error:
+        source, failure = None, error
+    try:
+        for offset in range(0, move.size, TRANSFER_CHUNK):
+            length = min(TRANSFER_CHUNK, move.size - offset)
+            data = bytearray(length)
+            if source is not None and failure is None:
+                try:
+                    read = source.read(length)
+                    data[: len(read)] = read
+                except OSError as error:
+                    failure = error
+            dist.send_bytes(torch.frombuffer(data, dtype=torch.uint8), move.target)
+    finally:
+        if source is not None:
+            source.close()
+    if failure is not None:
+        raise CheckpointError(f"{folder / move.name}: cannot send it to rank {move.target}: {failure}")
+
+
+def _receive(folder: Path, move: Transfer) -> None:
+    """Receive ``move``'s file into a new file beside its place, then give it its name (never
+    through a link) once its size and CRC-32 match the manifest; durable. After a write error
+    the rest is received and dropped, and the error is raised at the end."""
+    path = folder / move.name
+    link = link_on_path(path, folder)
+    temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.part")
+    writer: ChecksummedWriter | None = None
+    failure: Exception | None = None
+    try:
+        if link is not None:
+            raise CheckpointError(f"{link}: a link in the local tier; not writing through it")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        writer = ChecksummedWriter(temporary)
+    except (OSError, CheckpointError) as error:
+        failure = error
+    for offset in range(0, move.size, TRANSFER_CHUNK):
+        chunk = dist.receive_bytes(min(TRANSFER_CHUNK, move.size - offset), move.source)
+        if writer is not None and failure is None:
+            try:
+                writer.write(chunk.numpy().data)
+            except OSError as error:
+                failure = error
+    if writer is not None and failure is None:
+        failure = _finish(writer, temporary, path, FileRecord(move.size, move.crc32))
+    elif writer is not None:
+        writer.abort()
+        temporary.unlink(missing_ok=True)
+    if failure is not None:
+        raise CheckpointError(f"{path}: cannot receive it from rank {move.source}: {failure}")
+
+
+def _finish(writer: ChecksummedWriter, temporary: Path, path: Path, expected: FileRecord) -> Exception | None:
+    """Close the received file and give it ``path``'s name when it matches ``expected``; else
+    remove it and return why."""
+    try:
+        record = writer.close()
+        if record == expected:
+            os.replace(temporary, path)
+            fsync_dir(path.parent)
+            return None
+        failure: Exception = CheckpointError(
+            f"{record.size} bytes with CRC-32 {record.crc32:#010x} received, "
+            f"the manifest lists {expected.size} bytes with {expected.crc32:#010x}"
+        )
+    except OSError as error:
+        failure = error
+    temporary.unlink(missing_ok=True)
+    return failure
