@@ -24,6 +24,7 @@ import areal_ckpt as ac
 
 BIG = dict(hidden_size=192, intermediate_size=384, num_hidden_layers=3)  # ~2 MB of weights
 BUCKET = "torture"
+AHEAD = "the local tiers were ahead of the bucket"
 
 
 def _fill(model: torch.nn.Module, value: float) -> None:
@@ -114,7 +115,7 @@ def _check(trial: str, kind: str, work: Path, staging: str, world: int) -> tuple
                     return "lost", found["why"] or f"rank {rank} resumed {found['step']}, the bucket holds {step:.0f}"
                 if not found["exact"]:
                     return "wrong", f"rank {rank}: weights do not all equal step {found['step']:.0f}"
-            return "resumed_correctly", ""
+            return "resumed_correctly", AHEAD if found["step"] > step else ""
     else:
         model = f"s3://{BUCKET}/runs/checkpoints/tester/exp/{trial}/default"
         try:
@@ -153,6 +154,7 @@ def scenario_s3(trials: int, rng: random.Random, work: Path, select: str | None 
             row = Row(f"s3-kill-{victim}-{kind}-{world}")
             if select is not None and select not in row.scenario and not "s3-kill".startswith(select):
                 continue
+            ahead = 0
             for index in range(trials):
                 trial = f"{kind}{world}{victim}{index}"
                 staging = str(work / f"staging-{trial}")
@@ -172,7 +174,13 @@ def scenario_s3(trials: int, rng: random.Random, work: Path, select: str | None 
                 finally:
                     for process in processes:
                         process.join(30)
-                row.record(*_check(trial, kind, work, staging, world))
+                outcome, note = _check(trial, kind, work, staging, world)
+                ahead += note == AHEAD
+                row.record(outcome, note)
+            if kind == "tiered":
+                row.notes.append(
+                    f"{ahead} of {trials} resumed on the job's own nodes from a local generation newer than the bucket's"
+                )
             rows.append(row)
     finally:
         server.stop()

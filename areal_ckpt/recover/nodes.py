@@ -163,7 +163,10 @@ def fill_from_peers(store: RecoverStore, generation: str) -> int:
         return [[move for move in transfers if rank in (move.source, move.target)] for rank in range(len(listings))]
 
     mine = agree.gathered_then_dealt(lambda: _listing(folder) if leading else None, plan, what)
-    return agree.on_every_rank(lambda: _run(folder, mine), what)
+    received = agree.on_every_rank(lambda: _run(folder, mine), what)
+    if received:
+        logger.info("%s: received %d bytes from other nodes", folder, received)
+    return received
 
 
 def _listing(folder: Path) -> dict[str, int]:

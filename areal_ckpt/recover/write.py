@@ -160,12 +160,13 @@ class DumpJob:
                 for model, hf_files in self.hf.items():  # checksummed and fsync'd by the commit
                     (folder / model / HF_FILES).mkdir(exist_ok=True)
                     hf_files.write(folder / model / HF_FILES)
+                node = node_of(store.root) if self.tiered else ""  # who shares this local tier
             except (RankMismatchError, CollectiveError):
                 raise
             except Exception as error:  # retried, once every rank knows
                 raise TransientError(f"{type(error).__name__}: {error}") from error
             mine.update(records)
-            return records, node_of(store.root) if self.tiered else ""
+            return records, node
 
         return agree.gathered_then_decided(write, lambda every: self._commit(store, every), "writing failed")
 
