@@ -221,6 +221,7 @@ def _write_tag_manifest(staging: Path, tag: str, every: list[dict[str, tuple[int
     write_manifest(staging, MANIFEST_NAME, records, header)
 
 
+@python_random_kept()  # a retried request to object storage draws from it (botocore's jitter)
 def load_checkpoint(
     engine: EngineLike,
     load_dir: str | os.PathLike[str],

@@ -61,6 +61,7 @@ class Saver:
     named ``epoch{E}epochstep{S}globalstep{G}`` is always complete.
     """
 
+    @python_random_kept()  # its check of object storage may be retried (botocore's jitter)
     def __init__(self, config: SaverConfig | Any, ft_spec: FinetuneSpec) -> None:
         self.config = config = SaverConfig.of(config)
         self.ft_spec = ft_spec

@@ -223,8 +223,8 @@ class BackgroundWriter:
             outcome = self.wait()
             if outcome is not None:
                 logger.info("%s: finished the last background save at exit: %s", self.label, outcome.result)
-        except CheckpointError as error:
-            logger.error("%s: %s", self.label, error)
+        except CheckpointError as error:  # its message names the writer already
+            logger.error("%s", error)
         self.stop()
 
 

@@ -58,6 +58,7 @@ class RecoverHandler:
     calling process or, asynchronously, by a background writer (see ``dump``).
     """
 
+    @python_random_kept()  # its check of object storage may be retried (botocore's jitter)
     def __init__(self, config: RecoverConfig | Any, ft_spec: FinetuneSpec) -> None:
         self.config = config = RecoverConfig.of(config)
         self.ft_spec = ft_spec
