@@ -204,8 +204,8 @@ def test_two_nodes_with_their_own_local_dirs_resume_bit_exact_after_one_loses_it
 def test_two_nodes_whose_uploads_never_went_through_resume_bit_exact_from_their_local_tiers(
     reference_run_fsdp2, own_s3_server, tmp_path
 ):
-    # each node commits its own copy of every dump (holding its own ranks' data files); the
-    # restart copies over what each node lacks (an FSDP2 load also reads the other rank's file)
+    # rank 0's commit stands for both nodes, the other holding its own rank's files of each dump;
+    # the restart copies over what each node lacks (an FSDP2 load also reads the other rank's file)
     server, root, out, local = own_s3_server, "s3://tiered-nodes/root", tmp_path / "out", tmp_path / "local"
     server.make_bucket("tiered-nodes")
     tiered = ["--local-dir", str(local), "--environment", json.dumps(server.environment())]
@@ -223,9 +223,10 @@ def test_two_nodes_whose_uploads_never_went_through_resume_bit_exact_from_their_
     first = [*tiered, "--kill-at", "7", "--hold-after-load", str(held)]
     assert run_job(root, out, world_size=2, wrap="fsdp2", extra=first) == [-9, -9]
     stopper.join()
-    assert local_step(local / "node0", "bitexact") == 7 and local_step(local / "node1", "bitexact") == 7
-    committed = local / "node1/checkpoints/tester/exp/bitexact/.recover/current/default"
-    assert [path.name for path in committed.glob("__*_0.distcp")] == ["__1_0.distcp"]  # its own rank's only
+    assert local_step(local / "node0", "bitexact") == 7 and local_step(local / "node1", "bitexact") is None
+    committed = (local / "node0/checkpoints/tester/exp/bitexact/.recover/current").resolve().name
+    node1_copy = local / "node1/checkpoints/tester/exp/bitexact/.recover" / committed
+    assert [path.name for path in node1_copy.glob("*/__*_0.distcp")] == ["__1_0.distcp"]  # its own rank's only
     server.start()
     shutil.move(local / "node1", tmp_path / "node1-elsewhere")  # the job restarts without that node's disk
     with pytest.raises(AssertionError, match=r"ranks \[1\] have no local copy of it .* restart on the nodes whose"):
@@ -233,9 +234,6 @@ def test_two_nodes_whose_uploads_never_went_through_resume_bit_exact_from_their_
     assert local_step(local / "node0", "bitexact") == 7  # nothing deleted
     shutil.rmtree(local / "node1", ignore_errors=True)
     shutil.move(tmp_path / "node1-elsewhere", local / "node1")  # the hint: on the nodes that hold it
-    generation = committed.parent.resolve()  # as if killed between rank 0's commit and this node's own:
-    (generation / "recover_info/areal_ckpt_manifest.json").unlink()
-    (generation.parent / "current").unlink()
     run_job(root, out, world_size=2, wrap="fsdp2", extra=tiered)
     assert_same_run(reference_run_fsdp2, out, world_size=2)
     for rank in range(2):  # resumed after step 7 (the bucket never held it): no step up to it ran twice

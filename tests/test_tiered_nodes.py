@@ -25,15 +25,15 @@ def _contents(rank: int) -> dict[str, bytes]:
     return {**data, SHARED: b'{"global_step": 5}'} if rank == 0 else data
 
 
-def _commit_on_each_node(store: RecoverStore, step: int, listed: dict[str, bytes]) -> str:
-    """This rank's node: write this rank's files of a generation and commit it listing ``listed``."""
+def _dump(store: RecoverStore, step: int, listed: dict[str, bytes]) -> str:
+    """This rank's node: write this rank's files of a generation; rank 0 commits it listing ``listed``."""
     generation = generation_name(step, "feedbeef")
     for name, data in _contents(dist.rank()).items():
         (store.path(generation) / name).parent.mkdir(parents=True, exist_ok=True)
         (store.path(generation) / name).write_bytes(data)
-    (store.path(generation) / RECOVER_MANIFEST).parent.mkdir(exist_ok=True)
-    records = {name: FileRecord(len(data), crc32(data)) for name, data in listed.items()}
-    store.commit(generation, records, {"step": {"global_step": step}}, ["default"])
+    if dist.rank() == 0:
+        records = {name: FileRecord(len(data), crc32(data)) for name, data in listed.items()}
+        store.commit(generation, records, {"step": {"global_step": step}}, ["default"])
     return generation
 
 
@@ -41,30 +41,20 @@ def _fill_case(rank: int, world_size: int, root: str) -> None:
     nodes.TRANSFER_CHUNK = 4096  # a data file crosses in several messages
     store = RecoverStore(Path(root) / f"node{rank}" / "trial")
     everything = {name: data for peer in range(world_size) for name, data in _contents(peer).items()}
-    generation = _commit_on_each_node(store, 5, everything)
+    generation = _dump(store, 5, everything)
     if rank == 1:  # a copy torn by a crash: the wrong size, so it is received again
+        (store.path(generation) / SHARED).parent.mkdir()
         (store.path(generation) / SHARED).write_bytes(b"{")
     received = nodes.fill_from_peers(store, generation)
-    files = read_manifest(store.path(generation), RECOVER_MANIFEST)["files"]
-    assert check_files(store.path(generation), files, list(everything)) == []
-    assert received == sum(len(data) for name, data in everything.items() if name not in _contents(rank))
-    generation = generation_name(8, "feedbeef")  # node 1's own commit was cut: only its files are there
-    if rank == 0:
-        _commit_on_each_node(store, 8, everything)
-    else:
-        (store.path(generation) / "default").mkdir(parents=True)
-        (store.path(generation) / "default/__1_0.distcp").write_bytes(_contents(1)["default/__1_0.distcp"])
-    nodes.fill_from_peers(store, generation)
     manifest = (store.path(generation) / RECOVER_MANIFEST).read_bytes()
     assert dist.all_gather_objects(manifest) == [manifest, manifest]  # rank 0's, on both nodes
-    assert (
-        check_files(
-            store.path(generation), read_manifest(store.path(generation), RECOVER_MANIFEST)["files"], list(everything)
-        )
-        == []
-    )
+    files = read_manifest(store.path(generation), RECOVER_MANIFEST)["files"]
+    assert check_files(store.path(generation), files, list(everything)) == []
+    others = sum(len(data) for name, data in everything.items() if name not in _contents(rank))
+    assert received == others + (len(manifest) if rank == 1 else 0)
+    assert nodes.fill_from_peers(store, generation) == 0  # whole on both nodes: nothing to send again
     lost = {**everything, "default/__9_0.distcp": b"held by no node"}
-    generation = _commit_on_each_node(store, 7, lost)
+    generation = _dump(store, 7, lost)
     with pytest.raises(CheckpointError, match=r"__9_0\.distcp: no node holds this file of gen-00000007"):
         nodes.fill_from_peers(store, generation)
 

@@ -1,15 +1,14 @@
-"""The nodes of a tiered trial: each node's local tier holds a copy of every dump.
+"""The nodes of a tiered trial: what each node's local tier holds, and how a load makes it whole.
 
 With ``recover.local_dir`` on each node's own disk, each rank writes its data files to its own
-node's local tier and rank 0 writes the small files there and commits: rank 0's commit is the
-one that counts. Every other node then commits its own copy of the generation
-(:func:`commit_node_copy`): rank 0's manifest, listing every file of the generation, of which
-that node holds only its own ranks', so that each node's local tier names its newest dump and
-drops the ones it superseded. Before a load from the local tiers, each node receives the files
-it lacks, whole, from a node that holds them, over the job's process group
-(:func:`fill_from_peers`), each checked against the manifest's size and CRC-32; rank 0's
-manifest too, when a kill cut the node's own commit. Every rank then loads as from a local
-trial.
+node's local tier and rank 0 writes the small files there and commits: rank 0's commit stands
+for every node. Another node's local tier holds the folder of each committed generation with its
+own ranks' files only, and no commit record of its own; after each commit the lowest rank of
+that node drops its other generations but those uploads still need
+(:func:`~areal_ckpt.recover.tidy.drop_later`). Before a load from the local tiers, each node
+receives the files it lacks (rank 0's manifest among them), whole, from a node that holds them,
+over the job's process group (:func:`fill_from_peers`), each checked against the manifest's
+size and CRC-32; every rank then loads as from a local trial.
 
 Ranks share a node when their local tier is the same folder (host name, device and inode), so
 the rule needs no launcher variables and holds for several nodes simulated on one machine.
@@ -17,14 +16,12 @@ the rule needs no launcher variables and holds for several nodes simulated on on
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -34,7 +31,6 @@ from areal_ckpt.fsio import ChecksummedWriter, FileRecord, fsync_dir, link_on_pa
 from areal_ckpt.paths import RECOVER_MANIFEST
 from areal_ckpt.publish import read_manifest
 from areal_ckpt.recover.store import RecoverStore
-from areal_ckpt.recover.tidy import sweep_trash_later
 
 logger = logging.getLogger(__name__)
 
@@ -59,59 +55,6 @@ def first_ranks(nodes: list[str]) -> dict[str, int]:
 
 @dist.exchanged
 @dataclass(frozen=True)
-class NodeCopy:
-    """What the other nodes need to commit their copy of a generation rank 0 committed: its
-    manifest's file records and header, and the rank that commits on each node but rank 0's."""
-
-    records: dict[str, tuple[int, int]]
-    header: dict[str, Any]
-    committers: tuple[int, ...]
-
-
-def node_copy(store: RecoverStore, generation: str, header: dict[str, Any], nodes: list[str]) -> NodeCopy | None:
-    """Rank 0, after committing ``generation`` with ``header``: what the other nodes of
-    ``nodes`` (each rank's :func:`node_of`) commit, None when every rank is on rank 0's node
-    or rank 0's manifest cannot be read back (logged: the commit stands, the other nodes keep
-    their older copy). Local."""
-    committers = tuple(rank for node, rank in first_ranks(nodes).items() if node != nodes[0])
-    if not committers:
-        return None
-    try:
-        files = read_manifest(store.path(generation), RECOVER_MANIFEST)["files"]
-    except CheckpointError as error:
-        logger.warning("%s: the other nodes do not commit their copy of %s: %s", store.root, generation, error)
-        return None
-    plain = json.loads(json.dumps(header))  # as the manifest stores it (plain data, as peers accept)
-    return NodeCopy({name: (entry["size"], entry["crc32"]) for name, entry in files.items()}, plain, committers)
-
-
-def commit_node_copy(
-    store: RecoverStore, generation: str, copy: NodeCopy, models: list[str], protected: tuple[str, ...]
-) -> None:
-    """On the committing rank of a node other than rank 0's (``copy.committers``; any other rank
-    returns): commit this node's copy of ``generation`` with rank 0's records (most of its
-    files are on other nodes until :func:`fill_from_peers`), keeping ``protected``, and delete
-    what it superseded on the helper thread. Local; durable on return. A failure is logged,
-    not raised: rank 0's commit is the one that counts, and a load brings its manifest."""
-    if dist.rank() not in copy.committers:
-        return
-    records = {name: FileRecord(size, crc) for name, (size, crc) in copy.records.items()}
-    try:
-        (store.path(generation) / RECOVER_MANIFEST).parent.mkdir(exist_ok=True)
-        store.commit(generation, records, copy.header, models, protected)
-    except (OSError, CheckpointError) as error:
-        logger.warning(
-            "%s: this node's copy of %s was not committed (%s); rank 0's commit stands",
-            store.root,
-            generation,
-            error,
-        )
-        return
-    sweep_trash_later(store.root)
-
-
-@dist.exchanged
-@dataclass(frozen=True)
 class Transfer:
     """One file of a generation sent whole from rank ``source`` to rank ``target``."""
 
@@ -126,8 +69,7 @@ def fill_from_peers(store: RecoverStore, generation: str) -> int:
     """Collective, before a load of ``generation`` (rank 0's committed one) from the local
     tiers, whose folder every node holds: each node receives, whole, every file of it that it
     lacks (or holds at another size) from a node that holds it, and rank 0's manifest when it
-    has none (its own commit of the copy was cut), each checked against the manifest's size and
-    CRC-32 before it takes its name; returns the bytes this rank received. Nothing is sent on
+    has none, each checked against the manifest's size and CRC-32 before it takes its name; returns the bytes this rank received. Nothing is sent on
     one node. Blocking; durable on return. Raises CheckpointError on every rank, naming the
     file and the ranks, when no node holds a file or a transfer failed (files received whole
     are kept)."""
@@ -143,7 +85,7 @@ def fill_from_peers(store: RecoverStore, generation: str) -> int:
         return 0
 
     def plan(listings: list[dict[str, int] | None]) -> list[list[Transfer]]:
-        manifest = record_of(folder / RECOVER_MANIFEST)  # rank 0's: a node's own copy differs in its time stamp
+        manifest = record_of(folder / RECOVER_MANIFEST)  # rank 0's; a node may have one from an earlier load
         listed = read_manifest(folder, RECOVER_MANIFEST)["files"]
         files = {name: FileRecord(entry["size"], entry["crc32"]) for name, entry in listed.items()}
         holders = {rank: listing for rank, listing in enumerate(listings) if listing is not None}

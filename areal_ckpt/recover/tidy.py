@@ -16,7 +16,7 @@ from pathlib import Path
 
 from areal_ckpt.formats.dcp_storage import data_file_of
 from areal_ckpt.paths import RECOVER_INFO, RECOVER_TRASH_PREFIX, rank_state_file
-from areal_ckpt.publish import TrashCollector
+from areal_ckpt.publish import TrashCollector, hide_folder
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,19 @@ def delete_later(
             remove_empty_folders(root / name)
 
     _DELETIONS.run(delete)
+
+
+def drop_later(root: Path, generations: list[str]) -> None:
+    """Hide ``generations`` of the store ``root`` (one rename each) and delete what is hidden
+    there on this process's deletion thread: for a local tier that no commit of its own tidies
+    (another node's, in a tiered trial), by one rank of that node. Never through a link; a
+    generation that cannot be hidden is logged and left for a later call."""
+    for name in generations:
+        try:
+            hide_folder(root / name, root / f"{RECOVER_TRASH_PREFIX}{name}")
+        except OSError as error:
+            logger.warning("could not delete %s: %s (it is removed later)", root / name, error)
+    sweep_trash_later(root)
 
 
 def delete_rank_files(root: Path, hidden: list[str], rank: int, models: list[str]) -> None:

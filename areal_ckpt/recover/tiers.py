@@ -14,9 +14,9 @@ one decision (:func:`choose_tier`):
 - object storage cannot be reached: resume locally, saying so, when every rank can; else a
   CheckpointError (never a silent fresh start).
 
-On several nodes rank 0's commit is the one that counts; each other node holds its own ranks'
-files of it, and commits its own copy right after (:mod:`areal_ckpt.recover.nodes`; a kill may
-fall between the two). Before a local load the nodes exchange the files each lacks.
+On several nodes rank 0's commit stands for every node: another node's local tier holds only
+the folder of each generation, with its own ranks' files (:mod:`areal_ckpt.recover.nodes`).
+Before a local load the nodes exchange the files each lacks.
 
 A local generation that turns out damaged while it loads is given up for object storage's
 newest by the caller (:meth:`~areal_ckpt.recover.handler.RecoverHandler.load`).

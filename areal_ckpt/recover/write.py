@@ -24,11 +24,11 @@ from areal_ckpt.formats.hf_export import HFFiles
 from areal_ckpt.fsio import FileRecord, FileWriter, write_file_durably
 from areal_ckpt.jobs.shm_arena import ArenaLayout
 from areal_ckpt.paths import DATA_SUFFIX, HF_FILES, MODEL_SEPARATOR, RECOVER_FORMAT, RECOVER_FORMAT_VERSION
-from areal_ckpt.recover.nodes import NodeCopy, commit_node_copy, node_copy, node_of
+from areal_ckpt.recover.nodes import first_ranks, node_of
 from areal_ckpt.recover.remote import RemoteGenerations
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.store import RecoverStore
-from areal_ckpt.recover.tidy import delete_later
+from areal_ckpt.recover.tidy import delete_later, drop_later
 from areal_ckpt.state.numerics import numerics_record
 from areal_ckpt.storage.commits import store_of
 from areal_ckpt.urls import ObjectURL
@@ -60,7 +60,7 @@ class DumpJob:
     object storage) the generation committed in ``trial`` (the staging copy) is then uploaded
     and committed there, in a commit record naming the job's ``run_token``; with ``tiered`` as
     well, ``trial`` is the local tier: the dump ends with the local commit (its data files
-    written there, not streamed; on several nodes each node commits its own copy,
+    written there, not streamed; on several nodes rank 0's commit stands for every node's,
     :mod:`areal_ckpt.recover.nodes`) and its upload is another job's
     (:mod:`areal_ckpt.recover.upload`), whose generations ``protected`` names (kept by the
     commit's tidying).
@@ -107,15 +107,16 @@ class DumpJob:
         mine: set[str] = set()  # the files of this rank's in the generation, for its uploads
         streamed: set[str] = set()  # those written straight to the bucket (its data files)
         try:
-            written, hidden, copy = retried(
+            written, hidden, tidies_node = retried(
                 lambda: self._attempt(store, by_folder, mine, streamed), self.retries, what, give_up=discard
             )
         except RankMismatchError:  # refused before anything was written: no debris either
             discard()
             raise
-        if copy is not None:  # a tiered trial on several nodes: each commits its own copy
-            commit_node_copy(store, self.generation, copy, self.models, self.protected)
         delete_later(store.root, hidden, dist.rank(), self.models)  # every rank its own share on rank 0's node
+        if tidies_node:  # another node's local tier: rank 0's commit superseded all but this one
+            kept = {self.generation, *self.protected}
+            drop_later(store.root, [name for name in store.generations() if name not in kept])
         if self.remote is None or self.tiered:
             return {"path": str(store.path(self.generation)), "bytes": written, "files": sorted(mine)}
         remote = RemoteGenerations(self.remote)
@@ -131,12 +132,13 @@ class DumpJob:
 
     def _attempt(
         self, store: RecoverStore, by_folder: dict[str, dict[str, Any]], mine: set[str], streamed: set[str]
-    ) -> tuple[int, list[str], NodeCopy | None]:
+    ) -> tuple[int, list[str], bool]:
         """One write + commit; returns (the bytes written, the hidden superseded generations,
-        what the other nodes of a tiered trial commit: :mod:`areal_ckpt.recover.nodes`) and
-        puts this rank's files into ``mine``, those it wrote straight to the bucket (object
-        storage: its data files) also into ``streamed``. Collective; rank 0 commits; every rank
-        raises the same TransientError when a rank's write or the commit failed."""
+        whether this rank tidies its node's local tier: the lowest rank of each node but rank
+        0's, in a tiered trial) and puts this rank's files into ``mine``, those it wrote straight
+        to the bucket (object storage: its data files) also into ``streamed``. Collective; rank
+        0 commits; every rank raises the same TransientError when a rank's write or the commit
+        failed."""
         folder = store.path(self.generation)
 
         def write() -> tuple[dict[str, tuple[int, int]], str]:
@@ -168,7 +170,7 @@ class DumpJob:
             mine.update(records)
             return records, node
 
-        return agree.gathered_then_decided(write, lambda every: self._commit(store, every), "writing failed")
+        return agree.gathered_then_dealt(write, lambda every: self._commit(store, every), "writing failed")
 
     def _object_writer(self, part: str) -> Callable[[Path], FileWriter] | None:
         """On object storage: what writes a data file of ``part`` straight to the generation's
@@ -181,10 +183,10 @@ class DumpJob:
 
     def _commit(
         self, store: RecoverStore, every: list[tuple[dict[str, tuple[int, int]], str]]
-    ) -> tuple[int, list[str], NodeCopy | None]:
-        """Rank 0: commit the generation, given every rank's records and node; returns the bytes
-        written for it (linked files left out), the hidden superseded generations and what the
-        other nodes commit (None on one node)."""
+    ) -> list[tuple[int, list[str], bool]]:
+        """Rank 0: commit the generation, given every rank's records and node; returns, for each
+        rank, the bytes written for it (linked files left out), the hidden superseded
+        generations and whether that rank tidies its node's local tier."""
         records = {k: FileRecord(size, crc) for part, _ in every for k, (size, crc) in part.items()}
         hidden: list[str] = []
         try:
@@ -194,9 +196,10 @@ class DumpJob:
                 raise TransientError(f"commit failed: {error}") from error
             logger.warning("%s: committed %s, but then: %s", store.root, self.generation, error)
         linked = sum(size for size, _ in self.records.values())  # rank 0's: unchanged parts, not written
+        written = sum(record.size for record in records.values()) - linked
         nodes = [node for _, node in every]
-        copy = node_copy(store, self.generation, self.header, nodes) if self.tiered else None
-        return sum(record.size for record in records.values()) - linked, hidden, copy
+        tidying = set(first_ranks(nodes).values()) - {0} if self.tiered else set()
+        return [(written, hidden, rank in tidying) for rank in range(len(every))]
 
 
 def _committed_or_none(store: RecoverStore) -> str | None:
