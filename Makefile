@@ -31,7 +31,13 @@ PACKAGES := fuse3 libaio-dev
 $(SYSTEM):
 	apt-get install -y -q $(PACKAGES) >/dev/null || (apt-get update -q >/dev/null && apt-get install -y -q $(PACKAGES) >/dev/null)
 
-test: $(SYSTEM) $(STAMP)  # system packages first: the environment's op build needs libaio
+# Azurite, the Azure Blob emulator the az:// tests start on 127.0.0.1 (npm; node is on the machine)
+AZURITE := $(VENV)/azurite/node_modules/.bin/azurite-blob
+
+$(AZURITE): | $(STAMP)
+	npm install --silent --prefix $(VENV)/azurite azurite@3.37.0 --no-audit --no-fund
+
+test: $(SYSTEM) $(STAMP) $(AZURITE)  # system packages first: the environment's op build needs libaio
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # ruff (lint rules and formatting) on the code, tests and benchmarks; mypy --strict on the package

@@ -31,12 +31,12 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_slices import read_when_needed
 from areal_ckpt.fsio import FileWriter
 from areal_ckpt.paths import MANIFEST_NAME, TAG_CLIENT_STATE, TAG_MODEL, staging_trial_root
+from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import (
     CommitLog,
     CommitRecord,
     delete_prefix,
     fresh_folder,
-    store_of,
     upload_folder_files,
 )
 from areal_ckpt.storage.folders import OnDemandFiles, fetch_shared, upload_rest

@@ -1,8 +1,9 @@
-"""URLs of object storage (``s3://bucket/prefix``) where a path could go; pure, no I/O.
+"""URLs of object storage (``s3://``, ``gs://``, ``az://``) where a path could go; pure, no I/O.
 
 A value that starts with ``scheme://`` is never taken for a local path: a supported scheme
 becomes an :class:`ObjectURL`, any other is refused naming it (taken as a path, ``s3://b/p``
-would silently become a local folder named ``s3:``).
+would silently become a local folder named ``s3:``). A value that almost is a URL of a known
+scheme (``s3:/b/p``, ``s3:b/p``, `` s3://b/p``) is refused too, for the same reason.
 """
 
 from __future__ import annotations
@@ -10,21 +11,61 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-#: Schemes an object store is reached by (see areal_ckpt/storage/s3.py).
-OBJECT_SCHEMES = ("s3",)
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_ALMOST_URL = re.compile(r"^\s*([A-Za-z][A-Za-z0-9+.-]*):")
+
+
+@dataclass(frozen=True)
+class SchemeRules:
+    """What a scheme's URLs look like: the pattern of a bucket (container) name, what the
+    store is, and where its endpoint and credentials come from (for messages)."""
+
+    bucket: re.Pattern[str]
+    bucket_rule: str
+    reached_through: str
+
+
+#: The schemes an object store is reached by (areal_ckpt/storage/backends.py serves each);
+#: a backend registered there adds its own.
+OBJECT_SCHEMES: dict[str, SchemeRules] = {
+    "s3": SchemeRules(
+        re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$"),
+        "3-63 of a-z, 0-9, '.', '-'",
+        "s3://bucket/prefix (AWS or any S3-compatible server; endpoint from AWS_ENDPOINT_URL)",
+    ),
+    "gs": SchemeRules(
+        re.compile(r"^[a-z0-9][a-z0-9._-]{1,61}[a-z0-9]$"),
+        "3-63 of a-z, 0-9, '.', '_', '-'",
+        "gs://bucket/prefix (Google Cloud Storage; GOOGLE_APPLICATION_CREDENTIALS, or STORAGE_EMULATOR_HOST)",
+    ),
+    "az": SchemeRules(
+        re.compile(r"^[a-z0-9](?!.*--)[a-z0-9-]{1,61}[a-z0-9]$"),
+        "3-63 of a-z, 0-9, '-', no '--'",
+        "az://container/prefix (Azure Blob; AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME "
+        "and AZURE_STORAGE_ACCOUNT_KEY)",
+    ),
+}
 
 
 def url_scheme(value: str) -> str | None:
-    """The scheme of ``value`` when it is written as a URL (``s3`` of ``s3://b/p``), else None."""
+    """The scheme of ``value`` when it is written as a URL (``s3`` of ``s3://b/p``), else None.
+    ValueError naming ``value`` when it almost is a URL of a known scheme (``s3:/b``,
+    ``s3:b``, surrounded by spaces): taken as a path it would become a local folder. Pure."""
     match = _URL.match(value)
-    return None if match is None else match.group(1)
+    if match is not None:
+        return match.group(1)
+    almost = _ALMOST_URL.match(value)
+    if almost is not None and almost.group(1).lower() in OBJECT_SCHEMES:
+        scheme = almost.group(1).lower()
+        raise ValueError(f"{value!r} is not a valid {scheme}:// URL; write {OBJECT_SCHEMES[scheme].reached_through}")
+    if value != value.strip() and _URL.match(value.strip()):
+        raise ValueError(f"{value!r} is a URL with spaces around it; write it without them")
+    return None
 
 
 @dataclass(frozen=True)
 class ObjectURL:
-    """``s3://bucket/prefix``: a bucket and a key prefix inside it (no leading or trailing
+    """``s3://bucket/prefix`` (or ``gs://``, ``az://``): a bucket and a key prefix inside it (no leading or trailing
     slash; empty for the bucket's root)."""
 
     scheme: str
@@ -50,16 +91,19 @@ class ObjectURL:
 def parse_object_url(value: str, what: str) -> ObjectURL:
     """``value`` as an :class:`ObjectURL`; ValueError naming ``what`` for an unsupported scheme,
     a missing or malformed bucket name, or a prefix with empty, ``.`` or ``..`` parts. Pure."""
-    scheme = url_scheme(value)
+    try:
+        scheme = url_scheme(value)
+    except ValueError as error:
+        raise ValueError(f"{what} {error}") from None
     if scheme is None or scheme.lower() not in OBJECT_SCHEMES:
         shown = f"a {scheme}:// URL" if scheme else "not a URL"
-        raise ValueError(
-            f"{what} {value!r} is {shown}; object storage is reached through s3://bucket/prefix "
-            "(any S3-compatible server: AWS, MinIO, SeaweedFS, Ceph; endpoint from AWS_ENDPOINT_URL)"
-        )
+        reached = "; ".join(rules.reached_through for rules in OBJECT_SCHEMES.values())
+        raise ValueError(f"{what} {value!r} is {shown}; object storage is reached through {reached}")
+    rules = OBJECT_SCHEMES[scheme.lower()]
     bucket, _, prefix = value[len(scheme) + 3 :].partition("/")
-    if not _BUCKET.match(bucket) or ".." in bucket:
-        raise ValueError(f"{what} {value!r}: {bucket!r} is not a valid bucket name (3-63 of a-z, 0-9, '.', '-')")
+    if not rules.bucket.match(bucket) or ".." in bucket:
+        shown = f"{bucket!r} is not a valid bucket name" if bucket else "the bucket name is missing"
+        raise ValueError(f"{what} {value!r}: {shown} ({rules.bucket_rule})")
     parts = prefix.rstrip("/").split("/") if prefix.rstrip("/") else []
     if any(part in ("", ".", "..") for part in parts):
         raise ValueError(f"{what} {value!r}: the key prefix has an empty, '.' or '..' part")

@@ -98,6 +98,55 @@ def s3_bucket(s3_server, monkeypatch, request):
     return f"s3://{name}"
 
 
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """One real Google Cloud Storage emulator (fake-gcs-server on 127.0.0.1)."""
+    from cloud_emulators import FakeGCSServer
+
+    server = FakeGCSServer(tmp_path_factory.mktemp("fake-gcs"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def azure_server(tmp_path_factory):
+    """One real Azure Blob emulator (Azurite on 127.0.0.1)."""
+    from cloud_emulators import AzuriteServer
+
+    server = AzuriteServer(tmp_path_factory.mktemp("azurite"))
+    server.start()
+    yield server
+    server.stop()
+
+
+#: Every object store the suite runs against, by URL scheme, and the fixture of its server.
+OBJECT_SERVERS = {"s3": "s3_server", "gs": "gcs_server", "az": "azure_server"}
+
+
+@pytest.fixture(params=sorted(OBJECT_SERVERS))
+def object_server(request):
+    """The real server of each object store in turn (a test using it runs once per scheme);
+    ``.scheme`` says which."""
+    server = request.getfixturevalue(OBJECT_SERVERS[request.param])
+    server.scheme = request.param
+    return server
+
+
+@pytest.fixture
+def object_bucket(object_server, monkeypatch, request):
+    """A fresh bucket (container) on each object store in turn, its client settings in this
+    process's environment; returns its URL (``s3://``, ``gs://``, ``az://``)."""
+    import re
+
+    readable = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"{readable}-{next(_BUCKETS)}-{os.getpid() % 10000}"
+    object_server.make_bucket(name)
+    for variable, value in object_server.environment().items():
+        monkeypatch.setenv(variable, value)
+    return f"{object_server.scheme}://{name}"
+
+
 @pytest.fixture
 def own_s3_server(tmp_path, monkeypatch):
     """A server of this test's own, which it may kill and start again; its client settings in

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 import areal_ckpt as ac
-from areal_ckpt.storage.commits import CommitLog, store_of
+from areal_ckpt.storage.backends import store_of
+from areal_ckpt.storage.commits import CommitLog
 from areal_ckpt.urls import parse_object_url
 
 

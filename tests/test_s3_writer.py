@@ -9,13 +9,14 @@ import zlib
 
 import numpy as np
 
-from areal_ckpt.storage.commits import store_of
-from areal_ckpt.storage.s3 import _PART, _Views
+from areal_ckpt.storage.backends import store_of
+from areal_ckpt.storage.parts import PART_BYTES as _PART
+from areal_ckpt.storage.parts import Views as _Views
 from areal_ckpt.urls import parse_object_url
 
 
-def test_pieces_of_every_size_across_part_boundaries_land_byte_for_byte(s3_bucket):
-    url = parse_object_url(f"{s3_bucket}/w", "test")
+def test_pieces_of_every_size_across_part_boundaries_land_byte_for_byte(object_bucket):
+    url = parse_object_url(f"{object_bucket}/w", "test")
     store = store_of(url)
     rng = np.random.default_rng(0)
     pieces = [os.urandom(size) for size in (1, 3 << 20, _PART - (3 << 20) - 1, _PART + 5, 7, (2 << 20) + 3)]

@@ -9,7 +9,8 @@ from pathlib import Path
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.paths import MANIFEST_NAME
 from areal_ckpt.publish import check_files, read_manifest
-from areal_ckpt.storage.commits import CommitLog, store_of
+from areal_ckpt.storage.backends import store_of
+from areal_ckpt.storage.commits import CommitLog
 from areal_ckpt.storage.folders import fetch_folder
 from areal_ckpt.storage.objects import ObjectStore
 from areal_ckpt.urls import ObjectURL, parse_object_url

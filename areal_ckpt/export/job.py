@@ -41,11 +41,11 @@ from areal_ckpt.fsio import FileRecord, FileWriter, make_dirs
 from areal_ckpt.jobs.shm_arena import ArenaLayout, StagingArena, arena_layout_of_specs
 from areal_ckpt.paths import EXPORT_FORMAT, MANIFEST_NAME, export_staging, export_trash
 from areal_ckpt.publish import publish, write_manifest
+from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import (
     CommitLog,
     delete_prefix,
     fresh_folder,
-    store_of,
 )
 from areal_ckpt.storage.folders import upload_rest
 from areal_ckpt.urls import ObjectURL

@@ -40,7 +40,8 @@ from areal_ckpt.publish import TrashCollector, hide_folder, remove_stale
 from areal_ckpt.schedule import NamedSchedules, TriggerSchedule
 from areal_ckpt.state.rng import python_random_kept
 from areal_ckpt.step import FinetuneSpec
-from areal_ckpt.storage.commits import CommitLog, remove_debris, store_of
+from areal_ckpt.storage.backends import store_of
+from areal_ckpt.storage.commits import CommitLog, remove_debris
 from areal_ckpt.tensors import EXPORT_DTYPES
 from areal_ckpt.urls import ObjectURL, parse_object_url, url_scheme
 

@@ -24,7 +24,8 @@ from areal_ckpt import agree
 from areal_ckpt.errors import CheckpointError, TransientError
 from areal_ckpt.paths import RECOVER_CURRENT, RECOVER_MANIFEST, RECOVER_STORE, is_generation_name
 from areal_ckpt.publish import switch_symlink
-from areal_ckpt.storage.commits import CommitLog, CommitRecord, remove_debris, store_of, upload_folder_files
+from areal_ckpt.storage.backends import store_of
+from areal_ckpt.storage.commits import CommitLog, CommitRecord, remove_debris, upload_folder_files
 from areal_ckpt.storage.folders import fetch_shared, upload_rest
 from areal_ckpt.urls import ObjectURL
 

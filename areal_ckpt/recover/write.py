@@ -30,7 +30,7 @@ from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.tidy import delete_later, drop_later
 from areal_ckpt.state.numerics import numerics_record
-from areal_ckpt.storage.commits import store_of
+from areal_ckpt.storage.backends import store_of
 from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,7 +25,6 @@ from typing import Any
 
 from areal_ckpt.errors import CheckpointError, CommitError
 from areal_ckpt.storage.objects import ObjectStore
-from areal_ckpt.storage.s3 import S3Store
 from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
@@ -35,18 +33,6 @@ COMMIT_LOG = ".commits"
 _RECORD = re.compile(r"^(\d{12})\.json$")
 _RECORD_LIMIT = 1 << 20
 _UPLOADERS = 4
-_stores: dict[tuple[int, str], ObjectStore] = {}
-
-
-def store_of(url: ObjectURL) -> ObjectStore:
-    """This process's store for ``url``'s bucket, made on first use (a forked or spawned
-    writer makes its own) and again when the environment names another endpoint, profile or
-    access key. Contacts nothing."""
-    chosen = "|".join(os.environ.get(name, "") for name in ("AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_ACCESS_KEY_ID"))
-    key = (os.getpid(), f"{url.scheme}://{url.bucket}|{chosen}")
-    if key not in _stores:
-        _stores[key] = S3Store(ObjectURL(url.scheme, url.bucket, ""))
-    return _stores[key]
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,12 @@ from typing import Any
 from areal_ckpt import fsio
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.publish import check_files, read_manifest
+from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import (
     CommitLog,
     CommitRecord,
     delete_prefix,
     fresh_folder,
-    store_of,
     upload_folder_files,
 )
 from areal_ckpt.storage.objects import ObjectStore

@@ -9,12 +9,41 @@ real server (see docs/storage.md).
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
+from areal_ckpt.errors import TransientError
 from areal_ckpt.fsio import FileWriter
 from areal_ckpt.urls import ObjectURL
+
+logger = logging.getLogger(__name__)
+
+_READ_PATIENCE_SECONDS = 30.0  # a server that answers "failing" (5xx) right after a restart recovers within seconds
+T = TypeVar("T")
+
+
+class ServerFailingError(TransientError):
+    """The server answered, but with a failure of its own (5xx, throttling): reads wait for it."""
+
+
+def patiently(read: Callable[[], T]) -> T:
+    """``read()`` (idempotent), tried again with back-off while the server answers with a
+    failure of its own (:class:`ServerFailingError`), for up to 30 s, each wait logged; the
+    client's own attempts come first. Blocking."""
+    deadline, delay = time.monotonic() + _READ_PATIENCE_SECONDS, 0.5
+    while True:
+        try:
+            return read()
+        except ServerFailingError as failure:
+            if time.monotonic() + delay > deadline:
+                raise
+            logger.warning("%s; trying again in %.1f s", failure, delay)
+            time.sleep(delay)
+            delay = min(2 * delay, 8.0)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from areal_ckpt.paths import (
 )
 from areal_ckpt.publish import read_manifest, switch_symlink
 from areal_ckpt.recover.remote import RemoteGenerations
-from areal_ckpt.storage.commits import COMMIT_LOG, CommitLog, CommitRecord, store_of
+from areal_ckpt.storage.backends import store_of
+from areal_ckpt.storage.commits import COMMIT_LOG, CommitLog, CommitRecord
 from areal_ckpt.storage.folders import check_remote_folder, commit_folder, fetch_folder
 from areal_ckpt.storage.objects import ObjectInfo
 from areal_ckpt.urls import ObjectURL, parse_object_url
