@@ -11,8 +11,8 @@ from areal_ckpt.storage.commits import CommitLog
 from areal_ckpt.urls import parse_object_url
 
 
-def test_an_append_whose_answer_was_lost_is_not_written_twice(s3_server, s3_bucket):
-    parent = parse_object_url(f"{s3_bucket}/trial/.recover", "test")
+def test_an_append_whose_answer_was_lost_is_not_written_twice(object_bucket):
+    parent = parse_object_url(f"{object_bucket}/trial/.recover", "test")
     log = CommitLog(store_of(parent), parent)
     first = log.append({"folder": "gen-00000001-aa", "run": "r"})
     again = log.append({"folder": "gen-00000001-aa", "run": "r"})  # the client's retry of the same commit
@@ -20,8 +20,8 @@ def test_an_append_whose_answer_was_lost_is_not_written_twice(s3_server, s3_buck
     assert log.append({"folder": "gen-00000002-bb", "run": "r"}).sequence == 2
 
 
-def test_a_writer_that_lost_the_race_for_a_number_is_refused(s3_server, s3_bucket, monkeypatch):
-    parent = parse_object_url(f"{s3_bucket}/trial/default", "test")
+def test_a_writer_that_lost_the_race_for_a_number_is_refused(object_bucket, monkeypatch):
+    parent = parse_object_url(f"{object_bucket}/trial/default", "test")
     mine, theirs = CommitLog(store_of(parent), parent), CommitLog(store_of(parent), parent)
     mine.append({"folder": "a"})
     monkeypatch.setattr(mine, "sequences", lambda: [1])  # listed before the other writer's commit landed
@@ -31,8 +31,8 @@ def test_a_writer_that_lost_the_race_for_a_number_is_refused(s3_server, s3_bucke
     assert theirs.newest().folder == "b"  # the winner's record stands, untouched
 
 
-def test_retention_keeps_a_folder_that_a_remaining_record_names(s3_server, s3_bucket):
-    parent = parse_object_url(f"{s3_bucket}/trial/.recover", "test")
+def test_retention_keeps_a_folder_that_a_remaining_record_names(object_bucket):
+    parent = parse_object_url(f"{object_bucket}/trial/.recover", "test")
     store = store_of(parent)
     store.put_bytes(parent.key("gen-00000001-aa", "data"), b"weights")
     log = CommitLog(store, parent)

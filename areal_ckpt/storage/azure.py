@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import azure.core.exceptions as azure_errors
-from azure.storage.blob import BlobBlock, BlobServiceClient, ContainerClient
+from azure.storage.blob import BlobBlock, BlobServiceClient, ContainerClient, ExponentialRetry
 
 from areal_ckpt.errors import CheckpointError, TransientError
 from areal_ckpt.storage.objects import ObjectInfo, ServerFailingError, patiently
@@ -28,7 +28,12 @@ from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
 
-_SETTINGS: dict[str, Any] = {"connection_timeout": 10, "read_timeout": 120, "retry_total": 3}
+#: Bounded calls: connect and read timeouts, 4 more tries after waits of about 1, 3, 5 and 9 s.
+_SETTINGS: dict[str, Any] = {
+    "connection_timeout": 10,
+    "read_timeout": 120,
+    "retry_policy": ExponentialRetry(initial_backoff=1, increment_base=2, retry_total=4),
+}
 _DELETE_BATCH = 256  # a batch request holds at most 256 sub-requests
 _CREDENTIALS_HINT = "set AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME and AZURE_STORAGE_ACCOUNT_KEY"
 

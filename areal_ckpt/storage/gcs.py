@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import google.api_core.exceptions as google_errors
+import google.api_core.retry
 import google.auth.exceptions
 import requests.exceptions
 from google.auth.credentials import AnonymousCredentials
@@ -34,6 +35,21 @@ from areal_ckpt.urls import ObjectURL
 logger = logging.getLogger(__name__)
 
 _TIMEOUT = (10, 120)  # connect, read (seconds)
+_RETRY_SECONDS = 30.0
+
+
+def _log_retry(error: Exception) -> None:
+    logger.warning("Google Cloud Storage did not answer (%s); trying again for up to %.0f s", error, _RETRY_SECONDS)
+
+
+#: Every call's retry of transient failures (unreachable, 429, 5xx): bounded, each try logged.
+_RETRY = google.api_core.retry.Retry(
+    predicate=google.api_core.retry.if_transient_error,
+    initial=0.5,
+    maximum=8.0,
+    timeout=_RETRY_SECONDS,
+    on_error=_log_retry,
+)
 _CREDENTIALS_HINT = (
     "set GOOGLE_APPLICATION_CREDENTIALS to a service-account key file (or STORAGE_EMULATOR_HOST for an emulator)"
 )
@@ -69,13 +85,13 @@ class GCSStore:
         (unreachable, no such bucket, denied) otherwise. Blocking."""
         with self._translated("list", self.url.key(), bucket_level=True):
             bucket = self.bucket()
-            list(bucket.client.list_blobs(bucket, prefix=self.url.key(), max_results=1, timeout=_TIMEOUT))
+            list(bucket.client.list_blobs(bucket, prefix=self.url.key(), max_results=1, timeout=_TIMEOUT, retry=_RETRY))
 
     def put_file(self, key: str, path: Path) -> None:
         """Upload ``path`` as ``key`` (a resumable upload past 8 MiB: the object appears when it
         is finished). Blocking."""
         with self._translated("upload", key, bucket_level=True):
-            self.bucket().blob(key).upload_from_filename(str(path), timeout=_TIMEOUT)
+            self.bucket().blob(key).upload_from_filename(str(path), timeout=_TIMEOUT, retry=_RETRY)
 
     def put_bytes(self, key: str, data: bytes, create_only: bool = False) -> bool:
         """One upload of ``data``; with ``create_only`` conditional on no object having ``key``
@@ -83,7 +99,7 @@ class GCSStore:
         condition: dict[str, Any] = {"if_generation_match": 0} if create_only else {}
         try:
             with self._translated("write", key, bucket_level=True, passes=(google_errors.PreconditionFailed,)):
-                self.bucket().blob(key).upload_from_string(data, timeout=_TIMEOUT, **condition)
+                self.bucket().blob(key).upload_from_string(data, timeout=_TIMEOUT, retry=_RETRY, **condition)
         except google_errors.PreconditionFailed:
             return False
         return True
@@ -99,7 +115,7 @@ class GCSStore:
         def read() -> bytes | None:
             try:
                 with self._translated("read", key, passes=(google_errors.NotFound,)):
-                    return bytes(self.bucket().blob(key).download_as_bytes(timeout=_TIMEOUT))
+                    return bytes(self.bucket().blob(key).download_as_bytes(timeout=_TIMEOUT, retry=_RETRY))
             except google_errors.NotFound:
                 self._require_bucket("read", key)
                 return None
@@ -112,7 +128,9 @@ class GCSStore:
         def read() -> bytes:
             with self._translated("read", key):
                 blob = self.bucket().blob(key)
-                return bytes(blob.download_as_bytes(start=start, end=start + length - 1, timeout=_TIMEOUT))
+                return bytes(
+                    blob.download_as_bytes(start=start, end=start + length - 1, timeout=_TIMEOUT, retry=_RETRY)
+                )
 
         return patiently(read)
 
@@ -122,7 +140,7 @@ class GCSStore:
 
         def read() -> None:
             with self._translated("download", key):
-                self.bucket().blob(key).download_to_filename(str(path), timeout=_TIMEOUT)
+                self.bucket().blob(key).download_to_filename(str(path), timeout=_TIMEOUT, retry=_RETRY)
 
         patiently(read)
 
@@ -134,7 +152,7 @@ class GCSStore:
                 bucket = self.bucket()
                 return [
                     ObjectInfo(blob.name, int(blob.size or 0), blob.updated.timestamp() if blob.updated else 0.0)
-                    for blob in bucket.client.list_blobs(bucket, prefix=prefix, timeout=_TIMEOUT)
+                    for blob in bucket.client.list_blobs(bucket, prefix=prefix, timeout=_TIMEOUT, retry=_RETRY)
                 ]
 
         return patiently(read)
@@ -144,7 +162,7 @@ class GCSStore:
         for key in keys:
             try:
                 with self._translated("delete", key, passes=(google_errors.NotFound,)):
-                    self.bucket().blob(key).delete(timeout=_TIMEOUT)
+                    self.bucket().blob(key).delete(timeout=_TIMEOUT, retry=_RETRY)
             except google_errors.NotFound:
                 pass
 
@@ -157,7 +175,7 @@ class GCSStore:
         """CheckpointError naming the bucket when it does not exist (a missing object and a
         missing bucket both answer 404)."""
         try:
-            exists = self.bucket().exists(timeout=_TIMEOUT)
+            exists = self.bucket().exists(timeout=_TIMEOUT, retry=_RETRY)
         except (google_errors.GoogleAPIError, requests.exceptions.RequestException):
             return
         if not exists:
@@ -268,7 +286,9 @@ class GCSObjectWriter:
         try:
             with self._store._translated("upload", self._key, bucket_level=True):
                 blob = self._store.bucket().blob(self._key)
-                with blob.open("wb", chunk_size=PART_BYTES, ignore_flush=True, timeout=_TIMEOUT) as upload:
+                with blob.open(
+                    "wb", chunk_size=PART_BYTES, ignore_flush=True, timeout=_TIMEOUT, retry=_RETRY
+                ) as upload:
                     while (piece := self._next_piece()) is not _DONE:
                         upload.write(piece)
                     if self._failure is not None:

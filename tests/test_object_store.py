@@ -1,0 +1,122 @@
+"""The ObjectStore contract, kept by every store against its real server (SeaweedFS for s3://,
+fake-gcs-server for gs://, Azurite for az://): whole objects, create-only writes with one
+winner, ranged and whole reads, listings, deletion, and errors that name the URL and cause."""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import areal_ckpt as ac
+from areal_ckpt.storage.backends import store_of
+from areal_ckpt.urls import parse_object_url
+
+
+@pytest.fixture
+def where(object_bucket):
+    url = parse_object_url(f"{object_bucket}/trial", "test")
+    return store_of(url), url
+
+
+def test_objects_go_up_and_come_back_whole_and_in_ranges(where, tmp_path):
+    store, url = where
+    store.check_access()
+    payload = os.urandom(3 << 20)
+    (tmp_path / "file").write_bytes(payload)
+    store.put_file(url.key("a", "file"), tmp_path / "file")
+    assert store.put_bytes(url.key("a", "small"), b"hello")
+    assert store.get_bytes(url.key("a", "small")) == b"hello"
+    assert store.get_range(url.key("a", "file"), 1000, 5000) == payload[1000:6000]
+    assert store.get_range(url.key("a", "file"), len(payload) - 10, 100) == payload[-10:]  # short at the end
+    store.get_file(url.key("a", "file"), tmp_path / "back")
+    assert (tmp_path / "back").read_bytes() == payload
+    listed = store.list_prefix(url.key("a") + "/")
+    assert [(item.key, item.size) for item in listed] == [
+        (url.key("a", "file"), len(payload)),
+        (url.key("a", "small"), 5),
+    ]
+    assert all(item.modified > 0 for item in listed)
+
+
+def test_a_missing_object_reads_as_none_and_deleting_it_is_no_error(where):
+    store, url = where
+    assert store.get_bytes(url.key("nothing")) is None
+    store.put_bytes(url.key("there"), b"x")
+    store.delete([url.key("there"), url.key("nothing")])
+    assert store.list_prefix(url.key()) == []
+    with pytest.raises(ac.CheckpointError, match=rf"{url.key('nothing')}.*no such object"):
+        store.get_range(url.key("nothing"), 0, 1)
+
+
+def test_create_only_has_exactly_one_winner_among_concurrent_writers(where):
+    store, url = where
+    for round_number in range(3):
+        key = url.key(".commits", f"{round_number:012d}.json")
+        start = threading.Barrier(6)
+
+        def write(writer: int) -> bool:
+            start.wait()
+            return store.put_bytes(key, f"writer {writer}".encode(), create_only=True)
+
+        with ThreadPoolExecutor(6) as pool:
+            won = list(pool.map(write, range(6)))
+        assert won.count(True) == 1
+        assert store.get_bytes(key) == f"writer {won.index(True)}".encode()
+
+
+def test_many_keys_are_deleted_in_batches(where):
+    store, url = where
+    keys = [url.key("many", f"{n:04d}") for n in range(300)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda key: store.put_bytes(key, b"."), keys))
+    assert len(store.list_prefix(url.key("many") + "/")) == 300
+    store.delete(keys)
+    assert store.list_prefix(url.key("many") + "/") == []
+
+
+def test_an_aborted_writer_leaves_no_object(where):
+    store, url = where
+    writer = store.open_writer(url.key("torn"))
+    writer.write(os.urandom(70 << 20))  # more than one part: the upload has begun
+    writer.abort()
+    assert store.get_bytes(url.key("torn")) is None
+    assert store.list_prefix(url.key("torn")) == []
+
+
+def test_a_missing_bucket_is_named(object_server, monkeypatch):
+    for variable, value in object_server.environment().items():
+        monkeypatch.setenv(variable, value)
+    url = parse_object_url(f"{object_server.scheme}://no-such-bucket-here/x", "test")
+    kind = "container" if object_server.scheme == "az" else "bucket"
+    with pytest.raises(
+        ac.CheckpointError, match=rf"{url.scheme}://no-such-bucket-here/.*{kind} 'no-such-bucket-here' does not exist"
+    ):
+        store_of(url).check_access()
+
+
+def test_a_server_that_does_not_answer_is_a_transient_error_naming_the_url(object_server, monkeypatch):
+    for variable, value in object_server.environment().items():
+        monkeypatch.setenv(variable, value.replace(str(object_server.endpoint).rsplit(":", 1)[1], "9"))
+    url = parse_object_url(f"{object_server.scheme}://some-bucket/x", "test")
+    with pytest.raises(ac.errors.TransientError, match=rf"cannot list {url.scheme}://some-bucket/ .*did not answer"):
+        store_of(url).check_access()
+
+
+def test_missing_credentials_name_the_variables_to_set(monkeypatch, tmp_path):
+    for variable in ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY"):
+        monkeypatch.delenv(variable, raising=False)
+    with pytest.raises(
+        ac.CheckpointError,
+        match=r"cannot reach az://ckpt/: no Azure storage account configured; set AZURE_STORAGE_CONNECTION_STRING, or "
+        r"AZURE_STORAGE_ACCOUNT_NAME and AZURE_STORAGE_ACCOUNT_KEY",
+    ):
+        store_of(parse_object_url("az://ckpt/x", "test")).check_access()
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing-key.json"))
+    with pytest.raises(
+        ac.CheckpointError, match=r"gs://ckpt/ .*no credentials found; set GOOGLE_APPLICATION_CREDENTIALS"
+    ):
+        store_of(parse_object_url("gs://ckpt/x", "test")).check_access()
