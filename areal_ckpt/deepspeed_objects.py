@@ -56,12 +56,12 @@ def offline_converter_script() -> bytes:
 def object_root(value: str | os.PathLike[str], what: str) -> ObjectURL | None:
     """``value`` as an object storage URL, None for a local path; CheckpointError naming
     ``what`` for a URL of an unsupported scheme or a malformed one. Pure."""
-    if url_scheme(str(value)) is None:
-        return None
     try:
+        if url_scheme(str(value)) is None:
+            return None
         return parse_object_url(str(value), what)
     except ValueError as error:
-        raise CheckpointError(str(error)) from None
+        raise CheckpointError(f"{what}: {error}" if what not in str(error) else str(error)) from None
 
 
 def rank_staging(root: ObjectURL, tag: str) -> Path:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from areal_ckpt.errors import ConfigError
+
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-_ALMOST_URL = re.compile(r"^\s*([A-Za-z][A-Za-z0-9+.-]*):")
+_ALMOST_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 
 
 @dataclass(frozen=True)
@@ -49,17 +51,17 @@ OBJECT_SCHEMES: dict[str, SchemeRules] = {
 
 def url_scheme(value: str) -> str | None:
     """The scheme of ``value`` when it is written as a URL (``s3`` of ``s3://b/p``), else None.
-    ValueError naming ``value`` when it almost is a URL of a known scheme (``s3:/b``,
+    ConfigError (a ValueError) naming ``value`` when it almost is a URL of a known scheme (``s3:/b``,
     ``s3:b``, surrounded by spaces): taken as a path it would become a local folder. Pure."""
     match = _URL.match(value)
     if match is not None:
         return match.group(1)
+    if value != value.strip() and _URL.match(value.strip()):
+        raise ConfigError(f"{value!r} is a URL with spaces around it; write it without them")
     almost = _ALMOST_URL.match(value)
     if almost is not None and almost.group(1).lower() in OBJECT_SCHEMES:
         scheme = almost.group(1).lower()
-        raise ValueError(f"{value!r} is not a valid {scheme}:// URL; write {OBJECT_SCHEMES[scheme].reached_through}")
-    if value != value.strip() and _URL.match(value.strip()):
-        raise ValueError(f"{value!r} is a URL with spaces around it; write it without them")
+        raise ConfigError(f"{value!r} is not a valid {scheme}:// URL; write {OBJECT_SCHEMES[scheme].reached_through}")
     return None
 
 
@@ -89,22 +91,22 @@ class ObjectURL:
 
 
 def parse_object_url(value: str, what: str) -> ObjectURL:
-    """``value`` as an :class:`ObjectURL`; ValueError naming ``what`` for an unsupported scheme,
+    """``value`` as an :class:`ObjectURL`; ConfigError (a ValueError) naming ``what`` for an unsupported scheme,
     a missing or malformed bucket name, or a prefix with empty, ``.`` or ``..`` parts. Pure."""
     try:
         scheme = url_scheme(value)
-    except ValueError as error:
-        raise ValueError(f"{what} {error}") from None
+    except ConfigError as error:
+        raise ConfigError(f"{what} {error}") from None
     if scheme is None or scheme.lower() not in OBJECT_SCHEMES:
         shown = f"a {scheme}:// URL" if scheme else "not a URL"
         reached = "; ".join(rules.reached_through for rules in OBJECT_SCHEMES.values())
-        raise ValueError(f"{what} {value!r} is {shown}; object storage is reached through {reached}")
+        raise ConfigError(f"{what} {value!r} is {shown}; object storage is reached through {reached}")
     rules = OBJECT_SCHEMES[scheme.lower()]
     bucket, _, prefix = value[len(scheme) + 3 :].partition("/")
     if not rules.bucket.match(bucket) or ".." in bucket:
         shown = f"{bucket!r} is not a valid bucket name" if bucket else "the bucket name is missing"
-        raise ValueError(f"{what} {value!r}: {shown} ({rules.bucket_rule})")
+        raise ConfigError(f"{what} {value!r}: {shown} ({rules.bucket_rule})")
     parts = prefix.rstrip("/").split("/") if prefix.rstrip("/") else []
     if any(part in ("", ".", "..") for part in parts):
-        raise ValueError(f"{what} {value!r}: the key prefix has an empty, '.' or '..' part")
+        raise ConfigError(f"{what} {value!r}: the key prefix has an empty, '.' or '..' part")
     return ObjectURL(scheme.lower(), bucket, "/".join(parts))

@@ -177,6 +177,6 @@ def test_recover_pointer_without_an_intact_generation_changes_nothing(s3_server,
 def test_a_url_where_only_a_local_path_is_read_is_refused(s3_bucket, tmp_path, capsys):
     code, _, err = run(capsys, "import-areal", f"{s3_bucket}/{TRIAL}")
     assert code == 2 and "is a s3:// URL: object storage is not supported here yet" in err
-    code, _, err = run(capsys, "list", "gs://bucket/trial")
-    assert code == 2 and "is a gs:// URL; object storage is reached through s3://" in err
-    assert not Path("gs:").exists()
+    code, _, err = run(capsys, "list", "hdfs://bucket/trial")
+    assert code == 2 and "is a hdfs:// URL; object storage is reached through s3://" in err
+    assert not Path("hdfs:").exists()

@@ -216,8 +216,8 @@ def test_start_errors_name_the_endpoint_bucket_and_cause(s3_server, s3_bucket, t
 
 
 def test_an_unsupported_scheme_is_a_config_error_naming_it(tmp_path):
-    with pytest.raises(ValueError, match=r"is a gs:// URL; object storage is reached through s3://"):
-        saver_config("gs://bucket/runs")
+    with pytest.raises(ValueError, match=r"is a hdfs:// URL; object storage is reached through s3://"):
+        saver_config("hdfs://bucket/runs")
     with pytest.raises(ValueError, match=r"'x' is not a valid bucket name"):
         saver_config("s3://x/runs")
     assert parse_object_url("s3://bucket/a/b/", "t").key("c") == "a/b/c"
