@@ -17,6 +17,10 @@ import torch  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# no cloud SDK looks for a machine's metadata server (an address beyond 127.0.0.1) when a test
+# leaves it without credentials
+os.environ.setdefault("NO_GCE_CHECK", "true")
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 from areal_ckpt.demo.tiny import build_model, build_tokenizer  # noqa: E402
 

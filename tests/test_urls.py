@@ -42,9 +42,13 @@ def test_areal_path_helpers_give_urls_for_a_url_fileroot():
 
 def test_save_and_load_checkpoint_refuse_an_unsupported_scheme(in_tmp, make_model):
     engine = ac.TorchEngine(make_model())
-    with pytest.raises(ac.CheckpointError, match=r"save_checkpoint: save_dir 'hdfs://ckpt/ds' is a hdfs:// URL; object"):
+    with pytest.raises(
+        ac.CheckpointError, match=r"save_checkpoint: save_dir 'hdfs://ckpt/ds' is a hdfs:// URL; object"
+    ):
         ac.save_checkpoint(engine, "hdfs://ckpt/ds", tag="t")
-    with pytest.raises(ac.CheckpointError, match=r"load_checkpoint: load_dir 'hdfs://ckpt/ds' is a hdfs:// URL; object"):
+    with pytest.raises(
+        ac.CheckpointError, match=r"load_checkpoint: load_dir 'hdfs://ckpt/ds' is a hdfs:// URL; object"
+    ):
         ac.load_checkpoint(engine, "hdfs://ckpt/ds", tag="t")
     assert not (in_tmp / "hdfs:").exists()
 
@@ -97,7 +101,7 @@ def test_a_malformed_or_unknown_url_is_a_config_error_naming_it_never_a_local_fo
         ac.SaverConfig(experiment_name="e", trial_name="t", fileroot=value)
     assert cli_main(["list", value]) == 2
     assert "error:" in capsys.readouterr().err
-    assert not [path for path in in_tmp.iterdir()]  # no folder named s3: (or anything else) appeared
+    assert not list(in_tmp.iterdir())  # no folder named s3: (or anything else) appeared
 
 
 def test_save_checkpoint_names_a_url_missing_its_slashes(in_tmp, make_model):

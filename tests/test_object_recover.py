@@ -1,4 +1,4 @@
-"""Recovery dumps on object storage (a real SeaweedFS on 127.0.0.1): resume bit-exact on a node
+"""Recovery dumps on object storage (real servers on 127.0.0.1: SeaweedFS, fake-gcs-server, Azurite): resume bit-exact on a node
 that lost its local disk, SIGKILL while uploading, a server killed mid-dump, a second job."""
 
 from __future__ import annotations
@@ -14,25 +14,21 @@ import recover_job
 import torch
 from distributed import run_distributed, start_processes
 from helpers import wrap_model
+from object_helpers import commit_records, keys_under
 from recover_fixtures import SPEC, make_setup, step_info, train_step
 from recovery_runs import assert_same_run, run_job
-from seaweed import SeaweedServer, kill_at_next_upload
+from seaweed import kill_at_next_upload
 
 import areal_ckpt as ac
 from areal_ckpt.formats.dcp_slices import read_when_needed
-from areal_ckpt.storage.s3 import S3Store
+from areal_ckpt.storage.backends import store_of
+from areal_ckpt.urls import parse_object_url
 
 TRIAL = "runs/checkpoints/tester/exp/trial"
 
 
-def job_args(server: SeaweedServer, staging, *extra: str) -> list[str]:
+def job_args(server, staging, *extra: str) -> list[str]:
     return ["--staging-dir", str(staging), "--environment", json.dumps(server.environment()), *extra]
-
-
-def commit_records(server: SeaweedServer, bucket_url: str, trial: str) -> list[dict]:
-    client, bucket = server.client(), bucket_url.removeprefix("s3://")
-    listed = client.list_objects_v2(Bucket=bucket, Prefix=f"{trial}/.recover/.commits/").get("Contents", [])
-    return [json.loads(client.get_object(Bucket=bucket, Key=item["Key"])["Body"].read()) for item in listed]
 
 
 def s3_config(bucket_url: str, staging, **fields) -> ac.RecoverConfig:
@@ -48,60 +44,63 @@ def s3_config(bucket_url: str, staging, **fields) -> ac.RecoverConfig:
     )
 
 
-def test_resume_from_s3_on_a_node_that_lost_its_disk_is_bit_exact(reference_run, s3_server, s3_bucket, tmp_path):
+def test_resume_from_object_storage_on_a_node_that_lost_its_disk_is_bit_exact(
+    reference_run, object_server, object_bucket, tmp_path
+):
     # every attempt starts with an empty staging folder: what it resumes from came from the bucket
-    root, out = f"{s3_bucket}/root", tmp_path / "out"
+    root, out = f"{object_bucket}/root", tmp_path / "out"
     for attempt, kill_at in enumerate((5, 6)):
-        args = job_args(s3_server, tmp_path / f"disk{attempt}", "--kill-at", str(kill_at))
+        args = job_args(object_server, tmp_path / f"disk{attempt}", "--kill-at", str(kill_at))
         assert run_job(root, out, extra=args) == [-9]
-    run_job(root, out, extra=job_args(s3_server, tmp_path / "disk-last"))
+    run_job(root, out, extra=job_args(object_server, tmp_path / "disk-last"))
     assert_same_run(reference_run, out, world_size=1)
-    records = commit_records(s3_server, s3_bucket, "root/checkpoints/tester/exp/bitexact")
+    records = commit_records(object_bucket, "root/checkpoints/tester/exp/bitexact")
     assert len(records) == 1 and records[0]["global_step"] == 15  # older generations deleted after each commit
 
 
-def uncommitted_generations(server: SeaweedServer, bucket_url: str, trial: str) -> set[str]:
+def uncommitted_generations(server, bucket_url: str, trial: str) -> set[str]:
     """Recovery generations with objects that no commit record names: an upload in flight, or debris."""
-    client, bucket, store = server.client(), bucket_url.removeprefix("s3://"), f"{trial}/.recover/"
-    named = {record["folder"] for record in commit_records(server, bucket_url, trial)}
-    listed = client.list_objects_v2(Bucket=bucket, Prefix=f"{store}gen-").get("Contents", [])
-    return {item["Key"][len(store) :].split("/")[0] for item in listed} - named
+    store = f"{trial}/.recover/"
+    named = {record["folder"] for record in commit_records(bucket_url, trial)}
+    return {key[len(store) :].split("/")[0] for key in keys_under(bucket_url, f"{store}gen-")} - named
 
 
 def test_sigkill_while_uploading_then_resume_is_bit_exact_and_clears_the_debris(
-    reference_run, s3_server, s3_bucket, tmp_path
+    reference_run, object_server, object_bucket, tmp_path
 ):
-    root, out, trial = f"{s3_bucket}/root", tmp_path / "out", "root/checkpoints/tester/exp/bitexact"
+    root, out, trial = f"{object_bucket}/root", tmp_path / "out", "root/checkpoints/tester/exp/bitexact"
     for attempt in range(2):
         args = ["--fileroot", root, "--out", str(out), "--wrap", "none"]
-        args += job_args(s3_server, tmp_path / f"disk{attempt}")
-        before = uncommitted_generations(s3_server, s3_bucket, trial)
+        args += job_args(object_server, tmp_path / f"disk{attempt}")
+        before = uncommitted_generations(object_server, object_bucket, trial)
         (process,) = start_processes(recover_job.run, 1, args)
         try:
             deadline = time.monotonic() + 300
             while True:  # the event: an upload began; the job is frozen, and killed if it is still uncommitted
                 assert process.is_alive() and time.monotonic() < deadline, "no upload was seen in flight"
-                if uncommitted_generations(s3_server, s3_bucket, trial) - before:
+                if uncommitted_generations(object_server, object_bucket, trial) - before:
                     os.kill(process.pid, signal.SIGSTOP)
-                    if uncommitted_generations(s3_server, s3_bucket, trial) - before:
+                    if uncommitted_generations(object_server, object_bucket, trial) - before:
                         break
                     os.kill(process.pid, signal.SIGCONT)  # it committed meanwhile: wait for its next upload
                 time.sleep(0.01)
             os.kill(process.pid, signal.SIGKILL)
         finally:
             process.join(30)
-    assert uncommitted_generations(s3_server, s3_bucket, trial)  # what the killed uploads left
-    run_job(root, out, extra=job_args(s3_server, tmp_path / "disk-last"))
+    assert uncommitted_generations(object_server, object_bucket, trial)  # what the killed uploads left
+    run_job(root, out, extra=job_args(object_server, tmp_path / "disk-last"))
     assert_same_run(reference_run, out, world_size=1)
-    assert not uncommitted_generations(s3_server, s3_bucket, trial)  # removed by the first dump
+    assert not uncommitted_generations(object_server, object_bucket, trial)  # removed by the first dump
 
 
 @pytest.mark.dist
-def test_two_ranks_on_two_disks_dump_to_s3_and_resume_bit_exact(reference_run_fsdp2, s3_server, s3_bucket, tmp_path):
-    root, out = f"{s3_bucket}/root", tmp_path / "out"
-    args = job_args(s3_server, tmp_path / "first", "--kill-at", "6")
+def test_two_ranks_on_two_disks_dump_to_object_storage_and_resume_bit_exact(
+    reference_run_fsdp2, object_server, object_bucket, tmp_path
+):
+    root, out = f"{object_bucket}/root", tmp_path / "out"
+    args = job_args(object_server, tmp_path / "first", "--kill-at", "6")
     assert run_job(root, out, world_size=2, wrap="fsdp2", extra=args) == [-9, -9]
-    run_job(root, out, world_size=2, wrap="fsdp2", extra=job_args(s3_server, tmp_path / "second"))
+    run_job(root, out, world_size=2, wrap="fsdp2", extra=job_args(object_server, tmp_path / "second"))
     assert_same_run(reference_run_fsdp2, out, world_size=2)
 
 
@@ -127,7 +126,7 @@ def test_a_server_killed_during_a_dump_leaves_the_previous_one_committed(own_s3_
     restore()
     handler.close()
     server.start()
-    assert [record["global_step"] for record in commit_records(server, "s3://killed-dump", TRIAL)] == [0]
+    assert [record["global_step"] for record in commit_records("s3://killed-dump", TRIAL)] == [0]
     fresh = make_setup(seed=1)
     resumed = ac.RecoverHandler(s3_config("s3://killed-dump", tmp_path / "other-disk"), SPEC)
     info = resumed.load(fresh.engine)
@@ -135,14 +134,14 @@ def test_a_server_killed_during_a_dump_leaves_the_previous_one_committed(own_s3_
     resumed.close()
 
 
-def test_a_second_job_is_refused_before_it_overwrites_the_bucket(s3_server, s3_bucket, tmp_path):
+def test_a_second_job_is_refused_before_it_overwrites_the_bucket(object_server, object_bucket, tmp_path):
     first_setup = make_setup()
-    first = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "a"), SPEC)
+    first = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "a"), SPEC)
     train_step(first_setup, 0)
     first.dump(first_setup.engine, step_info(0), force=True)
-    assert ac.check_if_recover(s3_config(s3_bucket, tmp_path / "elsewhere"))
+    assert ac.check_if_recover(s3_config(object_bucket, tmp_path / "elsewhere"))
 
-    second = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "b"), SPEC)  # did not load
+    second = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "b"), SPEC)  # did not load
     with pytest.raises(ac.CheckpointError, match=r"is a recovery checkpoint this job has not loaded"):
         second.dump(make_setup(seed=1).engine, step_info(0), force=True)
     assert second.load(make_setup(seed=1).engine) is not None  # the hint: load first, then dump
@@ -151,18 +150,21 @@ def test_a_second_job_is_refused_before_it_overwrites_the_bucket(s3_server, s3_b
     with pytest.raises(ac.CheckpointError, match=r"committed by another job"):  # the first job lost the trial
         first.dump(first_setup.engine, step_info(2), force=True)
     first.close()
-    assert [record["global_step"] for record in commit_records(s3_server, s3_bucket, TRIAL)] == [1]
+    assert [record["global_step"] for record in commit_records(object_bucket, TRIAL)] == [1]
 
 
-def test_check_if_recover_reads_the_bucket(s3_server, s3_bucket, tmp_path):
-    assert not ac.check_if_recover(s3_config(s3_bucket, tmp_path / "disk"))
-    with pytest.raises(ac.CheckpointError, match=r"bucket 'no-such-bucket' does not exist"):
-        ac.RecoverHandler(s3_config("s3://no-such-bucket", tmp_path / "disk"), SPEC)
+def test_check_if_recover_reads_the_bucket(object_server, object_bucket, tmp_path):
+    assert not ac.check_if_recover(s3_config(object_bucket, tmp_path / "disk"))
+    kind = "container" if object_server.scheme == "az" else "bucket"
+    with pytest.raises(ac.CheckpointError, match=rf"{kind} 'no-such-bucket' does not exist"):
+        ac.RecoverHandler(s3_config(f"{object_server.scheme}://no-such-bucket", tmp_path / "disk"), SPEC)
 
 
-def test_ctrl_c_during_a_dump_upload_is_not_retried_and_commits_nothing(s3_server, s3_bucket, tmp_path, monkeypatch):
+def test_ctrl_c_during_a_dump_upload_is_not_retried_and_commits_nothing(
+    object_server, object_bucket, tmp_path, monkeypatch
+):
     setup = make_setup()
-    handler = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "disk", write_retries=3), SPEC)
+    handler = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "disk", write_retries=3), SPEC)
     train_step(setup, 0)
     handler.dump(setup.engine, step_info(0), force=True)
     calls = []
@@ -171,26 +173,28 @@ def test_ctrl_c_during_a_dump_upload_is_not_retried_and_commits_nothing(s3_serve
         calls.append(key)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(S3Store, "put_file", interrupted)
+    store_class = type(store_of(parse_object_url(object_bucket, "test")))
+    real_put_file = store_class.put_file
+    monkeypatch.setattr(store_class, "put_file", interrupted)
     train_step(setup, 1)
     with pytest.raises(KeyboardInterrupt):
         handler.dump(setup.engine, step_info(1), force=True)
     assert calls and len(calls) == len(set(calls))  # no file tried twice: an interruption is never retried
-    monkeypatch.undo()
+    monkeypatch.setattr(store_class, "put_file", real_put_file)
     handler.close()
-    assert [record["global_step"] for record in commit_records(s3_server, s3_bucket, TRIAL)] == [0]
+    assert [record["global_step"] for record in commit_records(object_bucket, TRIAL)] == [0]
 
 
-def test_async_dumps_upload_from_the_background_writer_and_resume(s3_server, s3_bucket, tmp_path):
+def test_async_dumps_upload_from_the_background_writer_and_resume(object_server, object_bucket, tmp_path):
     setup = make_setup()
-    handler = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "disk", mode="async"), SPEC)
+    handler = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "disk", mode="async"), SPEC)
     for step in range(3):
         train_step(setup, step)
         handler.dump(setup.engine, step_info(step), force=True)
     handler.close()  # waits for the last upload
-    assert [record["global_step"] for record in commit_records(s3_server, s3_bucket, TRIAL)] == [2]
+    assert [record["global_step"] for record in commit_records(object_bucket, TRIAL)] == [2]
     fresh = make_setup(seed=1)
-    loader = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "new-disk"), SPEC)
+    loader = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "new-disk"), SPEC)
     assert loader.load(fresh.engine).last_step_info.global_step == 2
     loader.close()
     for name, tensor in setup.model.state_dict().items():
@@ -198,13 +202,13 @@ def test_async_dumps_upload_from_the_background_writer_and_resume(s3_server, s3_
     assert fresh.optimizer.state_dict()["state"][0]["step"] == setup.optimizer.state_dict()["state"][0]["step"]
 
 
-def test_a_torn_file_in_the_staging_copy_is_downloaded_again(s3_server, s3_bucket, tmp_path, caplog):
+def test_a_torn_file_in_the_staging_copy_is_downloaded_again(object_server, object_bucket, tmp_path, caplog):
     setup = make_setup()
-    handler = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "disk"), SPEC)
+    handler = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "disk"), SPEC)
     train_step(setup, 0)
     handler.dump(setup.engine, step_info(0), force=True)
     handler.close()
-    first = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "disk"), SPEC)  # a load brings the data file down
+    first = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "disk"), SPEC)  # a load brings the data file down
     assert first.load(make_setup(seed=2).engine) is not None
     first.close()
     (data,) = (tmp_path / "disk").rglob("gen-*/default/__0_0.distcp")
@@ -212,7 +216,7 @@ def test_a_torn_file_in_the_staging_copy_is_downloaded_again(s3_server, s3_bucke
     torn[len(torn) // 2] ^= 0xFF  # as a crash of this node could leave it: right size, wrong bytes
     data.write_bytes(bytes(torn))
     fresh = make_setup(seed=1)
-    resumed = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "disk"), SPEC)
+    resumed = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "disk"), SPEC)
     assert resumed.load(fresh.engine).last_step_info.global_step == 0
     resumed.close()
     assert "__0_0.distcp: checksum mismatch (file corrupted); downloading it again" in caplog.text
@@ -221,15 +225,15 @@ def test_a_torn_file_in_the_staging_copy_is_downloaded_again(s3_server, s3_bucke
 
 
 @pytest.mark.dist
-def test_lora_on_two_nodes_dumps_twice_and_resumes_from_fresh_disks_bit_exact(s3_server, s3_bucket, tmp_path):
+def test_lora_on_two_nodes_dumps_twice_and_resumes_from_fresh_disks_bit_exact(object_server, object_bucket, tmp_path):
     # the frozen base is written once per dump on each node: no node's staging copy holds the
     # other node's files, so an unchanged part cannot be linked from the previous generation
     lora = ["--lora"]
     run_job(tmp_path / "ref/root", tmp_path / "ref/out", world_size=2, wrap="ddp", extra=lora)
-    root, out = f"{s3_bucket}/root", tmp_path / "out"
-    args = [*lora, *job_args(s3_server, tmp_path / "first"), "--kill-at", "6"]
+    root, out = f"{object_bucket}/root", tmp_path / "out"
+    args = [*lora, *job_args(object_server, tmp_path / "first"), "--kill-at", "6"]
     assert run_job(root, out, world_size=2, wrap="ddp", extra=args) == [-9, -9]
-    run_job(root, out, world_size=2, wrap="ddp", extra=[*lora, *job_args(s3_server, tmp_path / "second")])
+    run_job(root, out, world_size=2, wrap="ddp", extra=[*lora, *job_args(object_server, tmp_path / "second")])
     assert_same_run(tmp_path / "ref/out", out, world_size=2)
 
 
@@ -257,8 +261,8 @@ def dcp_files(copy: Path | str) -> list[str]:
 
 
 @pytest.mark.dist
-def test_each_node_downloads_only_the_data_files_and_metadata_its_ranks_read(s3_server, s3_bucket, tmp_path):
-    run_distributed(data_files_read_worker, 2, s3_server.environment(), s3_bucket, str(tmp_path))
+def test_each_node_downloads_only_the_data_files_and_metadata_its_ranks_read(object_server, object_bucket, tmp_path):
+    run_distributed(data_files_read_worker, 2, object_server.environment(), object_bucket, str(tmp_path))
     for rank in range(2):  # the same world size: each rank reads its own shard file, index and chunk file
         report = json.loads((tmp_path / f"report.{rank}").read_text())
         own = [f"__{rank}_0.chunks.json", f"__{rank}_0.distcp", "dcp_index.json"]
@@ -270,7 +274,7 @@ def test_each_node_downloads_only_the_data_files_and_metadata_its_ranks_read(s3_
     saved = build_model(48)
     torch.manual_seed(1)
     fresh = build_model(48)  # one rank now: it reads both shard files
-    loader = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "third"), SPEC)
+    loader = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "third"), SPEC)
     assert loader.load(ac.TorchEngine(fresh), drop_rank_state=True) is not None
     loader.close()
     # its own slice does not hold rank 1's shards: it read the whole metadata, never the stock pickle
@@ -335,7 +339,7 @@ def test_ctrl_c_while_a_part_goes_up_aborts_the_upload_and_commits_nothing(s3_se
     handler.close()
     bucket = s3_bucket.removeprefix("s3://")
     assert s3_server.client().list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
-    assert [record["global_step"] for record in commit_records(s3_server, s3_bucket, TRIAL)] == [0]
+    assert [record["global_step"] for record in commit_records(s3_bucket, TRIAL)] == [0]
     fresh = torch.nn.Linear(4096, 4608)
     loader = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "new-disk"), SPEC)
     assert loader.load(ac.TorchEngine(fresh)).last_step_info.global_step == 0
@@ -343,9 +347,9 @@ def test_ctrl_c_while_a_part_goes_up_aborts_the_upload_and_commits_nothing(s3_se
     assert torch.equal(fresh.weight, committed)
 
 
-def test_a_link_planted_in_the_staging_copy_is_never_written_through(s3_server, s3_bucket, tmp_path):
+def test_a_link_planted_in_the_staging_copy_is_never_written_through(object_server, object_bucket, tmp_path):
     setup = make_setup()
-    handler = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "disk"), SPEC)
+    handler = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "disk"), SPEC)
     handler.dump(setup.engine, step_info(0), force=True)
     handler.close()
     (generation,) = (tmp_path / "disk").rglob("gen-*")
@@ -353,8 +357,8 @@ def test_a_link_planted_in_the_staging_copy_is_never_written_through(s3_server, 
     elsewhere.mkdir()
     (generation / "default").rename(tmp_path / "moved")  # the model's folder becomes a link to elsewhere
     (generation / "default").symlink_to(elsewhere)
-    loader = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "disk"), SPEC)
-    with pytest.raises(ac.CheckpointError, match=r"/default: a link in the local copy of s3://\S+; not writing"):
+    loader = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "disk"), SPEC)
+    with pytest.raises(ac.CheckpointError, match=r"/default: a link in the local copy of (s3|gs|az)://\S+; not writing"):
         loader.load(make_setup(seed=1).engine)
     loader.close()
     assert list(elsewhere.iterdir()) == []
