@@ -1,5 +1,6 @@
-"""Recovery dumps on object storage (real servers on 127.0.0.1: SeaweedFS, fake-gcs-server, Azurite): resume bit-exact on a node
-that lost its local disk, SIGKILL while uploading, a server killed mid-dump, a second job."""
+"""Recovery dumps on object storage, on every store (real servers on 127.0.0.1: SeaweedFS,
+fake-gcs-server, Azurite): resume bit-exact on a node that lost its local disk, SIGKILL while
+uploading, a second job, a torn staging file; on S3, a server killed mid-dump and multipart parts."""
 
 from __future__ import annotations
 
@@ -358,7 +359,9 @@ def test_a_link_planted_in_the_staging_copy_is_never_written_through(object_serv
     (generation / "default").rename(tmp_path / "moved")  # the model's folder becomes a link to elsewhere
     (generation / "default").symlink_to(elsewhere)
     loader = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "disk"), SPEC)
-    with pytest.raises(ac.CheckpointError, match=r"/default: a link in the local copy of (s3|gs|az)://\S+; not writing"):
+    with pytest.raises(
+        ac.CheckpointError, match=r"/default: a link in the local copy of (s3|gs|az)://\S+; not writing"
+    ):
         loader.load(make_setup(seed=1).engine)
     loader.close()
     assert list(elsewhere.iterdir()) == []

@@ -12,7 +12,7 @@ import torch
 from helpers import saver_config
 from recover_fixtures import SPEC, make_setup, step_info, train_step
 from seaweed import SeaweedServer
-from test_s3_recover import s3_config
+from test_object_recover import s3_config
 from transformers import AutoModelForCausalLM
 
 import areal_ckpt as ac

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from object_helpers import commit_records
 from recover_fixtures import SPEC, make_setup, step_info, train_step
 from recovery_runs import assert_same_run, losses, run_job
-from test_s3_recover import commit_records, s3_config
+from test_object_recover import s3_config
 
 import areal_ckpt as ac
 from areal_ckpt.errors import CheckpointError, ConfigError
@@ -36,7 +37,7 @@ def local_step(local_dir: Path, trial: str = "trial") -> int | None:
 
 
 def uploaded_steps(server, bucket_url: str, trial: str = TRIAL) -> list[int]:
-    return [record["global_step"] for record in commit_records(server, bucket_url, trial)]
+    return [record["global_step"] for record in commit_records(bucket_url, trial)]
 
 
 def assert_same_weights(expected: torch.nn.Module, actual: torch.nn.Module) -> None:
