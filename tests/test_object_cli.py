@@ -1,4 +1,4 @@
-"""`areal-ckpt` on object storage (a real SeaweedFS on 127.0.0.1): list, verify (objects read
+"""`areal-ckpt` on object storage, on every store (SeaweedFS, fake-gcs-server, Azurite on 127.0.0.1): list, verify (objects read
 where they lie), inspect, export from and to a bucket, convert-deepspeed to a bucket and
 recover-pointer, on checkpoints the Saver and RecoverHandler committed there."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import saver_config
+from object_helpers import keys_under, read_object, write_object
 from recover_fixtures import SPEC, make_setup, step_info, train_step
-from seaweed import SeaweedServer
 from test_object_recover import s3_config
 from transformers import AutoModelForCausalLM
 
@@ -30,32 +30,28 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 @pytest.fixture
-def s3_trial(s3_server, s3_bucket, tmp_path, tokenizer):
+def object_trial(object_server, object_bucket, tmp_path, tokenizer):
     """A trial on the bucket: two exports (steps 0 and 1) and a recovery checkpoint (step 1)."""
     setup = make_setup(tie_word_embeddings=True)
-    saver = ac.Saver(saver_config(f"{s3_bucket}/runs", staging_dir=str(tmp_path / "stage-saver"), freq_steps=1), SPEC)
-    handler = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "stage-recover"), SPEC)
+    saver = ac.Saver(
+        saver_config(f"{object_bucket}/runs", staging_dir=str(tmp_path / "stage-saver"), freq_steps=1), SPEC
+    )
+    handler = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "stage-recover"), SPEC)
     for step in range(2):
         train_step(setup, step)
         saver.save(setup.engine, 0, step, step, tokenizer=tokenizer)
     handler.dump(setup.engine, step_info(1), tokenizer=tokenizer, force=True)
     saver.finalize()
     handler.close()
-    return f"{s3_bucket}/{TRIAL}", setup
+    return f"{object_bucket}/{TRIAL}", setup
 
 
-def objects(server: SeaweedServer, bucket_url: str, prefix: str) -> dict[str, bytes]:
-    client, bucket = server.client(), bucket_url.removeprefix("s3://")
-    listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
-    return {item["Key"]: client.get_object(Bucket=bucket, Key=item["Key"])["Body"].read() for item in listed}
+def objects(bucket_url: str, prefix: str) -> dict[str, bytes]:
+    return {key: read_object(bucket_url, key) for key in keys_under(bucket_url, prefix)}
 
 
-def put(server: SeaweedServer, bucket_url: str, key: str, data: bytes) -> None:
-    server.client().put_object(Bucket=bucket_url.removeprefix("s3://"), Key=key, Body=data)
-
-
-def test_list_inspect_and_verify_read_a_trial_on_the_bucket(s3_trial, s3_bucket, capsys):
-    trial, setup = s3_trial
+def test_list_inspect_and_verify_read_a_trial_on_the_bucket(object_trial, object_bucket, capsys):
+    trial, setup = object_trial
     code, stdout, _ = run(capsys, "list", trial, "--json")
     entries = json.loads(stdout)
     assert code == 0 and [(e["kind"], e["global_step"]) for e in entries] == [
@@ -63,48 +59,48 @@ def test_list_inspect_and_verify_read_a_trial_on_the_bucket(s3_trial, s3_bucket,
         ("export", 1),
         ("export", 0),
     ]
-    assert entries[1]["path"] == f"{s3_bucket}/{EXPORT}" and entries[1]["name"] == "default"
+    assert entries[1]["path"] == f"{object_bucket}/{EXPORT}" and entries[1]["name"] == "default"
     assert entries[0]["name"] == "default" and entries[0]["bytes"] > entries[1]["bytes"] > 0  # with optimizer state
     assert run(capsys, "list", trial)[0] == 0
 
     code, stdout, _ = run(capsys, "verify", trial)
-    assert code == 0 and stdout.count("OK ") == 3 and f"OK   {s3_bucket}/{EXPORT}:" in stdout
+    assert code == 0 and stdout.count("OK ") == 3 and f"OK   {object_bucket}/{EXPORT}:" in stdout
 
     code, stdout, _ = run(capsys, "inspect", trial, "--json")
     facts = json.loads(stdout)
     assert code == 0 and facts["kind"] == "recover" and facts["complete"] and facts["step"]["global_step"] == 1
     assert facts["path"].startswith(f"{trial}/.recover/gen-") and facts["models"]["default"]["optimizer"] is True
     assert facts["models"]["default"]["parameters"] == sum(t.numel() for t in setup.model.state_dict().values())
-    facts = json.loads(run(capsys, "inspect", f"{s3_bucket}/{EXPORT}", "--json")[1])
-    assert facts["kind"] == "export" and facts["complete"] and facts["path"] == f"{s3_bucket}/{EXPORT}"
+    facts = json.loads(run(capsys, "inspect", f"{object_bucket}/{EXPORT}", "--json")[1])
+    assert facts["kind"] == "export" and facts["complete"] and facts["path"] == f"{object_bucket}/{EXPORT}"
     assert facts["parameters"] == sum(p.numel() for p in setup.model.parameters())
 
 
-def test_verify_names_each_damaged_object_by_url(s3_server, s3_trial, s3_bucket, capsys):
-    trial, _ = s3_trial
-    stored = objects(s3_server, s3_bucket, f"{EXPORT}/")
+def test_verify_names_each_damaged_object_by_url(object_server, object_trial, object_bucket, capsys):
+    trial, _ = object_trial
+    stored = objects(object_bucket, f"{EXPORT}/")
     shards = sorted(key for key in stored if key.endswith(".safetensors"))
     flipped = bytearray(stored[shards[0]])
     flipped[-1] ^= 0xFF
-    put(s3_server, s3_bucket, shards[0], bytes(flipped))  # same size, other bytes
-    put(s3_server, s3_bucket, f"{EXPORT}/extra.bin", b"added later")
+    write_object(object_bucket, shards[0], bytes(flipped))  # same size, other bytes
+    write_object(object_bucket, f"{EXPORT}/extra.bin", b"added later")
     code, stdout, err = run(capsys, "verify", trial)
     assert code == 1 and "1 of 3 checkpoint(s) damaged" in err
-    assert f"{s3_bucket}/{shards[0]}: checksum mismatch" in stdout
-    assert f"{s3_bucket}/{EXPORT}/extra.bin: not listed in the manifest" in stdout
+    assert f"{object_bucket}/{shards[0]}: checksum mismatch" in stdout
+    assert f"{object_bucket}/{EXPORT}/extra.bin: not listed in the manifest" in stdout
 
-    put(s3_server, s3_bucket, shards[0], stored[shards[0]][:-5])
-    code, stdout, _ = run(capsys, "verify", f"{s3_bucket}/{EXPORT}")
-    assert code == 1 and f"{s3_bucket}/{shards[0]}: size" in stdout and "truncated or replaced" in stdout
+    write_object(object_bucket, shards[0], stored[shards[0]][:-5])
+    code, stdout, _ = run(capsys, "verify", f"{object_bucket}/{EXPORT}")
+    assert code == 1 and f"{object_bucket}/{shards[0]}: size" in stdout and "truncated or replaced" in stdout
 
-    code, _, err = run(capsys, "verify", f"{s3_bucket}/nothing/here")
-    assert code == 2 and f"{s3_bucket}/nothing/here: no committed checkpoint there" in err
+    code, _, err = run(capsys, "verify", f"{object_bucket}/nothing/here")
+    assert code == 2 and f"{object_bucket}/nothing/here: no committed checkpoint there" in err
     assert "hint: `areal-ckpt verify PATH`" in err
 
 
-def test_export_from_the_bucket_to_the_bucket_loads_with_from_pretrained(s3_trial, s3_bucket, tmp_path, capsys):
-    trial, setup = s3_trial
-    out = f"{s3_bucket}/exports/default"
+def test_export_from_the_bucket_to_the_bucket_loads_with_from_pretrained(object_trial, object_bucket, tmp_path, capsys):
+    trial, setup = object_trial
+    out = f"{object_bucket}/exports/default"
     code, stdout, _ = run(capsys, "export", trial, out, "--max-shard-size", "60KB")
     assert code == 0 and stdout.rstrip().endswith(f"to {out}")
     local = download_export(out, tmp_path / "download")
@@ -115,17 +111,17 @@ def test_export_from_the_bucket_to_the_bucket_loads_with_from_pretrained(s3_tria
 
     code, _, err = run(capsys, "export", trial, out)
     assert code == 2 and f"{out}: already holds objects; choose a new output prefix" in err
-    assert run(capsys, "export", trial, f"{s3_bucket}/exports/second")[0] == 0  # the hint followed
+    assert run(capsys, "export", trial, f"{object_bucket}/exports/second")[0] == 0  # the hint followed
 
     code, _, _ = run(capsys, "export", trial, str(tmp_path / "local-out"))  # to a local folder too
     assert code == 0 and (tmp_path / "local-out" / "config.json").is_file()
 
 
-def test_convert_deepspeed_writes_to_the_bucket(s3_bucket, tmp_path, capsys):
+def test_convert_deepspeed_writes_to_the_bucket(object_bucket, tmp_path, capsys):
     setup = make_setup()
     train_step(setup, 0)
     ac.save_checkpoint(setup.engine, tmp_path / "ds", tag="step1")
-    out = f"{s3_bucket}/converted/model"
+    out = f"{object_bucket}/converted/model"
     code, _, _ = run(capsys, "convert-deepspeed", str(tmp_path / "ds"), out)
     assert code == 0
     loaded = AutoModelForCausalLM.from_pretrained(download_export(out, tmp_path / "download"), local_files_only=True)
@@ -133,13 +129,13 @@ def test_convert_deepspeed_writes_to_the_bucket(s3_bucket, tmp_path, capsys):
         assert torch.equal(loaded.state_dict()[name], tensor), name
 
 
-def test_recover_pointer_commits_the_newest_intact_generation(s3_server, s3_bucket, tmp_path, capsys):
-    trial = f"{s3_bucket}/{TRIAL}"
+def test_recover_pointer_commits_the_newest_intact_generation(object_server, object_bucket, tmp_path, capsys):
+    trial = f"{object_bucket}/{TRIAL}"
     setup = make_setup()
-    handler = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "disk"), SPEC)
+    handler = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "disk"), SPEC)
     train_step(setup, 0)
     handler.dump(setup.engine, step_info(0), force=True)
-    first = objects(s3_server, s3_bucket, f"{TRIAL}/.recover/gen-")
+    first = objects(object_bucket, f"{TRIAL}/.recover/gen-")
     train_step(setup, 1)
     handler.dump(setup.engine, step_info(1), force=True)  # deletes the first generation after its commit
     handler.close()
@@ -147,31 +143,31 @@ def test_recover_pointer_commits_the_newest_intact_generation(s3_server, s3_buck
     assert code == 0 and "which is intact; nothing changed" in stdout
 
     for key, data in first.items():  # the first generation is back, uncommitted; the second is damaged
-        put(s3_server, s3_bucket, key, data)
-    second = sorted(k for k in objects(s3_server, s3_bucket, f"{TRIAL}/.recover/gen-") if k not in first)
+        write_object(object_bucket, key, data)
+    second = sorted(k for k in objects(object_bucket, f"{TRIAL}/.recover/gen-") if k not in first)
     damaged = next(k for k in second if k.endswith(".distcp"))
-    put(s3_server, s3_bucket, damaged, b"torn")
+    write_object(object_bucket, damaged, b"torn")
     assert run(capsys, "verify", trial)[0] == 1
     code, stdout, _ = run(capsys, "recover-pointer", trial)
     generation = next(iter(first)).removeprefix(f"{TRIAL}/.recover/").split("/")[0]
-    assert code == 0 and f"OK   {trial}: committed {generation}" in stdout and f"{s3_bucket}/{damaged}" in stdout
+    assert code == 0 and f"OK   {trial}: committed {generation}" in stdout and f"{object_bucket}/{damaged}" in stdout
 
     resumed = make_setup(seed=3)
-    info = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "other-disk"), SPEC).load(resumed.engine)
+    info = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "other-disk"), SPEC).load(resumed.engine)
     assert info is not None and info.last_step_info.global_step == 0
 
 
-def test_recover_pointer_without_an_intact_generation_changes_nothing(s3_server, s3_bucket, tmp_path, capsys):
+def test_recover_pointer_without_an_intact_generation_changes_nothing(object_server, object_bucket, tmp_path, capsys):
     setup = make_setup()
-    handler = ac.RecoverHandler(s3_config(s3_bucket, tmp_path / "disk"), SPEC)
+    handler = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "disk"), SPEC)
     handler.dump(setup.engine, step_info(0), force=True)
     handler.close()
-    records = objects(s3_server, s3_bucket, f"{TRIAL}/.recover/.commits/")
-    data = next(k for k in objects(s3_server, s3_bucket, f"{TRIAL}/.recover/gen-") if k.endswith(".distcp"))
-    put(s3_server, s3_bucket, data, b"torn")
-    code, _, err = run(capsys, "recover-pointer", f"{s3_bucket}/{TRIAL}")
-    assert code == 2 and "no intact recovery generation to point at" in err and f"{s3_bucket}/{data}" in err
-    assert objects(s3_server, s3_bucket, f"{TRIAL}/.recover/.commits/") == records
+    records = objects(object_bucket, f"{TRIAL}/.recover/.commits/")
+    data = next(k for k in objects(object_bucket, f"{TRIAL}/.recover/gen-") if k.endswith(".distcp"))
+    write_object(object_bucket, data, b"torn")
+    code, _, err = run(capsys, "recover-pointer", f"{object_bucket}/{TRIAL}")
+    assert code == 2 and "no intact recovery generation to point at" in err and f"{object_bucket}/{data}" in err
+    assert objects(object_bucket, f"{TRIAL}/.recover/.commits/") == records
 
 
 def test_a_url_where_only_a_local_path_is_read_is_refused(s3_bucket, tmp_path, capsys):

@@ -1,5 +1,5 @@
-"""save_checkpoint / load_checkpoint with save_dir on object storage (a real SeaweedFS on
-127.0.0.1): tags, `latest`, a tag saved again, a server killed mid-save, two ranks staging on
+"""save_checkpoint / load_checkpoint with save_dir on object storage, on every store (SeaweedFS,
+fake-gcs-server, Azurite on 127.0.0.1): tags, `latest`, a tag saved again, a server killed mid-save, two ranks staging on
 separate local disks, and the CLI reading the tags."""
 
 from __future__ import annotations
@@ -12,18 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_distributed
+from object_helpers import keys_under
 from recover_fixtures import make_setup, train_step
-from seaweed import SeaweedServer, kill_at_next_upload
+from seaweed import kill_at_next_upload
 from test_deepspeed import deepspeed_engine
 from test_tagged import VOCAB, _ds_step
 
 import areal_ckpt as ac
 from areal_ckpt.tools.cli import main
-
-
-def keys_under(server: SeaweedServer, bucket_url: str, prefix: str = "") -> list[str]:
-    pages = server.client().get_paginator("list_objects_v2").paginate(Bucket=bucket_url[5:], Prefix=prefix)
-    return sorted(item["Key"] for page in pages for item in page.get("Contents", []))
 
 
 def assert_same_training_state(saved, loaded) -> None:
@@ -35,11 +31,11 @@ def assert_same_training_state(saved, loaded) -> None:
     assert loaded.scheduler.state_dict() == saved.scheduler.state_dict()
 
 
-def test_tags_and_latest_on_the_bucket_load_bit_exact(s3_server, s3_bucket, tmp_path, monkeypatch):
+def test_tags_and_latest_on_the_bucket_load_bit_exact(object_server, object_bucket, tmp_path, monkeypatch):
     (tmp_path / "node").mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp_path / "node"))
     monkeypatch.setattr(tempfile, "tempdir", None)  # staging and local copies go under this TMPDIR
-    root = f"{s3_bucket}/ds"
+    root = f"{object_bucket}/ds"
     setup = make_setup()
     assert ac.load_checkpoint(setup.engine, root) == (None, None)  # nothing saved yet
     train_step(setup, 0)
@@ -48,7 +44,7 @@ def test_tags_and_latest_on_the_bucket_load_bit_exact(s3_server, s3_bucket, tmp_
     train_step(setup, 1)
     ac.save_checkpoint(setup.engine, root, tag="step2", client_state={"kl": 0.25})
     ac.save_checkpoint(setup.engine, root, tag="side", save_latest=False)
-    keys = keys_under(s3_server, s3_bucket, "ds/")
+    keys = keys_under(object_bucket, "ds/")
     assert [k for k in keys if "/.commits/" in k] == [f"ds/.commits/00000000000{n}.json" for n in (1, 2, 3)]
     assert "ds/zero_to_fp32.py" in keys and "ds/step2/areal_ckpt_manifest.json" in keys
     assert list((tmp_path / "node").iterdir()) and not list((tmp_path / "node").rglob("*.distcp"))  # staged there
@@ -67,7 +63,7 @@ def test_tags_and_latest_on_the_bucket_load_bit_exact(s3_server, s3_bucket, tmp_
 
     train_step(setup, 2)  # a tag saved again replaces it: a new prefix, the old one deleted after the commit
     ac.save_checkpoint(setup.engine, root, tag="step1", client_state={"kl": 0.125})
-    keys = keys_under(s3_server, s3_bucket, "ds/")
+    keys = keys_under(object_bucket, "ds/")
     assert not any(k.startswith("ds/step1/") for k in keys) and "ds/step1.1/areal_ckpt_manifest.json" in keys
     again = make_setup(seed=5)
     assert ac.load_checkpoint(again.engine, root) == (f"{root}/step1.1", {"kl": 0.125})
@@ -92,7 +88,7 @@ def test_a_server_killed_mid_save_leaves_the_previous_tag_and_latest(own_s3_serv
         ac.save_checkpoint(setup.engine, "s3://killed/ds", tag="bad")
     restore()
     server.start()
-    assert list(keys_under(server, "s3://killed", "ds/.commits/")) == ["ds/.commits/000000000001.json"]
+    assert list(keys_under("s3://killed", "ds/.commits/")) == ["ds/.commits/000000000001.json"]
     fresh = make_setup(seed=2)
     assert ac.load_checkpoint(fresh.engine, "s3://killed/ds")[0] == "s3://killed/ds/good"
     for name, tensor in saved.items():
@@ -122,21 +118,23 @@ def two_node_worker(rank: int, world_size: int, environment: dict, root: str, no
 
 
 @pytest.mark.dist
-def test_two_node_local_ranks_on_separate_disks_save_to_the_bucket_and_resume_exactly(s3_server, s3_bucket, tmp_path):
-    root, report = f"{s3_bucket}/ds", tmp_path / "report"
-    run_distributed(two_node_worker, 2, s3_server.environment(), root, str(tmp_path), str(report))
+def test_two_node_local_ranks_on_separate_disks_save_to_the_bucket_and_resume_exactly(
+    object_server, object_bucket, tmp_path
+):
+    root, report = f"{object_bucket}/ds", tmp_path / "report"
+    run_distributed(two_node_worker, 2, object_server.environment(), root, str(tmp_path), str(report))
     for rank in range(2):
         entry = json.loads(Path(f"{report}.{rank}").read_text())
         assert entry == {"path": f"{root}/global_step2", "client_state": {"rank": rank}, "same": True}
-    keys = keys_under(s3_server, s3_bucket, "ds/global_step2/")
+    keys = keys_under(object_bucket, "ds/global_step2/")
     assert {"ds/global_step2/client_state/rank0.json", "ds/global_step2/client_state/rank1.json"} <= set(keys)
 
 
-def test_the_cli_lists_verifies_and_converts_tags_on_the_bucket(s3_bucket, tmp_path, monkeypatch, capsys):
+def test_the_cli_lists_verifies_and_converts_tags_on_the_bucket(object_bucket, tmp_path, monkeypatch, capsys):
     (tmp_path / "node").mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp_path / "node"))
     monkeypatch.setattr(tempfile, "tempdir", None)
-    root = f"{s3_bucket}/ds"
+    root = f"{object_bucket}/ds"
     setup = make_setup()
     train_step(setup, 0)
     ac.save_checkpoint(setup.engine, root, tag="step1")
