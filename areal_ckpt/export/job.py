@@ -1,11 +1,10 @@
 """Write one HuggingFace export folder, atomically: the I/O the Saver and the converter share.
 
 Policy (when to export, which folder, how many to keep) belongs to the callers; this module
-only makes a complete, checksummed, durable folder appear under its final name: locally by one
-rename, on object storage (``ExportTarget.remote``) by a commit record written create-only
-after every rank uploaded its own shards and rank 0 the rest and the manifest
-(:mod:`areal_ckpt.storage.commits`). The files are written to the local staging folder first
-in both cases; on object storage it is removed once the commit is made.
+only makes a complete, checksummed, durable checkpoint join its series
+(:class:`~areal_ckpt.storage.series.CheckpointSeries`, wherever it lives): the small files are
+written to the local staging folder, the shards there or straight to the store as the series
+says, and rank 0 commits. The staging folder is gone once the commit is made.
 """
 
 from __future__ import annotations
@@ -37,18 +36,11 @@ from areal_ckpt.formats.hf_export import (
     write_rank_shards,
 )
 from areal_ckpt.formats.hf_keys import check_loadable
-from areal_ckpt.fsio import FileRecord, FileWriter, make_dirs
+from areal_ckpt.fsio import FileRecord, make_dirs
 from areal_ckpt.jobs.shm_arena import ArenaLayout, StagingArena, arena_layout_of_specs
-from areal_ckpt.paths import EXPORT_FORMAT, MANIFEST_NAME, export_staging, export_trash
-from areal_ckpt.publish import publish, write_manifest
-from areal_ckpt.storage.backends import store_of
-from areal_ckpt.storage.commits import (
-    CommitLog,
-    delete_prefix,
-    fresh_folder,
-)
-from areal_ckpt.storage.folders import upload_rest
-from areal_ckpt.urls import ObjectURL
+from areal_ckpt.paths import EXPORT_FORMAT, MANIFEST_NAME, export_staging
+from areal_ckpt.publish import write_manifest
+from areal_ckpt.storage.series import CheckpointSeries, FolderSeries
 
 logger = logging.getLogger(__name__)
 
@@ -66,17 +58,17 @@ class ExportResult:
 class ExportTarget:
     """A begun export (staging folder made, metadata written); plain, picklable data.
 
-    ``remote`` is the model's prefix on object storage when the export goes there (``final``
-    is then only where it is staged), and ``remote_folder`` the export's never-reused prefix
-    below it (``epoch{E}epochstep{S}globalstep{G}``, or that with ``.{n}`` appended when an
-    earlier export of the same step left objects there)."""
+    ``series`` is where the model's exports live (``final``, in the local staging root, is
+    where this one is staged, and where it lands when the series is that folder);
+    ``reserved`` the name it is committed under (``final``'s name, or on object storage that
+    with ``.{n}`` appended when an earlier export of the same step left objects there)."""
 
     final: Path
     plan: ExportPlan
     dtype: torch.dtype | None
     header: dict[str, Any]
-    remote: ObjectURL | None = None
-    remote_folder: str | None = None
+    series: CheckpointSeries
+    reserved: str = ""
 
     @property
     def staging(self) -> Path:
@@ -86,9 +78,7 @@ class ExportTarget:
     @property
     def location(self) -> str:
         """Where the committed export is: its folder, or its URL on object storage."""
-        if self.remote is None or self.remote_folder is None:
-            return str(self.final)
-        return str(self.remote.child(self.remote_folder))
+        return self.series.location(self.reserved, self.final)
 
 
 class StagedExportSource:
@@ -114,7 +104,7 @@ def write_export(
     processor: Any | None = None,
     assets: str | None = None,
     progress: Callable[[Iterable[int]], Iterable[int]] = iter,
-    remote: ObjectURL | None = None,
+    series: CheckpointSeries | None = None,
 ) -> ExportResult:
     """Export ``source`` to the folder ``final``, replacing a folder of that name whole.
 
@@ -122,7 +112,7 @@ def write_export(
     and publishes. Blocking; on return the folder is complete and durable on every rank's view.
     On failure nothing is published, the staging folder is removed and every rank raises.
     ``tokenizer``, ``processor`` and ``assets`` (a base model folder) are as in :class:`HFFiles`;
-    ``remote`` as in :func:`begin_export`.
+    ``series`` as in :func:`begin_export`.
     """
     start = time.perf_counter()
     target = begin_export(
@@ -134,7 +124,7 @@ def write_export(
         tokenizer=tokenizer,
         processor=processor,
         assets=assets,
-        remote=remote,
+        series=series,
     )
     written = finish_export(source, target, progress)
     return ExportResult(path=final, bytes=written, seconds=time.perf_counter() - start)
@@ -150,15 +140,15 @@ def begin_export(
     tokenizer: Any | None = None,
     processor: Any | None = None,
     assets: str | None = None,
-    remote: ObjectURL | None = None,
+    series: CheckpointSeries | None = None,
 ) -> ExportTarget:
     """Plan the export and have rank 0 create the staging folder with the config, index,
     tokenizer, processor and base model assets in it (see :class:`HFFiles`). Collective;
     blocking; raises on every rank if rank 0 could not, and on every rank before anything is
     written when ``from_pretrained`` would not load the export's names (:func:`check_loadable`,
-    or the source's own check when it plans its own folder: a PEFT model's). With ``remote``
-    (the model's prefix on object storage) the export is committed there, under a prefix rank 0
-    picks here (never one an earlier export used), and ``final`` is only its staging place."""
+    or the source's own check when it plans its own folder: a PEFT model's). ``series`` (default:
+    the folder holding ``final``) is where the export is committed, under the name rank 0
+    reserves here (on object storage never one an earlier export used)."""
     files: Callable[[], FolderFiles]
     if isinstance(source, SelfPlannedExport):
         source.check(str(final))
@@ -181,13 +171,13 @@ def begin_export(
             "world_size": dist.world_size(),
             **header,
         },
-        remote=remote,
+        series=FolderSeries(final.parent) if series is None else series,
     )
-    folder = agree.decided_by_rank0(
+    reserved = agree.decided_by_rank0(
         lambda: _prepare_staging(target, files),
         f"{target.staging}: could not prepare the export (nothing was published)",
     )
-    return replace(target, remote_folder=folder)
+    return replace(target, reserved=reserved)
 
 
 def stage_export(source: ExportSource, target: ExportTarget, arena: StagingArena) -> ArenaLayout:
@@ -220,15 +210,8 @@ def finish_export(
     rank, world = dist.rank(), dist.world_size()
 
     def write_shards() -> dict[str, tuple[int, int]]:
-        open_writer = None
-        if target.remote is not None and target.remote_folder is not None:  # every rank uploads its own shards,
-            target.staging.mkdir(parents=True, exist_ok=True)  # from memory, part by part as they are made (on
-            remote = target.remote.child(target.remote_folder)  # another node than rank 0 the staging folder is
-            store = store_of(remote)  # its own, for the small files)
-
-            def open_writer(name: str) -> FileWriter:
-                return store.open_writer(remote.key(name))
-
+        open_writer = target.series.writer_of(target.reserved)  # to the store from memory, or staged
+        target.staging.mkdir(parents=True, exist_ok=True)  # another node than rank 0's: its own, for the small files
         records, error = write_rank_shards(  # staged for upload: durable once the store holds them
             source,
             target.plan,
@@ -251,30 +234,25 @@ def finish_export(
             f"{target.final}: export failed (nothing was published)",
         )
     except BaseException:
-        if target.remote is not None:
-            shutil.rmtree(target.staging, ignore_errors=True)
-            if rank == 0:
-                _remove_uncommitted(target)
-        elif rank == 0:
-            shutil.rmtree(target.staging, ignore_errors=True)
+        shutil.rmtree(target.staging, ignore_errors=True)
+        if rank == 0:
+            target.series.discard(target.reserved)
         raise
-    if target.remote is not None:
+    if target.staging.exists():  # a copy left after an upload (a folder's commit renamed it away)
         shutil.rmtree(target.staging, ignore_errors=True)
     return target.plan.total_size
 
 
-def _prepare_staging(target: ExportTarget, files: Callable[[], FolderFiles]) -> str | None:
+def _prepare_staging(target: ExportTarget, files: Callable[[], FolderFiles]) -> str:
     """Rank 0: a fresh staging folder holding the metadata files; removed again if that failed.
-    Returns the export's prefix on object storage (None for a local export)."""
+    Returns the name the series reserved for the export."""
     try:
         if target.staging.exists():
             shutil.rmtree(target.staging)
         make_dirs(target.staging.parent)  # the model's folder, durably: the publish renames into it
         target.staging.mkdir()
         write_metadata(target.plan, target.staging, files())
-        if target.remote is None:
-            return None
-        return fresh_folder(store_of(target.remote), target.remote, target.final.name)
+        return target.series.reserve(target.final.name)
     except Exception as error:  # every rank raises it (see begin_export)
         logger.error("cannot prepare staging folder %s: %s", target.staging, error)
         shutil.rmtree(target.staging, ignore_errors=True)
@@ -282,27 +260,8 @@ def _prepare_staging(target: ExportTarget, files: Callable[[], FolderFiles]) -> 
 
 
 def _publish(target: ExportTarget, every: list[dict[str, tuple[int, int]]]) -> None:
-    """Rank 0: manifest, publish (the caller removes the staging folder if this fails)."""
+    """Rank 0: manifest, commit (the caller removes the staging folder if this fails)."""
     records = {file: FileRecord(size, crc) for part in every for file, (size, crc) in part.items()}
     write_manifest(target.staging, MANIFEST_NAME, records, target.header)
-    if target.remote is None or target.remote_folder is None:
-        publish(target.staging, target.final, export_trash(target.final))
-        return
-    remote = target.remote.child(target.remote_folder)
-    store = store_of(remote)
-    upload_rest(store, target.staging, remote, MANIFEST_NAME, uploaded=set(records))
-    CommitLog(store, target.remote).append(
-        {"folder": target.remote_folder, "name": target.final.name, "step": target.header.get("step")}
-    )
-
-
-def _remove_uncommitted(target: ExportTarget) -> None:
-    """Rank 0, after a failed export to object storage: delete what was uploaded of it (best
-    effort: the next Saver removes what is left, see :func:`areal_ckpt.storage.commits.remove_debris`)."""
-    if target.remote is None or target.remote_folder is None:
-        return
-    remote = target.remote.child(target.remote_folder)
-    try:
-        delete_prefix(store_of(remote), remote.key() + "/")
-    except Exception as error:  # the server may be what failed
-        logger.warning("could not remove the uncommitted export %s (the next start does): %s", remote, error)
+    body = {"name": target.final.name, "step": target.header.get("step")}
+    target.series.commit(target.staging, target.reserved, target.final, set(records), body)

@@ -29,21 +29,17 @@ from areal_ckpt.paths import (
     EXPORT_TRASH_PREFIX,
     default_user,
     export_leaf,
-    export_trash,
     model_root,
     parse_export_leaf,
     recover_checkpoint_link,
-    staging_trial_root,
     trial_root,
 )
-from areal_ckpt.publish import TrashCollector, hide_folder, remove_stale
+from areal_ckpt.publish import TrashCollector, remove_stale
 from areal_ckpt.schedule import NamedSchedules, TriggerSchedule
 from areal_ckpt.state.rng import python_random_kept
 from areal_ckpt.step import FinetuneSpec
-from areal_ckpt.storage.backends import store_of
-from areal_ckpt.storage.commits import CommitLog, remove_debris
+from areal_ckpt.storage.series import export_trial, keep_last, remove_trash
 from areal_ckpt.tensors import EXPORT_DTYPES
-from areal_ckpt.urls import ObjectURL, parse_object_url, url_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -67,16 +63,13 @@ class Saver:
         self.config = config = SaverConfig.of(config)
         self.ft_spec = ft_spec
         user = config.user or default_user()
-        #: The trial's prefix on object storage when fileroot is a URL (trial_root then stages).
-        self.remote_trial: ObjectURL | None = None
-        if url_scheme(config.fileroot) is not None:
-            levels = ("checkpoints", user, config.experiment_name, config.trial_name)
-            remote_trial = self.remote_trial = parse_object_url(config.fileroot, "fileroot").child(*levels)
-            self.trial_root = staging_trial_root(config.staging_dir, remote_trial)
-            make_dirs(self.trial_root)
-            agree.decided_by_rank0(lambda: _open_remote_trial(remote_trial), f"Saver: cannot use {remote_trial}")
-        else:
-            self.trial_root = trial_root(config.fileroot, user, config.experiment_name, config.trial_name)
+        #: Where the trial's exports live (a folder, or a prefix of an object store staged locally).
+        self.trial = export_trial(
+            config.fileroot, ("checkpoints", user, config.experiment_name, config.trial_name), config.staging_dir
+        )
+        self.trial_root = self.trial.staging
+        make_dirs(self.trial_root)
+        agree.decided_by_rank0(self.trial.open, f"Saver: cannot use {self.trial.where()}")
         self._schedules = NamedSchedules(
             lambda: TriggerSchedule(config.freq_epochs, config.freq_steps, config.freq_secs)
         )
@@ -99,10 +92,6 @@ class Saver:
         """Folder holding every export of model ``name`` (no side effects)."""
         return model_root(self.trial_root, name)
 
-    def _remote_root(self, name: str) -> ObjectURL | None:
-        """The prefix of model ``name``'s exports on object storage (None for a local trial)."""
-        return None if self.remote_trial is None else self.remote_trial.child(model_root(Path(), name).name)
-
     # -- AReaL's static path helpers: our layout's paths; unlike AReaL's, they create nothing --
 
     @staticmethod
@@ -110,10 +99,7 @@ class Saver:
         """``{fileroot}/checkpoints/{user}/{experiment_name}/{trial_name}`` for the login user
         (the config's ``user:`` is not an argument here, as in AReaL); a URL when ``fileroot``
         is one; pure."""
-        if url_scheme(fileroot) is not None:
-            url = parse_object_url(fileroot, "fileroot")
-            return str(url.child("checkpoints", default_user(), experiment_name, trial_name))
-        return str(trial_root(fileroot, default_user(), experiment_name, trial_name))
+        return export_trial(fileroot, ("checkpoints", default_user(), experiment_name, trial_name), None).where()
 
     @staticmethod
     def get_model_save_root(experiment_name: str, trial_name: str, fileroot: str, name: str = "default") -> str:
@@ -201,7 +187,7 @@ class Saver:
             tokenizer=assets.tokenizer,
             processor=assets.processor,
             assets=assets.base_model_path,
-            remote=self._remote_root(name),
+            series=self.trial.series(model_root(Path(), name).name),
         )
         if resolve_async(self.config.mode, source.on_accelerator):
             self._went_async = True
@@ -218,10 +204,7 @@ class Saver:
             return target.location
         written = finish_export(source, target)
         if dist.rank() == 0 and self.config.keep_last is not None:  # deleted after the commit, off this path
-            if target.remote is not None:
-                apply_remote_retention(target.remote, self.config.keep_last)
-            else:
-                self._trash.delete(apply_retention(final, self.config.keep_last))
+            self._trash.delete(apply_retention(target, self.config.keep_last))
         dist.barrier()
         self._jobs.finished(time.perf_counter() - start, written, f"exported {target.location}")
         return target.location
@@ -281,84 +264,35 @@ class _ExportJob:
         """Collective over the writers: write, publish, apply retention (rank 0)."""
         written = finish_export(StagedExportSource(tensors), self.target)
         if dist.rank() == 0 and self.keep_last is not None:  # the writer is off the loop's path already
-            if self.target.remote is not None:
-                apply_remote_retention(self.target.remote, self.keep_last)
-            else:
-                for trash in apply_retention(self.target.final, self.keep_last):
-                    shutil.rmtree(trash, ignore_errors=True)
+            remove_trash(apply_retention(self.target, self.keep_last))
         dist.barrier()
         return {"path": self.target.location, "bytes": written}
 
 
-def apply_retention(newest: Path, keep_last: int) -> list[Path]:
-    """Hide all but the newest ``keep_last`` exports beside ``newest`` (by global step); local.
-
-    Only real folders named like exports are touched, each renamed to a trash name so it
-    vanishes at once; ``newest`` is never removed. Returns the trash folders, for the caller to
-    delete (off the training loop's path). A model folder that is a link is not walked: nothing
-    is deleted through a link. Failures are logged, not raised: the export they follow is
-    already committed.
-    """
-    if newest.parent.is_symlink():
-        logger.warning("retention: %s is a symbolic link; not deleting old exports through it", newest.parent)
-        return []
-    exports = sorted(
-        (parsed[2], parsed[0], parsed[1], path)
-        for path in newest.parent.iterdir()
-        if path.is_dir() and not path.is_symlink() and (parsed := parse_export_leaf(path.name)) is not None
-    )
-    surplus = len(exports) - keep_last
-    hidden = []
-    for _, _, _, path in exports[: max(surplus, 0)]:
-        if path == newest:
-            continue
-        try:
-            hide_folder(path, export_trash(path))
-            hidden.append(export_trash(path))
-            logger.info("retention (keep_last=%d): removed %s", keep_last, path)
-        except OSError as error:
-            logger.warning("retention: could not remove %s: %s", path, error)
-    return hidden
-
-
-def apply_remote_retention(model: ObjectURL, keep_last: int) -> None:
-    """Rank 0, after a commit on object storage: delete all but the newest ``keep_last`` exports
-    of ``model`` (by global step, then commit order), each commit record first and then its
-    objects, so no reader ever finds a record naming deleted data. The newest commit is never
-    deleted. Failures are logged, not raised: the export they follow is already committed."""
-    log = CommitLog(store_of(model), model)
+def apply_retention(newest: ExportTarget, count: int) -> list[Path]:
+    """Rank 0, after ``newest`` was committed: remove all but the newest ``count`` exports of its
+    series (by global step, then commit order; :func:`~areal_ckpt.storage.series.keep_last`),
+    never ``newest`` itself, so that no reader finds them any more. Returns the local trash
+    folders for the caller to delete (off the training loop's path). Failures are logged, not
+    raised: the export they follow is already committed."""
     try:
-        records = log.records()
-        ordered = sorted(records, key=lambda record: (_global_step(record.body), record.sequence))
-        newest = max(records, key=lambda record: record.sequence)
-        doomed = [record for record in ordered[: max(len(ordered) - keep_last, 0)] if record is not newest]
-        kept = {record.folder for record in records if record not in doomed}
-        for record in doomed:
-            log.remove(record, kept)
-            logger.info("retention (keep_last=%d): removed %s", keep_last, model.child(record.folder))
+        series = newest.series
+        doomed = keep_last(series.committed(_step_of), count, newest.reserved)
+        trash = series.remove(doomed)
     except Exception as error:
-        logger.warning("retention: could not remove old exports of %s: %s", model, error)
+        logger.warning("retention: could not remove old exports beside %s: %s", newest.location, error)
+        return []
+    for entry in doomed:
+        logger.info(
+            "retention (keep_last=%d): removed %s", count, series.location(entry.name, newest.final.parent / entry.name)
+        )
+    return trash
 
 
-def _global_step(body: dict[str, Any]) -> int:
-    """The global step a commit record names (-1 when it names none)."""
-    step = body.get("step")
-    value = step.get("global_step") if isinstance(step, dict) else None
-    return value if isinstance(value, int) else -1
-
-
-def _open_remote_trial(trial: ObjectURL) -> None:
-    """Rank 0, when a Saver starts: the bucket answers, and what earlier jobs left uncommitted
-    under each model's prefix (objects no commit record names, unfinished uploads) is removed."""
-    store = store_of(trial)
-    store.check_access()
-    base = trial.key() + "/"
-    models = {
-        item.key[len(base) :].split("/", 1)[0] for item in store.list_prefix(base) if "/" in item.key[len(base) :]
-    }
-    for name in sorted(name for name in models if not name.startswith(".")):  # .recover is the RecoverHandler's
-        model = trial.child(name)
-        remove_debris(store, model, CommitLog(store, model).committed_folders())
+def _step_of(name: str) -> int | None:
+    """The global step of an export folder's name (None for any other name)."""
+    parsed = parse_export_leaf(name)
+    return None if parsed is None else parsed[2]
 
 
 def saver_state(schedules: dict[str, dict[str, Any]]) -> dict[str, Any]:

@@ -1,0 +1,303 @@
+"""A series of committed checkpoints (one model's exports) wherever it lives: the storage
+contract the export path calls, chosen once from the trial's root by :func:`series_of`.
+
+A checkpoint joins a series in four steps, the same on every location: rank 0 *reserves* its
+name, the ranks write their large files (into the local staging folder, or straight to the
+store through :meth:`CheckpointSeries.writer_of`), rank 0 *commits* the staging folder (which
+holds the manifest), and on failure *discards* what was uploaded. Retention lists the
+committed checkpoints and removes the surplus, never the newest. Two implementations:
+
+- :class:`FolderSeries`: a folder on a POSIX file system (local disk, NFS, Lustre); the commit
+  is one rename of the fsync'd staging folder (:func:`areal_ckpt.publish.publish`).
+- :class:`ObjectSeries`: a prefix on an object store (any scheme of
+  :mod:`areal_ckpt.storage.backends`); the commit uploads the rest and the manifest under a
+  never-reused prefix, then writes a create-only commit record.
+
+Every method is blocking and local to the calling process (no collective); the callers say
+which rank calls it.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from areal_ckpt.config import local_path
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.fsio import FileWriter
+from areal_ckpt.paths import MANIFEST_NAME, export_trash, staging_trial_root
+from areal_ckpt.publish import hide_folder, publish
+from areal_ckpt.storage.backends import store_of
+from areal_ckpt.storage.commits import CommitLog, delete_prefix, fresh_folder, remove_debris
+from areal_ckpt.storage.folders import upload_rest
+from areal_ckpt.urls import ObjectURL, parse_object_url, url_scheme
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Committed:
+    """One committed checkpoint of a series: its name in the series (a folder, or a prefix),
+    the step it was taken at (-1 when unknown) and its commit order (0 for a folder: a name is
+    committed once)."""
+
+    name: str
+    step: int
+    order: int
+
+
+@runtime_checkable
+class CheckpointSeries(Protocol):
+    """Where the committed checkpoints of one series live, and how a new one joins them.
+    Implementations are plain, picklable data (a background writer receives them)."""
+
+    def reserve(self, name: str) -> str:
+        """Rank 0, before anything is written: the name the new checkpoint will be committed
+        under (``name`` itself in a folder, where the commit replaces it whole; ``name`` or
+        ``name.{n}`` on a store, a prefix never used before)."""
+
+    def writer_of(self, reserved: str) -> Callable[[str], FileWriter] | None:
+        """Where each rank's large files go as they are made: a function opening the store's
+        writer of one file of the reserved checkpoint, or None to write them into the local
+        staging folder."""
+
+    def commit(self, staging: Path, reserved: str, final: Path, uploaded: set[str], body: dict[str, Any]) -> None:
+        """Rank 0: make the checkpoint in ``staging`` (manifest written, durable) the committed
+        ``reserved`` one, whole or not at all. ``final`` is its folder when the series is a
+        folder; ``uploaded`` the files the ranks wrote themselves (through :meth:`writer_of`:
+        already in the store, or in ``staging``); ``body`` what the commit records (its name
+        and step)."""
+
+    def discard(self, reserved: str) -> None:
+        """Rank 0, after a failed save: remove what was uploaded of ``reserved`` (best effort;
+        the next start removes what is left)."""
+
+    def location(self, reserved: str, final: Path) -> str:
+        """Where the committed ``reserved`` checkpoint is: its folder or its URL."""
+
+    def committed(self, step_of: Callable[[str], int | None]) -> list[Committed]:
+        """The committed checkpoints, in no particular order; ``step_of`` reads the step from a
+        checkpoint's name (a name it does not parse is not part of the series)."""
+
+    def remove(self, doomed: list[Committed]) -> list[Path]:
+        """Remove ``doomed`` so that no reader finds any of them any more (a folder is renamed
+        to a trash name; on a store each commit record goes first, then its objects). Returns
+        the local trash folders for the caller to delete off the hot path. Failures are
+        logged, not raised."""
+
+    def tidy(self) -> None:
+        """Rank 0 when a job starts on the series: remove what earlier writers left
+        uncommitted (objects no record names, unfinished uploads); nothing in a folder (its
+        staging folders are removed with the trial's)."""
+
+
+@dataclass(frozen=True)
+class FolderSeries:
+    """A series of checkpoint folders under ``root`` on a POSIX file system."""
+
+    root: Path
+
+    def reserve(self, name: str) -> str:
+        """``name``: a folder's commit replaces a same-named one whole."""
+        return name
+
+    def writer_of(self, reserved: str) -> Callable[[str], FileWriter] | None:
+        """None: files go into the staging folder, renamed into place at the commit."""
+        return None
+
+    def commit(self, staging: Path, reserved: str, final: Path, uploaded: set[str], body: dict[str, Any]) -> None:
+        """One rename of ``staging`` to ``final`` (fsync'd; an older folder of that name goes
+        to the trash)."""
+        publish(staging, final, export_trash(final))
+
+    def discard(self, reserved: str) -> None:
+        """Nothing was written outside the staging folder."""
+
+    def location(self, reserved: str, final: Path) -> str:
+        """The folder."""
+        return str(final)
+
+    def committed(self, step_of: Callable[[str], int | None]) -> list[Committed]:
+        """Every real folder (not a link) whose name parses; none when ``root`` is a link
+        (nothing is deleted through a link) or missing."""
+        if self.root.is_symlink():
+            logger.warning("retention: %s is a symbolic link; not deleting old exports through it", self.root)
+            return []
+        if not self.root.is_dir():
+            return []
+        return [
+            Committed(path.name, step, 0)
+            for path in self.root.iterdir()
+            if path.is_dir() and not path.is_symlink() and (step := step_of(path.name)) is not None
+        ]
+
+    def remove(self, doomed: list[Committed]) -> list[Path]:
+        """Each folder renamed to its trash name (vanishes at once); returns the trash folders."""
+        hidden = []
+        for entry in doomed:
+            path = self.root / entry.name
+            try:
+                hide_folder(path, export_trash(path))
+                hidden.append(export_trash(path))
+            except OSError as error:
+                logger.warning("retention: could not remove %s: %s", path, error)
+        return hidden
+
+    def tidy(self) -> None:
+        """Nothing: staging and trash folders are removed with the trial's."""
+
+
+@dataclass(frozen=True)
+class ObjectSeries:
+    """A series of checkpoints under the prefix ``root`` of an object store, each committed by
+    a create-only record in ``{root}/.commits/``."""
+
+    root: ObjectURL
+
+    def reserve(self, name: str) -> str:
+        """``name``, or the first free ``name.{n}`` when objects were ever kept under ``name``."""
+        return fresh_folder(store_of(self.root), self.root, name)
+
+    def writer_of(self, reserved: str) -> Callable[[str], FileWriter] | None:
+        """The store's writer of each file: uploaded from memory as it is written."""
+        target = self.root.child(reserved)
+        store = store_of(target)
+        return lambda name: store.open_writer(target.key(name))
+
+    def commit(self, staging: Path, reserved: str, final: Path, uploaded: set[str], body: dict[str, Any]) -> None:
+        """Upload what the manifest lists beyond ``uploaded``, then the manifest, then the
+        create-only record naming ``reserved`` (CommitError when another writer took its
+        number)."""
+        target = self.root.child(reserved)
+        store = store_of(target)
+        upload_rest(store, staging, target, MANIFEST_NAME, uploaded=uploaded)
+        CommitLog(store, self.root).append({**body, "folder": reserved})
+
+    def discard(self, reserved: str) -> None:
+        """Delete the objects uploaded under ``reserved``; a failure is logged (the next
+        start removes them)."""
+        target = self.root.child(reserved)
+        try:
+            delete_prefix(store_of(target), target.key() + "/")
+        except Exception as error:  # the server may be what failed
+            logger.warning("could not remove the uncommitted %s (the next start does): %s", target, error)
+
+    def location(self, reserved: str, final: Path) -> str:
+        """The committed prefix's URL."""
+        return str(self.root.child(reserved))
+
+    def committed(self, step_of: Callable[[str], int | None]) -> list[Committed]:
+        """What the commit records name: the step from the record's ``step`` (else from its
+        ``name``), the order its sequence number."""
+        found = []
+        for record in CommitLog(store_of(self.root), self.root).records():
+            step = record.body.get("step")
+            value = step.get("global_step") if isinstance(step, dict) else step_of(str(record.body.get("name", "")))
+            found.append(Committed(record.folder, value if isinstance(value, int) else -1, record.sequence))
+        return found
+
+    def remove(self, doomed: list[Committed]) -> list[Path]:
+        """Each doomed record deleted, then its objects unless a remaining record names them."""
+        log = CommitLog(store_of(self.root), self.root)
+        try:
+            records = log.records()
+            orders = {entry.order for entry in doomed}
+            kept = {record.folder for record in records if record.sequence not in orders}
+            for record in records:
+                if record.sequence in orders:
+                    log.remove(record, kept)
+        except CheckpointError as error:
+            logger.warning("retention: could not remove old checkpoints of %s: %s", self.root, error)
+        return []
+
+    def tidy(self) -> None:
+        """Objects no record names and unfinished uploads under the prefix removed."""
+        store = store_of(self.root)
+        remove_debris(store, self.root, CommitLog(store, self.root).committed_folders())
+
+
+def keep_last(committed: list[Committed], count: int, newest: str) -> list[Committed]:
+    """The retention policy ``keep_last``: all but the ``count`` newest by (step, commit
+    order), never ``newest`` (the checkpoint just committed). Pure."""
+    ordered = sorted(committed, key=lambda entry: (entry.step, entry.order, entry.name))
+    return [entry for entry in ordered[: max(len(ordered) - count, 0)] if entry.name != newest]
+
+
+class ExportTrial(Protocol):
+    """A trial's exports: the series of each model and the local folder they are staged in."""
+
+    @property
+    def staging(self) -> Path:
+        """The local folder the trial's exports are staged in (the trial itself when local)."""
+
+    def series(self, name: str) -> CheckpointSeries:
+        """The series of model folder ``name`` (``default``, ``actor``...). Pure."""
+
+    def where(self, *parts: str) -> str:
+        """The path or URL of ``parts`` below the trial. Pure."""
+
+    def open(self) -> None:
+        """Rank 0 when a Saver starts: the store answers, and each model's series is tidied
+        (:meth:`CheckpointSeries.tidy`). Blocking."""
+
+
+@dataclass(frozen=True)
+class FolderTrial:
+    """A trial in a folder of a POSIX file system: staged in place."""
+
+    staging: Path
+
+    def series(self, name: str) -> CheckpointSeries:
+        return FolderSeries(self.staging / name)
+
+    def where(self, *parts: str) -> str:
+        return str(self.staging.joinpath(*parts))
+
+    def open(self) -> None:
+        """Nothing to check: the trial's lock and stale staging folders are the Saver's."""
+
+
+@dataclass(frozen=True)
+class ObjectTrial:
+    """A trial under a prefix of an object store, staged in a local folder."""
+
+    root: ObjectURL
+    staging: Path
+
+    def series(self, name: str) -> CheckpointSeries:
+        return ObjectSeries(self.root.child(name))
+
+    def where(self, *parts: str) -> str:
+        return str(self.root.child(*parts))
+
+    def open(self) -> None:
+        store = store_of(self.root)
+        store.check_access()
+        base = self.root.key() + "/"
+        names = {
+            item.key[len(base) :].split("/", 1)[0] for item in store.list_prefix(base) if "/" in item.key[len(base) :]
+        }
+        for name in sorted(name for name in names if not name.startswith(".")):  # .recover is the RecoverHandler's
+            self.series(name).tidy()
+
+
+def export_trial(fileroot: str, levels: tuple[str, ...], staging_dir: str | None) -> ExportTrial:
+    """The trial ``{fileroot}/{levels...}`` (``checkpoints/{user}/{experiment}/{trial}``): a
+    folder, or a prefix of an object store (any registered scheme) staged under
+    ``staging_dir``. The one place an export trial's kind is decided; ConfigError naming
+    ``fileroot`` when it is a malformed URL. Pure."""
+    if url_scheme(fileroot) is None:
+        return FolderTrial(local_path(fileroot, "fileroot").joinpath(*levels))
+    root = parse_object_url(fileroot, "fileroot").child(*levels)
+    return ObjectTrial(root, staging_trial_root(staging_dir, root))
+
+
+def remove_trash(folders: list[Path]) -> None:
+    """Delete trash folders :meth:`CheckpointSeries.remove` returned (blocking; errors
+    ignored: a trash folder left behind is removed at the next start)."""
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
