@@ -21,7 +21,6 @@ from areal_ckpt.engines.accept import HFAssets, as_engine
 from areal_ckpt.engines.contract import Engine, EngineLike
 from areal_ckpt.engines.peft_export import export_source
 from areal_ckpt.export.job import ExportTarget, StagedExportSource, begin_export, finish_export, stage_export
-from areal_ckpt.fsio import make_dirs
 from areal_ckpt.jobs.lifecycle import SaveLifecycle, resolve_async
 from areal_ckpt.jobs.shm_arena import ArenaLayout
 from areal_ckpt.paths import (
@@ -68,7 +67,7 @@ class Saver:
             config.fileroot, ("checkpoints", user, config.experiment_name, config.trial_name), config.staging_dir
         )
         self.trial_root = self.trial.staging
-        make_dirs(self.trial_root)
+        self.trial.make_staging()
         agree.decided_by_rank0(self.trial.open, f"Saver: cannot use {self.trial.where()}")
         self._schedules = NamedSchedules(
             lambda: TriggerSchedule(config.freq_epochs, config.freq_steps, config.freq_secs)

@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from areal_ckpt.config import local_path
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.fsio import FileWriter
+from areal_ckpt.fsio import FileWriter, make_dirs
 from areal_ckpt.paths import MANIFEST_NAME, export_trash, staging_trial_root
 from areal_ckpt.publish import hide_folder, publish
 from areal_ckpt.storage.backends import store_of
@@ -240,6 +240,10 @@ class ExportTrial(Protocol):
     def where(self, *parts: str) -> str:
         """The path or URL of ``parts`` below the trial. Pure."""
 
+    def make_staging(self) -> None:
+        """Every rank when a Saver starts: the local staging folder exists (a folder trial is
+        made by the trial's lock, which names what stands in its way). Durable; blocking."""
+
     def open(self) -> None:
         """Rank 0 when a Saver starts: the store answers, and each model's series is tidied
         (:meth:`CheckpointSeries.tidy`). Blocking."""
@@ -257,6 +261,9 @@ class FolderTrial:
     def where(self, *parts: str) -> str:
         return str(self.staging.joinpath(*parts))
 
+    def make_staging(self) -> None:
+        """Nothing: the trial's lock makes the folder."""
+
     def open(self) -> None:
         """Nothing to check: the trial's lock and stale staging folders are the Saver's."""
 
@@ -273,6 +280,9 @@ class ObjectTrial:
 
     def where(self, *parts: str) -> str:
         return str(self.root.child(*parts))
+
+    def make_staging(self) -> None:
+        make_dirs(self.staging)
 
     def open(self) -> None:
         store = store_of(self.root)
