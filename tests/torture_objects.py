@@ -1,6 +1,8 @@
-"""`make torture`'s object-storage rows: jobs that dump or export to a real S3 server
-(SeaweedFS on 127.0.0.1) forever, SIGKILLed at a random instant after their first commit; or
-the server SIGKILLed at a random instant under a dumping job and started again. After each
+"""`make torture`'s object-storage rows: jobs that dump or export to a real object store forever
+(SeaweedFS for s3://, fake-gcs-server for gs://, Azurite for az://, each on 127.0.0.1),
+SIGKILLed at a random instant after their first commit; or the server SIGKILLed at a random
+instant under a dumping job and started again (S3 and GCS; Azurite keeps its index in memory and
+saves it now and then, so a SIGKILL of Azurite itself loses what the store had acknowledged). After each
 kill a fresh process on an empty staging folder (a node that never saw the job) loads what the
 bucket holds; the weights must be those of the step it names. A tiered job (``recover.local_dir``)
 is also resumed on its own node, from whichever tier holds the newer commit, which must not be
@@ -16,7 +18,9 @@ import time
 from pathlib import Path
 
 import torch
+from cloud_emulators import AzuriteServer, FakeGCSServer
 from distributed import run_distributed, start_processes
+from object_helpers import keys_under
 from recover_fixtures import SPEC, make_setup, step_info
 from seaweed import SeaweedServer
 
@@ -33,11 +37,35 @@ def _fill(model: torch.nn.Module, value: float) -> None:
             parameter.fill_(value)
 
 
+SERVERS = {"s3": SeaweedServer, "gs": FakeGCSServer, "az": AzuriteServer}
+#: What each store's rows kill: (kind, ranks, victim).
+ROWS = {
+    "s3": [
+        ("recover", 1, "job"),
+        ("recover", 2, "job"),
+        ("saver", 2, "job"),
+        ("recover", 1, "server"),
+        ("tiered", 1, "job"),
+        ("tiered", 2, "job"),
+        ("tiered", 1, "server"),
+    ],
+    "gs": [
+        ("recover", 1, "job"),
+        ("recover", 2, "job"),
+        ("saver", 2, "job"),
+        ("recover", 1, "server"),
+        ("tiered", 1, "job"),
+    ],
+    "az": [("recover", 1, "job"), ("recover", 2, "job"), ("saver", 2, "job"), ("tiered", 1, "job")],
+}
+
+
 def _fields(trial: str) -> dict:
-    return dict(experiment_name="exp", trial_name=trial, fileroot=f"s3://{BUCKET}/runs", user="tester")
+    """The trial's config fields; its store from the ``TORTURE_BUCKET`` URL in the environment."""
+    return dict(experiment_name="exp", trial_name=trial, fileroot=f"{os.environ['TORTURE_BUCKET']}/runs", user="tester")
 
 
-def s3_job(rank: int, world: int, environment: dict, trial: str, kind: str, staging: str) -> None:
+def object_job(rank: int, world: int, environment: dict, trial: str, kind: str, staging: str) -> None:
     """Step s sets every weight to s, then dumps (recover) or exports (saver), forever."""
     os.environ.update(environment)
     setup = make_setup(**BIG)
@@ -59,12 +87,12 @@ def s3_job(rank: int, world: int, environment: dict, trial: str, kind: str, stag
             time.sleep(0.05)
 
 
-def _committed(server: SeaweedServer, trial: str, kind: str) -> bool:
+def _committed(trial: str, kind: str) -> bool:
     prefix = f"runs/checkpoints/tester/exp/{trial}/" + (
         "default/.commits/" if kind == "saver" else ".recover/.commits/"
     )
     try:
-        return bool(server.client().list_objects_v2(Bucket=BUCKET, Prefix=prefix, MaxKeys=1).get("KeyCount"))
+        return bool(keys_under(os.environ["TORTURE_BUCKET"], prefix))
     except Exception:  # the server is being restarted
         return False
 
@@ -117,7 +145,7 @@ def _check(trial: str, kind: str, work: Path, staging: str, world: int) -> tuple
                     return "wrong", f"rank {rank}: weights do not all equal step {found['step']:.0f}"
             return "resumed_correctly", AHEAD if found["step"] > step else ""
     else:
-        model = f"s3://{BUCKET}/runs/checkpoints/tester/exp/{trial}/default"
+        model = f"{os.environ['TORTURE_BUCKET']}/runs/checkpoints/tester/exp/{trial}/default"
         try:
             folder = ac.download_export(model, work / f"check-{trial}")
         except ac.CheckpointError as error:
@@ -131,37 +159,41 @@ def _check(trial: str, kind: str, work: Path, staging: str, world: int) -> tuple
     return "resumed_correctly", ""
 
 
-def scenario_s3(trials: int, rng: random.Random, work: Path, select: str | None = None) -> list:
-    """Rows: SIGKILL of a dumping / exporting job (1 and 2 ranks), SIGKILL of the server;
-    those whose id contains ``select`` (all when it is a prefix of their ids or None)."""
+def scenario_objects(trials: int, rng: random.Random, work: Path, select: str | None = None) -> list:
+    """Every store's rows (``{scheme}-kill-...``) whose id contains ``select`` (all when it is
+    None or a prefix of ``{scheme}-kill``)."""
+    rows = []
+    for scheme in SERVERS:
+        prefix = f"{scheme}-kill"
+        if select is None or select in prefix or select.startswith(prefix):
+            rows += scenario_store(scheme, trials, rng, work, select)
+    return rows
+
+
+def scenario_store(scheme: str, trials: int, rng: random.Random, work: Path, select: str | None = None) -> list:
+    """Rows of one store: SIGKILL of a dumping / exporting job (1 and 2 ranks), SIGKILL of the
+    server; those whose id contains ``select`` (all when it is a prefix of their ids or None)."""
     from torture import Row
 
-    server = SeaweedServer(work / "s3-server")
+    server = SERVERS[scheme](work / f"{scheme}-server")
     server.start()
     server.make_bucket(BUCKET)
-    os.environ.update(server.environment())  # for the checks made in this process
+    environment = {**server.environment(), "TORTURE_BUCKET": f"{scheme}://{BUCKET}"}
+    os.environ.update(environment)  # for the checks made in this process
     rows = []
     try:
-        for kind, world, victim in (
-            ("recover", 1, "job"),
-            ("recover", 2, "job"),
-            ("saver", 2, "job"),
-            ("recover", 1, "server"),
-            ("tiered", 1, "job"),
-            ("tiered", 2, "job"),
-            ("tiered", 1, "server"),
-        ):
-            row = Row(f"s3-kill-{victim}-{kind}-{world}")
-            if select is not None and select not in row.scenario and not "s3-kill".startswith(select):
+        for kind, world, victim in ROWS[scheme]:
+            row = Row(f"{scheme}-kill-{victim}-{kind}-{world}")
+            if select is not None and select not in row.scenario and not f"{scheme}-kill".startswith(select):
                 continue
             ahead = 0
             for index in range(trials):
                 trial = f"{kind}{world}{victim}{index}"
-                staging = str(work / f"staging-{trial}")
-                processes = start_processes(s3_job, world, server.environment(), trial, kind, staging)
+                staging = str(work / f"staging-{scheme}-{trial}")
+                processes = start_processes(object_job, world, environment, trial, kind, staging)
                 try:
                     deadline = time.monotonic() + 120
-                    while not _committed(server, trial, kind) and time.monotonic() < deadline:
+                    while not _committed(trial, kind) and time.monotonic() < deadline:
                         time.sleep(0.01)
                     time.sleep(rng.uniform(0.0, 0.5))
                     if victim == "server":
