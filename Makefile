@@ -56,7 +56,7 @@ bench: $(STAMP)
 	cd benchmarks && ../$(BIN)/python bench_deepspeed.py --out ../docs/benchmarks-deepspeed.md
 	$(BIN)/python benchmarks/bench_lora.py --out docs/benchmarks-lora.md
 	cd benchmarks && ../$(BIN)/python bench_dump.py --out ../docs/benchmarks-dump.md
-	cd benchmarks && ../$(BIN)/python bench_s3.py --out ../docs/benchmarks-s3.md
+	cd benchmarks && ../$(BIN)/python bench_objects.py --out ../docs/benchmarks-objects.md
 	cd benchmarks && ../$(BIN)/python bench_tiered.py --out ../docs/benchmarks-tiered.md
 
 # the full elastic matrix (1 <-> 4 ranks, real processes) and the per-rank cost of a dump at 1-4 ranks

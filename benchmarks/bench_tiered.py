@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_s3 import _raw_put, server_and_state
+from bench_objects import _raw_put, server_and_state
 from common import machine_description, publish, size_and_rounds
 
 import areal_ckpt as ac

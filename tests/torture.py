@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from distributed import start_processes  # noqa: E402
 from recover_fixtures import SPEC, make_setup, recover_config, step_info, train_step  # noqa: E402
+from torture_objects import scenario_objects  # noqa: E402
 from torture_operator import scenario_ctrl_c, scenario_operator  # noqa: E402
 from torture_power import scenario_power_loss  # noqa: E402
-from torture_objects import scenario_objects  # noqa: E402
 
 import areal_ckpt as ac  # noqa: E402
 from areal_ckpt.tools.inspection import verify  # noqa: E402
