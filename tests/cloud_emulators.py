@@ -33,8 +33,30 @@ def _free_port() -> int:
         return port
 
 
-class _Process:
-    """A server process of the test's, in its own session (killed with its children)."""
+class ServerProcess:
+    """A server process of the test's, started in its own session: killed with its children."""
+
+    process: subprocess.Popen[bytes] | None = None
+
+    def kill(self) -> None:
+        """SIGKILL the server (its process group) and reap it."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def stop(self) -> None:
+        """SIGTERM the server, SIGKILL after 10 s; reaped."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+class _Process(ServerProcess):
+    """An emulator on a free port of 127.0.0.1, polled until it answers."""
 
     name = "server"
 
@@ -42,7 +64,6 @@ class _Process:
         self.folder = folder
         self.port = _free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.process: subprocess.Popen[bytes] | None = None
 
     def command(self) -> list[str]:
         raise NotImplementedError
@@ -65,22 +86,6 @@ class _Process:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.name} did not answer on {self.endpoint}; see {self.folder}")
             time.sleep(0.1)
-
-    def kill(self) -> None:
-        """SIGKILL the server (its process group) and reap it."""
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-
-    def stop(self) -> None:
-        """SIGTERM the server, SIGKILL after 10 s; reaped."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.kill()
 
 
 class FakeGCSServer(_Process):

@@ -88,18 +88,23 @@ def s3_server(tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture
-def s3_bucket(s3_server, monkeypatch, request):
-    """A fresh bucket on the shared server, its client settings in this process's environment;
-    returns its ``s3://`` URL."""
+def _fresh_bucket(server, scheme: str, monkeypatch, request) -> str:
+    """A new bucket on ``server`` named after the test, its client settings in this process's
+    environment; its URL."""
     import re
 
-    readable = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40]
+    readable = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
     name = f"{readable}-{next(_BUCKETS)}-{os.getpid() % 10000}"
-    s3_server.make_bucket(name)
-    for variable, value in s3_server.environment().items():
+    server.make_bucket(name)
+    for variable, value in server.environment().items():
         monkeypatch.setenv(variable, value)
-    return f"s3://{name}"
+    return f"{scheme}://{name}"
+
+
+@pytest.fixture
+def s3_bucket(s3_server, monkeypatch, request):
+    """A fresh bucket on the shared S3 server; returns its ``s3://`` URL."""
+    return _fresh_bucket(s3_server, "s3", monkeypatch, request)
 
 
 @pytest.fixture(scope="session")
@@ -141,14 +146,7 @@ def object_server(request):
 def object_bucket(object_server, monkeypatch, request):
     """A fresh bucket (container) on each object store in turn, its client settings in this
     process's environment; returns its URL (``s3://``, ``gs://``, ``az://``)."""
-    import re
-
-    readable = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
-    name = f"{readable}-{next(_BUCKETS)}-{os.getpid() % 10000}"
-    object_server.make_bucket(name)
-    for variable, value in object_server.environment().items():
-        monkeypatch.setenv(variable, value)
-    return f"{object_server.scheme}://{name}"
+    return _fresh_bucket(object_server, object_server.scheme, monkeypatch, request)
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 import boto3
 import botocore.config
 import botocore.exceptions
+from cloud_emulators import ServerProcess
 
 ACCESS_KEY = "areal-ckpt-test"
 SECRET_KEY = "areal-ckpt-test-secret"
@@ -44,7 +44,7 @@ def _free_port() -> int:
             return port
 
 
-class SeaweedServer:
+class SeaweedServer(ServerProcess):
     """One ``weed mini`` process serving S3 on ``endpoint``."""
 
     def __init__(self, folder: Path, reader: bool = False) -> None:
@@ -144,22 +144,6 @@ class SeaweedServer:
     def make_bucket(self, name: str) -> None:
         """Create bucket ``name`` through the S3 API."""
         self.client().create_bucket(Bucket=name)
-
-    def kill(self) -> None:
-        """SIGKILL the server (its process group) and reap it."""
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-
-    def stop(self) -> None:
-        """SIGTERM the server, SIGKILL after 10 s; reaped."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.kill()
 
 
 def kill_at_next_upload(server: SeaweedServer, monkeypatch, streamed: bool = True) -> Callable[[], None]:  # type: ignore[no-untyped-def]
