@@ -39,7 +39,8 @@ from areal_ckpt.storage.commits import (
     fresh_folder,
     upload_folder_files,
 )
-from areal_ckpt.storage.folders import OnDemandFiles, fetch_shared, upload_rest
+from areal_ckpt.storage.folders import OnDemandFiles, fetch_shared
+from areal_ckpt.storage.series import ObjectSeries
 from areal_ckpt.urls import ObjectURL, parse_object_url, url_scheme
 
 logger = logging.getLogger(__name__)
@@ -103,17 +104,10 @@ def commit_tag(root: ObjectURL, folder: str, staging: Path, uploaded: set[str], 
     """Rank 0, once every rank uploaded its own files and the manifest is written into
     ``staging``: upload the rest and the manifest, write the commit record, then delete the
     older saves of ``tag`` and place the offline converter. Blocking."""
-    target = root.child(folder)
-    store = store_of(target)
-    upload_rest(store, staging, target, MANIFEST_NAME, uploaded)
-    log = CommitLog(store, root)
-    committed = log.append({"folder": folder, "tag": tag, "latest": save_latest})
-    for record in log.records():
-        if record.sequence < committed.sequence and record.body.get("tag") == tag:
-            try:
-                log.remove(record, kept={committed.folder})
-            except CheckpointError as error:
-                logger.warning("%s: replaced by %s, not deleted yet: %s", root.child(record.folder), target, error)
+    series = ObjectSeries(root)
+    newest = series.commit(staging, folder, staging, uploaded, {"tag": tag, "latest": save_latest})
+    series.supersede(newest, lambda body: body.get("tag") == tag)  # a tag saved again replaces it
+    store = store_of(root)
     script = offline_converter_script()
     try:
         if store.get_bytes(root.key(OFFLINE_CONVERTER)) != script:

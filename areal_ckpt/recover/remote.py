@@ -26,7 +26,8 @@ from areal_ckpt.paths import RECOVER_CURRENT, RECOVER_MANIFEST, RECOVER_STORE, i
 from areal_ckpt.publish import switch_symlink
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import CommitLog, CommitRecord, remove_debris, upload_folder_files
-from areal_ckpt.storage.folders import fetch_shared, upload_rest
+from areal_ckpt.storage.folders import fetch_shared
+from areal_ckpt.storage.series import ObjectSeries
 from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
@@ -115,15 +116,10 @@ class RemoteGenerations:
             return mine
 
         def commit(every: list[list[str]]) -> None:
-            upload_rest(store_of(target), folder, target, RECOVER_MANIFEST, {name for names in every for name in names})
-            log = self.log
-            committed = log.append({"folder": folder.name, "run": run, "global_step": step})
-            for record in log.records():
-                if record.sequence < committed.sequence:
-                    try:
-                        log.remove(record, kept={committed.folder})
-                    except CheckpointError as error:
-                        logger.warning("%s: superseded, not deleted yet: %s", self.root.child(record.folder), error)
+            series = ObjectSeries(self.root, RECOVER_MANIFEST)
+            uploaded = {name for names in every for name in names}
+            newest = series.commit(folder, folder.name, folder, uploaded, {"run": run, "global_step": step})
+            series.supersede(newest, lambda body: True)  # one generation: the newest
 
         agree.gathered_then_decided(upload_mine, commit, f"{target}: upload failed (not committed there)")
         logger.info("committed %s", target)

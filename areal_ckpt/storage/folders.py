@@ -1,5 +1,5 @@
-"""Whole checkpoint folders and object storage: commit a local folder as a new generation,
-bring a committed one down, check one where it lies. Each checkpoint folder carries a manifest
+"""Whole checkpoint folders and object storage: upload a local folder's files (the manifest
+last), bring a committed one down, check one where it lies. Each checkpoint folder carries a manifest
 (every file's size and CRC-32, :mod:`areal_ckpt.publish`); these functions go by it.
 """
 
@@ -12,17 +12,12 @@ import tempfile
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from areal_ckpt import fsio
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import (
-    CommitLog,
-    CommitRecord,
-    delete_prefix,
-    fresh_folder,
     upload_folder_files,
 )
 from areal_ckpt.storage.objects import ObjectStore
@@ -34,27 +29,6 @@ _FETCH_LOCK = ".fetch.lock"
 _FETCHED_PREFIX = ".fetched-"  # + a load's token: this copy was completed and checked for that load
 _RANGE = 32 << 20
 _READERS = 4
-
-
-def commit_folder(
-    store: ObjectStore, parent: ObjectURL, folder: Path, manifest_name: str, body: dict[str, Any]
-) -> CommitRecord:
-    """Upload the local checkpoint ``folder`` under a prefix of ``parent`` never used before
-    (``folder``'s name, or ``{name}.{n}``): every file its manifest lists, then the manifest,
-    then the commit record (``body`` plus ``folder``) in ``parent``'s log. Blocking; local to
-    the caller. On failure the uploaded objects are removed (or left as debris for the next
-    writer when removing fails too) and nothing is committed."""
-    name = fresh_folder(store, parent, folder.name)
-    target = parent.child(name)
-    try:
-        upload_rest(store, folder, target, manifest_name, uploaded=set())
-        return CommitLog(store, parent).append({**body, "folder": name})
-    except BaseException:
-        try:
-            delete_prefix(store, target.key() + "/")
-        except CheckpointError as error:
-            logger.warning("could not remove the uncommitted %s: %s", target, error)
-        raise
 
 
 def upload_rest(store: ObjectStore, folder: Path, target: ObjectURL, manifest_name: str, uploaded: set[str]) -> None:

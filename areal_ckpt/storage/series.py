@@ -65,9 +65,9 @@ class CheckpointSeries(Protocol):
         writer of one file of the reserved checkpoint, or None to write them into the local
         staging folder."""
 
-    def commit(self, staging: Path, reserved: str, final: Path, uploaded: set[str], body: dict[str, Any]) -> None:
+    def commit(self, staging: Path, reserved: str, final: Path, uploaded: set[str], body: dict[str, Any]) -> int:
         """Rank 0: make the checkpoint in ``staging`` (manifest written, durable) the committed
-        ``reserved`` one, whole or not at all. ``final`` is its folder when the series is a
+        ``reserved`` one, whole or not at all; returns its commit order (0 for a folder). ``final`` is its folder when the series is a
         folder; ``uploaded`` the files the ranks wrote themselves (through :meth:`writer_of`:
         already in the store, or in ``staging``); ``body`` what the commit records (its name
         and step)."""
@@ -109,10 +109,11 @@ class FolderSeries:
         """None: files go into the staging folder, renamed into place at the commit."""
         return None
 
-    def commit(self, staging: Path, reserved: str, final: Path, uploaded: set[str], body: dict[str, Any]) -> None:
+    def commit(self, staging: Path, reserved: str, final: Path, uploaded: set[str], body: dict[str, Any]) -> int:
         """One rename of ``staging`` to ``final`` (fsync'd; an older folder of that name goes
         to the trash)."""
         publish(staging, final, export_trash(final))
+        return 0
 
     def discard(self, reserved: str) -> None:
         """Nothing was written outside the staging folder."""
@@ -154,9 +155,12 @@ class FolderSeries:
 @dataclass(frozen=True)
 class ObjectSeries:
     """A series of checkpoints under the prefix ``root`` of an object store, each committed by
-    a create-only record in ``{root}/.commits/``."""
+    a create-only record in ``{root}/.commits/``; ``manifest`` names each checkpoint's
+    manifest file. The one object commit sequence: exports, recovery generations, DeepSpeed
+    tags and the command line's outputs all commit through :meth:`commit`."""
 
     root: ObjectURL
+    manifest: str = MANIFEST_NAME
 
     def reserve(self, name: str) -> str:
         """``name``, or the first free ``name.{n}`` when objects were ever kept under ``name``."""
@@ -168,14 +172,32 @@ class ObjectSeries:
         store = store_of(target)
         return lambda name: store.open_writer(target.key(name))
 
-    def commit(self, staging: Path, reserved: str, final: Path, uploaded: set[str], body: dict[str, Any]) -> None:
+    def commit(self, staging: Path, reserved: str, final: Path, uploaded: set[str], body: dict[str, Any]) -> int:
         """Upload what the manifest lists beyond ``uploaded``, then the manifest, then the
         create-only record naming ``reserved`` (CommitError when another writer took its
-        number)."""
+        number); returns the record's sequence number."""
         target = self.root.child(reserved)
         store = store_of(target)
-        upload_rest(store, staging, target, MANIFEST_NAME, uploaded=uploaded)
-        CommitLog(store, self.root).append({**body, "folder": reserved})
+        upload_rest(store, staging, target, self.manifest, uploaded=uploaded)
+        return CommitLog(store, self.root).append({**body, "folder": reserved}).sequence
+
+    def supersede(self, newest: int, replaced: Callable[[dict[str, Any]], bool]) -> None:
+        """After the commit ``newest``: delete each older record whose body ``replaced`` selects
+        (record first, then its objects unless a remaining record names them too), so no reader
+        finds it any more. A failure is logged: the commit it follows stands."""
+        log = CommitLog(store_of(self.root), self.root)
+        try:
+            records = log.records()
+        except CheckpointError as error:
+            logger.warning("%s: superseded checkpoints not deleted yet: %s", self.root, error)
+            return
+        doomed = [record for record in records if record.sequence < newest and replaced(record.body)]
+        kept = {record.folder for record in records if record not in doomed}
+        for record in doomed:
+            try:
+                log.remove(record, kept)
+            except CheckpointError as error:
+                logger.warning("%s: superseded, not deleted yet: %s", self.root.child(record.folder), error)
 
     def discard(self, reserved: str) -> None:
         """Delete the objects uploaded under ``reserved``; a failure is logged (the next

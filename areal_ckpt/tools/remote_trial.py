@@ -31,8 +31,9 @@ from areal_ckpt.publish import read_manifest, switch_symlink
 from areal_ckpt.recover.remote import RemoteGenerations
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import COMMIT_LOG, CommitLog, CommitRecord
-from areal_ckpt.storage.folders import check_remote_folder, commit_folder, fetch_folder
+from areal_ckpt.storage.folders import check_remote_folder, fetch_folder
 from areal_ckpt.storage.objects import ObjectInfo
+from areal_ckpt.storage.series import ObjectSeries
 from areal_ckpt.urls import ObjectURL, parse_object_url
 
 logger = logging.getLogger(__name__)
@@ -207,11 +208,14 @@ def commit_output(folder: Path, value: str) -> str:
         raise CheckpointError(f"{url}: already holds objects; choose a new output prefix")
     local = folder.rename(folder.with_name(name)) if folder.name != name else folder
     header = read_manifest(local, MANIFEST_NAME)
-    parent = ObjectURL(url.scheme, url.bucket, parent_key)
-    record = commit_folder(
-        store, parent, local, MANIFEST_NAME, {"name": header.get("name"), "step": header.get("step")}
-    )
-    return str(parent.child(record.folder))
+    series = ObjectSeries(ObjectURL(url.scheme, url.bucket, parent_key))
+    reserved = series.reserve(local.name)
+    try:
+        series.commit(local, reserved, local, set(), {"name": header.get("name"), "step": header.get("step")})
+    except BaseException:
+        series.discard(reserved)
+        raise
+    return series.location(reserved, local)
 
 
 def repoint_remote(value: str) -> tuple[str, dict[str, list[str]], bool]:
