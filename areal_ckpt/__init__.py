@@ -7,7 +7,6 @@ checkpoints restore a whole training job.
 from areal_ckpt._version import __version__
 from areal_ckpt.config import CheckpointConfig, RecoverConfig, SaverConfig
 from areal_ckpt.config_loader import load_config
-from areal_ckpt.deepspeed_api import load_checkpoint, save_checkpoint
 from areal_ckpt.engines import DeepSpeedEngine, TorchEngine
 from areal_ckpt.errors import CheckpointError, CollectiveError, CommitError, ConfigError, RankMismatchError
 from areal_ckpt.export.download import download_export
@@ -18,6 +17,7 @@ from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state.recover_info import RecoverInfo
 from areal_ckpt.state.sampler import ResumableDistributedSampler
 from areal_ckpt.step import FinetuneSpec, StepInfo
+from areal_ckpt.tags.api import load_checkpoint, save_checkpoint
 from areal_ckpt.tools.import_areal import import_areal_trial
 
 __all__ = [

@@ -11,7 +11,6 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from areal_ckpt.deepspeed_local import read_latest
 from areal_ckpt.engines.contract import ExportSource
 from areal_ckpt.engines.peft_configs import peft_model_on_meta
 from areal_ckpt.engines.peft_export import PeftExport
@@ -25,6 +24,7 @@ from areal_ckpt.formats.stock_dcp import StockDcpModelSource
 from areal_ckpt.paths import HF_FILES, MANIFEST_NAME, RECOVER_MANIFEST, TAGGED_FORMAT
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.store import resolve_recovery
+from areal_ckpt.tags.folder import read_latest
 from areal_ckpt.tensors import TensorSpec
 
 logger = logging.getLogger(__name__)

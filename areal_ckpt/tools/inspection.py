@@ -10,7 +10,6 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from areal_ckpt.deepspeed_local import read_latest
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_metadata import read_metadata_json, tensor_entries
 from areal_ckpt.formats.stock_dcp import is_stock_dcp, read_stock_metadata
@@ -26,6 +25,7 @@ from areal_ckpt.paths import (
 )
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.store import RecoverStore, resolve_recovery
+from areal_ckpt.tags.folder import read_latest
 
 _MAX_SAFETENSORS_HEADER = 100 << 20
 

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from areal_ckpt.deepspeed_objects import find_tag
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.paths import (
     MANIFEST_NAME,
@@ -34,6 +33,7 @@ from areal_ckpt.storage.commits import COMMIT_LOG, CommitLog, CommitRecord
 from areal_ckpt.storage.folders import check_remote_folder, fetch_folder
 from areal_ckpt.storage.objects import ObjectInfo
 from areal_ckpt.storage.series import ObjectSeries
+from areal_ckpt.tags.objects import find_tag
 from areal_ckpt.urls import ObjectURL, parse_object_url
 
 logger = logging.getLogger(__name__)

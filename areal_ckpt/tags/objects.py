@@ -51,7 +51,7 @@ OFFLINE_CONVERTER = "zero_to_fp32.py"
 
 def offline_converter_script() -> bytes:
     """``zero_to_fp32.py``'s text: torch + safetensors only (:mod:`areal_ckpt.tools.offline_zero_to_fp32`)."""
-    return (Path(__file__).parent / "tools" / "offline_zero_to_fp32.py").read_bytes()
+    return (Path(__file__).parent.parent / "tools" / "offline_zero_to_fp32.py").read_bytes()
 
 
 def object_root(value: str | os.PathLike[str], what: str) -> ObjectURL | None:

@@ -15,7 +15,7 @@ A tag folder is written under a staging name and renamed into place whole; ``lat
 replaced by renaming a new file over it (never rewritten in place), so it always names a
 complete tag. Nothing here takes the trial lock: ``save_dir`` is the caller's. A ``save_dir``
 on object storage (``s3://bucket/prefix``) is committed there by a create-only record instead
-of renames (:mod:`areal_ckpt.deepspeed_objects`).
+of renames (:mod:`areal_ckpt.tags.objects`).
 """
 
 from __future__ import annotations
@@ -31,20 +31,6 @@ import torch
 from areal_ckpt import agree, dist
 from areal_ckpt._version import __version__
 from areal_ckpt.config import check_path_component, local_path
-from areal_ckpt.deepspeed_local import prepare_staging, publish_tag, read_latest
-from areal_ckpt.deepspeed_objects import (
-    choose_folder,
-    commit_tag,
-    data_fetcher,
-    data_writer,
-    fetch_tag,
-    find_tag,
-    object_root,
-    prepare_rank_staging,
-    rank_staging,
-    remove_uncommitted,
-    upload_own,
-)
 from areal_ckpt.engines.accept import as_engine, export_files
 from areal_ckpt.engines.contract import Engine, EngineLike
 from areal_ckpt.engines.deepspeed_engine import DeepSpeedEngine
@@ -70,6 +56,20 @@ from areal_ckpt.recover.read import load_engine, verify_checkpoint
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.numerics import numerics_record, warn_if_numerics_changed
 from areal_ckpt.state.rng import python_random_kept
+from areal_ckpt.tags.folder import prepare_staging, publish_tag, read_latest
+from areal_ckpt.tags.objects import (
+    choose_folder,
+    commit_tag,
+    data_fetcher,
+    data_writer,
+    fetch_tag,
+    find_tag,
+    object_root,
+    prepare_rank_staging,
+    rank_staging,
+    remove_uncommitted,
+    upload_own,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ def save_checkpoint(
     not require grad are left out. Durable on return, then ``latest`` names ``tag`` (when
     ``save_latest``). Returns True; on failure raises on every rank, leaving earlier tags and
     ``latest`` as they were. ``save_dir`` may be an ``s3://`` URL (see
-    :mod:`areal_ckpt.deepspeed_objects`): every rank uploads its own files, and the tag is
+    :mod:`areal_ckpt.tags.objects`): every rank uploads its own files, and the tag is
     committed by a record rank 0 writes last.
     """
     engine = as_engine(engine, "save_checkpoint")

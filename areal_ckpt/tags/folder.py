@@ -1,6 +1,6 @@
 """``save_checkpoint`` / ``load_checkpoint`` with ``save_dir`` on a local (or shared POSIX)
 filesystem: the tag folder staged and renamed into place whole, ``latest`` renamed over, the
-offline converter placed (see :mod:`areal_ckpt.deepspeed_api` for the layout)."""
+offline converter placed (see :mod:`areal_ckpt.tags.api` for the layout)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import shutil
 from pathlib import Path
 
 from areal_ckpt.config import check_path_component
-from areal_ckpt.deepspeed_objects import OFFLINE_CONVERTER, offline_converter_script
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import fsync_dir, make_dirs, write_file_durably
 from areal_ckpt.paths import LATEST, TAG_CLIENT_STATE, TAG_MODEL
 from areal_ckpt.publish import publish
+from areal_ckpt.tags.objects import OFFLINE_CONVERTER, offline_converter_script
 
 logger = logging.getLogger(__name__)
 
