@@ -193,7 +193,9 @@ class AzureStore:
                 f"check the credentials ({_CREDENTIALS_HINT})"
             ) from None
         except (azure_errors.ServiceRequestError, azure_errors.ServiceResponseError) as error:
-            raise TransientError(f"cannot {action} {self._where(key)}: the server did not answer ({error})") from None
+            raise TransientError(
+                f"cannot {action} {self._where(key)}: the server did not answer ({error}); the endpoint comes from AZURE_STORAGE_CONNECTION_STRING or AZURE_STORAGE_ACCOUNT_NAME"
+            ) from None
         except azure_errors.HttpResponseError as error:
             status = error.status_code or 0
             if status == 429 or status >= 500:

@@ -211,11 +211,15 @@ class GCSStore:
         except (google_errors.TooManyRequests, google_errors.ServerError) as error:
             raise ServerFailingError(f"cannot {action} {where}: the server is busy or failing ({error.code})") from None
         except google_errors.RetryError as error:
-            raise TransientError(f"cannot {action} {where}: the server did not answer in time ({error})") from None
+            raise TransientError(
+                f"cannot {action} {where}: the server did not answer in time ({error}); the endpoint comes from STORAGE_EMULATOR_HOST (unset: Google Cloud Storage itself)"
+            ) from None
         except google.auth.exceptions.DefaultCredentialsError:
             raise CheckpointError(f"cannot {action} {where}: no credentials found; {_CREDENTIALS_HINT}") from None
         except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as error:
-            raise TransientError(f"cannot {action} {where}: the server did not answer ({error})") from None
+            raise TransientError(
+                f"cannot {action} {where}: the server did not answer ({error}); the endpoint comes from STORAGE_EMULATOR_HOST (unset: Google Cloud Storage itself)"
+            ) from None
         except google_errors.GoogleAPIError as error:
             raise CheckpointError(f"cannot {action} {where}: {error}") from None
 

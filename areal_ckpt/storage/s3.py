@@ -182,7 +182,9 @@ class S3Store:
             botocore.exceptions.ConnectTimeoutError,
             botocore.exceptions.ReadTimeoutError,
         ) as error:
-            raise TransientError(f"cannot {action} {where}: the server did not answer ({error})") from None
+            raise TransientError(
+                f"cannot {action} {where}: the server did not answer ({error}); the endpoint comes from AWS_ENDPOINT_URL (or the profile)"
+            ) from None
         except botocore.exceptions.NoCredentialsError:
             raise CheckpointError(
                 f"cannot {action} {where}: no credentials found; set AWS_ACCESS_KEY_ID and "
