@@ -146,3 +146,28 @@ def test_ranks_agree_on_time_triggers_despite_clock_drift(tmp_path):
     # untouched by the count trigger), count at steps 5 and 10; rank 1's own clock would have
     # fired at step 2 already
     assert rank0 == [False, False, False, True, True, False, False, True, False, True, False, True]
+
+
+def unshared_root_worker(rank: int, world_size: int, base: str) -> None:
+    """Each rank sees its own folder under the same relative fileroot: two nodes whose
+    "shared" file system is not shared."""
+    import os
+
+    node = Path(base) / f"node{rank}"
+    node.mkdir(parents=True, exist_ok=True)
+    os.chdir(node)
+    config = ac.SaverConfig(experiment_name="exp", trial_name="t", fileroot="root", user="tester", max_shard_size=SHARD)
+    saver = ac.Saver(config, SPEC)
+    with pytest.raises(ac.CheckpointError, match=r"export failed \(nothing was published\)"):
+        saver.save(ac.TorchEngine(trained_model("ddp")), 0, 1, 1, force=True)
+    saver.finalize()
+
+
+def test_a_rank_that_does_not_share_the_fileroot_fails_the_export_on_every_rank(tmp_path):
+    # rank 1 writes its shards where rank 0 cannot see them: committing would publish an export
+    # missing them, so the export fails on every rank and nothing is published
+    run_distributed(unshared_root_worker, 2, str(tmp_path))
+    model = tmp_path / "node0/root/checkpoints/tester/exp/t/default"
+    published = [path.name for path in model.iterdir() if not path.name.startswith(".")] if model.exists() else []
+    assert published == []
+    assert not list((tmp_path / "node1").rglob("*.safetensors"))

@@ -211,7 +211,7 @@ def finish_export(
 
     def write_shards() -> dict[str, tuple[int, int]]:
         open_writer = target.series.writer_of(target.reserved)  # to the store from memory, or staged
-        target.staging.mkdir(parents=True, exist_ok=True)  # another node than rank 0's: its own, for the small files
+        target.series.join_staging(target.staging)
         records, error = write_rank_shards(  # staged for upload: durable once the store holds them
             source,
             target.plan,

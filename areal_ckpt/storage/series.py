@@ -65,6 +65,13 @@ class CheckpointSeries(Protocol):
         writer of one file of the reserved checkpoint, or None to write them into the local
         staging folder."""
 
+    def join_staging(self, staging: Path) -> None:
+        """Every rank, before writing its files: the staging folder rank 0 prepared, as this
+        rank sees it. On a store each node stages only its own small files, in a folder made
+        here; a folder series' staging folder is rank 0's on the shared file system and is
+        never made here, so a rank without that file system fails loudly instead of writing
+        files rank 0 would commit without having them."""
+
     def commit(self, staging: Path, reserved: str, final: Path, uploaded: set[str], body: dict[str, Any]) -> int:
         """Rank 0: make the checkpoint in ``staging`` (manifest written, durable) the committed
         ``reserved`` one, whole or not at all; returns its commit order (0 for a folder). ``final`` is its folder when the series is a
@@ -108,6 +115,9 @@ class FolderSeries:
     def writer_of(self, reserved: str) -> Callable[[str], FileWriter] | None:
         """None: files go into the staging folder, renamed into place at the commit."""
         return None
+
+    def join_staging(self, staging: Path) -> None:
+        """Nothing: rank 0 made it on the shared file system."""
 
     def commit(self, staging: Path, reserved: str, final: Path, uploaded: set[str], body: dict[str, Any]) -> int:
         """One rename of ``staging`` to ``final`` (fsync'd; an older folder of that name goes
@@ -171,6 +181,10 @@ class ObjectSeries:
         target = self.root.child(reserved)
         store = store_of(target)
         return lambda name: store.open_writer(target.key(name))
+
+    def join_staging(self, staging: Path) -> None:
+        """This node's own staging folder, made (rank 0's node already has it)."""
+        staging.mkdir(parents=True, exist_ok=True)
 
     def commit(self, staging: Path, reserved: str, final: Path, uploaded: set[str], body: dict[str, Any]) -> int:
         """Upload what the manifest lists beyond ``uploaded``, then the manifest, then the
