@@ -1,4 +1,5 @@
-"""``save_checkpoint`` / ``load_checkpoint`` with ``save_dir`` on object storage (``s3://...``).
+"""``save_checkpoint`` / ``load_checkpoint`` with ``save_dir`` on object storage (``s3://``,
+``gs://``, ``az://``).
 
 Layout::
 
@@ -35,8 +36,6 @@ from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import (
     CommitLog,
     CommitRecord,
-    delete_prefix,
-    fresh_folder,
     upload_folder_files,
 )
 from areal_ckpt.storage.folders import OnDemandFiles, fetch_shared
@@ -83,9 +82,8 @@ def prepare_rank_staging(staging: Path) -> None:
 def choose_folder(root: ObjectURL, tag: str) -> str:
     """Rank 0: the never-used prefix a save of ``tag`` goes to (``tag`` or ``tag.{n}``);
     CheckpointError naming the endpoint and bucket when the bucket does not answer."""
-    store = store_of(root)
-    store.check_access()
-    return fresh_folder(store, root, tag)
+    store_of(root).check_access()
+    return ObjectSeries(root).reserve(tag)
 
 
 def data_writer(root: ObjectURL, folder: str) -> Callable[[Path], FileWriter]:
@@ -118,11 +116,7 @@ def commit_tag(root: ObjectURL, folder: str, staging: Path, uploaded: set[str], 
 
 def remove_uncommitted(root: ObjectURL, folder: str) -> None:
     """Rank 0 after a failed save: delete what was uploaded of it (best effort)."""
-    target = root.child(folder)
-    try:
-        delete_prefix(store_of(target), target.key() + "/")
-    except CheckpointError as error:
-        logger.warning("could not remove the uncommitted %s: %s", target, error)
+    ObjectSeries(root).discard(folder)
 
 
 def find_tag(root: ObjectURL, tag: str | None) -> tuple[str, str, str] | None:
