@@ -1,6 +1,7 @@
-"""Tiered recovery checkpoints (recover.local_dir over a real SeaweedFS on 127.0.0.1): a dump
-commits to the local tier, goes up in the background, and a restart resumes from whichever tier
-holds the newest commit."""
+"""Tiered recovery checkpoints (recover.local_dir over object storage, real servers on
+127.0.0.1): a dump commits to the local tier, goes up in the background, and a restart resumes
+from whichever tier holds the newest commit. The cycles run on every store; the tests that kill
+and restart the server run on S3 (SeaweedFS)."""
 
 from __future__ import annotations
 
@@ -66,9 +67,11 @@ def test_local_dir_needs_a_fileroot_on_object_storage_and_replaces_staging_dir(t
         )
 
 
-def test_a_dump_commits_locally_uploads_in_the_background_and_reports_both(s3_server, s3_bucket, tmp_path, caplog):
+def test_a_dump_commits_locally_uploads_in_the_background_and_reports_both(
+    object_server, object_bucket, tmp_path, caplog
+):
     setup = make_setup()
-    handler = ac.RecoverHandler(tiered_config(s3_bucket, tmp_path / "local"), SPEC)
+    handler = ac.RecoverHandler(tiered_config(object_bucket, tmp_path / "local"), SPEC)
     for step in range(3):
         train_step(setup, step)
         handler.dump(setup.engine, step_info(step), force=True)
@@ -76,15 +79,15 @@ def test_a_dump_commits_locally_uploads_in_the_background_and_reports_both(s3_se
     handler.wait()  # the newest is on object storage too
     metrics = handler.last_metrics
     handler.close()
-    assert uploaded_steps(s3_server, s3_bucket) == [2]
+    assert uploaded_steps(object_server, object_bucket) == [2]
     assert metrics["upload/bytes"] > 0 and metrics["upload/gbps"] > 0 and metrics["bytes"] > 0
     assert metrics["upload/lag_steps"] == 0 and metrics["upload/failures"] == 0
-    assert "uploaded recovery checkpoint s3://" in caplog.text
+    assert f"uploaded recovery checkpoint {object_bucket}/" in caplog.text
     # a restart on the same node loads the local tier (nothing fetched), on a fresh node the bucket
     for local, fetched in ((tmp_path / "local", False), (tmp_path / "fresh-node", True)):
         caplog.clear()
         fresh = make_setup(seed=1)
-        loader = ac.RecoverHandler(tiered_config(s3_bucket, local), SPEC)
+        loader = ac.RecoverHandler(tiered_config(object_bucket, local), SPEC)
         assert loader.load(fresh.engine).last_step_info.global_step == 2
         loader.close()
         assert ("fetched" in caplog.text) == fetched
@@ -169,9 +172,11 @@ def test_a_restart_after_a_cut_upload_resumes_from_the_local_tier_and_uploads_it
     assert uploaded_steps(server, bucket) == [1]  # caught up by the resumed job
 
 
-def test_a_damaged_local_file_is_ignored_for_the_intact_upload_with_a_warning(s3_server, s3_bucket, tmp_path, caplog):
+def test_a_damaged_local_file_is_ignored_for_the_intact_upload_with_a_warning(
+    object_server, object_bucket, tmp_path, caplog
+):
     setup = make_setup()
-    handler = ac.RecoverHandler(tiered_config(s3_bucket, tmp_path / "local"), SPEC)
+    handler = ac.RecoverHandler(tiered_config(object_bucket, tmp_path / "local"), SPEC)
     train_step(setup, 0)
     handler.dump(setup.engine, step_info(0), force=True)
     handler.close()
@@ -180,7 +185,7 @@ def test_a_damaged_local_file_is_ignored_for_the_intact_upload_with_a_warning(s3
     damaged[len(damaged) // 2] ^= 0xFF
     data.write_bytes(bytes(damaged))
     fresh = make_setup(seed=1)
-    loader = ac.RecoverHandler(tiered_config(s3_bucket, tmp_path / "local"), SPEC)
+    loader = ac.RecoverHandler(tiered_config(object_bucket, tmp_path / "local"), SPEC)
     assert loader.load(fresh.engine).last_step_info.global_step == 0
     loader.close()
     assert "the local tier's recovery checkpoint cannot be loaded" in caplog.text
@@ -190,10 +195,10 @@ def test_a_damaged_local_file_is_ignored_for_the_intact_upload_with_a_warning(s3
 
 @pytest.mark.dist
 def test_two_nodes_with_their_own_local_dirs_resume_bit_exact_after_one_loses_its_disk(
-    reference_run_fsdp2, s3_server, s3_bucket, tmp_path
+    reference_run_fsdp2, object_server, object_bucket, tmp_path
 ):
-    root, out, local = f"{s3_bucket}/root", tmp_path / "out", tmp_path / "local"
-    tiered = ["--local-dir", str(local), "--environment", json.dumps(s3_server.environment())]
+    root, out, local = f"{object_bucket}/root", tmp_path / "out", tmp_path / "local"
+    tiered = ["--local-dir", str(local), "--environment", json.dumps(object_server.environment())]
     killed = [*tiered, "--kill-at", "7", "--wait-before-kill"]  # its last dump is on both tiers
     assert run_job(root, out, world_size=2, wrap="fsdp2", extra=killed) == [-9, -9]
     shutil.rmtree(local / "node1")  # the second node's disk is lost with it
@@ -241,45 +246,47 @@ def test_two_nodes_whose_uploads_never_went_through_resume_bit_exact_from_their_
         assert all(len(values) == 1 for step, values in losses(out, rank).items() if step <= 7)
 
 
-def test_async_tiered_dumps_upload_after_their_background_commit(s3_server, s3_bucket, tmp_path):
+def test_async_tiered_dumps_upload_after_their_background_commit(object_server, object_bucket, tmp_path):
     setup = make_setup()
-    handler = ac.RecoverHandler(tiered_config(s3_bucket, tmp_path / "local", mode="async"), SPEC)
+    handler = ac.RecoverHandler(tiered_config(object_bucket, tmp_path / "local", mode="async"), SPEC)
     for step in range(3):
         train_step(setup, step)
         handler.dump(setup.engine, step_info(step), force=True)
     handler.wait()
     handler.close()
-    assert local_step(tmp_path / "local") == 2 and uploaded_steps(s3_server, s3_bucket) == [2]
+    assert local_step(tmp_path / "local") == 2 and uploaded_steps(object_server, object_bucket) == [2]
     fresh = make_setup(seed=1)
-    loader = ac.RecoverHandler(tiered_config(s3_bucket, tmp_path / "fresh-node"), SPEC)
+    loader = ac.RecoverHandler(tiered_config(object_bucket, tmp_path / "fresh-node"), SPEC)
     assert loader.load(fresh.engine).last_step_info.global_step == 2
     loader.close()
     assert_same_weights(setup.model, fresh.model)
 
 
-def test_a_second_job_that_did_not_load_is_refused_at_its_first_dump(s3_server, s3_bucket, tmp_path):
+def test_a_second_job_that_did_not_load_is_refused_at_its_first_dump(object_server, object_bucket, tmp_path):
     setup = make_setup()
-    first = ac.RecoverHandler(tiered_config(s3_bucket, tmp_path / "node-a"), SPEC)
+    first = ac.RecoverHandler(tiered_config(object_bucket, tmp_path / "node-a"), SPEC)
     first.dump(setup.engine, step_info(0), force=True)
     first.close()
-    second = ac.RecoverHandler(tiered_config(s3_bucket, tmp_path / "node-b"), SPEC)
+    second = ac.RecoverHandler(tiered_config(object_bucket, tmp_path / "node-b"), SPEC)
     with pytest.raises(CheckpointError, match="this job has not loaded"):
         second.dump(setup.engine, step_info(5), force=True)
     second.close()
-    assert local_step(tmp_path / "node-b") is None and uploaded_steps(s3_server, s3_bucket) == [0]
+    assert local_step(tmp_path / "node-b") is None and uploaded_steps(object_server, object_bucket) == [0]
 
 
-def test_a_broken_local_commit_record_is_warned_about_and_the_bucket_used(s3_server, s3_bucket, tmp_path, caplog):
+def test_a_broken_local_commit_record_is_warned_about_and_the_bucket_used(
+    object_server, object_bucket, tmp_path, caplog
+):
     setup = make_setup()
-    handler = ac.RecoverHandler(tiered_config(s3_bucket, tmp_path / "local"), SPEC)
+    handler = ac.RecoverHandler(tiered_config(object_bucket, tmp_path / "local"), SPEC)
     handler.dump(setup.engine, step_info(0), force=True)
     handler.close()
     pointer = tmp_path / "local/checkpoints/tester/exp/trial/.recover/current"
     pointer.unlink()
     pointer.symlink_to("gen-00000009-deadbeef")  # dangling: a generation this copy does not hold
-    assert ac.check_if_recover(tiered_config(s3_bucket, tmp_path / "local"))  # the bucket's, as the load finds
+    assert ac.check_if_recover(tiered_config(object_bucket, tmp_path / "local"))  # the bucket's, as the load finds
     fresh = make_setup(seed=1)
-    loader = ac.RecoverHandler(tiered_config(s3_bucket, tmp_path / "local"), SPEC)
+    loader = ac.RecoverHandler(tiered_config(object_bucket, tmp_path / "local"), SPEC)
     assert loader.load(fresh.engine).last_step_info.global_step == 0
     loader.close()
     assert "the local tier cannot be used" in caplog.text and "gen-00000009-deadbeef is missing" in caplog.text
