@@ -124,3 +124,62 @@ def test_missing_credentials_name_the_variables_to_set(monkeypatch, tmp_path):
         ac.CheckpointError, match=r"gs://ckpt/ .*no credentials found; set GOOGLE_APPLICATION_CREDENTIALS"
     ):
         store_of(parse_object_url("gs://ckpt/x", "test")).check_access()
+
+
+@pytest.fixture
+def silent_server():
+    """A TCP server on 127.0.0.1 that accepts connections and never answers (a stalled store),
+    until the test ends; its port."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield listener.getsockname()[1]
+    stop.set()
+    thread.join()
+    for connection in held:
+        connection.close()
+    listener.close()
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs", "az"])
+def test_a_server_that_stops_answering_is_an_error_after_bounded_logged_waits(
+    scheme, silent_server, monkeypatch, caplog
+):
+    endpoint = f"http://127.0.0.1:{silent_server}"
+    environment = {
+        "s3": {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"},
+        "gs": {"STORAGE_EMULATOR_HOST": endpoint},
+        "az": {
+            "AZURE_STORAGE_CONNECTION_STRING": "DefaultEndpointsProtocol=http;AccountName=a;AccountKey=a2V5;"
+            f"BlobEndpoint={endpoint}/a;"
+        },
+    }[scheme]
+    for variable, value in environment.items():
+        monkeypatch.setenv(variable, value)
+    monkeypatch.setenv("AREAL_CKPT_STORAGE_TIMEOUT", "0.5")  # each request waits half a second for an answer
+    url = parse_object_url(f"{scheme}://stalled/x", "test")
+    with pytest.raises(ac.errors.TransientError, match=rf"cannot (list|connect to) {scheme}://stalled/"):
+        store_of(url).check_access()
+    retries = [r for r in caplog.records if r.levelname == "WARNING" and r.name.startswith("areal_ckpt.storage")]
+    assert len(retries) >= 2  # every wait before another try was logged
+
+
+def test_a_timeout_that_is_not_a_positive_number_is_a_config_error_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("AREAL_CKPT_STORAGE_TIMEOUT", "soon")
+    with pytest.raises(ac.ConfigError, match=r"AREAL_CKPT_STORAGE_TIMEOUT='soon': give the seconds"):
+        store_of(parse_object_url("s3://some-bucket/x", "test"))

@@ -22,18 +22,37 @@ import azure.core.exceptions as azure_errors
 from azure.storage.blob import BlobBlock, BlobServiceClient, ContainerClient, ExponentialRetry
 
 from areal_ckpt.errors import CheckpointError, TransientError
-from areal_ckpt.storage.objects import ObjectInfo, ServerFailingError, patiently
+from areal_ckpt.storage.objects import ObjectInfo, ServerFailingError, patiently, request_timeout
 from areal_ckpt.storage.parts import PART_WORKERS, PartWriter, Views
 from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
 
-#: Bounded calls: connect and read timeouts, 4 more tries after waits of about 1, 3, 5 and 9 s.
-_SETTINGS: dict[str, Any] = {
-    "connection_timeout": 10,
-    "read_timeout": 120,
-    "retry_policy": ExponentialRetry(initial_backoff=1, increment_base=2, retry_total=4),
-}
+
+_RETRIES = 4
+
+
+class _LoggedRetry(ExponentialRetry):
+    """The SDK's exponential retry, each wait before another try logged: no wait on the server
+    goes unlogged."""
+
+    def sleep(self, settings: dict[str, Any], transport: Any) -> None:
+        failed = settings["history"][-1] if settings.get("history") else None
+        cause = getattr(failed, "error", None) or getattr(getattr(failed, "http_response", None), "status_code", "?")
+        logger.warning("Azure Blob request failed (%s); try %d of %d more", cause, settings["count"], _RETRIES)
+        super().sleep(settings, transport)  # type: ignore[no-untyped-call]  # the SDK leaves it unannotated
+
+
+def _settings() -> dict[str, Any]:
+    """Bounded calls: connect and read timeouts (:func:`request_timeout`), 4 more tries after
+    waits of about 1, 3, 5 and 9 s, each logged."""
+    return {
+        "connection_timeout": 10,
+        "read_timeout": request_timeout(),
+        "retry_policy": _LoggedRetry(initial_backoff=1, increment_base=2, retry_total=_RETRIES),
+    }
+
+
 _DELETE_BATCH = 256  # a batch request holds at most 256 sub-requests
 _CREDENTIALS_HINT = "set AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME and AZURE_STORAGE_ACCOUNT_KEY"
 
@@ -49,10 +68,10 @@ def _service() -> BlobServiceClient:
     neither form is set. Contacts nothing."""
     connection = os.environ.get("AZURE_STORAGE_CONNECTION_STRING")
     if connection:
-        return BlobServiceClient.from_connection_string(connection, **_SETTINGS)
+        return BlobServiceClient.from_connection_string(connection, **_settings())
     account, key = os.environ.get("AZURE_STORAGE_ACCOUNT_NAME"), os.environ.get("AZURE_STORAGE_ACCOUNT_KEY")
     if account and key:
-        return BlobServiceClient(f"https://{account}.blob.core.windows.net", credential=key, **_SETTINGS)
+        return BlobServiceClient(f"https://{account}.blob.core.windows.net", credential=key, **_settings())
     raise CheckpointError(f"no Azure storage account configured; {_CREDENTIALS_HINT}")
 
 

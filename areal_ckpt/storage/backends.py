@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from areal_ckpt.storage.objects import ObjectStore
+from areal_ckpt.storage.objects import TIMEOUT_VARIABLE, ObjectStore
 from areal_ckpt.urls import OBJECT_SCHEMES, ObjectURL, SchemeRules
 
 
@@ -69,7 +69,7 @@ def store_of(url: ObjectURL) -> ObjectStore:
     writer makes its own) and again when the environment names another endpoint or
     credentials. Contacts nothing."""
     backend = _BACKENDS[url.scheme]
-    chosen = "|".join(os.environ.get(name, "") for name in backend.environment)
+    chosen = "|".join(os.environ.get(name, "") for name in (*backend.environment, TIMEOUT_VARIABLE))
     key = (os.getpid(), f"{url.scheme}://{url.bucket}|{chosen}")
     if key not in _stores:
         _stores[key] = backend.make(ObjectURL(url.scheme, url.bucket, ""))

@@ -28,13 +28,12 @@ from google.cloud import storage
 
 from areal_ckpt.errors import CheckpointError, TransientError
 from areal_ckpt.fsio import FileRecord, RunningCrc
-from areal_ckpt.storage.objects import ObjectInfo, ServerFailingError, patiently
+from areal_ckpt.storage.objects import ObjectInfo, ServerFailingError, patiently, request_timeout
 from areal_ckpt.storage.parts import PART_BYTES
 from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
 
-_TIMEOUT = (10, 120)  # connect, read (seconds)
 _RETRY_SECONDS = 30.0
 
 
@@ -42,9 +41,15 @@ def _log_retry(error: Exception) -> None:
     logger.warning("Google Cloud Storage did not answer (%s); trying again for up to %.0f s", error, _RETRY_SECONDS)
 
 
-#: Every call's retry of transient failures (unreachable, 429, 5xx): bounded, each try logged.
+def _transient(error: Exception) -> bool:
+    """Worth another try: the SDK's transient failures (unreachable, 429, 5xx) and a server that
+    did not answer within the request timeout."""
+    return bool(google.api_core.retry.if_transient_error(error)) or isinstance(error, requests.exceptions.Timeout)
+
+
+#: Every call's retry of transient failures: bounded (30 s in all), each try logged.
 _RETRY = google.api_core.retry.Retry(
-    predicate=google.api_core.retry.if_transient_error,
+    predicate=_transient,
     initial=0.5,
     maximum=8.0,
     timeout=_RETRY_SECONDS,
@@ -66,6 +71,7 @@ class GCSStore:
         self.endpoint = os.environ.get("STORAGE_EMULATOR_HOST") or "https://storage.googleapis.com"
         self._bucket: storage.Bucket | None = None
         self._lock = threading.Lock()
+        self._timeout = (10.0, request_timeout())  # connect, read (seconds)
 
     def bucket(self) -> storage.Bucket:
         """The SDK's bucket object, its client made on first use; CheckpointError naming the
@@ -85,13 +91,17 @@ class GCSStore:
         (unreachable, no such bucket, denied) otherwise. Blocking."""
         with self._translated("list", self.url.key(), bucket_level=True):
             bucket = self.bucket()
-            list(bucket.client.list_blobs(bucket, prefix=self.url.key(), max_results=1, timeout=_TIMEOUT, retry=_RETRY))
+            list(
+                bucket.client.list_blobs(
+                    bucket, prefix=self.url.key(), max_results=1, timeout=self._timeout, retry=_RETRY
+                )
+            )
 
     def put_file(self, key: str, path: Path) -> None:
         """Upload ``path`` as ``key`` (a resumable upload past 8 MiB: the object appears when it
         is finished). Blocking."""
         with self._translated("upload", key, bucket_level=True):
-            self.bucket().blob(key).upload_from_filename(str(path), timeout=_TIMEOUT, retry=_RETRY)
+            self.bucket().blob(key).upload_from_filename(str(path), timeout=self._timeout, retry=_RETRY)
 
     def put_bytes(self, key: str, data: bytes, create_only: bool = False) -> bool:
         """One upload of ``data``; with ``create_only`` conditional on no object having ``key``
@@ -99,7 +109,7 @@ class GCSStore:
         condition: dict[str, Any] = {"if_generation_match": 0} if create_only else {}
         try:
             with self._translated("write", key, bucket_level=True, passes=(google_errors.PreconditionFailed,)):
-                self.bucket().blob(key).upload_from_string(data, timeout=_TIMEOUT, retry=_RETRY, **condition)
+                self.bucket().blob(key).upload_from_string(data, timeout=self._timeout, retry=_RETRY, **condition)
         except google_errors.PreconditionFailed:
             return False
         return True
@@ -115,7 +125,7 @@ class GCSStore:
         def read() -> bytes | None:
             try:
                 with self._translated("read", key, passes=(google_errors.NotFound,)):
-                    return bytes(self.bucket().blob(key).download_as_bytes(timeout=_TIMEOUT, retry=_RETRY))
+                    return bytes(self.bucket().blob(key).download_as_bytes(timeout=self._timeout, retry=_RETRY))
             except google_errors.NotFound:
                 self._require_bucket("read", key)
                 return None
@@ -129,7 +139,7 @@ class GCSStore:
             with self._translated("read", key):
                 blob = self.bucket().blob(key)
                 return bytes(
-                    blob.download_as_bytes(start=start, end=start + length - 1, timeout=_TIMEOUT, retry=_RETRY)
+                    blob.download_as_bytes(start=start, end=start + length - 1, timeout=self._timeout, retry=_RETRY)
                 )
 
         return patiently(read)
@@ -140,7 +150,7 @@ class GCSStore:
 
         def read() -> None:
             with self._translated("download", key):
-                self.bucket().blob(key).download_to_filename(str(path), timeout=_TIMEOUT, retry=_RETRY)
+                self.bucket().blob(key).download_to_filename(str(path), timeout=self._timeout, retry=_RETRY)
 
         patiently(read)
 
@@ -152,7 +162,7 @@ class GCSStore:
                 bucket = self.bucket()
                 return [
                     ObjectInfo(blob.name, int(blob.size or 0), blob.updated.timestamp() if blob.updated else 0.0)
-                    for blob in bucket.client.list_blobs(bucket, prefix=prefix, timeout=_TIMEOUT, retry=_RETRY)
+                    for blob in bucket.client.list_blobs(bucket, prefix=prefix, timeout=self._timeout, retry=_RETRY)
                 ]
 
         return patiently(read)
@@ -162,7 +172,7 @@ class GCSStore:
         for key in keys:
             try:
                 with self._translated("delete", key, passes=(google_errors.NotFound,)):
-                    self.bucket().blob(key).delete(timeout=_TIMEOUT, retry=_RETRY)
+                    self.bucket().blob(key).delete(timeout=self._timeout, retry=_RETRY)
             except google_errors.NotFound:
                 pass
 
@@ -175,7 +185,7 @@ class GCSStore:
         """CheckpointError naming the bucket when it does not exist (a missing object and a
         missing bucket both answer 404)."""
         try:
-            exists = self.bucket().exists(timeout=_TIMEOUT, retry=_RETRY)
+            exists = self.bucket().exists(timeout=self._timeout, retry=_RETRY)
         except (google_errors.GoogleAPIError, requests.exceptions.RequestException):
             return
         if not exists:
@@ -291,7 +301,7 @@ class GCSObjectWriter:
             with self._store._translated("upload", self._key, bucket_level=True):
                 blob = self._store.bucket().blob(self._key)
                 with blob.open(
-                    "wb", chunk_size=PART_BYTES, ignore_flush=True, timeout=_TIMEOUT, retry=_RETRY
+                    "wb", chunk_size=PART_BYTES, ignore_flush=True, timeout=self._store._timeout, retry=_RETRY
                 ) as upload:
                     while (piece := self._next_piece()) is not _DONE:
                         upload.write(piece)

@@ -10,13 +10,14 @@ real server (see docs/storage.md).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar, runtime_checkable
 
-from areal_ckpt.errors import TransientError
+from areal_ckpt.errors import ConfigError, TransientError
 from areal_ckpt.fsio import FileWriter
 from areal_ckpt.urls import ObjectURL
 
@@ -24,6 +25,27 @@ logger = logging.getLogger(__name__)
 
 _READ_PATIENCE_SECONDS = 30.0  # a server that answers "failing" (5xx) right after a restart recovers within seconds
 T = TypeVar("T")
+#: The variable that bounds how long one request waits for a store's answer (seconds).
+TIMEOUT_VARIABLE = "AREAL_CKPT_STORAGE_TIMEOUT"
+_DEFAULT_TIMEOUT = 120.0
+
+
+def request_timeout() -> float:
+    """How long one request may wait for the server's answer, in seconds: ``$AREAL_CKPT_STORAGE_TIMEOUT``
+    (default 120), read when a store is made; every store's client applies it to each read and
+    retries a bounded number of times, so a server that stops answering becomes an error after
+    a few times this, each retry logged. ConfigError naming the variable for a value that is
+    not a positive number. Pure."""
+    value = os.environ.get(TIMEOUT_VARIABLE)
+    if value is None or value == "":
+        return _DEFAULT_TIMEOUT
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ConfigError(f"{TIMEOUT_VARIABLE}={value!r}: give the seconds a request may wait, a positive number")
+    return seconds
 
 
 class ServerFailingError(TransientError):

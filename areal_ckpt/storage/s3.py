@@ -22,21 +22,16 @@ import botocore.config
 import botocore.exceptions
 
 from areal_ckpt.errors import CheckpointError, TransientError
-from areal_ckpt.storage.objects import ObjectInfo, ServerFailingError, patiently
+from areal_ckpt.storage.objects import ObjectInfo, ServerFailingError, patiently, request_timeout
 from areal_ckpt.storage.parts import PART_BYTES, PART_WORKERS, PartWriter, Views
 from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
 
-_CLIENT_SETTINGS = botocore.config.Config(
-    connect_timeout=10,
-    read_timeout=120,
-    retries={"mode": "standard", "max_attempts": 4},
-    max_pool_connections=2 * PART_WORKERS,
-)
 _TRANSFER = boto3.s3.transfer.TransferConfig(
     multipart_threshold=PART_BYTES, multipart_chunksize=PART_BYTES, max_concurrency=PART_WORKERS, use_threads=True
 )
+_ATTEMPTS = 4
 _ACCESS_CODES = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "403", "AllAccessDisabled"}
 _MISSING_CODES = {"NoSuchKey", "404", "NotFound"}
 _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "500", "502", "503", "504"}
@@ -52,8 +47,28 @@ class S3Store:
         self.url = url
         session = boto3.session.Session()
         region = session.region_name or "us-east-1"  # signing needs one; S3-compatible servers ignore it
-        self._client = session.client("s3", region_name=region, config=_CLIENT_SETTINGS)
+        settings = botocore.config.Config(
+            connect_timeout=10,
+            read_timeout=request_timeout(),
+            retries={"mode": "standard", "max_attempts": _ATTEMPTS},
+            max_pool_connections=2 * PART_WORKERS,
+        )
+        self._client = session.client("s3", region_name=region, config=settings)
         self.endpoint = self._client.meta.endpoint_url
+        self._client.meta.events.register("needs-retry.s3", self._log_failed_attempt)
+
+    def _log_failed_attempt(
+        self, attempts: int, operation: Any, caught_exception: Exception | None = None, response: Any = None, **_: Any
+    ) -> None:
+        """Log an attempt that failed (no answer, or a throttling / 5xx answer), which botocore
+        is about to retry or give up on: no wait on the server goes unlogged. Decides nothing."""
+        status = None if response is None else response[0].status_code
+        if caught_exception is None and (status is None or (status < 500 and status != 429)):
+            return
+        cause = caught_exception if caught_exception is not None else f"HTTP {status}"
+        logger.warning(
+            "%s at %s: attempt %d of %d failed (%s)", operation.name, self.endpoint, attempts, _ATTEMPTS, cause
+        )
 
     def check_access(self) -> None:
         """List one key of the bucket; CheckpointError naming the endpoint, bucket and cause
