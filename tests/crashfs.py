@@ -247,16 +247,22 @@ def crash_states(log: Path, model: str, after: int = 0) -> Iterator[tuple[int, D
 
 
 def materialize(state: DurableState, blobs: Path, target: Path) -> None:
-    """Write ``state`` into the new folder ``target``: the disk as the rebooted machine sees it."""
+    """Write ``state`` into the new folder ``target``: the disk as the rebooted machine sees it.
+
+    The model keys folders by inode number, and the backing file system reuses the number of a
+    deleted folder, so a stale entry of a never-synced parent can name a folder that now holds
+    that parent: an entry naming a folder it is inside of is left out (a disk holds no cycle)."""
     target.mkdir(parents=True)
     placed: dict[int, Path] = {}
 
-    def fill(directory: int, where: Path) -> None:
+    def fill(directory: int, where: Path, inside: frozenset[int] = frozenset()) -> None:
         for name, (inode, kind, link_target) in sorted(state.dirs.get(directory, {}).items()):
             path = where / name
             if kind == "d":
+                if inode in inside or inode == directory:
+                    continue
                 path.mkdir()
-                fill(inode, path)
+                fill(inode, path, inside | {directory})
             elif kind == "l":
                 path.symlink_to(link_target)
             elif inode in placed:
