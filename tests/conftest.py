@@ -77,15 +77,19 @@ def reference_run_fsdp2(tmp_path_factory) -> Path:
 _BUCKETS = itertools.count()
 
 
+def _serving(server):  # type: ignore[no-untyped-def]
+    """Start ``server``, hand it to the session, stop it at the end."""
+    server.start()
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """One real S3 server (SeaweedFS on 127.0.0.1) for the tests that only read and write."""
     from seaweed import SeaweedServer
 
-    server = SeaweedServer(tmp_path_factory.mktemp("seaweed"))
-    server.start()
-    yield server
-    server.stop()
+    yield from _serving(SeaweedServer(tmp_path_factory.mktemp("seaweed")))
 
 
 def _fresh_bucket(server, scheme: str, monkeypatch, request) -> str:
@@ -112,10 +116,7 @@ def gcs_server(tmp_path_factory):
     """One real Google Cloud Storage emulator (fake-gcs-server on 127.0.0.1)."""
     from cloud_emulators import FakeGCSServer
 
-    server = FakeGCSServer(tmp_path_factory.mktemp("fake-gcs"))
-    server.start()
-    yield server
-    server.stop()
+    yield from _serving(FakeGCSServer(tmp_path_factory.mktemp("fake-gcs")))
 
 
 @pytest.fixture(scope="session")
@@ -123,10 +124,7 @@ def azure_server(tmp_path_factory):
     """One real Azure Blob emulator (Azurite on 127.0.0.1)."""
     from cloud_emulators import AzuriteServer
 
-    server = AzuriteServer(tmp_path_factory.mktemp("azurite"))
-    server.start()
-    yield server
-    server.stop()
+    yield from _serving(AzuriteServer(tmp_path_factory.mktemp("azurite")))
 
 
 #: Every object store the suite runs against, by URL scheme, and the fixture of its server.

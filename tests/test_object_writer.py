@@ -1,5 +1,6 @@
-"""The object writer uploads parts straight from the caller's memory: pieces of any size, across
-part boundaries, land byte for byte, with the CRC-32 of what was written (a real SeaweedFS)."""
+"""Each store's object writer uploads straight from the caller's memory: pieces of any size,
+across part boundaries, land byte for byte, with the CRC-32 of what was written (on SeaweedFS,
+fake-gcs-server and Azurite)."""
 
 from __future__ import annotations
 
