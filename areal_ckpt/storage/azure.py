@@ -27,6 +27,11 @@ from areal_ckpt.storage.parts import PART_WORKERS, PartWriter, Views
 from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
+# the SDK logs every request and response at INFO; a job logging at INFO would get pages of it
+# per checkpoint. Quieted unless the user set that logger's level already.
+_SDK_REQUESTS = logging.getLogger("azure.core.pipeline.policies.http_logging_policy")
+if _SDK_REQUESTS.level == logging.NOTSET:
+    _SDK_REQUESTS.setLevel(logging.WARNING)
 
 
 _RETRIES = 4
