@@ -213,10 +213,11 @@ class RecoverConfig(_TimerBlock):
     # derived from the checkpoint and its rank, other differing state is still an error;
     # drop_rank_state: all of it is left out, logged (what load(drop_rank_state=True) asks).
     on_world_size_change: Literal["refuse", "fresh_rng", "drop_rank_state"] = "refuse"
-    # Ours: with fileroot on object storage, a folder on this node's own disk that becomes the
-    # fast tier (docs/storage.md, "Tiers"): a dump commits there, blocking as a local dump does,
-    # and goes up to object storage in the background; a restart resumes from whichever tier
-    # holds the newest commit. It takes staging_dir's place. None: dumps go straight up.
+    # Ours: a folder on this node's own disk that becomes the fast tier in front of fileroot
+    # (object storage, or a shared file system such as Lustre / NFS; docs/storage.md, "Tiers"):
+    # a dump commits there, blocking as a local dump does, and goes to fileroot in the
+    # background; a restart resumes from whichever tier holds the newest commit. It takes
+    # staging_dir's place. None: dumps go straight to fileroot.
     local_dir: str | None = None
 
     @field_validator("local_dir")
@@ -230,10 +231,10 @@ class RecoverConfig(_TimerBlock):
     def _tier_over_object_storage(self) -> Self:
         if self.local_dir is None:
             return self
-        if url_scheme(self.fileroot) is None:
+        if url_scheme(self.fileroot) is None and os.path.realpath(self.fileroot) == os.path.realpath(self.local_dir):
             raise ValueError(
-                f"local_dir adds a local tier under a fileroot on object storage (s3://...); fileroot "
-                f"{self.fileroot!r} is a local folder already: drop local_dir"
+                f"local_dir {self.local_dir!r} is fileroot itself; the local tier must be another folder (the node's "
+                "own disk), or drop local_dir"
             )
         if self.staging_dir is not None:
             raise ValueError(

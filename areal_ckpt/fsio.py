@@ -17,6 +17,7 @@ import errno
 import json
 import os
 import stat
+import tempfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,6 +230,28 @@ def write_file_durably(path: Path, data: bytes) -> FileRecord:
         writer.abort()
         raise
     return writer.close()
+
+
+def copy_durably(source: Path, path: Path) -> FileRecord:
+    """Copy the regular file ``source`` (:func:`open_regular_file`) to ``path`` whole: written to
+    a new temporary name beside it, fsync'd, renamed over ``path`` (a link named ``path`` is
+    replaced, never written through). Returns the size and CRC-32 of the bytes copied. OSError
+    when it fails, with nothing left behind. Local, blocking."""
+    with open_regular_file(source) as reader:
+        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            size, crc = 0, 0
+            with os.fdopen(fd, "wb") as writer:
+                while chunk := reader.read(_CHUNK):
+                    writer.write(chunk)
+                    crc, size = _crc32(chunk, crc), size + len(chunk)
+                writer.flush()
+                os.fsync(writer.fileno())
+            os.replace(temp, path)
+        except BaseException:
+            Path(temp).unlink(missing_ok=True)
+            raise
+    return FileRecord(size=size, crc32=crc)
 
 
 def open_regular_file(path: Path) -> BinaryIO:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,28 @@ def object_bucket(object_server, monkeypatch, request):
     """A fresh bucket (container) on each object store in turn, its client settings in this
     process's environment; returns its URL (``s3://``, ``gs://``, ``az://``)."""
     return _fresh_bucket(object_server, object_server.scheme, monkeypatch, request)
+
+
+@dataclass(frozen=True)
+class PersistentRoot:
+    """Where a tiered trial persists behind its local tier, for the tests that run on each:
+    ``root`` (a bucket's URL, or a folder standing for a shared file system) and the client
+    settings a spawned job needs (``environment``; none for a folder)."""
+
+    kind: str
+    root: str
+    environment: dict[str, str]
+
+
+@pytest.fixture(params=[*sorted(OBJECT_SERVERS), "posix"])
+def persistent_root(request, tmp_path, monkeypatch) -> PersistentRoot:
+    """Each place a trial can persist behind a local tier in turn: every object store (a fresh
+    bucket) and a folder (a shared file system such as Lustre or NFS)."""
+    if request.param == "posix":
+        return PersistentRoot("posix", str(tmp_path / "shared"), {})
+    server = request.getfixturevalue(OBJECT_SERVERS[request.param])
+    bucket = _fresh_bucket(server, request.param, monkeypatch, request)
+    return PersistentRoot(request.param, bucket, server.environment())
 
 
 @pytest.fixture

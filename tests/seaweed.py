@@ -29,13 +29,15 @@ _GRPC_OFFSET = 10000  # weed's default gRPC port = HTTP port + 10000
 _READY_SECONDS = 60
 
 
-def _free_port() -> int:
-    """A TCP port free on 127.0.0.1 now whose gRPC twin (+10000) is free too."""
+def _free_port(taken: set[int]) -> int:
+    """A TCP port free on 127.0.0.1 now whose gRPC twin (+10000) is free too, and neither of
+    them one of ``taken`` (the ports and twins already chosen for the same server: weed refuses
+    a component's port that is another's gRPC twin)."""
     while True:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        if port + _GRPC_OFFSET < 65536:
+        if port + _GRPC_OFFSET < 65536 and not {port, port + _GRPC_OFFSET} & taken:
             with socket.socket() as twin:
                 try:
                     twin.bind(("127.0.0.1", port + _GRPC_OFFSET))
@@ -50,7 +52,10 @@ class SeaweedServer(ServerProcess):
     def __init__(self, folder: Path, reader: bool = False) -> None:
         self.folder = folder
         self.reader = reader
-        self.ports = {name: _free_port() for name in ("master", "volume", "filer", "s3", "admin")}
+        self.ports: dict[str, int] = {}
+        for name in ("master", "volume", "filer", "s3", "admin"):
+            taken = {port + offset for port in self.ports.values() for offset in (0, _GRPC_OFFSET)}
+            self.ports[name] = _free_port(taken)
         self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
         self.process: subprocess.Popen[bytes] | None = None
 

@@ -1,7 +1,8 @@
-"""Tiered recovery checkpoints (recover.local_dir over object storage, real servers on
-127.0.0.1): a dump commits to the local tier, goes up in the background, and a restart resumes
-from whichever tier holds the newest commit. The cycles run on every store; the tests that kill
-and restart the server run on S3 (SeaweedFS)."""
+"""Tiered recovery checkpoints (recover.local_dir in front of object storage, real servers on
+127.0.0.1, or of a shared folder): a dump commits to the local tier, goes to the persistent tier
+in the background, and a restart resumes from whichever tier holds the newest commit. The
+cycles run on every store and on a folder; the tests that kill and restart the server run on
+S3 (SeaweedFS)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,6 @@ import areal_ckpt as ac
 from areal_ckpt.errors import CheckpointError, ConfigError
 from areal_ckpt.paths import generation_step
 
-TRIAL = "runs/checkpoints/tester/exp/trial"
-
 
 def tiered_config(bucket_url: str, local_dir: Path, **fields) -> ac.RecoverConfig:
     return s3_config(bucket_url, None, local_dir=str(local_dir), **fields)
@@ -37,8 +36,13 @@ def local_step(local_dir: Path, trial: str = "trial") -> int | None:
     return generation_step(pointer.readlink().name) if pointer.is_symlink() else None
 
 
-def uploaded_steps(server, bucket_url: str, trial: str = TRIAL) -> list[int]:
-    return [record["global_step"] for record in commit_records(bucket_url, trial)]
+def persisted_steps(root: str, trial: str = "trial") -> list[int]:
+    """The global steps of the commits the persistent tier under ``root`` holds: a bucket's
+    commit records, or the shared folder's committed generation."""
+    if "://" in root:
+        return [record["global_step"] for record in commit_records(root, f"runs/checkpoints/tester/exp/{trial}")]
+    step = local_step(Path(root) / "runs", trial)
+    return [] if step is None else [step]
 
 
 def assert_same_weights(expected: torch.nn.Module, actual: torch.nn.Module) -> None:
@@ -46,11 +50,14 @@ def assert_same_weights(expected: torch.nn.Module, actual: torch.nn.Module) -> N
         assert torch.equal(actual.state_dict()[name], tensor), name
 
 
-def test_local_dir_needs_a_fileroot_on_object_storage_and_replaces_staging_dir(tmp_path):
-    with pytest.raises(ConfigError, match="is a local folder already: drop local_dir"):
+def test_local_dir_is_another_folder_than_fileroot_and_replaces_staging_dir(tmp_path):
+    with pytest.raises(ConfigError, match="is fileroot itself; the local tier must be another folder"):
         ac.RecoverConfig.of(
-            {"experiment_name": "e", "trial_name": "t", "fileroot": str(tmp_path), "local_dir": str(tmp_path / "l")}
+            {"experiment_name": "e", "trial_name": "t", "fileroot": str(tmp_path), "local_dir": f"{tmp_path}/./"}
         )
+    assert ac.RecoverConfig.of(  # a shared folder behind a node-local one: the HPC layout
+        {"experiment_name": "e", "trial_name": "t", "fileroot": str(tmp_path), "local_dir": str(tmp_path / "l")}
+    ).local_dir == str(tmp_path / "l")
     with pytest.raises(ConfigError, match="drop staging_dir"):
         ac.RecoverConfig.of(
             {
@@ -67,11 +74,9 @@ def test_local_dir_needs_a_fileroot_on_object_storage_and_replaces_staging_dir(t
         )
 
 
-def test_a_dump_commits_locally_uploads_in_the_background_and_reports_both(
-    object_server, object_bucket, tmp_path, caplog
-):
+def test_a_dump_commits_locally_uploads_in_the_background_and_reports_both(persistent_root, tmp_path, caplog):
     setup = make_setup()
-    handler = ac.RecoverHandler(tiered_config(object_bucket, tmp_path / "local"), SPEC)
+    handler = ac.RecoverHandler(tiered_config(persistent_root.root, tmp_path / "local"), SPEC)
     for step in range(3):
         train_step(setup, step)
         handler.dump(setup.engine, step_info(step), force=True)
@@ -79,15 +84,15 @@ def test_a_dump_commits_locally_uploads_in_the_background_and_reports_both(
     handler.wait()  # the newest is on object storage too
     metrics = handler.last_metrics
     handler.close()
-    assert uploaded_steps(object_server, object_bucket) == [2]
+    assert persisted_steps(persistent_root.root) == [2]
     assert metrics["upload/bytes"] > 0 and metrics["upload/gbps"] > 0 and metrics["bytes"] > 0
     assert metrics["upload/lag_steps"] == 0 and metrics["upload/failures"] == 0
-    assert f"uploaded recovery checkpoint {object_bucket}/" in caplog.text
+    assert f"uploaded recovery checkpoint {persistent_root.root}/" in caplog.text
     # a restart on the same node loads the local tier (nothing fetched), on a fresh node the bucket
     for local, fetched in ((tmp_path / "local", False), (tmp_path / "fresh-node", True)):
         caplog.clear()
         fresh = make_setup(seed=1)
-        loader = ac.RecoverHandler(tiered_config(object_bucket, local), SPEC)
+        loader = ac.RecoverHandler(tiered_config(persistent_root.root, local), SPEC)
         assert loader.load(fresh.engine).last_step_info.global_step == 2
         loader.close()
         assert ("fetched" in caplog.text) == fetched
@@ -115,7 +120,7 @@ def test_uploads_wait_out_a_stopped_server_and_a_restart_without_it_resumes_loca
     train_step(setup, 3)
     handler.dump(setup.engine, step_info(3), force=True)
     handler.wait()
-    assert uploaded_steps(server, bucket) == [3] and handler.last_metrics["upload/lag_steps"] == 0
+    assert persisted_steps(bucket) == [3] and handler.last_metrics["upload/lag_steps"] == 0
     handler.close()
     server.kill()  # down at the restart: resume from the local tier, saying so
     assert ac.check_if_recover(config)  # a launcher sees the local tier's checkpoint
@@ -124,7 +129,7 @@ def test_uploads_wait_out_a_stopped_server_and_a_restart_without_it_resumes_loca
     with caplog.at_level(logging.WARNING):
         loader = ac.RecoverHandler(config, SPEC)
         assert loader.load(fresh.engine).last_step_info.global_step == 3
-    assert "cannot reach object storage" in caplog.text and "resuming from the local tier" in caplog.text
+    assert "cannot reach s3://tiered-outage/" in caplog.text and "resuming from the local tier" in caplog.text
     assert_same_weights(setup.model, fresh.model)
     server.start()
     loader.close()
@@ -162,21 +167,19 @@ def test_a_restart_after_a_cut_upload_resumes_from_the_local_tier_and_uploads_it
     with pytest.raises(CheckpointError, match="local tier only"):
         handler.close()
     server.start()
-    assert uploaded_steps(server, bucket) == [0]
+    assert persisted_steps(bucket) == [0]
     fresh = make_setup(seed=1)
     loader = ac.RecoverHandler(config, SPEC)
     assert loader.load(fresh.engine).last_step_info.global_step == 1  # the local tier's, newer
     assert_same_weights(setup.model, fresh.model)
     loader.wait()
     loader.close()
-    assert uploaded_steps(server, bucket) == [1]  # caught up by the resumed job
+    assert persisted_steps(bucket) == [1]  # caught up by the resumed job
 
 
-def test_a_damaged_local_file_is_ignored_for_the_intact_upload_with_a_warning(
-    object_server, object_bucket, tmp_path, caplog
-):
+def test_a_damaged_local_file_is_ignored_for_the_intact_upload_with_a_warning(persistent_root, tmp_path, caplog):
     setup = make_setup()
-    handler = ac.RecoverHandler(tiered_config(object_bucket, tmp_path / "local"), SPEC)
+    handler = ac.RecoverHandler(tiered_config(persistent_root.root, tmp_path / "local"), SPEC)
     train_step(setup, 0)
     handler.dump(setup.engine, step_info(0), force=True)
     handler.close()
@@ -185,7 +188,7 @@ def test_a_damaged_local_file_is_ignored_for_the_intact_upload_with_a_warning(
     damaged[len(damaged) // 2] ^= 0xFF
     data.write_bytes(bytes(damaged))
     fresh = make_setup(seed=1)
-    loader = ac.RecoverHandler(tiered_config(object_bucket, tmp_path / "local"), SPEC)
+    loader = ac.RecoverHandler(tiered_config(persistent_root.root, tmp_path / "local"), SPEC)
     assert loader.load(fresh.engine).last_step_info.global_step == 0
     loader.close()
     assert "the local tier's recovery checkpoint cannot be loaded" in caplog.text
@@ -195,10 +198,10 @@ def test_a_damaged_local_file_is_ignored_for_the_intact_upload_with_a_warning(
 
 @pytest.mark.dist
 def test_two_nodes_with_their_own_local_dirs_resume_bit_exact_after_one_loses_its_disk(
-    reference_run_fsdp2, object_server, object_bucket, tmp_path
+    reference_run_fsdp2, persistent_root, tmp_path
 ):
-    root, out, local = f"{object_bucket}/root", tmp_path / "out", tmp_path / "local"
-    tiered = ["--local-dir", str(local), "--environment", json.dumps(object_server.environment())]
+    root, out, local = f"{persistent_root.root}/root", tmp_path / "out", tmp_path / "local"
+    tiered = ["--local-dir", str(local), "--environment", json.dumps(persistent_root.environment)]
     killed = [*tiered, "--kill-at", "7", "--wait-before-kill"]  # its last dump is on both tiers
     assert run_job(root, out, world_size=2, wrap="fsdp2", extra=killed) == [-9, -9]
     shutil.rmtree(local / "node1")  # the second node's disk is lost with it
@@ -246,47 +249,47 @@ def test_two_nodes_whose_uploads_never_went_through_resume_bit_exact_from_their_
         assert all(len(values) == 1 for step, values in losses(out, rank).items() if step <= 7)
 
 
-def test_async_tiered_dumps_upload_after_their_background_commit(object_server, object_bucket, tmp_path):
+def test_async_tiered_dumps_upload_after_their_background_commit(persistent_root, tmp_path):
     setup = make_setup()
-    handler = ac.RecoverHandler(tiered_config(object_bucket, tmp_path / "local", mode="async"), SPEC)
+    handler = ac.RecoverHandler(tiered_config(persistent_root.root, tmp_path / "local", mode="async"), SPEC)
     for step in range(3):
         train_step(setup, step)
         handler.dump(setup.engine, step_info(step), force=True)
     handler.wait()
     handler.close()
-    assert local_step(tmp_path / "local") == 2 and uploaded_steps(object_server, object_bucket) == [2]
+    assert local_step(tmp_path / "local") == 2 and persisted_steps(persistent_root.root) == [2]
     fresh = make_setup(seed=1)
-    loader = ac.RecoverHandler(tiered_config(object_bucket, tmp_path / "fresh-node"), SPEC)
+    loader = ac.RecoverHandler(tiered_config(persistent_root.root, tmp_path / "fresh-node"), SPEC)
     assert loader.load(fresh.engine).last_step_info.global_step == 2
     loader.close()
     assert_same_weights(setup.model, fresh.model)
 
 
-def test_a_second_job_that_did_not_load_is_refused_at_its_first_dump(object_server, object_bucket, tmp_path):
+def test_a_second_job_that_did_not_load_is_refused_at_its_first_dump(persistent_root, tmp_path):
     setup = make_setup()
-    first = ac.RecoverHandler(tiered_config(object_bucket, tmp_path / "node-a"), SPEC)
+    first = ac.RecoverHandler(tiered_config(persistent_root.root, tmp_path / "node-a"), SPEC)
     first.dump(setup.engine, step_info(0), force=True)
     first.close()
-    second = ac.RecoverHandler(tiered_config(object_bucket, tmp_path / "node-b"), SPEC)
+    second = ac.RecoverHandler(tiered_config(persistent_root.root, tmp_path / "node-b"), SPEC)
     with pytest.raises(CheckpointError, match="this job has not loaded"):
         second.dump(setup.engine, step_info(5), force=True)
     second.close()
-    assert local_step(tmp_path / "node-b") is None and uploaded_steps(object_server, object_bucket) == [0]
+    assert local_step(tmp_path / "node-b") is None and persisted_steps(persistent_root.root) == [0]
 
 
-def test_a_broken_local_commit_record_is_warned_about_and_the_bucket_used(
-    object_server, object_bucket, tmp_path, caplog
-):
+def test_a_broken_local_commit_record_is_warned_about_and_the_persistent_tier_used(persistent_root, tmp_path, caplog):
     setup = make_setup()
-    handler = ac.RecoverHandler(tiered_config(object_bucket, tmp_path / "local"), SPEC)
+    handler = ac.RecoverHandler(tiered_config(persistent_root.root, tmp_path / "local"), SPEC)
     handler.dump(setup.engine, step_info(0), force=True)
     handler.close()
     pointer = tmp_path / "local/checkpoints/tester/exp/trial/.recover/current"
     pointer.unlink()
     pointer.symlink_to("gen-00000009-deadbeef")  # dangling: a generation this copy does not hold
-    assert ac.check_if_recover(tiered_config(object_bucket, tmp_path / "local"))  # the bucket's, as the load finds
+    assert ac.check_if_recover(
+        tiered_config(persistent_root.root, tmp_path / "local")
+    )  # the bucket's, as the load finds
     fresh = make_setup(seed=1)
-    loader = ac.RecoverHandler(tiered_config(object_bucket, tmp_path / "local"), SPEC)
+    loader = ac.RecoverHandler(tiered_config(persistent_root.root, tmp_path / "local"), SPEC)
     assert loader.load(fresh.engine).last_step_info.global_step == 0
     loader.close()
     assert "the local tier cannot be used" in caplog.text and "gen-00000009-deadbeef is missing" in caplog.text
@@ -305,7 +308,9 @@ def test_a_restart_on_a_fresh_node_while_the_bucket_is_down_refuses_then_resumes
     server.kill()
     fresh = make_setup(seed=1)
     loader = ac.RecoverHandler(tiered_config(bucket, tmp_path / "node-b"), SPEC)
-    with pytest.raises(CheckpointError, match="cannot reach object storage .* not starting fresh: restart when"):
+    with pytest.raises(
+        CheckpointError, match="cannot reach s3://tiered-fresh/.* not starting fresh: restart when it answers"
+    ):
         loader.load(fresh.engine)
     loader.close()
     server.start()  # the hint followed

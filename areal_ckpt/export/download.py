@@ -11,8 +11,7 @@ from areal_ckpt.paths import MANIFEST_NAME
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import CommitLog
-from areal_ckpt.storage.folders import fetch_folder
-from areal_ckpt.storage.objects import ObjectStore
+from areal_ckpt.storage.folders import ObjectFiles, fetch_folder
 from areal_ckpt.urls import ObjectURL, parse_object_url
 
 logger = logging.getLogger(__name__)
@@ -43,12 +42,11 @@ def download_export(url: str, destination: Path) -> Path:
     if destination.exists():
         raise CheckpointError(f"{destination}: exists; download into a new folder")
     export = committed_export(url)
-    store = store_of(export)
     partial = destination.with_name(destination.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     try:
-        _fetch(store, export, partial)
+        _fetch(export, partial)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
@@ -57,9 +55,9 @@ def download_export(url: str, destination: Path) -> Path:
     return destination
 
 
-def _fetch(store: ObjectStore, export: ObjectURL, folder: Path) -> None:
+def _fetch(export: ObjectURL, folder: Path) -> None:
     """Manifest first, then every file it lists, each checked against it."""
-    fetch_folder(store, export, folder, MANIFEST_NAME)
+    fetch_folder(ObjectFiles(export), folder, MANIFEST_NAME)
     files = read_manifest(folder, MANIFEST_NAME)["files"]
     problems = check_files(folder, files, files)
     if problems:

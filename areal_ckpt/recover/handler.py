@@ -29,12 +29,12 @@ from areal_ckpt.paths import (
     trial_root,
 )
 from areal_ckpt.recover.frozen import frozen_part, part_fingerprint
+from areal_ckpt.recover.location import trial_store
+from areal_ckpt.recover.persistent import before_dump, new_run_token
 from areal_ckpt.recover.prepare import PreviousDump, prepare_dump
 from areal_ckpt.recover.read import load_engine, open_committed
-from areal_ckpt.recover.remote import RemoteGenerations, new_run_token
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.rollout_sync import RolloutSync
-from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.tidy import remove_trash, wait_for_deletions
 from areal_ckpt.recover.tiers import restore_from_tiers
 from areal_ckpt.recover.upload import Uploads
@@ -63,25 +63,25 @@ class RecoverHandler:
         self.config = config = RecoverConfig.of(config)
         self.ft_spec = ft_spec
         self.enabled = config.enabled
-        self.store = RecoverStore.of(config)
+        self.store = trial_store(config)
         self._schedule = TriggerSchedule(config.freq_epochs, config.freq_steps, config.freq_secs)
         # As AReaL's: the step the last dump (or the loaded checkpoint) was taken after.
         self.last_step_info = StepInfo(-1, -1, -1, max(ft_spec.steps_per_epoch, 0))
         self._generation: str | None = None  # committed generation this process loaded or wrote
         self._tidied = False  # rank 0 removed the debris of earlier jobs (at load or first dump)
-        self._remote_tidied = False  # rank 0 removed the debris of earlier jobs on object storage (first dump)
+        self._behind_tidied = False  # rank 0 removed the debris of earlier jobs where the trial persists (first dump)
         self._fingerprints: dict[str, list[int]] = {}
-        self._run = new_run_token()  # names this job in commit records on object storage
-        if self.enabled and self.store.remote is not None:
-            remote = RemoteGenerations(self.store.remote)
+        self._run = new_run_token()  # names this job in the commits where the trial persists
+        behind = self.store.behind
+        if self.enabled and behind is not None:
             try:
-                agree.decided_by_rank0(remote.check_access, f"RecoverHandler: cannot use {remote.trial}")
+                agree.decided_by_rank0(behind.check_access, f"RecoverHandler: cannot use {behind.where()}")
             except CheckpointError as error:
                 if not self.store.tiered:
                     raise
                 logger.warning("%s; dumps commit to the local tier %s until it answers", error, self.store.trial)
         self._jobs = SaveLifecycle("recover", self.store.trial, lock=self.enabled and dist.rank() == 0)
-        #: A tiered trial's uploads to object storage (recover.local_dir), None otherwise.
+        #: A tiered trial's uploads to where it persists (recover.local_dir), None otherwise.
         self._uploads = (
             Uploads(self.store, self._run, config.write_retries) if self.enabled and self.store.tiered else None
         )
@@ -284,15 +284,14 @@ class RecoverHandler:
 
     def _begin(self, global_step: int, names: list[str]) -> str:
         """Rank 0: create the generation folder (see RecoverStore.begin), after checking that
-        the newest commit on object storage (if the trial is there) is this job's; local. A
-        tiered trial checks at its first dump only, and goes on when the bucket does not answer
-        (each upload checks again before it commits)."""
-        if self.store.remote is not None and not (self.store.tiered and self._remote_tidied):
+        the newest commit where the trial persists (if it persists behind the local store) is
+        this job's; local. A tiered trial checks at its first dump only, and goes on when that
+        location does not answer (each upload checks again before it commits)."""
+        behind = self.store.behind
+        if behind is not None and not (self.store.tiered and self._behind_tidied):
             loaded = [name for name in (self._generation, *(self._uploads.loaded if self._uploads else ())) if name]
-            RemoteGenerations(self.store.remote).before_dump(
-                self._run, loaded, first=not self._remote_tidied, tiered=self.store.tiered
-            )
-            self._remote_tidied = True
+            before_dump(behind, self._run, loaded, first=not self._behind_tidied, tiered=self.store.tiered)
+            self._behind_tidied = True
         generation = self.store.begin(global_step, names, loaded=self._generation, first=not self._tidied)
         self._tidied = True
         return generation

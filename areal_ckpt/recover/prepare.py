@@ -66,7 +66,7 @@ def prepare_dump(
 ) -> tuple[DumpJob, dict[str, torch.Tensor], dict[str, list[int]]]:
     """Create the generation (rank 0, with ``begin``), encode its JSON files, capture the
     tensors; returns the second half's job, the tensors and the frozen models' fingerprints.
-    ``run`` names the job in a commit record on object storage (``store.remote``).
+    ``run`` names the job in its commits where the trial persists (``store.behind``).
 
     Collective. Raises RankMismatchError when ranks disagree on the step or the models, the
     refusal ``begin`` raises, or TransientError on every rank (after discarding the
@@ -117,7 +117,7 @@ def prepare_dump(
         param_groups=collected.param_groups,
         header=dump_header(step_info.to_dict(), names),
         retries=config.write_retries,
-        remote=store.remote,
+        behind=store.behind,
         run_token=run,
         tiered=store.tiered,
     )
@@ -173,11 +173,11 @@ def _link_unchanged(
 ) -> bool:
     """True when ``folder`` (a frozen model, or a model's frozen part) has the fingerprint it
     had in the previous generation on every rank: rank 0 then hard-links its files from there
-    into ``generation`` and adds their records. Collective (one reduction). Never on object
-    storage: there no staging copy holds the previous generation's data files (they go to the
-    bucket from memory, and a node's copy would hold only its own ranks' anyway), so the part
-    is uploaded again instead."""
-    if store.remote is not None:
+    into ``generation`` and adds their records. Collective (one reduction). Never when the
+    trial persists behind the local store (object storage, a shared folder): a staging copy
+    holds no data files (they go to the bucket from memory), a node's local tier only its own
+    ranks', so the part is written again instead."""
+    if store.behind is not None:
         return False
     unchanged = fingerprint is not None and previous.fingerprints.get(folder) == fingerprint
     if not (dist.all_true(unchanged) and previous.generation is not None):

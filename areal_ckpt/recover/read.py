@@ -33,8 +33,9 @@ from areal_ckpt.paths import (
 )
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.foreign import refuse_foreign_layout
+from areal_ckpt.recover.location import trial_store
 from areal_ckpt.recover.nodes import fill_from_peers
-from areal_ckpt.recover.remote import RemoteGenerations
+from areal_ckpt.recover.persistent import fetch_newest
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state import safe_json
@@ -68,27 +69,28 @@ def open_committed(
 ) -> tuple[str, dict[str, Any], RecoverInfo, Callable[[Path], None] | None] | None:
     """The committed generation of ``store``, its verified manifest, this rank's recover info
     and what brings a data file down before it is read (None on a local trial), or None when
-    there is none. On object storage the generation's small files come down to the node's
-    staging copy first and its data files only as a rank reads them (each rank the files its
-    share needs); with ``local`` (a tiered trial resuming from its local tier,
-    :mod:`areal_ckpt.recover.tiers`) the local copy is read as a local trial, once each node
-    received the files only other nodes hold (:mod:`areal_ckpt.recover.nodes`). Collective: rank 0
+    there is none. When the trial persists behind ``store`` (object storage, a shared folder)
+    the generation's small files come down to the node's local copy first and its data files
+    only as a rank reads them (each rank the files its share needs); with ``local`` (a tiered
+    trial resuming from its local tier, :mod:`areal_ckpt.recover.tiers`) the local copy is read
+    as a local trial, once each node received the files only other nodes hold
+    (:mod:`areal_ckpt.recover.nodes`). Collective: rank 0
     finds it (removing debris), every rank verifies its share and reads its info. Raises
     CheckpointError on every rank when the commit record is broken, the trial holds AReaL's
     folders, a file is damaged, the models differ from ``models``, the three records of its step
     disagree, or a component cannot be restored (``dataloader``: the one the load restores);
     nothing is loaded then."""
-    remote = None if store.remote is None or local else RemoteGenerations(store.remote)
-    if remote is not None:  # object storage holds what counts: its newest commit, into the staging copy
-        remote.fetch_newest(store.root, deferred=read_when_needed)
+    behind = None if local else store.behind
+    if behind is not None:  # where the trial persists holds what counts: its newest commit, into the local copy
+        fetch_newest(behind, store.root, deferred=read_when_needed)
     found = agree.decided_by_rank0(lambda: find_committed(store), "RecoverHandler.load")
     if found is None:
         return None
     folder = store.path(found)
     if local:  # on several nodes, each node's copy lacks the other nodes' files until now
         fill_from_peers(store, found)
-    manifest = verify_checkpoint(folder, data_on_demand=remote is not None)
-    fetch = None if remote is None else OnDemandFiles(remote.root.child(found), folder, manifest["files"]).ensure
+    manifest = verify_checkpoint(folder, data_on_demand=behind is not None)
+    fetch = None if behind is None else OnDemandFiles(behind.files_of(found), folder, manifest["files"]).ensure
     if models != manifest["models"]:
         raise CheckpointError(f"{folder}: checkpoint holds models {manifest['models']}, load was given {models}")
     info = read_recover_info(
@@ -282,21 +284,23 @@ def _data_files(manifest: dict[str, Any], prefix: str) -> dict[str, FileRecord]:
 
 def check_if_auto_recover(config: RecoverConfig | Any) -> bool:
     """True when the trial has a committed recovery checkpoint (whatever ``mode`` says): on
-    object storage, in its commit log; tiered, also on this node's local tier. Local.
+    where the trial persists (object storage's commit log, a shared folder's commit); tiered,
+    also on this node's local tier. Local.
 
     Raises CheckpointError when a commit record exists but is broken, or when the trial holds
     AReaL's own recovery folders, so a launcher never mistakes a checkpoint for a fresh trial.
     Checksums are verified by ``RecoverHandler.load``.
     """
-    store = RecoverStore.of(RecoverConfig.of(config))
-    if store.tiered:  # this node's local tier first (a broken one is left to the bucket, as a load does)
+    store = trial_store(RecoverConfig.of(config))
+    behind = store.behind
+    if store.tiered and behind is not None:  # this node's local tier first (a broken one is left to the other)
         try:
             if store.committed() is not None:
                 return True
         except CheckpointError as error:
-            logger.warning("the local tier cannot be used (%s); looking at object storage", error)
-    if store.remote is not None:
-        return RemoteGenerations(store.remote).newest() is not None
+            logger.warning("the local tier cannot be used (%s); looking at %s", error, behind.where())
+    if behind is not None:
+        return behind.newest() is not None
     refuse_foreign_layout(store.trial)
     generation = store.committed()
     if generation is None:

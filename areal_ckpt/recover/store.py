@@ -24,7 +24,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from areal_ckpt.config import RecoverConfig
 from areal_ckpt.errors import CheckpointError, TransientError
 from areal_ckpt.fsio import FileRecord, fsync_dir, make_dirs, write_file_durably
 from areal_ckpt.paths import (
@@ -33,7 +32,6 @@ from areal_ckpt.paths import (
     RECOVER_MANIFEST,
     RECOVER_STORE,
     RECOVER_TRASH_PREFIX,
-    default_user,
     generation_name,
     generation_step,
     is_generation_name,
@@ -41,13 +39,11 @@ from areal_ckpt.paths import (
     recover_info_link,
     recover_pointer,
     recover_store,
-    staging_trial_root,
-    trial_root,
 )
 from areal_ckpt.publish import hide_folder, read_manifest, switch_symlink, write_manifest
 from areal_ckpt.recover.foreign import refuse_foreign_layout
+from areal_ckpt.recover.persistent import PersistentGenerations
 from areal_ckpt.recover.tidy import remove_trash, sweep_trash_later, wait_for_deletions
-from areal_ckpt.urls import ObjectURL, parse_object_url, url_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -62,34 +58,17 @@ _LINKED_FOLDERS_NAMED: set[Path] = set()
 class RecoverStore:
     """The recovery generations of one trial."""
 
-    def __init__(self, trial: Path, remote: ObjectURL | None = None, tiered: bool = False) -> None:
+    def __init__(self, trial: Path, behind: PersistentGenerations | None = None, tiered: bool = False) -> None:
         self.trial = trial
         self.root = recover_store(trial)
         self.pointer = recover_pointer(trial)
-        #: The trial's prefix on object storage, where commits count (``trial`` is then its
-        #: local staging copy; see :mod:`areal_ckpt.recover.remote`); None for a local trial.
-        self.remote = remote
+        #: Where the trial persists behind this store (``trial`` is then its local staging copy
+        #: or local tier; see :mod:`areal_ckpt.recover.persistent`); None for a plain local trial.
+        self.behind = behind
         #: True when ``trial`` is the local tier of a tiered trial (``recover.local_dir``): its
-        #: commits count too, and uploads to ``remote`` run in the background
+        #: commits count too, and their publication ``behind`` runs in the background
         #: (:mod:`areal_ckpt.recover.upload`).
-        self.tiered = tiered and remote is not None
-
-    @classmethod
-    def of(cls, config: RecoverConfig) -> RecoverStore:
-        """The store of the trial a ``recover:`` block names (``user`` defaults to the login name);
-        for a ``fileroot`` on object storage, its staging copy with the trial's prefix, or with
-        ``local_dir`` its local tier (the trial's folders under ``local_dir``, as under a local
-        ``fileroot``)."""
-        user = config.user or default_user()
-        if url_scheme(config.fileroot) is None:
-            return cls(trial_root(config.fileroot, user, config.experiment_name, config.trial_name))
-        remote = parse_object_url(config.fileroot, "fileroot").child(
-            "checkpoints", user, config.experiment_name, config.trial_name
-        )
-        if config.local_dir is not None:
-            local = trial_root(config.local_dir, user, config.experiment_name, config.trial_name)
-            return cls(local, remote, tiered=True)
-        return cls(staging_trial_root(config.staging_dir, remote), remote)
+        self.tiered = tiered and behind is not None
 
     def committed(self) -> str | None:
         """Name of the committed generation, None when the trial has none.

@@ -1,14 +1,14 @@
-"""The persistent tier of a tiered trial: committed local generations go up to object storage in
-the background, the newest first.
+"""The persistent tier of a tiered trial: committed local generations go up to where the trial
+persists (object storage, a shared folder) in the background, the newest first.
 
 With ``recover.local_dir`` a dump ends with its local commit (:mod:`areal_ckpt.recover.write`);
 :class:`Uploads` then hands the generation to one upload process per rank (a background writer,
-:mod:`areal_ckpt.jobs.background`, whose own gloo group runs the create-only commit of
-:meth:`~areal_ckpt.recover.remote.RemoteGenerations.publish`), and the loop goes on.
+:mod:`areal_ckpt.jobs.background`, whose own gloo group runs the commit of
+:meth:`~areal_ckpt.recover.persistent.PersistentGenerations.publish`), and the loop goes on.
 
 When uploads fall behind dumps: one upload runs at a time; a generation committed meanwhile
 waits as the *pending* one, and a newer commit replaces it, so the generations in between are
-never uploaded (object storage moves from one committed generation to a newer one, never to a
+never uploaded (the persistent tier moves from one committed generation to a newer one, never to a
 mix). The commit's tidying keeps the generation in flight and the pending one, so the local tier
 holds at most three (in flight, pending, the one being written) and no upload is ever cut by
 its own job. A failed upload (after ``write_retries`` tries) is logged with how far object
@@ -32,26 +32,25 @@ from areal_ckpt.jobs.background import BackgroundWriter, JobOutcome
 from areal_ckpt.jobs.shm_arena import ArenaLayout
 from areal_ckpt.paths import RECOVER_MANIFEST, generation_step
 from areal_ckpt.publish import read_manifest
-from areal_ckpt.recover.remote import RemoteGenerations
+from areal_ckpt.recover.persistent import PersistentGenerations
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.store import RecoverStore
-from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class UploadJob:
-    """The upload of one committed generation of the local tier ``trial`` to ``remote``; plain,
+    """The upload of one committed generation of the local tier ``trial`` to ``behind``; plain,
     picklable data (a :class:`~areal_ckpt.jobs.background.BackgroundJob` without tensors).
 
     ``files`` are this rank's own files in it (rank 0 uploads the rest); ``loaded`` the
-    generations the job resumed from (the newest commit on object storage must be one of them,
+    generations the job resumed from (the newest commit where the trial persists must be one of them,
     or the job's own, ``run_token``); ``tidy`` removes what killed uploads left first (a job's
     first upload)."""
 
     trial: Path
-    remote: ObjectURL
+    behind: PersistentGenerations
     generation: str
     files: tuple[str, ...]
     run_token: str
@@ -61,28 +60,28 @@ class UploadJob:
     layout: ArenaLayout | None = None
 
     def run(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Upload and commit the generation on object storage, retried ``retries`` times.
+        """Publish and commit the generation where the trial persists, retried ``retries`` times.
         Collective over the uploaders' group; blocking; returns its URL and size. Raises
         CheckpointError on every rank when it failed (nothing committed there then)."""
-        folder = RecoverStore(self.trial, self.remote, tiered=True).path(self.generation)
-        remote = RemoteGenerations(self.remote)
+        folder = RecoverStore(self.trial, self.behind, tiered=True).path(self.generation)
+        behind = self.behind
         step = generation_step(self.generation)
-        what = f"{remote.root}: upload of the recovery dump at global step {step} (committed in {folder} only)"
+        what = f"{behind.where()}: upload of the recovery dump at global step {step} (committed in {folder} only)"
 
         def attempt() -> None:
             def check() -> None:
-                remote.check_owner(self.run_token, self.loaded)
+                behind.check_owner(self.run_token, self.loaded)
                 if self.tidy:
-                    remote.remove_debris()
+                    behind.remove_debris()
 
             agree.decided_by_rank0(check, what)
-            remote.publish(folder, self.files, self.run_token, step)
+            behind.publish(folder, self.files, self.run_token, step)
 
         retried(attempt, self.retries, what)
         size = agree.decided_by_rank0(
             lambda: sum(entry["size"] for entry in read_manifest(folder, RECOVER_MANIFEST)["files"].values()), what
         )
-        return {"path": str(remote.root.child(self.generation)), "bytes": size, "generation": self.generation}
+        return {"path": behind.where(self.generation), "bytes": size, "generation": self.generation}
 
 
 @dataclass(frozen=True)
@@ -100,10 +99,10 @@ class Uploads:
     by every rank at the same points (the handler's ``dump``, ``load`` and ``close``)."""
 
     def __init__(self, store: RecoverStore, run_token: str, retries: int) -> None:
-        if store.remote is None:
-            raise ValueError("Uploads needs a trial on object storage")
+        if store.behind is None:
+            raise ValueError("Uploads needs a trial that persists behind its local tier")
         self.store = store
-        self.remote: ObjectURL = store.remote
+        self.behind: PersistentGenerations = store.behind
         self.run_token = run_token
         self.retries = retries
         self.loaded: tuple[str, ...] = ()  # set by the handler's load
@@ -111,7 +110,7 @@ class Uploads:
         self._writer = BackgroundWriter("recover-upload", store.trial)
         self._in_flight: _Offer | None = None
         self._pending: _Offer | None = None
-        self._uploaded: str | None = None  # the newest generation object storage is known to hold
+        self._uploaded: str | None = None  # the newest generation the persistent tier is known to hold
         self._committed: str | None = None  # the newest generation committed locally
         self._failures = 0  # failed uploads since the last one that went through
         self._parked = False  # the pending one failed: tried again at the next commit, wait or close
@@ -124,12 +123,12 @@ class Uploads:
 
     def resumed(self, generation: str, remote_newest: str | None, local: bool) -> None:
         """After the job resumed from ``generation`` (from the local tier when ``local``;
-        ``remote_newest``: the bucket's newest then): both count as loaded for the owner check,
-        and a local generation the bucket lacks is offered for upload at once. Collective."""
+        ``remote_newest``: the persistent tier's newest then): both count as loaded for the owner check,
+        and a local generation the persistent tier lacks is offered for upload at once. Collective."""
         self.loaded = tuple(sorted({generation, *([remote_newest] if remote_newest else [])}))
         self._committed = generation
         self._uploaded = remote_newest if local else generation
-        if local and generation != remote_newest:  # object storage lags: catch it up
+        if local and generation != remote_newest:  # the persistent tier lags: catch it up
             self.offer(generation, ())
 
     def offer(self, generation: str, files: list[str] | tuple[str, ...]) -> None:
@@ -157,7 +156,7 @@ class Uploads:
     def drain(self) -> None:
         """Wait for the upload in flight, then upload the pending generation and wait for it.
         Collective; blocking. Raises CheckpointError naming both tiers when the newest committed
-        generation is not on object storage in the end."""
+        generation is not in the persistent tier in the end."""
         if self._in_flight is not None:
             self._collect(blocking=True)
         if self._pending is not None:
@@ -166,7 +165,7 @@ class Uploads:
         if self._pending is not None:
             raise CheckpointError(
                 f"{self.store.path(self._pending.generation)}: the newest recovery checkpoint is committed on "
-                f"this node's local tier only; its upload to {self.remote} failed ({self._lag_text()}). A restart "
+                f"this node's local tier only; its upload to {self.behind.where()} failed ({self._lag_text()}). A restart "
                 "on this node resumes from it and uploads it"
             )
 
@@ -180,7 +179,7 @@ class Uploads:
     def _start(self, offer: _Offer) -> None:
         job = UploadJob(
             trial=self.store.trial,
-            remote=self.remote,
+            behind=self.behind,
             generation=offer.generation,
             files=offer.files,
             run_token=self.run_token,
@@ -211,7 +210,7 @@ class Uploads:
             logger.warning(
                 "%s: upload failed (%s); the local tier keeps it committed, and the newest is uploaded after the "
                 "next local commit; %s",
-                self.remote.child(offer.generation),
+                self.behind.where(offer.generation),
                 failure or "on another rank",
                 self._lag_text(),
             )
@@ -232,7 +231,7 @@ class Uploads:
         )
 
     def _lag(self) -> int:
-        """Steps by which object storage lags the local tier (the whole newest step when it
+        """Steps by which the persistent tier lags the local tier (the whole newest step when it
         holds nothing of this trial)."""
         newest = 0 if self._committed is None else generation_step(self._committed)
         return newest - (-1 if self._uploaded is None else generation_step(self._uploaded))
@@ -240,7 +239,7 @@ class Uploads:
     def _lag_text(self) -> str:
         held = "none of this trial's" if self._uploaded is None else self._uploaded
         return (
-            f"object storage holds {held}, {self._lag()} step(s) behind the local tier's {self._committed} "
+            f"{self.behind.where()} holds {held}, {self._lag()} step(s) behind the local tier's {self._committed} "
             f"({self._failures} failed upload(s) in a row)"
         )
 

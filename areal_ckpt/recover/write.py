@@ -25,13 +25,11 @@ from areal_ckpt.fsio import FileRecord, FileWriter, write_file_durably
 from areal_ckpt.jobs.shm_arena import ArenaLayout
 from areal_ckpt.paths import DATA_SUFFIX, HF_FILES, MODEL_SEPARATOR, RECOVER_FORMAT, RECOVER_FORMAT_VERSION
 from areal_ckpt.recover.nodes import first_ranks, node_of
-from areal_ckpt.recover.remote import RemoteGenerations
+from areal_ckpt.recover.persistent import PersistentGenerations
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.tidy import delete_later, drop_later
 from areal_ckpt.state.numerics import numerics_record
-from areal_ckpt.storage.backends import store_of
-from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +54,12 @@ class DumpJob:
     ``records`` are this rank's files already in the generation (an unchanged frozen model's
     linked shards); ``files`` are this rank's small files to write (path in the generation ->
     content) and ``hf`` rank 0's HF files per model; ``header`` is the manifest header;
-    ``layout`` locates the staged tensors (async only). With ``remote`` (the trial's prefix on
-    object storage) the generation committed in ``trial`` (the staging copy) is then uploaded
-    and committed there, in a commit record naming the job's ``run_token``; with ``tiered`` as
-    well, ``trial`` is the local tier: the dump ends with the local commit (its data files
-    written there, not streamed; on several nodes rank 0's commit stands for every node's,
-    :mod:`areal_ckpt.recover.nodes`) and its upload is another job's
+    ``layout`` locates the staged tensors (async only). With ``behind`` (where the trial
+    persists, :mod:`areal_ckpt.recover.persistent`) the generation committed in ``trial`` (the
+    staging copy) is then published there, in a commit naming the job's ``run_token``; with
+    ``tiered`` as well, ``trial`` is the local tier: the dump ends with the local commit (its
+    data files written there, not streamed; on several nodes rank 0's commit stands for every
+    node's, :mod:`areal_ckpt.recover.nodes`) and its publication is another job's
     (:mod:`areal_ckpt.recover.upload`), whose generations ``protected`` names (kept by the
     commit's tidying).
     """
@@ -76,7 +74,7 @@ class DumpJob:
     header: dict[str, Any]
     retries: int
     layout: ArenaLayout | None = None
-    remote: ObjectURL | None = None
+    behind: PersistentGenerations | None = None
     run_token: str = ""
     tiered: bool = False
     protected: tuple[str, ...] = ()
@@ -92,7 +90,7 @@ class DumpJob:
         files hard-linked from the previous generation (an unchanged frozen model or part) are
         not counted. Tiered, the result also lists this rank's files (``files``), for the upload.
         """
-        store = RecoverStore(self.trial, self.remote, self.tiered)
+        store = RecoverStore(self.trial, self.behind, self.tiered)
         by_folder: dict[str, dict[str, Any]] = {}  # a model's folder, or its frozen part's
         for key, tensor in tensors.items():
             folder, _, name = key.rpartition(MODEL_SEPARATOR)
@@ -117,18 +115,18 @@ class DumpJob:
         if tidies_node:  # another node's local tier: rank 0's commit superseded all but this one
             kept = {self.generation, *self.protected}
             drop_later(store.root, [name for name in store.generations() if name not in kept])
-        if self.remote is None or self.tiered:
+        behind = self.behind
+        if behind is None or self.tiered:
             return {"path": str(store.path(self.generation)), "bytes": written, "files": sorted(mine)}
-        remote = RemoteGenerations(self.remote)
         retried(
-            lambda: remote.publish(store.path(self.generation), mine, self.run_token, step, streamed),
+            lambda: behind.publish(store.path(self.generation), mine, self.run_token, step, streamed),
             self.retries,
-            f"{remote.root}: upload of the recovery dump at global step {step} (committed in {store.root} only)",
+            f"{behind.where()}: upload of the recovery dump at global step {step} (committed in {store.root} only)",
         )
         older = [name for name in store.generations() if name != self.generation]
         # on its own node, a rank's alone to delete
         delete_later(store.root, older, dist.rank(), self.models, remove_folders=True)
-        return {"path": str(remote.root.child(self.generation)), "bytes": written}
+        return {"path": behind.where(self.generation), "bytes": written}
 
     def _attempt(
         self, store: RecoverStore, by_folder: dict[str, dict[str, Any]], mine: set[str], streamed: set[str]
@@ -148,7 +146,7 @@ class DumpJob:
                     tensors, groups = by_folder[part], self.param_groups.get(part)
                     plan_key = f"{self.trial}/{part}"
                     (folder / part).mkdir(parents=True, exist_ok=True)  # a frozen part's; on another node any
-                    open_writer = self._object_writer(part)
+                    open_writer = self._direct_writer(part)
                     for file_name, record in save_tensors(
                         tensors, folder / part, groups, plan_key, open_writer
                     ).items():
@@ -172,14 +170,15 @@ class DumpJob:
 
         return agree.gathered_then_dealt(write, lambda every: self._commit(store, every), "writing failed")
 
-    def _object_writer(self, part: str) -> Callable[[Path], FileWriter] | None:
-        """On object storage: what writes a data file of ``part`` straight to the generation's
-        prefix, from memory (uncommitted until the commit record; debris if the dump fails).
-        The staging copy then holds no data file of its own: a load brings it down when read."""
-        if self.remote is None or self.tiered:
+    def _direct_writer(self, part: str) -> Callable[[Path], FileWriter] | None:
+        """Published synchronously: what writes a data file of ``part`` straight to where the
+        trial persists, if that location takes them so (object storage: from memory,
+        uncommitted until the commit record, debris if the dump fails; the staging copy then
+        holds no data file of its own and a load brings it down when read). None: written into
+        ``trial``."""
+        if self.behind is None or self.tiered:
             return None
-        target = RemoteGenerations(self.remote).root.child(self.generation, part)
-        return lambda path: store_of(target).open_writer(target.key(path.name))
+        return self.behind.direct_writer(self.generation, part)
 
     def _commit(
         self, store: RecoverStore, every: list[tuple[dict[str, tuple[int, int]], str]]

@@ -1,6 +1,8 @@
-"""Whole checkpoint folders and object storage: upload a local folder's files (the manifest
-last), bring a committed one down, check one where it lies. Each checkpoint folder carries a manifest
-(every file's size and CRC-32, :mod:`areal_ckpt.publish`); these functions go by it.
+"""Whole checkpoint folders and where they are kept: upload a local folder's files (the
+manifest last), bring a committed one down from any location (a :class:`FileSource`: a prefix on
+object storage, or a folder on a shared file system), check one where it lies. Each checkpoint
+folder carries a manifest (every file's size and CRC-32, :mod:`areal_ckpt.publish`); these
+functions go by it.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import os
 import tempfile
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from areal_ckpt import fsio
 from areal_ckpt.errors import CheckpointError
@@ -31,6 +35,68 @@ _RANGE = 32 << 20
 _READERS = 4
 
 
+class FileSource(Protocol):
+    """The files of one committed checkpoint where it is kept, read whole by name (a path
+    relative to the checkpoint). Local to the calling process; blocking; picklable."""
+
+    @property
+    def name(self) -> str:
+        """The checkpoint's folder name."""
+
+    def where(self, file: str | None = None) -> str:
+        """The checkpoint's location, or that of its ``file``, for messages (a URL or a path)."""
+
+    def get_file(self, file: str, path: Path) -> None:
+        """Write the bytes of ``file`` into the local ``path`` (replacing it whole); CheckpointError
+        naming ``file``'s location when it is missing or cannot be read."""
+
+
+@dataclass(frozen=True)
+class ObjectFiles:
+    """A committed checkpoint's files on object storage, under the prefix ``url``."""
+
+    url: ObjectURL
+
+    @property
+    def name(self) -> str:
+        """The prefix's last part."""
+        return self.url.key().rsplit("/", 1)[-1]
+
+    def where(self, file: str | None = None) -> str:
+        return str(self.url) if file is None else self.url.url_of(self.url.key(file))
+
+    def get_file(self, file: str, path: Path) -> None:
+        store_of(self.url).get_file(self.url.key(file), path)
+
+
+@dataclass(frozen=True)
+class FolderFiles:
+    """A committed checkpoint's files in a folder (a shared file system: Lustre, NFS, GPFS).
+    A file is read only when it is a regular file reached through no link inside ``folder``."""
+
+    folder: Path
+
+    @property
+    def name(self) -> str:
+        """The folder's name."""
+        return self.folder.name
+
+    def where(self, file: str | None = None) -> str:
+        return str(self.folder if file is None else self.folder / file)
+
+    def get_file(self, file: str, path: Path) -> None:
+        source = self.folder / file
+        try:
+            link = fsio.link_on_path(source, self.folder)
+            if link is not None:
+                raise OSError(f"{link} is a link; not reading through it")
+            fsio.copy_durably(source, path)
+        except FileNotFoundError:
+            raise CheckpointError(f"{source}: missing") from None
+        except OSError as error:
+            raise CheckpointError(f"{source}: cannot copy: {error}") from None
+
+
 def upload_rest(store: ObjectStore, folder: Path, target: ObjectURL, manifest_name: str, uploaded: set[str]) -> None:
     """Upload to ``target`` the files the manifest of the local ``folder`` lists that are not
     in ``uploaded`` (other ranks' own files, already there), then the manifest itself, last:
@@ -41,8 +107,7 @@ def upload_rest(store: ObjectStore, folder: Path, target: ObjectURL, manifest_na
 
 
 def fetch_shared(
-    store: ObjectStore,
-    source: ObjectURL,
+    source: FileSource,
     copies: Path,
     manifest_name: str,
     token: str,
@@ -55,14 +120,14 @@ def fetch_shared(
     file lock, and the first leaves a marker named by ``token`` (one per load, the same on
     every rank) so the others skip the check. ``then(copy)`` runs under the lock too. Returns
     the copy. Blocking; local to the caller."""
-    name = source.key().rsplit("/", 1)[-1]
+    name = source.name
     copies.mkdir(parents=True, exist_ok=True)
     with _Locked(copies / _FETCH_LOCK):
         folder, marker = copies / name, copies / f"{_FETCHED_PREFIX}{token}"
         if not marker.is_file():
-            fetched = fetch_folder(store, source, folder, manifest_name, deferred)
+            fetched = fetch_folder(source, folder, manifest_name, deferred)
             if fetched:
-                logger.info("fetched %d file(s) of %s", fetched, source)
+                logger.info("fetched %d file(s) of %s", fetched, source.where())
             for stale in copies.glob(f"{_FETCHED_PREFIX}*"):  # earlier loads'
                 stale.unlink(missing_ok=True)
             marker.touch()
@@ -76,7 +141,7 @@ class OnDemandFiles:
     load reads, not every rank's. ``files`` is the checkpoint's manifest file list. Local to
     the calling process; blocking."""
 
-    def __init__(self, source: ObjectURL, folder: Path, files: dict[str, dict[str, int]]) -> None:
+    def __init__(self, source: FileSource, folder: Path, files: dict[str, dict[str, int]]) -> None:
         self.source, self.folder, self.files = source, folder, files
         self._ready: set[str] = set()
 
@@ -92,14 +157,13 @@ class OnDemandFiles:
             problems = check_files(self.folder, self.files, [name])
             if problems:
                 if path.exists():
-                    logger.warning("%s; downloading it again from %s", problems[0], self.source)
-                _download(store_of(self.source), self.source, self.folder, name)
+                    logger.warning("%s; downloading it again from %s", problems[0], self.source.where())
+                _download(self.source, self.folder, name)
         self._ready.add(name)
 
 
 def fetch_folder(
-    store: ObjectStore,
-    source: ObjectURL,
+    source: FileSource,
     folder: Path,
     manifest_name: str,
     deferred: Callable[[str], bool] = lambda name: False,
@@ -109,11 +173,11 @@ def fetch_folder(
     damaged (size or CRC-32 differ: a copy torn by a crash is fetched again, with a warning
     naming it); returns how many files were downloaded. Blocking; local to the caller."""
     (folder / manifest_name).parent.mkdir(parents=True, exist_ok=True)
-    store.get_file(source.key(manifest_name), folder / manifest_name)
+    _download(source, folder, manifest_name)
     try:
         files = read_manifest(folder, manifest_name)["files"]
     except CheckpointError as error:
-        raise CheckpointError(f"{source.url_of(source.key(manifest_name))}: {error}") from None
+        raise CheckpointError(f"{source.where(manifest_name)}: {error}") from None
     fetched = 0
     wanted = [name for name in files if not deferred(name)]
     for name in wanted:
@@ -121,24 +185,26 @@ def fetch_folder(
         if not problems:
             continue
         if (folder / name).exists():
-            logger.warning("%s; downloading it again from %s", problems[0], source)
-        _download(store, source, folder, name)
+            logger.warning("%s; downloading it again from %s", problems[0], source.where())
+        _download(source, folder, name)
         fetched += 1
-    problems = [problem.replace(str(folder), str(source), 1) for problem in check_files(folder, files, wanted, False)]
+    problems = [
+        problem.replace(str(folder), source.where(), 1) for problem in check_files(folder, files, wanted, False)
+    ]
     if problems:
-        raise CheckpointError(f"{source}: the downloaded copy is damaged: " + "; ".join(problems))
+        raise CheckpointError(f"{source.where()}: the downloaded copy is damaged: " + "; ".join(problems))
     return fetched
 
 
-def _download(store: ObjectStore, source: ObjectURL, folder: Path, name: str) -> None:
+def _download(source: FileSource, folder: Path, name: str) -> None:
     """Download ``name`` of ``source`` into ``folder``; CheckpointError, nothing written, when a
     link stands on its path inside ``folder`` (never written through: the copy is ours)."""
     path = folder / name
     link = fsio.link_on_path(path, folder)
     if link is not None:
-        raise CheckpointError(f"{link}: a link in the local copy of {source}; not writing through it")
+        raise CheckpointError(f"{link}: a link in the local copy of {source.where()}; not writing through it")
     path.parent.mkdir(parents=True, exist_ok=True)
-    store.get_file(source.key(name), path)
+    source.get_file(name, path)
 
 
 def check_remote_folder(

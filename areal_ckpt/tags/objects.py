@@ -38,7 +38,7 @@ from areal_ckpt.storage.commits import (
     CommitRecord,
     upload_folder_files,
 )
-from areal_ckpt.storage.folders import OnDemandFiles, fetch_shared
+from areal_ckpt.storage.folders import ObjectFiles, OnDemandFiles, fetch_shared
 from areal_ckpt.storage.series import ObjectSeries
 from areal_ckpt.urls import ObjectURL, parse_object_url, url_scheme
 
@@ -144,10 +144,10 @@ def fetch_tag(root: ObjectURL, folder: str, token: str) -> Path:
     (and DCP metadata) left for :func:`data_fetcher` to bring down as they are read. Blocking."""
     source = root.child(folder)
     copies = staging_trial_root(None, root)
-    return fetch_shared(store_of(source), source, copies, MANIFEST_NAME, token, deferred=read_when_needed)
+    return fetch_shared(ObjectFiles(source), copies, MANIFEST_NAME, token, deferred=read_when_needed)
 
 
 def data_fetcher(root: ObjectURL, folder: str, copy: Path, files: dict[str, dict[str, int]]) -> Callable[[Path], None]:
     """What brings a DCP file of the tag's local ``copy`` (data, chunks, metadata) down before a
     rank reads it."""
-    return OnDemandFiles(root.child(folder), copy, files).ensure
+    return OnDemandFiles(ObjectFiles(root.child(folder)), copy, files).ensure

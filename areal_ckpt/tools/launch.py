@@ -46,6 +46,7 @@ from typing import IO
 
 from areal_ckpt.config import RecoverConfig
 from areal_ckpt.errors import CheckpointError
+from areal_ckpt.recover.location import trial_store
 from areal_ckpt.recover.store import RecoverStore
 
 #: Environment variable telling each attempt its number (0 for the first).
@@ -83,7 +84,7 @@ def launch(recover: RecoverConfig, command: Sequence[str], err: IO[str] = sys.st
     if not command:
         raise ValueError("areal-ckpt launch: no command given after '--'")
     retries = recover.retries if recover.enabled else 0
-    store = RecoverStore.of(recover)
+    store = trial_store(recover)
     previous: Outcome | None = None
     attempt = 0
     while True:

@@ -1,0 +1,43 @@
+"""The one place a ``recover:`` block's ``fileroot`` and ``local_dir`` become stores.
+
+=====================================  ===========================  ==========================
+``fileroot`` / ``local_dir``           local store (dumps commit)   behind it (published to)
+=====================================  ===========================  ==========================
+a folder / unset                       the trial itself             nothing
+a URL / unset                          the staging copy             the prefix, synchronously
+a URL / a folder                       the local tier               the prefix, in background
+a shared folder / a node-local folder  the local tier               the shared trial, in background
+=====================================  ===========================  ==========================
+"""
+
+from __future__ import annotations
+
+from areal_ckpt.config import RecoverConfig
+from areal_ckpt.paths import default_user, staging_trial_root, trial_root
+from areal_ckpt.recover.persistent import PersistentGenerations
+from areal_ckpt.recover.remote import ObjectGenerations
+from areal_ckpt.recover.shared_folder import FolderGenerations
+from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.urls import parse_object_url, url_scheme
+
+
+def persistent_generations(fileroot: str, user: str, experiment: str, trial: str) -> PersistentGenerations:
+    """Where the trial ``user/experiment/trial`` under ``fileroot`` persists: a prefix on the
+    object store the URL names, or a trial folder. Pure (nothing is contacted)."""
+    if url_scheme(fileroot) is None:
+        return FolderGenerations(trial_root(fileroot, user, experiment, trial))
+    return ObjectGenerations(parse_object_url(fileroot, "fileroot").child("checkpoints", user, experiment, trial))
+
+
+def trial_store(config: RecoverConfig) -> RecoverStore:
+    """The store a ``recover:`` block's dumps commit to, with where they persist behind it (the
+    table above; ``user`` defaults to the login name). Pure (nothing is created)."""
+    user = config.user or default_user()
+    names = (user, config.experiment_name, config.trial_name)
+    if config.local_dir is not None:
+        behind = persistent_generations(config.fileroot, *names)
+        return RecoverStore(trial_root(config.local_dir, *names), behind, tiered=True)
+    if url_scheme(config.fileroot) is None:
+        return RecoverStore(trial_root(config.fileroot, *names))
+    remote = parse_object_url(config.fileroot, "fileroot").child("checkpoints", *names)
+    return RecoverStore(staging_trial_root(config.staging_dir, remote), ObjectGenerations(remote))

@@ -1,0 +1,127 @@
+"""Where a trial's recovery generations persist behind the node's own copy of the trial.
+
+A recovery dump is always written and committed into a local store first
+(:class:`~areal_ckpt.recover.store.RecoverStore`: a plain trial, the staging copy of a trial on
+object storage, or the local tier of a tiered trial). When the trial persists elsewhere, the
+committed generation is then *published* there and a restart *fetches* the newest one from
+there. :class:`PersistentGenerations` is that contract; its implementations are
+:class:`~areal_ckpt.recover.remote.ObjectGenerations` (a prefix on any object store: a
+create-only commit record) and :class:`~areal_ckpt.recover.shared_folder.FolderGenerations` (a
+trial folder on a shared file system: fsync, then the ``current`` link switch). The factory is
+:func:`~areal_ckpt.recover.location.trial_store`; nothing else asks which one it has.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Protocol
+
+from areal_ckpt import agree
+from areal_ckpt.errors import TransientError
+from areal_ckpt.fsio import FileWriter
+from areal_ckpt.paths import RECOVER_CURRENT, RECOVER_MANIFEST
+from areal_ckpt.publish import switch_symlink
+from areal_ckpt.storage.folders import FileSource, fetch_shared
+
+logger = logging.getLogger(__name__)
+
+
+def new_run_token() -> str:
+    """A token naming one job (one RecoverHandler) in the commits it makes where a trial persists."""
+    return secrets.token_hex(8)
+
+
+class PersistentGenerations(Protocol):
+    """A trial's committed recovery generations where they persist. Every method but
+    :meth:`publish` is local to the calling process; all block; instances are picklable (a
+    background uploader receives one). Errors are CheckpointError naming the location,
+    TransientError where trying again may cure them."""
+
+    def where(self, generation: str | None = None) -> str:
+        """The trial's location, or that of its ``generation``, for messages (a URL or a path)."""
+
+    def check_access(self) -> None:
+        """CheckpointError naming the location and the cause unless it can be used."""
+
+    def newest(self) -> str | None:
+        """The newest committed generation's name, None when there is none; CheckpointError when
+        the commit record is broken."""
+
+    def check_owner(self, run: str, loaded: Iterable[str]) -> None:
+        """Rank 0 before a dump or an upload: CheckpointError, nothing written, unless the newest
+        commit is none, one this job (``run``) made, or one of the generations it ``loaded``."""
+
+    def remove_debris(self) -> None:
+        """Rank 0 at a job's first commit here (after :meth:`check_owner`): delete what killed
+        writers left (uncommitted generations, unfinished uploads); committed ones are kept."""
+
+    def publish(self, folder: Path, mine: Iterable[str], run: str, step: int, written: Iterable[str] = ()) -> None:
+        """Make the committed local generation ``folder`` the newest committed one here: every
+        rank puts its own files (``mine``, but those ``written`` here already by
+        :meth:`direct_writer`), then rank 0 the other files the manifest lists, the manifest, and
+        commits (naming ``run`` and ``step``); older generations are deleted after. Collective;
+        durable on return; every rank raises the same error when any part failed, and nothing
+        is committed then."""
+
+    def files_of(self, generation: str) -> FileSource:
+        """The files of ``generation``, to fetch."""
+
+    def direct_writer(self, generation: str, part: str) -> Callable[[Path], FileWriter] | None:
+        """What writes a data file of ``part`` straight here, bypassing the local copy (the
+        file is uncommitted until :meth:`publish`), or None when data files are written locally
+        and put here by :meth:`publish`."""
+
+
+def before_dump(behind: PersistentGenerations, run: str, loaded: list[str], first: bool, tiered: bool) -> None:
+    """Rank 0 before a dump: :meth:`~PersistentGenerations.check_owner`, then at the job's
+    ``first`` dump :meth:`~PersistentGenerations.remove_debris`. A ``tiered`` trial is checked at
+    its first dump only, goes on (logged) when the location does not answer, since each of its
+    uploads checks again, and leaves the debris to its first upload. Local; blocking."""
+    if not tiered:
+        behind.check_owner(run, loaded)
+        if first:
+            behind.remove_debris()
+        return
+    try:
+        behind.check_owner(run, loaded)
+    except TransientError as error:
+        logger.warning("%s; the dump commits to the local tier, its upload checks again", error)
+
+
+def fetch_newest(
+    behind: PersistentGenerations, store_root: Path, deferred: Callable[[str], bool] = lambda name: False
+) -> str | None:
+    """Every rank: bring the newest generation committed ``behind`` into the local store
+    ``store_root`` and point its ``current`` at it; returns its name, None when there is none.
+    A file the copy already holds is kept when its size and CRC-32 match the manifest, else
+    fetched again (with a warning naming it: a local copy torn by a crash never makes a load
+    fail while the trial's location holds the file intact). Ranks sharing ``store_root`` take
+    turns (a file lock) and the first one leaves a marker for the others of this load (a token
+    rank 0 draws per load), so each copy is checked and completed once per load. The files
+    ``deferred`` names are left for the reader to bring down
+    (:class:`~areal_ckpt.storage.folders.OnDemandFiles`). Collective (the ranks agree on the
+    generation and on success)."""
+    decided = agree.decided_by_rank0(
+        lambda: None if (newest := behind.newest()) is None else (newest, secrets.token_hex(4)),
+        f"{behind.where()}: cannot read the newest commit",
+    )
+    if decided is None:
+        return None
+    generation, token = decided
+
+    def point_current(folder: Path) -> None:
+        pointer = store_root / RECOVER_CURRENT
+        if not pointer.is_symlink() or os.readlink(pointer) != generation:
+            switch_symlink(pointer, generation)
+
+    def fetch() -> None:
+        fetch_shared(
+            behind.files_of(generation), store_root, RECOVER_MANIFEST, token, then=point_current, deferred=deferred
+        )
+
+    agree.on_every_rank(fetch, f"{behind.where()}: cannot fetch the committed recovery checkpoint")
+    return generation
