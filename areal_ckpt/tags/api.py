@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ import torch
 
 from areal_ckpt import agree, dist
 from areal_ckpt._version import __version__
-from areal_ckpt.config import check_path_component, local_path
+from areal_ckpt.config import check_path_component
 from areal_ckpt.engines.accept import as_engine, export_files
 from areal_ckpt.engines.contract import Engine, EngineLike
 from areal_ckpt.engines.deepspeed_engine import DeepSpeedEngine
@@ -39,7 +38,6 @@ from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.deepspeed_pickles import check_pickles, is_deepspeed_own, weights_only_deepspeed_loads
 from areal_ckpt.fsio import FileRecord, write_file_durably
 from areal_ckpt.paths import (
-    DATA_SUFFIX,
     ENGINE_STATE_FILE,
     HF_FILES,
     LATEST,
@@ -56,30 +54,10 @@ from areal_ckpt.recover.read import load_engine, verify_checkpoint
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.numerics import numerics_record, warn_if_numerics_changed
 from areal_ckpt.state.rng import python_random_kept
-from areal_ckpt.tags.folder import prepare_staging, publish_tag, read_latest
-from areal_ckpt.tags.objects import (
-    choose_folder,
-    commit_tag,
-    data_fetcher,
-    data_writer,
-    fetch_tag,
-    find_tag,
-    object_root,
-    prepare_rank_staging,
-    rank_staging,
-    remove_uncommitted,
-    upload_own,
-)
+from areal_ckpt.storage.folders import OnDemandFiles
+from areal_ckpt.tags.location import tag_location
 
 logger = logging.getLogger(__name__)
-
-
-def _local_dir(value: str | os.PathLike[str], what: str) -> Path:
-    """``value`` as a local folder; CheckpointError for a URL (see :func:`local_path`)."""
-    try:
-        return local_path(value, what)
-    except ValueError as error:
-        raise CheckpointError(str(error)) from None
 
 
 def _default_tag(engine: Engine) -> str:
@@ -132,58 +110,40 @@ def save_checkpoint(
     committed by a record rank 0 writes last.
     """
     engine = as_engine(engine, "save_checkpoint")
-    remote = object_root(save_dir, "save_checkpoint: save_dir")
-    if remote is None and engine.checkpoint_options().node_local_storage:
-        raise CheckpointError(
-            "save_checkpoint: checkpoint.use_node_local_storage is set, so each node would keep only its own "
-            "ranks' shards; areal_ckpt commits one checkpoint that every rank can read, so it needs one save_dir "
-            "on storage every node shares. Give an s3:// save_dir (each node then writes only its own ranks' "
-            "files to its local disk, and the bucket is what the nodes share), or set use_node_local_storage to "
-            "false (nothing was written)"
-        )
+    location = tag_location(save_dir, "save_checkpoint: save_dir")
+    location.check_node_local_storage(engine.checkpoint_options().node_local_storage)
     tag = _agreed_tag(engine, tag if tag is not None else _default_tag(engine))
-    if remote is None:
-        root = _local_dir(save_dir, "save_checkpoint: save_dir")
-        final, staging, folder, base = root / tag, root / f".{tag}.staging", "", str(root)
-        agree.decided_by_rank0(lambda: prepare_staging(staging), "save_checkpoint")
-    else:  # each rank stages its own files locally, uploads them, and rank 0 commits
-        staging, base = rank_staging(remote, tag), str(remote)
-        folder = agree.decided_by_rank0(lambda: choose_folder(remote, tag), "save_checkpoint")
-        agree.on_every_rank(lambda: prepare_rank_staging(staging), "save_checkpoint")
-    where = str(final) if remote is None else str(remote.child(folder))
-    failed = f"{where}: checkpoint not saved (earlier tags and {LATEST} are untouched)"
+    save = location.begin(tag)
+    failed = f"{save.where}: checkpoint not saved (earlier tags and {LATEST} are untouched)"
+    succeeded = False
     try:
         # local work first: every rank must know it went well before the collective write
         tensors, engine_state, records = agree.on_every_rank(
-            lambda: _write_rank_files(engine, staging, client_state, exclude_frozen_parameters), failed
+            lambda: _write_rank_files(engine, save.staging, client_state, exclude_frozen_parameters), failed
         )
-        groups, plan_key = engine_state.get("optimizer_param_groups"), f"{base}/{TAG_MODEL}"
+        groups = engine_state.get("optimizer_param_groups")
 
         def write_shards() -> dict[str, tuple[int, int]]:
-            open_writer = None if remote is None else data_writer(remote, folder)
-            for name, record in save_tensors(tensors, staging / TAG_MODEL, groups, plan_key, open_writer).items():
+            open_writer = location.data_writer(save)
+            for name, record in save_tensors(
+                tensors, save.staging / TAG_MODEL, groups, save.plan_key, open_writer
+            ).items():
                 records[f"{TAG_MODEL}/{name}"] = (record.size, record.crc32)
-            if remote is not None:  # its data file went up as it was made
-                upload_own(remote, folder, staging, sorted(n for n in records if not n.endswith(DATA_SUFFIX)))
+            location.put_own(save, sorted(records))
             return records
 
         def finish(every: list[dict[str, tuple[int, int]]]) -> None:
-            _write_tag_manifest(staging, tag, every)
-            if remote is None:
-                publish_tag(root, tag, staging, final, save_latest)
-            else:
-                commit_tag(remote, folder, staging, {name for part in every for name in part}, tag, save_latest)
+            _write_tag_manifest(save.staging, tag, every)
+            location.commit(save, tag, {name for part in every for name in part}, save_latest)
 
         agree.gathered_then_decided(write_shards, finish, failed)
-    except BaseException as error:
-        if remote is not None and dist.rank() == 0:
-            remove_uncommitted(remote, folder)
-        if isinstance(error, CheckpointError) and not str(error).startswith(failed):  # the same on every rank
+        succeeded = True
+    except CheckpointError as error:
+        if not str(error).startswith(failed):  # the same on every rank
             raise type(error)(f"{failed}: {error}") from error
         raise
     finally:
-        if remote is not None or dist.rank() == 0:
-            shutil.rmtree(staging, ignore_errors=True)
+        location.close(save, failed=not succeeded)
     return True
 
 
@@ -249,36 +209,16 @@ def load_checkpoint(
     manifest, and loaded from there; the returned path is then the tag's URL.
     """
     engine = as_engine(engine, "load_checkpoint")
-    remote = object_root(load_dir, "load_checkpoint: load_dir")
-    if remote is not None:
-        if tag is not None:
-            check_path_component(tag, "tag")
-        found = agree.decided_by_rank0(lambda: find_tag(remote, tag), "load_checkpoint")
-        if found is None:
-            return None, None
-        name, tag, token = found
-        folder = agree.on_every_rank(
-            lambda: fetch_tag(remote, name, token), f"{remote.child(name)}: cannot fetch the checkpoint"
-        )
-        shown = str(remote.child(name))
-        manifest = verify_checkpoint(folder, MANIFEST_NAME, TAGGED_FORMAT, READABLE_TAGGED_VERSIONS, True)
-        fetch = data_fetcher(remote, name, folder, manifest["files"])
-    else:
-        root = _local_dir(load_dir, "load_checkpoint: load_dir")
-        if tag is None:
-            tag = agree.decided_by_rank0(lambda: read_latest(root), "load_checkpoint")
-            if tag is None:
-                return None, None
-        check_path_component(tag, "tag")
-        folder = root / tag
-        shown = str(folder)
-        if not folder.is_dir():
-            raise CheckpointError(f"{folder}: no such checkpoint tag")
-        if agree.decided_by_rank0(lambda: is_deepspeed_own(folder), "load_checkpoint"):
-            flags = (load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only)
-            return _load_deepspeed_own(engine, folder, *flags)
-        manifest = verify_checkpoint(folder, MANIFEST_NAME, TAGGED_FORMAT, READABLE_TAGGED_VERSIONS)
-        fetch = None
+    opened = tag_location(load_dir, "load_checkpoint: load_dir").open(tag)
+    if opened is None:
+        return None, None
+    folder = opened.folder
+    if agree.decided_by_rank0(lambda: is_deepspeed_own(folder), "load_checkpoint"):
+        flags = (load_module_strict, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        return _load_deepspeed_own(engine, folder, *flags)
+    on_demand = opened.source is not None
+    manifest = verify_checkpoint(folder, MANIFEST_NAME, TAGGED_FORMAT, READABLE_TAGGED_VERSIONS, on_demand)
+    fetch = None if opened.source is None else OnDemandFiles(opened.source, folder, manifest["files"]).ensure
     client_state = _client_state(folder, manifest)  # agreed by every rank before any weight is loaded
     if not load_module_only:  # a continued run, as opposed to weights taken for something else
         warn_if_numerics_changed(str(folder), manifest, dist.rank())
@@ -292,7 +232,7 @@ def load_checkpoint(
         load_counters=not load_module_only,
         fetch=fetch,
     )
-    return shown, client_state
+    return opened.shown, client_state
 
 
 def _load_deepspeed_own(

@@ -7,16 +7,72 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
+from areal_ckpt import agree, dist
 from areal_ckpt.config import check_path_component
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.fsio import fsync_dir, make_dirs, write_file_durably
+from areal_ckpt.fsio import FileWriter, fsync_dir, make_dirs, write_file_durably
 from areal_ckpt.paths import LATEST, TAG_CLIENT_STATE, TAG_MODEL
 from areal_ckpt.publish import publish
-from areal_ckpt.tags.objects import OFFLINE_CONVERTER, offline_converter_script
+from areal_ckpt.tags.contract import OFFLINE_CONVERTER, OpenedTag, TagSave, offline_converter_script
 
 logger = logging.getLogger(__name__)
+
+
+class FolderTags:
+    """A save_dir that is a folder every rank shares (local disk, NFS, Lustre): rank 0 stages
+    the tag, every rank writes its files into that staging folder, rank 0 renames it into place
+    and ``latest`` over. Picklable."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def check_node_local_storage(self, enabled: bool) -> None:
+        """Refused: one folder every node shares is what a commit here needs."""
+        if enabled:
+            raise CheckpointError(
+                "save_checkpoint: checkpoint.use_node_local_storage is set, so each node would keep only its own "
+                "ranks' shards; areal_ckpt commits one checkpoint that every rank can read, so it needs one "
+                "save_dir on storage every node shares. Give an s3:// save_dir (each node then writes only its own "
+                "ranks' files to its local disk, and the bucket is what the nodes share), or set "
+                "use_node_local_storage to false (nothing was written)"
+            )
+
+    def begin(self, tag: str) -> TagSave:
+        """Collective: rank 0 makes the staging folder ``.{tag}.staging`` empty."""
+        staging = self.root / f".{tag}.staging"
+        agree.decided_by_rank0(lambda: prepare_staging(staging), "save_checkpoint")
+        return TagSave(staging, tag, str(self.root / tag), f"{self.root}/{TAG_MODEL}")
+
+    def data_writer(self, save: TagSave) -> Callable[[Path], FileWriter] | None:
+        """None: data files are written into the shared staging folder."""
+        return None
+
+    def put_own(self, save: TagSave, names: list[str]) -> None:
+        """Nothing: every file was written in place."""
+
+    def commit(self, save: TagSave, tag: str, written: set[str], save_latest: bool) -> None:
+        """Rank 0: :func:`publish_tag`."""
+        publish_tag(self.root, tag, save.staging, self.root / tag, save_latest)
+
+    def close(self, save: TagSave, failed: bool) -> None:
+        """Rank 0 removes the staging folder (what a failed save wrote is all in it)."""
+        if dist.rank() == 0:
+            shutil.rmtree(save.staging, ignore_errors=True)
+
+    def open(self, tag: str | None) -> OpenedTag | None:
+        """Collective: ``tag``, or the one ``latest`` names (rank 0 reads it); read in place."""
+        if tag is None:
+            tag = agree.decided_by_rank0(lambda: read_latest(self.root), "load_checkpoint")
+            if tag is None:
+                return None
+        check_path_component(tag, "tag")
+        folder = self.root / tag
+        if not folder.is_dir():
+            raise CheckpointError(f"{folder}: no such checkpoint tag")
+        return OpenedTag(folder, str(folder), None)
 
 
 def prepare_staging(staging: Path) -> None:

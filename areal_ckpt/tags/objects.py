@@ -21,55 +21,104 @@ A load brings the tag into a local copy (ranks of a node share it) and loads fro
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from areal_ckpt import dist
+from areal_ckpt import agree, dist
+from areal_ckpt.config import check_path_component
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_slices import read_when_needed
 from areal_ckpt.fsio import FileWriter
-from areal_ckpt.paths import MANIFEST_NAME, TAG_CLIENT_STATE, TAG_MODEL, staging_trial_root
+from areal_ckpt.paths import DATA_SUFFIX, MANIFEST_NAME, TAG_CLIENT_STATE, TAG_MODEL, staging_trial_root
 from areal_ckpt.storage.backends import store_of
-from areal_ckpt.storage.commits import (
-    CommitLog,
-    CommitRecord,
-    upload_folder_files,
-)
-from areal_ckpt.storage.folders import ObjectFiles, OnDemandFiles, fetch_shared
+from areal_ckpt.storage.commits import CommitLog, CommitRecord, upload_folder_files
+from areal_ckpt.storage.folders import ObjectFiles, fetch_shared
 from areal_ckpt.storage.series import ObjectSeries
-from areal_ckpt.urls import ObjectURL, parse_object_url, url_scheme
+from areal_ckpt.tags.contract import OFFLINE_CONVERTER, OpenedTag, TagSave, offline_converter_script
+from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
 
-#: The offline converter every save_dir holds, under the name DeepSpeed gives its own.
-OFFLINE_CONVERTER = "zero_to_fp32.py"
 
+class ObjectTags:
+    """A save_dir on object storage (the prefix ``root``): each rank stages and uploads its own
+    files, rank 0 commits the save with a create-only record (see the module docstring).
+    Picklable."""
 
-def offline_converter_script() -> bytes:
-    """``zero_to_fp32.py``'s text: torch + safetensors only (:mod:`areal_ckpt.tools.offline_zero_to_fp32`)."""
-    return (Path(__file__).parent.parent / "tools" / "offline_zero_to_fp32.py").read_bytes()
+    def __init__(self, root: ObjectURL) -> None:
+        self.root = root
 
+    def check_node_local_storage(self, enabled: bool) -> None:
+        """Accepted: each node writes only its own ranks' files anyway; the bucket is shared."""
 
-def object_root(value: str | os.PathLike[str], what: str) -> ObjectURL | None:
-    """``value`` as an object storage URL, None for a local path; CheckpointError naming
-    ``what`` for a URL of an unsupported scheme or a malformed one. Pure."""
-    try:
-        if url_scheme(str(value)) is None:
+    def begin(self, tag: str) -> TagSave:
+        """Collective: rank 0 reserves a never-used prefix for the save (``tag`` or ``tag.{n}``;
+        CheckpointError naming the endpoint and bucket when it does not answer), every rank
+        makes its own staging folder (under ``TMPDIR``) empty."""
+        staging = staging_trial_root(None, self.root) / f".{tag}.rank{dist.rank()}.staging"
+
+        def reserve() -> str:
+            store_of(self.root).check_access()
+            return ObjectSeries(self.root).reserve(tag)
+
+        folder = agree.decided_by_rank0(reserve, "save_checkpoint")
+        agree.on_every_rank(lambda: _prepare_rank_staging(staging), "save_checkpoint")
+        return TagSave(staging, folder, str(self.root.child(folder)), f"{self.root}/{TAG_MODEL}")
+
+    def data_writer(self, save: TagSave) -> Callable[[Path], FileWriter]:
+        """Writes this rank's DCP data file of the tag straight to the bucket, from memory."""
+        target = self.root.child(save.folder, TAG_MODEL)
+        return lambda path: store_of(target).open_writer(target.key(path.name))
+
+    def put_own(self, save: TagSave, names: list[str]) -> None:
+        """Every rank: upload the files it staged (its data files went up as they were made)."""
+        target = self.root.child(save.folder)
+        staged = sorted(name for name in names if not name.endswith(DATA_SUFFIX))
+        upload_folder_files(store_of(target), save.staging, staged, target)
+
+    def commit(self, save: TagSave, tag: str, written: set[str], save_latest: bool) -> None:
+        """Rank 0: upload the rest and the manifest, write the commit record, then delete the
+        older saves of ``tag`` and place the offline converter. Blocking."""
+        series = ObjectSeries(self.root)
+        newest = series.commit(save.staging, save.folder, save.staging, written, {"tag": tag, "latest": save_latest})
+        series.supersede(newest, lambda body: body.get("tag") == tag)  # a tag saved again replaces it
+        store = store_of(self.root)
+        script = offline_converter_script()
+        try:
+            if store.get_bytes(self.root.key(OFFLINE_CONVERTER)) != script:
+                store.put_bytes(self.root.key(OFFLINE_CONVERTER), script)
+        except CheckpointError as error:  # the checkpoint is committed; the script is a convenience
+            logger.warning("%s: could not place %s: %s", self.root, OFFLINE_CONVERTER, error)
+
+    def close(self, save: TagSave, failed: bool) -> None:
+        """Every rank removes its staging folder; after a ``failed`` save rank 0 deletes what was
+        uploaded of it (best effort)."""
+        if failed and dist.rank() == 0:
+            ObjectSeries(self.root).discard(save.folder)
+        shutil.rmtree(save.staging, ignore_errors=True)
+
+    def open(self, tag: str | None) -> OpenedTag | None:
+        """Collective: rank 0 finds the newest committed save of ``tag`` (or of ``latest``), every
+        rank completes its node's local copy of its manifest and small files (checked); the DCP
+        files come down as they are read."""
+        if tag is not None:
+            check_path_component(tag, "tag")
+        found = agree.decided_by_rank0(lambda: find_tag(self.root, tag), "load_checkpoint")
+        if found is None:
             return None
-        return parse_object_url(str(value), what)
-    except ValueError as error:
-        raise CheckpointError(f"{what}: {error}" if what not in str(error) else str(error)) from None
+        folder, _, token = found
+        source = ObjectFiles(self.root.child(folder))
+        copies = staging_trial_root(None, self.root)
+        copy = agree.on_every_rank(
+            lambda: fetch_shared(source, copies, MANIFEST_NAME, token, deferred=read_when_needed),
+            f"{source.where()}: cannot fetch the checkpoint",
+        )
+        return OpenedTag(copy, source.where(), source)
 
 
-def rank_staging(root: ObjectURL, tag: str) -> Path:
-    """This rank's own local staging folder for a save of ``tag`` to ``root``."""
-    return staging_trial_root(None, root) / f".{tag}.rank{dist.rank()}.staging"
-
-
-def prepare_rank_staging(staging: Path) -> None:
+def _prepare_rank_staging(staging: Path) -> None:
     """Every rank: an empty staging folder of its own. Raises CheckpointError naming it."""
     try:
         shutil.rmtree(staging, ignore_errors=True)
@@ -77,46 +126,6 @@ def prepare_rank_staging(staging: Path) -> None:
         (staging / TAG_CLIENT_STATE).mkdir()
     except OSError as error:
         raise CheckpointError(f"{staging}: cannot prepare the checkpoint's staging folder: {error}") from error
-
-
-def choose_folder(root: ObjectURL, tag: str) -> str:
-    """Rank 0: the never-used prefix a save of ``tag`` goes to (``tag`` or ``tag.{n}``);
-    CheckpointError naming the endpoint and bucket when the bucket does not answer."""
-    store_of(root).check_access()
-    return ObjectSeries(root).reserve(tag)
-
-
-def data_writer(root: ObjectURL, folder: str) -> Callable[[Path], FileWriter]:
-    """What writes this rank's DCP data file of the tag straight to the bucket, from memory."""
-    target = root.child(folder, TAG_MODEL)
-    return lambda path: store_of(target).open_writer(target.key(path.name))
-
-
-def upload_own(root: ObjectURL, folder: str, staging: Path, names: list[str]) -> None:
-    """Every rank: upload the files it wrote (``names``, relative to its ``staging``). Blocking."""
-    target = root.child(folder)
-    upload_folder_files(store_of(target), staging, names, target)
-
-
-def commit_tag(root: ObjectURL, folder: str, staging: Path, uploaded: set[str], tag: str, save_latest: bool) -> None:
-    """Rank 0, once every rank uploaded its own files and the manifest is written into
-    ``staging``: upload the rest and the manifest, write the commit record, then delete the
-    older saves of ``tag`` and place the offline converter. Blocking."""
-    series = ObjectSeries(root)
-    newest = series.commit(staging, folder, staging, uploaded, {"tag": tag, "latest": save_latest})
-    series.supersede(newest, lambda body: body.get("tag") == tag)  # a tag saved again replaces it
-    store = store_of(root)
-    script = offline_converter_script()
-    try:
-        if store.get_bytes(root.key(OFFLINE_CONVERTER)) != script:
-            store.put_bytes(root.key(OFFLINE_CONVERTER), script)
-    except CheckpointError as error:  # the checkpoint is committed; the script is a convenience
-        logger.warning("%s: could not place %s: %s", root, OFFLINE_CONVERTER, error)
-
-
-def remove_uncommitted(root: ObjectURL, folder: str) -> None:
-    """Rank 0 after a failed save: delete what was uploaded of it (best effort)."""
-    ObjectSeries(root).discard(folder)
 
 
 def find_tag(root: ObjectURL, tag: str | None) -> tuple[str, str, str] | None:
@@ -136,18 +145,3 @@ def find_tag(root: ObjectURL, tag: str | None) -> tuple[str, str, str] | None:
 def _is_tag(record: CommitRecord) -> bool:
     """A record of a tag save (the log may hold nothing else, but a forged one is not followed)."""
     return isinstance(record.body.get("tag"), str) and "/" not in record.folder
-
-
-def fetch_tag(root: ObjectURL, folder: str, token: str) -> Path:
-    """Every rank: the local copy of the committed tag ``folder``: its manifest and small files
-    completed and checked (see :func:`areal_ckpt.storage.folders.fetch_shared`), its data files
-    (and DCP metadata) left for :func:`data_fetcher` to bring down as they are read. Blocking."""
-    source = root.child(folder)
-    copies = staging_trial_root(None, root)
-    return fetch_shared(ObjectFiles(source), copies, MANIFEST_NAME, token, deferred=read_when_needed)
-
-
-def data_fetcher(root: ObjectURL, folder: str, copy: Path, files: dict[str, dict[str, int]]) -> Callable[[Path], None]:
-    """What brings a DCP file of the tag's local ``copy`` (data, chunks, metadata) down before a
-    rank reads it."""
-    return OnDemandFiles(ObjectFiles(root.child(folder)), copy, files).ensure
