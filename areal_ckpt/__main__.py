@@ -2,6 +2,6 @@
 
 import sys
 
-from areal_ckpt.tools.cli import main
+from areal_ckpt.cli.main import main
 
 sys.exit(main())

@@ -20,7 +20,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from transformers import AutoModelForCausalLM, AutoProcessor, CLIPImageProcessorPil, GenerationConfig, LlavaProcessor
 
 import areal_ckpt as ac
-from areal_ckpt.tools.cli import main as cli_main
+from areal_ckpt.cli.main import main as cli_main
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -104,7 +104,7 @@ def test_an_areal_trainer_killed_and_relaunched_ends_bitwise_equal(tmp_path, tok
     launcher = [
         sys.executable,
         "-m",
-        "areal_ckpt.tools.cli",
+        "areal_ckpt.cli.main",
         "launch",
         "--config",
         str(AREAL_YAML),
@@ -512,7 +512,7 @@ def _launch(config: Path, script: str, *overrides: str, **popen) -> subprocess.C
     command = [
         sys.executable,
         "-m",
-        "areal_ckpt.tools.cli",
+        "areal_ckpt.cli.main",
         "launch",
         "--config",
         str(config),
@@ -575,7 +575,7 @@ def test_launch_stops_on_ctrl_c_without_relaunching(tmp_path, fileroot):
     command = [
         sys.executable,
         "-m",
-        "areal_ckpt.tools.cli",
+        "areal_ckpt.cli.main",
         "launch",
         "--config",
         str(config),

@@ -14,7 +14,7 @@ from recover_fixtures import SPEC, make_setup, recover_config, step_info, train_
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import areal_ckpt as ac
-from areal_ckpt.tools.cli import main
+from areal_ckpt.cli.main import main
 
 
 @pytest.fixture

@@ -93,7 +93,7 @@ def test_convert_deepspeed_checkpoints_to_loadable_hf_folders(tmp_path, stage):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from areal_ckpt.tools.cli import main
+    from areal_ckpt.cli.main import main
 
     run_distributed(deepspeed_checkpoints_worker, WORLD, str(tmp_path), stage)
     expected = load_file(tmp_path / "expected.safetensors")
@@ -109,7 +109,7 @@ def test_convert_deepspeed_checkpoints_to_loadable_hf_folders(tmp_path, stage):
 
 
 def test_convert_deepspeed_without_a_config_says_what_is_missing(tmp_path, capsys):
-    from areal_ckpt.tools.cli import main
+    from areal_ckpt.cli.main import main
 
     (tmp_path / "ds/global_step1").mkdir(parents=True)
     (tmp_path / "ds/latest").write_text("global_step1")

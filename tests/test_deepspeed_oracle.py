@@ -15,7 +15,7 @@ from test_deepspeed import deepspeed_engine
 from test_recover_failures import _RunsCode
 
 import areal_ckpt as ac
-from areal_ckpt.tools.cli import main as cli_main
+from areal_ckpt.cli.main import main as cli_main
 
 pytestmark = pytest.mark.dist
 

@@ -19,7 +19,7 @@ from recover_fixtures import SPEC, committed_generation, dump_once, make_setup, 
 
 import areal_ckpt as ac
 from areal_ckpt.publish import render_manifest
-from areal_ckpt.tools.cli import main as cli_main
+from areal_ckpt.cli.main import main as cli_main
 
 DEEP = "[" * 100_000 + "]" * 100_000
 

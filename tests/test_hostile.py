@@ -19,7 +19,7 @@ from recover_fixtures import SPEC, committed_generation, make_setup, recover_con
 
 import areal_ckpt as ac
 from areal_ckpt.lock import LOCK_NAME
-from areal_ckpt.tools.cli import main as cli_main
+from areal_ckpt.cli.main import main as cli_main
 
 HERE = Path(__file__).parent
 

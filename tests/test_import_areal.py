@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import areal_ckpt as ac
-from areal_ckpt.tools.cli import main as cli_main
+from areal_ckpt.cli.main import main as cli_main
 
 STEPS = 8  # SPEC: 4 steps per epoch; the import resumes in epoch 1, after its first batch
 DUMP_AFTER = 4  # global step 4: the first step of epoch 1

@@ -20,7 +20,7 @@ DEADLINE = 120.0
 
 
 def _launcher(config: Path, *job: str, **popen) -> subprocess.Popen:
-    command = [sys.executable, "-m", "areal_ckpt.tools.cli", "launch", "--config", str(config), "--", *job]
+    command = [sys.executable, "-m", "areal_ckpt.cli.main", "launch", "--config", str(config), "--", *job]
     return subprocess.Popen(command, stderr=subprocess.PIPE, text=True, **popen)
 
 

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import areal_ckpt as ac
 from areal_ckpt.export.download import download_export
-from areal_ckpt.tools.cli import main
+from areal_ckpt.cli.main import main
 
 TRIAL = "runs/checkpoints/tester/exp/trial"
 EXPORT = f"{TRIAL}/default/epoch0epochstep1globalstep1"
@@ -150,7 +150,11 @@ def test_recover_pointer_commits_the_newest_intact_generation(object_server, obj
     assert run(capsys, "verify", trial)[0] == 1
     code, stdout, _ = run(capsys, "recover-pointer", trial)
     generation = next(iter(first)).removeprefix(f"{TRIAL}/.recover/").split("/")[0]
-    assert code == 0 and f"OK   {trial}: committed {generation}" in stdout and f"{object_bucket}/{damaged}" in stdout
+    assert (
+        code == 0
+        and f"OK   {trial} -> {generation}: every file matches" in stdout
+        and f"{object_bucket}/{damaged}" in stdout
+    )
 
     resumed = make_setup(seed=3)
     info = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "other-disk"), SPEC).load(resumed.engine)

@@ -19,7 +19,7 @@ from test_deepspeed import deepspeed_engine
 from test_tagged import VOCAB, _ds_step
 
 import areal_ckpt as ac
-from areal_ckpt.tools.cli import main
+from areal_ckpt.cli.main import main
 
 
 def assert_same_training_state(saved, loaded) -> None:

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import areal_ckpt as ac
 from areal_ckpt.demo.tiny import build_model
-from areal_ckpt.tools.cli import main as cli_main
+from areal_ckpt.cli.main import main as cli_main
 
 
 class HFShaped(torch.nn.Module):

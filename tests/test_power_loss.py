@@ -188,7 +188,7 @@ def test_recover_pointer_survives_a_power_cut_at_every_point(tmp_path):
     """A trial whose commit record was lost (a copy that dropped links), re-pointed by
     `areal-ckpt recover-pointer`: after any cut it is refused with the same hint (which then
     works) or it loads the newest generation."""
-    from areal_ckpt.tools.cli import main as cli_main
+    from areal_ckpt.cli.main import main as cli_main
 
     backing = tmp_path / "fs/backing"
     setup = make_setup()

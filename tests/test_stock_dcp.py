@@ -16,7 +16,7 @@ from test_recover_failures import _RunsCode
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from transformers import AutoModelForCausalLM
 
-from areal_ckpt.tools.cli import main as cli_main
+from areal_ckpt.cli.main import main as cli_main
 
 
 def _stock_save(folder: Path, nest) -> dict[str, torch.Tensor]:

@@ -122,7 +122,7 @@ def test_deepspeed_tags_latest_and_per_rank_client_state(tmp_path):
 
 
 def test_cli_inspects_and_verifies_a_tagged_checkpoint(tmp_path, capsys):
-    from areal_ckpt.tools.cli import main
+    from areal_ckpt.cli.main import main
 
     setup = make_setup()
     train_step(setup, 0)

@@ -9,7 +9,7 @@ import pytest
 from recover_fixtures import SPEC
 
 import areal_ckpt as ac
-from areal_ckpt.tools.cli import main as cli_main
+from areal_ckpt.cli.main import main as cli_main
 
 URL = "s3://ckpt/runs"
 REFUSAL = r"is a s3:// URL: object storage is not supported here yet \(a fileroot is: docs/storage.md\)"

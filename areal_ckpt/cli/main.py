@@ -12,40 +12,23 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
+from areal_ckpt.cli import format as fmt
 from areal_ckpt.config import local_path, parse_size
 from areal_ckpt.config_loader import load_config
 from areal_ckpt.engines.peft_export import LORA_EXPORTS
 from areal_ckpt.errors import CheckpointError, ConfigError
 from areal_ckpt.formats.stock_dcp import is_stock_dcp
-from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
-from areal_ckpt.recover.repoint import repoint_newest_verified
-from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.tensors import EXPORT_DTYPES
-from areal_ckpt.tools import cli_format as fmt
 from areal_ckpt.tools.convert import export_deepspeed, export_recovery, export_stock_dcp
 from areal_ckpt.tools.import_areal import import_areal_trial
-from areal_ckpt.tools.inspection import describe, list_trial, verify_each
 from areal_ckpt.tools.launch import launch
-from areal_ckpt.tools.remote_trial import (
-    commit_output,
-    fetch_checkpoint,
-    fetch_tag_into,
-    list_remote,
-    repoint_remote,
-    verify_remote,
-)
-from areal_ckpt.urls import url_scheme
+from areal_ckpt.tools.places import place_of
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    if url_scheme(args.path):  # read from a local copy: one checkpoint, downloaded whole
-        with tempfile.TemporaryDirectory(prefix="areal-ckpt-inspect-") as scratch:
-            local, url = fetch_checkpoint(args.path, Path(scratch))
-            facts = {**describe(local), "path": url}
-    else:
-        facts = describe(Path(args.path))
+    with tempfile.TemporaryDirectory(prefix="areal-ckpt-inspect-") as scratch:  # for a copy, if one is needed
+        facts = place_of(args.path, "path").describe(Path(scratch))
     if args.json:
         print(json.dumps(facts, indent=1))
         return 0
@@ -86,10 +69,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    if url_scheme(args.path):
-        results: list[tuple[Any, list[str]]] = list(verify_remote(args.path, progress=fmt.progress("object")))
-    else:
-        results = list(verify_each(Path(args.path), progress=fmt.progress("file")))
+    place = place_of(args.path, "path")
+    results = place.verify(progress=fmt.progress(place.unit))
     bad = 0
     for checkpoint, problems in results:
         if problems:
@@ -104,7 +85,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    entries = list_remote(args.trial_root) if url_scheme(args.trial_root) else list_trial(Path(args.trial_root))
+    entries = place_of(args.trial_root, "trial-root").list()
     if args.json:
         print(json.dumps(entries, indent=1))
         return 0
@@ -130,10 +111,9 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="areal-ckpt-export-") as scratch:
-        source = Path(args.recover_dir)
-        if url_scheme(args.recover_dir):
-            source, _ = fetch_checkpoint(args.recover_dir, Path(scratch) / "source")
-        out_dir = Path(scratch) / "out" if url_scheme(args.out_dir) else Path(args.out_dir)
+        source = place_of(args.recover_dir, "recover-dir").readable(Path(scratch) / "source")
+        output = place_of(args.out_dir, "out-dir")
+        out_dir = output.output(Path(scratch))
         dtype = EXPORT_DTYPES[args.dtype] if args.dtype else None
         options = {"dtype": dtype, "max_shard_size": parse_size(args.max_shard_size), "progress": fmt.progress("shard")}
         config_from = Path(args.config_from) if args.config_from else None
@@ -143,13 +123,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             result = export_recovery(
                 source, out_dir, name=args.name, config_from=config_from, lora=args.lora, **options
             )
-        _report(result.bytes, result.seconds, _committed(result.path, args.out_dir))
+        _report(result.bytes, result.seconds, output.commit_output(result.path))
     return 0
-
-
-def _committed(local: Path, out: str) -> str:
-    """Where the output now is: ``local`` itself, or the URL ``out`` it was committed to."""
-    return commit_output(local, out) if url_scheme(out) else str(local)
 
 
 def _report(size: int, seconds: float, where: str) -> None:
@@ -158,55 +133,32 @@ def _report(size: int, seconds: float, where: str) -> None:
 
 def cmd_convert_deepspeed(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="areal-ckpt-convert-") as scratch:
-        ds_dir, tag = Path(args.ds_dir), args.tag
-        if url_scheme(args.ds_dir):
-            fetched = fetch_tag_into(args.ds_dir, args.tag, Path(scratch) / "source")
-            ds_dir, tag = fetched.parent, fetched.name
+        ds_dir, tag = place_of(args.ds_dir, "ds-dir").readable_tag(args.tag, Path(scratch) / "source")
+        output = place_of(args.out_dir, "out-dir")
         result = export_deepspeed(
             ds_dir,
-            Path(scratch) / "out" if url_scheme(args.out_dir) else Path(args.out_dir),
+            output.output(Path(scratch)),
             tag=tag,
             dtype=EXPORT_DTYPES[args.dtype] if args.dtype else None,
             max_shard_size=parse_size(args.max_shard_size),
             config_dir=Path(args.config) if args.config else None,
             progress=fmt.progress("shard"),
         )
-        _report(result.bytes, result.seconds, _committed(result.path, args.out_dir))
+        _report(result.bytes, result.seconds, output.commit_output(result.path))
     return 0
 
 
 def cmd_recover_pointer(args: argparse.Namespace) -> int:
-    if url_scheme(args.trial):
-        return _recover_pointer_remote(args.trial)
-    store = RecoverStore(Path(args.trial))
-    try:
-        committed = store.committed()
-    except CheckpointError:
-        committed = None
-    else:
-        if committed is not None:
-            print(f"{store.pointer} already names {committed}; nothing changed")
-            return 0
-    acquire_trial_lock(store.trial)
-    try:
-        generation, skipped = repoint_newest_verified(store)
-    finally:
-        release_trial_lock(store.trial)
-    for name, problems in skipped.items():
+    repointed = place_of(args.trial, "trial").repoint()
+    for name, problems in repointed.skipped.items():
         print(f"SKIP {name}: {'; '.join(problems)}")
-    print(f"OK   {store.pointer} -> {generation}: every file matches its manifest; the next start resumes from it")
-    return 0
-
-
-def _recover_pointer_remote(trial: str) -> int:
-    generation, skipped, committed = repoint_remote(trial)
-    for name, problems in skipped.items():
-        print(f"SKIP {name}: {'; '.join(problems)}")
-    if not committed:
-        print(f"{trial}: the newest commit names {generation}, which is intact; nothing changed")
+    if not repointed.changed:
+        intact = ", which is intact" if repointed.checked else ""
+        print(f"{repointed.record} already names {repointed.generation}{intact}; nothing changed")
     else:
         print(
-            f"OK   {trial}: committed {generation} (every object matches its manifest); the next start resumes from it"
+            f"OK   {repointed.record} -> {repointed.generation}: every file matches its manifest; the next start "
+            "resumes from it"
         )
     return 0
 

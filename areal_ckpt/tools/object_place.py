@@ -1,6 +1,6 @@
-"""The command line on object storage: what a URL holds, listed and verified where it lies,
-copied down for the commands that read a checkpoint whole (``inspect``, ``export``), and a
-local output committed up (``export``, ``convert-deepspeed``).
+"""The command line on object storage (:class:`ObjectPlace`): what a URL holds, listed and
+verified where it lies, copied down for the commands that read a checkpoint whole (``inspect``,
+``export``), and a local output committed up (``export``, ``convert-deepspeed``).
 
 Only committed checkpoints count (a commit record names them, see
 :mod:`areal_ckpt.storage.commits`); objects no record names are a dead writer's debris and
@@ -34,6 +34,8 @@ from areal_ckpt.storage.folders import ObjectFiles, check_remote_folder, fetch_f
 from areal_ckpt.storage.objects import ObjectInfo
 from areal_ckpt.storage.series import ObjectSeries
 from areal_ckpt.tags.objects import find_tag
+from areal_ckpt.tools.inspection import describe
+from areal_ckpt.tools.place_contract import Repointed
 from areal_ckpt.urls import ObjectURL, parse_object_url
 
 logger = logging.getLogger(__name__)
@@ -247,3 +249,49 @@ def repoint_remote(value: str) -> tuple[str, dict[str, list[str]], bool]:
         f"{root}: no intact recovery generation to point at"
         + "".join(f"; {name}: {'; '.join(problems)}" for name, problems in skipped.items())
     )
+
+
+class ObjectPlace:
+    """A prefix on an object store, for the ``areal-ckpt`` commands
+    (:class:`~areal_ckpt.tools.places.CheckpointPlace`): committed checkpoints listed and
+    verified where they lie, one copied down whole for the commands that read it."""
+
+    unit = "object"
+
+    def __init__(self, url: ObjectURL) -> None:
+        self.url = url
+
+    def describe(self, scratch: Path) -> dict[str, Any]:
+        """The facts of a downloaded copy, with the checkpoint's URL as its path."""
+        local, url = fetch_checkpoint(str(self.url), scratch)
+        return {**describe(local), "path": url}
+
+    def verify(self, progress: Callable[[Iterable[str]], Iterable[str]] = iter) -> list[tuple[str, list[str]]]:
+        """:func:`verify_remote`."""
+        return verify_remote(str(self.url), progress)
+
+    def list(self) -> list[dict[str, Any]]:
+        """:func:`list_remote`."""
+        return list_remote(str(self.url))
+
+    def readable(self, scratch: Path) -> Path:
+        """A checked copy in ``scratch`` (:func:`fetch_checkpoint`)."""
+        return fetch_checkpoint(str(self.url), scratch)[0]
+
+    def readable_tag(self, tag: str | None, scratch: Path) -> tuple[Path, str | None]:
+        """A checked copy of the tag in ``scratch`` (:func:`fetch_tag_into`), and its folder's name."""
+        fetched = fetch_tag_into(str(self.url), tag, scratch)
+        return fetched.parent, fetched.name
+
+    def output(self, scratch: Path) -> Path:
+        """A folder in ``scratch``, committed here by :meth:`commit_output`."""
+        return scratch / "out"
+
+    def commit_output(self, folder: Path) -> str:
+        """:func:`commit_output` to this URL."""
+        return commit_output(folder, str(self.url))
+
+    def repoint(self) -> Repointed:
+        """:func:`repoint_remote`."""
+        generation, skipped, committed = repoint_remote(str(self.url))
+        return Repointed(generation, skipped, committed, str(self.url))

@@ -1,0 +1,85 @@
+"""A folder or a URL as the ``areal-ckpt`` commands see it, chosen once.
+
+:func:`place_of` turns a command's path argument into a
+:class:`~areal_ckpt.tools.place_contract.CheckpointPlace`: a
+:class:`FolderPlace` (a local or shared folder, read in place) or an
+:class:`~areal_ckpt.tools.object_place.ObjectPlace` (a prefix on an object store: listed and
+verified where it lies, copied down for the commands that read a checkpoint whole). The commands
+call it and never ask which one they have.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
+from areal_ckpt.recover.repoint import repoint_newest_verified
+from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.tools.inspection import describe, list_trial, verify_each
+from areal_ckpt.tools.object_place import ObjectPlace
+from areal_ckpt.tools.place_contract import CheckpointPlace, Progress, Repointed
+from areal_ckpt.urls import parse_object_url, url_scheme
+
+
+class FolderPlace:
+    """A folder (local disk or a shared file system), read and written in place."""
+
+    unit = "file"
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def describe(self, scratch: Path) -> dict[str, Any]:
+        """:func:`~areal_ckpt.tools.inspection.describe` of the folder."""
+        return describe(self.path)
+
+    def verify(self, progress: Progress = iter) -> list[tuple[str, list[str]]]:
+        """:func:`~areal_ckpt.tools.inspection.verify_each` of the folder."""
+        return [(str(path), problems) for path, problems in verify_each(self.path, progress=progress)]
+
+    def list(self) -> list[dict[str, Any]]:
+        """:func:`~areal_ckpt.tools.inspection.list_trial` of the folder."""
+        return list_trial(self.path)
+
+    def readable(self, scratch: Path) -> Path:
+        """The folder itself."""
+        return self.path
+
+    def readable_tag(self, tag: str | None, scratch: Path) -> tuple[Path, str | None]:
+        """The folder itself and ``tag``."""
+        return self.path, tag
+
+    def output(self, scratch: Path) -> Path:
+        """The folder itself."""
+        return self.path
+
+    def commit_output(self, folder: Path) -> str:
+        """Nothing to do: the output was written (and committed) in place."""
+        return str(folder)
+
+    def repoint(self) -> Repointed:
+        """Under the trial's lock, :func:`~areal_ckpt.recover.repoint.repoint_newest_verified`
+        unless ``current`` already names a generation."""
+        store = RecoverStore(self.path)
+        try:
+            committed = store.committed()
+        except CheckpointError:
+            committed = None
+        if committed is not None:
+            return Repointed(committed, {}, False, str(store.pointer), checked=False)
+        acquire_trial_lock(store.trial)
+        try:
+            generation, skipped = repoint_newest_verified(store)
+        finally:
+            release_trial_lock(store.trial)
+        return Repointed(generation, skipped, True, str(store.pointer))
+
+
+def place_of(value: str, what: str) -> CheckpointPlace:
+    """The location a command's argument ``what`` names: an object store prefix for a URL
+    (ConfigError naming it when malformed), else a folder. Pure."""
+    if url_scheme(value) is None:
+        return FolderPlace(Path(value))
+    return ObjectPlace(parse_object_url(value, what))
