@@ -14,10 +14,10 @@ from test_import_areal import _snapshot, areal_trial  # noqa: F401  (a fixture)
 from test_stock_dcp import LAYOUTS, _stock_save
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
 
+from areal_ckpt.cli.main import main as cli_main
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_metadata import check_tiling
 from areal_ckpt.formats.stock_dcp import read_stock_metadata
-from areal_ckpt.cli.main import main as cli_main
 
 ROWS, COLUMNS = 48, 64  # lm_head.weight of the tiny model
 GAP = [([0, 0], [24, COLUMNS])]  # rows 24-47 in no chunk

@@ -18,8 +18,8 @@ from helpers import saver_config
 from recover_fixtures import SPEC, committed_generation, dump_once, make_setup, recover_config, trial_dir
 
 import areal_ckpt as ac
-from areal_ckpt.publish import render_manifest
 from areal_ckpt.cli.main import main as cli_main
+from areal_ckpt.publish import render_manifest
 
 DEEP = "[" * 100_000 + "]" * 100_000
 

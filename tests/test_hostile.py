@@ -18,8 +18,8 @@ from helpers import saver_config
 from recover_fixtures import SPEC, committed_generation, make_setup, recover_config, step_info, train_step, trial_dir
 
 import areal_ckpt as ac
-from areal_ckpt.lock import LOCK_NAME
 from areal_ckpt.cli.main import main as cli_main
+from areal_ckpt.lock import LOCK_NAME
 
 HERE = Path(__file__).parent
 

@@ -16,8 +16,8 @@ from test_object_recover import s3_config
 from transformers import AutoModelForCausalLM
 
 import areal_ckpt as ac
-from areal_ckpt.export.download import download_export
 from areal_ckpt.cli.main import main
+from areal_ckpt.export.download import download_export
 
 TRIAL = "runs/checkpoints/tester/exp/trial"
 EXPORT = f"{TRIAL}/default/epoch0epochstep1globalstep1"

@@ -16,8 +16,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 import areal_ckpt as ac
-from areal_ckpt.paths import MANIFEST_NAME
 from areal_ckpt.cli.main import main as cli_main
+from areal_ckpt.paths import MANIFEST_NAME
 from areal_ckpt.tools.inspection import verify
 
 TOKENS = torch.arange(16).reshape(2, 8) % 48

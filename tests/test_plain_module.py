@@ -14,8 +14,8 @@ from recover_fixtures import SPEC, recover_config, step_info, trial_dir
 from transformers import AutoModelForCausalLM
 
 import areal_ckpt as ac
-from areal_ckpt.demo.tiny import build_model
 from areal_ckpt.cli.main import main as cli_main
+from areal_ckpt.demo.tiny import build_model
 
 
 class HFShaped(torch.nn.Module):

@@ -21,8 +21,8 @@ from distributed import start_processes
 from recover_fixtures import SPEC, make_setup, recover_config, step_info
 
 import areal_ckpt as ac
-from areal_ckpt.lock import LOCK_NAME
 from areal_ckpt.cli.main import main as cli_main
+from areal_ckpt.lock import LOCK_NAME
 
 TRIAL = Path("checkpoints/tester/exp/trial")
 
