@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 COMMIT_LOG = ".commits"
 _RECORD = re.compile(r"^(\d{12})\.json$")
 _RECORD_LIMIT = 1 << 20
+_SEQUENCE_LIMIT = 10**12  # twelve digits: a record past them would not be read as one
 _UPLOADERS = 4
 
 
@@ -59,12 +60,20 @@ class CommitLog:
         self._prefix = parent.key(COMMIT_LOG) + "/"
 
     def sequences(self) -> list[int]:
-        """The sequence numbers of the records present, ascending (one listing)."""
+        """The sequence numbers of the records present, ascending (one listing). CheckpointError
+        naming it for an object in the log whose name is not a record's (``{n:012d}.json``): no
+        reader would see it, so a commit or a retention decided without it could lose or hide a
+        checkpoint; nothing is written or deleted then."""
         found = []
         for item in self.store.list_prefix(self._prefix):
             match = _RECORD.match(item.key[len(self._prefix) :])
-            if match:
-                found.append(int(match.group(1)))
+            if match is None:
+                raise CheckpointError(
+                    f"{self.parent.url_of(item.key)}: not a commit record's name (records are "
+                    f"{COMMIT_LOG}/NNNNNNNNNNNN.json, twelve digits); nothing was written or deleted: move it out "
+                    f"of {self.parent.url_of(self._prefix)}"
+                )
+            found.append(int(match.group(1)))
         return sorted(found)
 
     def read(self, sequence: int) -> CommitRecord | None:
@@ -107,6 +116,11 @@ class CommitLog:
         if sequences and self.store.get_bytes(self._key(sequences[-1])) == data:
             return CommitRecord(sequences[-1], body)
         sequence = (sequences[-1] if sequences else 0) + 1
+        if sequence >= _SEQUENCE_LIMIT:
+            raise CheckpointError(
+                f"{self.parent.url_of(self._key(sequences[-1]))}: the commit log is full (its last number is "
+                "taken); nothing was committed or deleted: a new trial_name (or prefix) starts a new log"
+            )
         if not self.store.put_bytes(self._key(sequence), data, create_only=True):
             if self.store.get_bytes(self._key(sequence)) == data:  # an earlier attempt of this very PUT landed
                 return CommitRecord(sequence, body)

@@ -19,6 +19,7 @@ from typing import Protocol
 
 from areal_ckpt import fsio
 from areal_ckpt.errors import CheckpointError
+from areal_ckpt.paths import DATA_SUFFIX
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import (
@@ -159,6 +160,7 @@ class OnDemandFiles:
                 if path.exists():
                     logger.warning("%s; downloading it again from %s", problems[0], self.source.where())
                 _download(self.source, self.folder, name)
+                _check_downloaded(self.source, self.folder, self.files, [name])
         self._ready.add(name)
 
 
@@ -178,22 +180,29 @@ def fetch_folder(
         files = read_manifest(folder, manifest_name)["files"]
     except CheckpointError as error:
         raise CheckpointError(f"{source.where(manifest_name)}: {error}") from None
-    fetched = 0
-    wanted = [name for name in files if not deferred(name)]
-    for name in wanted:
+    fetched = []
+    for name in [name for name in files if not deferred(name)]:
         problems = check_files(folder, files, [name])
         if not problems:
             continue
         if (folder / name).exists():
             logger.warning("%s; downloading it again from %s", problems[0], source.where())
         _download(source, folder, name)
-        fetched += 1
-    problems = [
-        problem.replace(str(folder), source.where(), 1) for problem in check_files(folder, files, wanted, False)
-    ]
+        fetched.append(name)
+    _check_downloaded(source, folder, files, fetched)
+    return len(fetched)
+
+
+def _check_downloaded(source: FileSource, folder: Path, files: dict[str, dict[str, int]], names: list[str]) -> None:
+    """CheckpointError naming each of ``names`` whose copy in ``folder`` is not the manifest's:
+    size and CRC-32, but a DCP data file's CRC-32, which its reader checks as it reads it (one
+    pass over the largest files, not two). Local, read-only."""
+    data = [name for name in names if name.endswith(DATA_SUFFIX)]
+    problems = check_files(folder, files, [name for name in names if not name.endswith(DATA_SUFFIX)])
+    problems += check_files(folder, files, data, checksum=False)
     if problems:
-        raise CheckpointError(f"{source.where()}: the downloaded copy is damaged: " + "; ".join(problems))
-    return fetched
+        named = [problem.replace(str(folder), source.where(), 1) for problem in problems]
+        raise CheckpointError(f"{source.where()}: the downloaded copy is damaged: " + "; ".join(named))
 
 
 def _download(source: FileSource, folder: Path, name: str) -> None:

@@ -1,0 +1,94 @@
+"""Hostile conditions, round four, on every object store: a commit log with names no reader
+parses, a file fetched on demand that rotted in the bucket. Each test failed before its fix
+(docs/reliability.md, fourth round)."""
+
+from __future__ import annotations
+
+import pytest
+from object_helpers import commit_records, keys_under, read_object, write_object
+from recover_fixtures import SPEC, make_setup, step_info, train_step
+from test_object_recover import TRIAL, s3_config
+
+import areal_ckpt as ac
+from areal_ckpt.storage.backends import store_of
+from areal_ckpt.urls import parse_object_url
+
+LOG = f"{TRIAL}/.recover/.commits"
+
+
+def dumped(bucket: str, staging, steps: int) -> ac.RecoverHandler:
+    setup = make_setup()
+    handler = ac.RecoverHandler(s3_config(bucket, staging), SPEC)
+    for step in range(steps):
+        train_step(setup, step)
+        handler.dump(setup.engine, step_info(step), force=True)
+    return handler
+
+
+def test_a_full_commit_log_refuses_the_next_commit_and_deletes_nothing(object_bucket, tmp_path):
+    handler = dumped(object_bucket, tmp_path / "a", 2)
+    (newest,) = keys_under(object_bucket, f"{LOG}/")
+    write_object(object_bucket, f"{LOG}/999999999999.json", read_object(object_bucket, newest))  # the last number
+    before = keys_under(object_bucket)
+    with pytest.raises(ac.CheckpointError, match=r"999999999999.json: the commit log is full .*nothing was committed"):
+        handler.dump(make_setup().engine, step_info(2), force=True)
+    handler.close()
+    after = keys_under(object_bucket)
+    assert set(before) <= set(after)  # nothing deleted (the failed dump's uploads are debris, cleared later)
+    assert keys_under(object_bucket, f"{LOG}/") == sorted([newest, f"{LOG}/999999999999.json"])  # no new record
+    fresh = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "fresh"), SPEC)
+    assert fresh.load(make_setup(seed=1).engine).last_step_info.global_step == 1  # still loads
+    fresh.close()
+    other = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "b").model_copy(update={"trial_name": "t2"}), SPEC)
+    assert other.dump(make_setup().engine, step_info(0), force=True) is not None  # the hint: a new trial_name
+    other.close()
+
+
+def test_an_object_in_the_commit_log_that_is_not_a_record_is_named_never_skipped(object_bucket, tmp_path):
+    dumped(object_bucket, tmp_path / "a", 1).close()
+    newer = f"{LOG}/1000000000000.json"  # thirteen digits: a record no reader parses
+    (record,) = keys_under(object_bucket, f"{LOG}/")
+    write_object(object_bucket, newer, read_object(object_bucket, record))
+    for attempt in ("load", "dump"):
+        handler = ac.RecoverHandler(s3_config(object_bucket, tmp_path / attempt), SPEC)
+        with pytest.raises(ac.CheckpointError, match=r"1000000000000.json: not a commit record's name .*move it out"):
+            if attempt == "load":
+                handler.load(make_setup().engine)
+            else:
+                handler.dump(make_setup().engine, step_info(5), force=True)
+        handler.close()
+    assert newer in keys_under(object_bucket) and [r["global_step"] for r in commit_records(object_bucket, TRIAL)]
+    url = parse_object_url(object_bucket, "test")
+    store_of(url).delete([newer])  # the hint: moved out of the log
+    loader = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "after"), SPEC)
+    assert loader.load(make_setup().engine).last_step_info.global_step == 0
+    loader.close()
+
+
+def _flip_a_digit(data: bytes) -> bytes:
+    """``data`` (JSON text) with its last digit changed: the same size, still JSON, another number."""
+    at = max(i for i, byte in enumerate(data) if chr(byte).isdigit())
+    return data[:at] + (b"1" if data[at : at + 1] != b"1" else b"2") + data[at + 1 :]
+
+
+def test_a_file_fetched_on_demand_is_checked_before_use(object_bucket, tmp_path):
+    setup = make_setup()
+    handler = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "a"), SPEC)
+    train_step(setup, 0)
+    handler.dump(setup.engine, step_info(0), force=True)
+    handler.close()
+    (index,) = [key for key in keys_under(object_bucket, f"{TRIAL}/.recover/") if key.endswith("default/dcp_index.json")]
+    write_object(object_bucket, index, _flip_a_digit(read_object(object_bucket, index)))
+    loader = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "fresh"), SPEC)
+    with pytest.raises(ac.CheckpointError, match=r"dcp_index.json: checksum mismatch"):
+        loader.load(make_setup(seed=1).engine)
+    loader.close()
+
+
+def test_a_tag_file_fetched_on_demand_is_checked_before_use(object_bucket, tmp_path):
+    setup = make_setup()
+    ac.save_checkpoint(setup.engine, f"{object_bucket}/ds", tag="t1")
+    (index,) = [key for key in keys_under(object_bucket, "ds/t1/") if key.endswith("dcp_index.json")]
+    write_object(object_bucket, index, _flip_a_digit(read_object(object_bucket, index)))
+    with pytest.raises(ac.CheckpointError, match=r"dcp_index.json: checksum mismatch"):
+        ac.load_checkpoint(make_setup(seed=1).engine, f"{object_bucket}/ds", tag="t1")
