@@ -4,6 +4,8 @@ parses, a file fetched on demand that rotted in the bucket. Each test failed bef
 
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 from object_helpers import commit_records, keys_under, read_object, write_object
 from recover_fixtures import SPEC, make_setup, step_info, train_step
@@ -92,3 +94,35 @@ def test_a_tag_file_fetched_on_demand_is_checked_before_use(object_bucket, tmp_p
     write_object(object_bucket, index, _flip_a_digit(read_object(object_bucket, index)))
     with pytest.raises(ac.CheckpointError, match=r"dcp_index.json: checksum mismatch"):
         ac.load_checkpoint(make_setup(seed=1).engine, f"{object_bucket}/ds", tag="t1")
+
+
+@pytest.mark.parametrize("planted", ["recover_info", "generation"])
+def test_a_link_in_a_staging_copy_is_never_written_through(object_bucket, tmp_path, planted):
+    dumped(object_bucket, tmp_path / "disk", 1).close()
+    (generation,) = (tmp_path / "disk").rglob("gen-*")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    link = generation / "recover_info" if planted == "recover_info" else generation
+    link.rename(tmp_path / "moved")
+    link.symlink_to(elsewhere)
+    loader = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "disk"), SPEC)
+    with pytest.raises(ac.CheckpointError, match=r"a link in the local copy of .*not writing through it"):
+        loader.load(make_setup(seed=1).engine)
+    loader.close()
+    assert list(elsewhere.iterdir()) == []  # no manifest, no file written into the link's target
+
+
+def test_a_link_at_a_tags_local_copy_is_never_written_through(object_bucket, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the per-node copies go
+    (tmp_path / "tmp").mkdir()
+    setup = make_setup()
+    ac.save_checkpoint(setup.engine, f"{object_bucket}/ds", tag="t1")
+    ac.load_checkpoint(make_setup(seed=1).engine, f"{object_bucket}/ds", tag="t1")
+    (copy,) = (tmp_path / "tmp").rglob("t1")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    copy.rename(tmp_path / "moved")
+    copy.symlink_to(elsewhere)
+    with pytest.raises(ac.CheckpointError, match=r"a link in the local copy of .*not writing through it"):
+        ac.load_checkpoint(make_setup(seed=2).engine, f"{object_bucket}/ds", tag="t1")
+    assert list(elsewhere.iterdir()) == []

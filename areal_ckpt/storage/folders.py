@@ -174,7 +174,6 @@ def fetch_folder(
     and every file it lists, but those ``deferred`` names, that ``folder`` lacks or holds
     damaged (size or CRC-32 differ: a copy torn by a crash is fetched again, with a warning
     naming it); returns how many files were downloaded. Blocking; local to the caller."""
-    (folder / manifest_name).parent.mkdir(parents=True, exist_ok=True)
     _download(source, folder, manifest_name)
     try:
         files = read_manifest(folder, manifest_name)["files"]
