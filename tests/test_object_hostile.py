@@ -12,6 +12,7 @@ from recover_fixtures import SPEC, make_setup, step_info, train_step
 from test_object_recover import TRIAL, s3_config
 
 import areal_ckpt as ac
+from areal_ckpt.export.download import download_export
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.urls import parse_object_url
 
@@ -79,7 +80,9 @@ def test_a_file_fetched_on_demand_is_checked_before_use(object_bucket, tmp_path)
     train_step(setup, 0)
     handler.dump(setup.engine, step_info(0), force=True)
     handler.close()
-    (index,) = [key for key in keys_under(object_bucket, f"{TRIAL}/.recover/") if key.endswith("default/dcp_index.json")]
+    (index,) = [
+        key for key in keys_under(object_bucket, f"{TRIAL}/.recover/") if key.endswith("default/dcp_index.json")
+    ]
     write_object(object_bucket, index, _flip_a_digit(read_object(object_bucket, index)))
     loader = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "fresh"), SPEC)
     with pytest.raises(ac.CheckpointError, match=r"dcp_index.json: checksum mismatch"):
@@ -126,3 +129,27 @@ def test_a_link_at_a_tags_local_copy_is_never_written_through(object_bucket, tmp
     with pytest.raises(ac.CheckpointError, match=r"a link in the local copy of .*not writing through it"):
         ac.load_checkpoint(make_setup(seed=2).engine, f"{object_bucket}/ds", tag="t1")
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_download_leaves_a_users_folder_of_its_temporary_name_alone(object_bucket, tmp_path, make_model, tokenizer):
+    saver = ac.Saver(
+        ac.SaverConfig(
+            experiment_name="exp",
+            trial_name="trial",
+            fileroot=f"{object_bucket}/runs",
+            user="tester",
+            staging_dir=str(tmp_path / "staging"),
+        ),
+        SPEC,
+    )
+    saver.save(ac.TorchEngine(make_model()), 0, 1, 1, tokenizer=tokenizer, force=True)
+    saver.finalize()
+    mine = tmp_path / "download.partial"  # the user's own folder, named as the old temporary name
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    (tmp_path / "linked.partial").symlink_to(tmp_path / "elsewhere")
+    for destination in (tmp_path / "download", tmp_path / "linked"):
+        assert download_export(f"{object_bucket}/{TRIAL}/default", destination) == destination
+        assert (destination / "config.json").is_file()
+    assert (mine / "notes.txt").read_text() == "keep me" and not (tmp_path / "elsewhere").exists()
+    assert not list(tmp_path.glob(".download.partial-*"))  # its own temporary folder is gone

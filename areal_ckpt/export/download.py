@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import tempfile
 from pathlib import Path
 
 from areal_ckpt.errors import CheckpointError
@@ -38,18 +39,19 @@ def download_export(url: str, destination: Path) -> Path:
     and return ``destination``. Blocking; local to the caller (no collective). On any error
     (a missing, truncated or altered object, named by its URL) nothing is left at
     ``destination``."""
-    if destination.exists():
+    if destination.exists() or destination.is_symlink():
         raise CheckpointError(f"{destination}: exists; download into a new folder")
     export = committed_export(url)
-    partial = destination.with_name(destination.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{destination.name}.partial-", dir=destination.parent))  # ours alone
     try:
         _fetch(export, partial)
+        if destination.exists() or destination.is_symlink():  # made meanwhile: never replaced
+            raise CheckpointError(f"{destination}: appeared during the download; download into a new folder")
+        partial.rename(destination)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    partial.rename(destination)
     logger.info("downloaded %s to %s", export, destination)
     return destination
 
