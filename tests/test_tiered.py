@@ -318,3 +318,18 @@ def test_a_restart_on_a_fresh_node_while_the_bucket_is_down_refuses_then_resumes
     assert loader.load(fresh.engine).last_step_info.global_step == 0
     loader.close()
     assert_same_weights(setup.model, fresh.model)
+
+
+def test_a_local_tier_under_another_fileroot_is_refused_naming_both(persistent_root, tmp_path):
+    setup = make_setup()
+    first = ac.RecoverHandler(tiered_config(f"{persistent_root.root}/projA", tmp_path / "local"), SPEC)
+    first.dump(setup.engine, step_info(3), force=True)
+    first.close()
+    other = tiered_config(f"{persistent_root.root}/projB", tmp_path / "local")  # same local_dir and trial names
+    with pytest.raises(CheckpointError, match=r"belongs to \S*projA\S*, not to \S*projB.* move that trial folder"):
+        ac.RecoverHandler(other, SPEC)
+    assert local_step(tmp_path / "local") == 3  # nothing read or deleted
+    shutil.move(tmp_path / "local/checkpoints", tmp_path / "projA-local-tier")  # the hint followed
+    handler = ac.RecoverHandler(other, SPEC)
+    assert handler.load(make_setup(seed=1).engine) is None  # projB holds nothing: a fresh start, said by None
+    handler.close()

@@ -74,6 +74,7 @@ class RecoverHandler:
         self._run = new_run_token()  # names this job in the commits where the trial persists
         behind = self.store.behind
         if self.enabled and behind is not None:
+            agree.on_every_rank(self.store.claim_local_tier, "RecoverHandler: cannot use the local tier")
             try:
                 agree.decided_by_rank0(behind.check_access, f"RecoverHandler: cannot use {behind.where()}")
             except CheckpointError as error:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_ckpt.errors import CheckpointError, TransientError
-from areal_ckpt.fsio import FileRecord, fsync_dir, make_dirs, write_file_durably
+from areal_ckpt.fsio import FileRecord, fsync_dir, make_dirs, read_regular_file, write_file_durably
 from areal_ckpt.paths import (
     RECOVER_CURRENT,
     RECOVER_INFO,
@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 #: made durable before its manifest and removed after the switch (see :meth:`RecoverStore.commit`).
 PENDING_PREFIX = ".pending-"
 
+#: In a tiered trial's local tier, the persistent tier it belongs to (see :meth:`RecoverStore.claim_local_tier`).
+PERSISTS_AT = ".persists-at"
+
 #: Model folders found to be links, already named in a warning by this process.
 _LINKED_FOLDERS_NAMED: set[Path] = set()
 
@@ -69,6 +72,39 @@ class RecoverStore:
         #: commits count too, and their publication ``behind`` runs in the background
         #: (:mod:`areal_ckpt.recover.upload`).
         self.tiered = tiered and behind is not None
+
+    def claim_local_tier(self) -> None:
+        """A tiered trial's local tier, every rank: CheckpointError naming both locations when it
+        belongs to another persistent tier than ``behind`` (the same ``local_dir`` under two
+        fileroots with the same trial names), else record ``behind`` in it if it is not yet
+        (create-only: ranks sharing the tier agree without a lock). No-op for other stores.
+        Local; durable on return."""
+        if not self.tiered or self.behind is None:
+            return
+        self.check_root()
+        wanted = f"{self.behind.where()}\n".encode()
+        record = self.root / PERSISTS_AT
+        try:
+            make_dirs(self.root)
+            if not record.is_file() or record.is_symlink():
+                staged = self.root / f".{PERSISTS_AT}.{secrets.token_hex(4)}"
+                write_file_durably(staged, wanted)
+                try:
+                    os.link(staged, record)  # create-only: a record already there (another rank's) is read below
+                except FileExistsError:
+                    pass
+                finally:
+                    staged.unlink()
+                fsync_dir(self.root)
+            held = read_regular_file(record, limit=4096) if not record.is_symlink() else b"(a link)"
+        except OSError as error:
+            raise CheckpointError(f"{record}: cannot record the local tier's persistent tier: {error}") from None
+        if held != wanted:
+            raise CheckpointError(
+                f"{self.trial}: this local tier belongs to {held.decode(errors='replace').strip()}, not to "
+                f"{self.behind.where()} (the same local_dir and trial names under another fileroot); nothing was "
+                "read or deleted: give this job another local_dir, or move that trial folder away"
+            )
 
     def committed(self) -> str | None:
         """Name of the committed generation, None when the trial has none.
