@@ -15,7 +15,7 @@ from recover_fixtures import SPEC, make_setup, step_info, train_step
 
 import areal_ckpt as ac
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.storage.folders import FolderFiles
+from areal_ckpt.storage.folders import FolderSource
 
 TRIAL = "checkpoints/tester/exp/trial"
 
@@ -78,7 +78,7 @@ def test_a_file_read_from_a_shared_folder_through_a_link_is_refused(tmp_path):
     (folder / "model.safetensors").symlink_to(outside)
     (tmp_path / "copy").mkdir()
     with pytest.raises(CheckpointError, match="model.safetensors is a link; not reading through it"):
-        FolderFiles(folder).get_file("model.safetensors", tmp_path / "copy/model.safetensors")
+        FolderSource(folder).get_file("model.safetensors", tmp_path / "copy/model.safetensors")
     with pytest.raises(CheckpointError, match="missing"):
-        FolderFiles(folder).get_file("absent", tmp_path / "copy/absent")
+        FolderSource(folder).get_file("absent", tmp_path / "copy/absent")
     assert list((tmp_path / "copy").iterdir()) == []  # no partial copy left

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from object_helpers import commit_records
+from object_helpers import commit_records, keys_under, read_object
 from recover_fixtures import SPEC, make_setup, step_info, train_step
 from recovery_runs import assert_same_run, losses, run_job
 from test_object_recover import s3_config
@@ -333,3 +333,43 @@ def test_a_local_tier_under_another_fileroot_is_refused_naming_both(persistent_r
     handler = ac.RecoverHandler(other, SPEC)
     assert handler.load(make_setup(seed=1).engine) is None  # projB holds nothing: a fresh start, said by None
     handler.close()
+
+
+def test_a_local_generation_damaged_while_its_upload_waits_is_never_committed_to_the_bucket(
+    own_s3_server, tmp_path, caplog
+):
+    server, bucket = own_s3_server, "s3://tiered-rot"
+    server.make_bucket("tiered-rot")
+    setup = make_setup()
+    handler = ac.RecoverHandler(tiered_config(bucket, tmp_path / "local", write_retries=0), SPEC)
+    train_step(setup, 0)
+    handler.dump(setup.engine, step_info(0), force=True)
+    handler.wait()
+    server.kill()  # the next upload is held back
+    train_step(setup, 1)
+    handler.dump(setup.engine, step_info(1), force=True)
+    with pytest.raises(CheckpointError, match="local tier only"):
+        handler.wait()
+    (generation,) = [p for p in (tmp_path / "local").rglob("gen-00000001-*") if p.is_dir()]
+    (data,) = generation.glob("default/__0_0.distcp")
+    rotted = bytearray(data.read_bytes())
+    rotted[len(rotted) // 2] ^= 0xFF
+    data.write_bytes(bytes(rotted))
+    private = tmp_path / "private.json"
+    private.write_text('{"secret": 1}')
+    (generation / "recover_info/rank0.json").unlink()
+    (generation / "recover_info/rank0.json").symlink_to(private)
+    server.start()
+    with pytest.raises(CheckpointError, match=r"local tier only"):
+        handler.close()  # the upload of the damaged generation is refused
+    assert "differs from its records" in caplog.text and "__0_0.distcp: checksum mismatch" in caplog.text
+    assert persisted_steps(bucket) == [0]  # the good one stays committed, nothing of step 1 committed
+    assert not any(
+        key.endswith("private.json") or b"secret" in read_object(bucket, key)
+        for key in keys_under(bucket, "runs/")
+        if key.endswith(".json")
+    )
+    fresh = make_setup(seed=1)
+    loader = ac.RecoverHandler(tiered_config(bucket, tmp_path / "fresh-node"), SPEC)
+    assert loader.load(fresh.engine).last_step_info.global_step == 0
+    loader.close()

@@ -11,7 +11,7 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.paths import MANIFEST_NAME
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import CommitLog
-from areal_ckpt.storage.folders import ObjectFiles, fetch_folder
+from areal_ckpt.storage.folders import ObjectSource, fetch_folder
 from areal_ckpt.urls import ObjectURL, parse_object_url
 
 logger = logging.getLogger(__name__)
@@ -58,4 +58,4 @@ def download_export(url: str, destination: Path) -> Path:
 
 def _fetch(export: ObjectURL, folder: Path) -> None:
     """Manifest first, then every file it lists, each checked against it (size and CRC-32)."""
-    fetch_folder(ObjectFiles(export), folder, MANIFEST_NAME)
+    fetch_folder(ObjectSource(export), folder, MANIFEST_NAME)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -212,7 +212,7 @@ class RecoverHandler:
             result = job.run(tensors)
         except CollectiveError as lost:
             raise self._stopped(step_info, lost) from lost
-        self._committed(job.generation, fingerprints, result.get("files", ()))
+        self._committed(job.generation, fingerprints, result.get("files"))
         self.last_step_info = step_info
         path = str(result["path"])
         self._jobs.finished(
@@ -236,7 +236,7 @@ class RecoverHandler:
             raise
 
         def collected(outcome: JobOutcome) -> str:
-            self._committed(job.generation, fingerprints, outcome.result.get("files", ()))
+            self._committed(job.generation, fingerprints, outcome.result.get("files"))
             return f"recovery checkpoint {outcome.result['path']} committed"
 
         def committed_anyway() -> str | None:
@@ -275,13 +275,15 @@ class RecoverHandler:
         if self._uploads is not None:
             self._uploads.drain()
 
-    def _committed(self, generation: str, fingerprints: dict[str, list[int]], files: Iterable[str] = ()) -> None:
+    def _committed(
+        self, generation: str, fingerprints: dict[str, list[int]], files: Mapping[str, tuple[int, int]] | None = None
+    ) -> None:
         """Record that ``generation`` committed (collective for a tiered trial: its upload is
-        offered; ``files``: this rank's files in it)."""
+        offered; ``files``: this rank's files in it, with their size and CRC-32)."""
         self._generation = generation
         self._fingerprints.update(fingerprints)
         if self._uploads is not None:
-            self._uploads.offer(generation, list(files))
+            self._uploads.offer(generation, dict(files or {}))
 
     def _begin(self, global_step: int, names: list[str]) -> str:
         """Rank 0: create the generation folder (see RecoverStore.begin), after checking that

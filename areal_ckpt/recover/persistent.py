@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -59,11 +59,15 @@ class PersistentGenerations(Protocol):
         """Rank 0 at a job's first commit here (after :meth:`check_owner`): delete what killed
         writers left (uncommitted generations, unfinished uploads); committed ones are kept."""
 
-    def publish(self, folder: Path, mine: Iterable[str], run: str, step: int, written: Iterable[str] = ()) -> None:
+    def publish(
+        self, folder: Path, mine: Mapping[str, tuple[int, int]], run: str, step: int, written: Iterable[str] = ()
+    ) -> None:
         """Make the committed local generation ``folder`` the newest committed one here: every
-        rank puts its own files (``mine``, but those ``written`` here already by
-        :meth:`direct_writer`), then rank 0 the other files the manifest lists, the manifest, and
-        commits (naming ``run`` and ``step``); older generations are deleted after. Collective;
+        rank puts its own files (``mine``: name -> size and CRC-32, but those ``written`` here
+        already by :meth:`direct_writer`), then rank 0 the other files the manifest lists, the
+        manifest, and commits (naming ``run`` and ``step``); older generations are deleted
+        after. Every byte put is checked first against its record (a local file that rotted or
+        became a link is never committed here, nor a reason to delete what is). Collective;
         durable on return; every rank raises the same error when any part failed, and nothing
         is committed then."""
 

@@ -15,16 +15,17 @@ second job on the trial) before uploading anything.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from areal_ckpt import agree
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import FileWriter
 from areal_ckpt.paths import RECOVER_MANIFEST, RECOVER_STORE, is_generation_name
+from areal_ckpt.publish import read_manifest
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import CommitLog, CommitRecord, remove_debris, upload_folder_files
-from areal_ckpt.storage.folders import FileSource, ObjectFiles
+from areal_ckpt.storage.folders import FileSource, ObjectSource, check_local_copy
 from areal_ckpt.storage.series import ObjectSeries
 from areal_ckpt.urls import ObjectURL
 
@@ -86,20 +87,27 @@ class ObjectGenerations:
         if removed:
             logger.warning("removed uncommitted recovery generations from %s: %s", self.root, removed)
 
-    def publish(self, folder: Path, mine: Iterable[str], run: str, step: int, written: Iterable[str] = ()) -> None:
+    def publish(
+        self, folder: Path, mine: Mapping[str, tuple[int, int]], run: str, step: int, written: Iterable[str] = ()
+    ) -> None:
         """Upload the committed local generation ``folder`` (see
-        :meth:`PersistentGenerations.publish`): rank 0 commits with a create-only record, then
+        :meth:`PersistentGenerations.publish`): each file checked against its record (size,
+        CRC-32, no link) before it goes up, then rank 0 commits with a create-only record and
         deletes every older generation (record first). Collective; blocking."""
         target = self.root.child(folder.name)
-        mine, done = sorted(mine), set(written)
+        done = set(written)
+        own = {name: {"size": size, "crc32": crc} for name, (size, crc) in mine.items() if name not in done}
 
         def upload_mine() -> list[str]:
-            upload_folder_files(store_of(target), folder, [name for name in mine if name not in done], target)
-            return mine
+            check_local_copy(folder, own, sorted(own))
+            upload_folder_files(store_of(target), folder, sorted(own), target)
+            return sorted(mine)
 
         def commit(every: list[list[str]]) -> None:
             series = ObjectSeries(self.root, RECOVER_MANIFEST)
             uploaded = {name for names in every for name in names}
+            files = read_manifest(folder, RECOVER_MANIFEST)["files"]
+            check_local_copy(folder, files, sorted(set(files) - uploaded))
             newest = series.commit(folder, folder.name, folder, uploaded, {"run": run, "global_step": step})
             series.supersede(newest, lambda body: True)  # one generation: the newest
 
@@ -108,7 +116,7 @@ class ObjectGenerations:
 
     def files_of(self, generation: str) -> FileSource:
         """The objects of ``generation``."""
-        return ObjectFiles(self.root.child(generation))
+        return ObjectSource(self.root.child(generation))
 
     def direct_writer(self, generation: str, part: str) -> Callable[[Path], FileWriter]:
         """Writes a data file of ``part`` from memory straight to the generation's prefix."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from areal_ckpt import agree
@@ -24,7 +24,7 @@ from areal_ckpt.paths import RECOVER_MANIFEST
 from areal_ckpt.publish import read_manifest
 from areal_ckpt.recover.foreign import refuse_foreign_layout
 from areal_ckpt.recover.store import RecoverStore
-from areal_ckpt.storage.folders import FileSource, FolderFiles
+from areal_ckpt.storage.folders import FileSource, FolderSource
 
 logger = logging.getLogger(__name__)
 
@@ -82,17 +82,19 @@ class FolderGenerations:
         if removed:
             logger.warning("removed uncommitted recovery generations from %s: %s", self.store.root, removed)
 
-    def publish(self, folder: Path, mine: Iterable[str], run: str, step: int, written: Iterable[str] = ()) -> None:
+    def publish(
+        self, folder: Path, mine: Mapping[str, tuple[int, int]], run: str, step: int, written: Iterable[str] = ()
+    ) -> None:
         """Copy the committed local generation ``folder`` into the shared trial and commit it
         there (see :meth:`PersistentGenerations.publish`): each file fsync'd, its bytes as read
         checked against the local manifest (size and CRC-32) before the commit, then rank 0's
         manifest (with the job's ``run``) and the ``current`` switch; the generations it
         supersedes are deleted after. Collective; durable on return."""
         target = self.store.path(folder.name)
-        mine, done = sorted(mine), set(written)
+        done = set(written)
 
         def copy_mine() -> dict[str, tuple[int, int]]:  # plain data: it crosses to rank 0
-            return _copy(folder, target, [name for name in mine if name not in done])
+            return _copy(folder, target, sorted(name for name in mine if name not in done))
 
         def commit(every: list[dict[str, tuple[int, int]]]) -> None:
             manifest = read_manifest(folder, RECOVER_MANIFEST)
@@ -120,7 +122,7 @@ class FolderGenerations:
 
     def files_of(self, generation: str) -> FileSource:
         """The files of ``generation`` in the shared trial."""
-        return FolderFiles(self.store.path(generation))
+        return FolderSource(self.store.path(generation))
 
     def direct_writer(self, generation: str, part: str) -> Callable[[Path], FileWriter] | None:
         """None: data files are written to the local tier and copied by :meth:`publish`."""

@@ -44,7 +44,7 @@ class UploadJob:
     """The upload of one committed generation of the local tier ``trial`` to ``behind``; plain,
     picklable data (a :class:`~areal_ckpt.jobs.background.BackgroundJob` without tensors).
 
-    ``files`` are this rank's own files in it (rank 0 uploads the rest); ``loaded`` the
+    ``files`` are this rank's own files in it, with their size and CRC-32 (rank 0 uploads the rest); ``loaded`` the
     generations the job resumed from (the newest commit where the trial persists must be one of them,
     or the job's own, ``run_token``); ``tidy`` removes what killed uploads left first (a job's
     first upload)."""
@@ -52,7 +52,7 @@ class UploadJob:
     trial: Path
     behind: PersistentGenerations
     generation: str
-    files: tuple[str, ...]
+    files: dict[str, tuple[int, int]]
     run_token: str
     loaded: tuple[str, ...]
     retries: int
@@ -86,10 +86,11 @@ class UploadJob:
 
 @dataclass(frozen=True)
 class _Offer:
-    """A committed local generation waiting for its upload, and this rank's files in it."""
+    """A committed local generation waiting for its upload, and this rank's files in it (size
+    and CRC-32 by name)."""
 
     generation: str
-    files: tuple[str, ...]
+    files: dict[str, tuple[int, int]]
 
 
 class Uploads:
@@ -129,14 +130,14 @@ class Uploads:
         self._committed = generation
         self._uploaded = remote_newest if local else generation
         if local and generation != remote_newest:  # the persistent tier lags: catch it up
-            self.offer(generation, ())
+            self.offer(generation, {})
 
-    def offer(self, generation: str, files: list[str] | tuple[str, ...]) -> None:
+    def offer(self, generation: str, files: dict[str, tuple[int, int]]) -> None:
         """After ``generation`` committed locally: upload it now if no upload is in flight on any
         rank, else keep it as the pending one (replacing an older pending one). Collective;
         non-blocking."""
         self._committed = generation
-        self._pending, self._parked = _Offer(generation, tuple(files)), False
+        self._pending, self._parked = _Offer(generation, dict(files)), False
         self.poll()
 
     def poll(self) -> None:

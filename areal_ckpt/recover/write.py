@@ -102,7 +102,7 @@ class DumpJob:
 
         step = self.header["step"]["global_step"]
         what = f"{store.root}: recovery dump at global step {step}"
-        mine: set[str] = set()  # the files of this rank's in the generation, for its uploads
+        mine: dict[str, tuple[int, int]] = {}  # this rank's files in the generation (size, CRC-32), for its uploads
         streamed: set[str] = set()  # those written straight to the bucket (its data files)
         try:
             written, hidden, tidies_node = retried(
@@ -117,7 +117,7 @@ class DumpJob:
             drop_later(store.root, [name for name in store.generations() if name not in kept])
         behind = self.behind
         if behind is None or self.tiered:
-            return {"path": str(store.path(self.generation)), "bytes": written, "files": sorted(mine)}
+            return {"path": str(store.path(self.generation)), "bytes": written, "files": mine}
         retried(
             lambda: behind.publish(store.path(self.generation), mine, self.run_token, step, streamed),
             self.retries,
@@ -129,7 +129,11 @@ class DumpJob:
         return {"path": behind.where(self.generation), "bytes": written}
 
     def _attempt(
-        self, store: RecoverStore, by_folder: dict[str, dict[str, Any]], mine: set[str], streamed: set[str]
+        self,
+        store: RecoverStore,
+        by_folder: dict[str, dict[str, Any]],
+        mine: dict[str, tuple[int, int]],
+        streamed: set[str],
     ) -> tuple[int, list[str], bool]:
         """One write + commit; returns (the bytes written, the hidden superseded generations,
         whether this rank tidies its node's local tier: the lowest rank of each node but rank

@@ -53,7 +53,7 @@ class FileSource(Protocol):
 
 
 @dataclass(frozen=True)
-class ObjectFiles:
+class ObjectSource:
     """A committed checkpoint's files on object storage, under the prefix ``url``."""
 
     url: ObjectURL
@@ -71,7 +71,7 @@ class ObjectFiles:
 
 
 @dataclass(frozen=True)
-class FolderFiles:
+class FolderSource:
     """A committed checkpoint's files in a folder (a shared file system: Lustre, NFS, GPFS).
     A file is read only when it is a regular file reached through no link inside ``folder``."""
 
@@ -105,6 +105,17 @@ def upload_rest(store: ObjectStore, folder: Path, target: ObjectURL, manifest_na
     listed = read_manifest(folder, manifest_name)["files"]
     upload_folder_files(store, folder, sorted(set(listed) - uploaded), target)
     upload_folder_files(store, folder, [manifest_name], target)
+
+
+def check_local_copy(folder: Path, files: dict[str, dict[str, int]], names: list[str]) -> None:
+    """Before ``names`` of the local ``folder`` go up: CheckpointError naming each one that is not
+    its record in ``files`` (size and CRC-32, all read), is not a regular file, or lies behind a
+    link. Local, read-only."""
+    problems = check_files(folder, files, names)
+    if problems:
+        raise CheckpointError(
+            f"{folder}: not uploaded, the local copy differs from its records: " + "; ".join(problems)
+        )
 
 
 def fetch_shared(

@@ -34,7 +34,7 @@ from areal_ckpt.fsio import FileWriter
 from areal_ckpt.paths import DATA_SUFFIX, MANIFEST_NAME, TAG_CLIENT_STATE, TAG_MODEL, staging_trial_root
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import CommitLog, CommitRecord, upload_folder_files
-from areal_ckpt.storage.folders import ObjectFiles, fetch_shared
+from areal_ckpt.storage.folders import ObjectSource, fetch_shared
 from areal_ckpt.storage.series import ObjectSeries
 from areal_ckpt.tags.contract import OFFLINE_CONVERTER, OpenedTag, TagSave, offline_converter_script
 from areal_ckpt.urls import ObjectURL
@@ -109,7 +109,7 @@ class ObjectTags:
         if found is None:
             return None
         folder, _, token = found
-        source = ObjectFiles(self.root.child(folder))
+        source = ObjectSource(self.root.child(folder))
         copies = staging_trial_root(None, self.root)
         copy = agree.on_every_rank(
             lambda: fetch_shared(source, copies, MANIFEST_NAME, token, deferred=read_when_needed),

@@ -30,7 +30,7 @@ from areal_ckpt.publish import read_manifest, switch_symlink
 from areal_ckpt.recover.remote import ObjectGenerations
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import COMMIT_LOG, CommitLog, CommitRecord
-from areal_ckpt.storage.folders import ObjectFiles, check_remote_folder, fetch_folder
+from areal_ckpt.storage.folders import ObjectSource, check_remote_folder, fetch_folder
 from areal_ckpt.storage.objects import ObjectInfo
 from areal_ckpt.storage.series import ObjectSeries
 from areal_ckpt.tags.objects import find_tag
@@ -170,7 +170,7 @@ def fetch_checkpoint(value: str, scratch: Path) -> tuple[Path, str]:
     if recoveries:
         checkpoint = max(recoveries, key=lambda c: c.record.sequence)
         store_root = scratch / RECOVER_STORE
-        fetch_folder(ObjectFiles(checkpoint.url), store_root / checkpoint.record.folder, RECOVER_MANIFEST)
+        fetch_folder(ObjectSource(checkpoint.url), store_root / checkpoint.record.folder, RECOVER_MANIFEST)
         switch_symlink(store_root / RECOVER_CURRENT, checkpoint.record.folder)
         return scratch, str(checkpoint.url)
     tags = [c for c in found if c.kind == "deepspeed"]
@@ -181,7 +181,7 @@ def fetch_checkpoint(value: str, scratch: Path) -> tuple[Path, str]:
         raise CheckpointError(f"{value}: holds exports of models {sorted(names)}; name one: {value}/NAME")
     checkpoint = max(found, key=lambda c: c.record.sequence)
     folder = scratch / checkpoint.url.key().rsplit("/", 1)[-1]
-    fetch_folder(ObjectFiles(checkpoint.url), folder, MANIFEST_NAME)
+    fetch_folder(ObjectSource(checkpoint.url), folder, MANIFEST_NAME)
     return folder, str(checkpoint.url)
 
 
@@ -193,7 +193,7 @@ def fetch_tag_into(value: str, tag: str | None, scratch: Path) -> Path:
     if found is None:
         raise CheckpointError(f"{root}: no tag saved with save_latest; name one with --tag")
     folder = found[0]
-    fetch_folder(ObjectFiles(root.child(folder)), scratch / folder, MANIFEST_NAME)
+    fetch_folder(ObjectSource(root.child(folder)), scratch / folder, MANIFEST_NAME)
     return scratch / folder
 
 
