@@ -210,6 +210,34 @@ def make_dirs(path: Path) -> None:
         fsync_dir(folder.parent)
 
 
+def private_folder(path: Path) -> Path:
+    """``path`` as a folder only this user can enter: created mode 0700 when absent; when present,
+    it must be a real folder (not a link) owned by this user, and is made 0700 if it was open to
+    others (an older version made it 0755). CheckpointError naming it and the cause otherwise,
+    nothing written. Returns ``path``. Local."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot create the staging folder: {error}") from None
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        what = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a folder"
+        raise CheckpointError(
+            f"{path}: {what} where areal_ckpt keeps its private staging folder; nothing was written through it: "
+            "move it away, or set staging_dir"
+        )
+    if info.st_uid != os.getuid():
+        raise CheckpointError(
+            f"{path}: owned by uid {info.st_uid}, not by this user ({os.getuid()}); not staging checkpoints in it: "
+            "move it away, or set staging_dir"
+        )
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
 def link_on_path(path: Path, top: Path) -> Path | None:
     """The first symbolic link among ``path`` and the folders above it up to ``top`` (included),
     None when there is none: where a writer into ``top`` must not write through. Local."""

@@ -56,15 +56,17 @@ def trial_root(fileroot: str | Path, user: str, experiment_name: str, trial_name
     return root / "checkpoints" / user / experiment_name / trial_name
 
 
+def default_staging_base() -> Path:
+    """``areal_ckpt-staging-{uid}`` in the system's temporary folder: where a trial on object
+    storage is staged when no ``staging_dir`` is set (made private by the storage layer)."""
+    return Path(tempfile.gettempdir()) / f"areal_ckpt-staging-{os.getuid()}"
+
+
 def staging_trial_root(staging_dir: str | None, url: ObjectURL) -> Path:
     """The local folder where a trial on object storage (``url``: its ``{...}/{trial}`` prefix)
     is staged before upload: ``{staging_dir}/{bucket}/{key prefix}``, ``staging_dir`` defaulting
-    to ``areal_ckpt-staging-{uid}`` in the system's temporary folder."""
-    base = (
-        local_path(staging_dir, "staging_dir")
-        if staging_dir
-        else Path(tempfile.gettempdir()) / f"areal_ckpt-staging-{os.getuid()}"
-    )
+    to :func:`default_staging_base`."""
+    base = local_path(staging_dir, "staging_dir") if staging_dir else default_staging_base()
     return base / url.bucket / url.prefix
 
 

@@ -180,3 +180,24 @@ def test_a_url_where_only_a_local_path_is_read_is_refused(s3_bucket, tmp_path, c
     code, _, err = run(capsys, "list", "hdfs://bucket/trial")
     assert code == 2 and "is a hdfs:// URL; object storage is reached through s3://" in err
     assert not Path("hdfs:").exists()
+
+
+def test_recover_pointer_repairs_a_garbage_newest_record_keeping_it_aside(object_bucket, tmp_path, capsys, caplog):
+    setup = make_setup()
+    handler = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "disk"), SPEC)
+    handler.dump(setup.engine, step_info(0), force=True)
+    handler.close()
+    (record,) = objects(object_bucket, f"{TRIAL}/.recover/.commits/")
+    write_object(object_bucket, record, b"{not a record")
+    with pytest.raises(ac.CheckpointError, match="not a commit record"):
+        ac.RecoverHandler(s3_config(object_bucket, tmp_path / "fresh"), SPEC).load(make_setup(seed=1).engine)
+    code, stdout, _ = run(capsys, "recover-pointer", f"{object_bucket}/{TRIAL}")
+    aside = f"{TRIAL}/.recover/.commits-set-aside/000000000001.json"
+    assert code == 0 and f"moved out of the log to {object_bucket}/{aside}" in stdout and "OK " in stdout
+    assert read_object(object_bucket, aside) == b"{not a record"  # kept, not deleted
+    resumed = make_setup(seed=2)
+    loader = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "after"), SPEC)
+    assert loader.load(resumed.engine).last_step_info.global_step == 0
+    loader.dump(resumed.engine, step_info(1), force=True)  # later dumps commit and tidy without a word
+    loader.close()
+    assert "not deleted yet" not in caplog.text and read_object(object_bucket, aside) == b"{not a record"

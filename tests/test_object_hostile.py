@@ -4,6 +4,8 @@ parses, a file fetched on demand that rotted in the bucket. Each test failed bef
 
 from __future__ import annotations
 
+import os
+import stat
 import tempfile
 
 import pytest
@@ -153,3 +155,27 @@ def test_a_download_leaves_a_users_folder_of_its_temporary_name_alone(object_buc
         assert (destination / "config.json").is_file()
     assert (mine / "notes.txt").read_text() == "keep me" and not (tmp_path / "elsewhere").exists()
     assert not list(tmp_path.glob(".download.partial-*"))  # its own temporary folder is gone
+
+
+def test_the_default_staging_folder_is_private_ours_and_never_a_link(object_bucket, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    base = tmp_path / "tmp" / f"areal_ckpt-staging-{os.getuid()}"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    base.symlink_to(elsewhere)  # planted under the predictable name
+    with pytest.raises(ac.CheckpointError, match=r"staging-\d+: a symbolic link .*move it away, or set staging_dir"):
+        ac.RecoverHandler(s3_config(object_bucket, None), SPEC)
+    assert list(elsewhere.iterdir()) == []
+    base.unlink()
+    base.mkdir()
+    os.chown(base, 65534, -1)  # another user's folder under that name
+    with pytest.raises(ac.CheckpointError, match=r"owned by uid 65534, not by this user .*move it away"):
+        ac.RecoverHandler(s3_config(object_bucket, None), SPEC)
+    base.rmdir()  # the hint followed: moved away
+    base.mkdir(mode=0o755)  # as an older version left it
+    os.chmod(base, 0o755)
+    handler = ac.RecoverHandler(s3_config(object_bucket, None), SPEC)
+    handler.dump(make_setup().engine, step_info(0), force=True)
+    handler.close()
+    assert stat.S_IMODE(base.stat().st_mode) == 0o700 and any(base.rglob("gen-*"))  # private, used

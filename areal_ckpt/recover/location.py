@@ -13,11 +13,12 @@ a shared folder / a node-local folder  the local tier               the shared t
 from __future__ import annotations
 
 from areal_ckpt.config import RecoverConfig
-from areal_ckpt.paths import default_user, staging_trial_root, trial_root
+from areal_ckpt.paths import default_user, trial_root
 from areal_ckpt.recover.persistent import PersistentGenerations
 from areal_ckpt.recover.remote import ObjectGenerations
 from areal_ckpt.recover.shared_folder import FolderGenerations
 from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.storage.folders import staging_root
 from areal_ckpt.urls import parse_object_url, url_scheme
 
 
@@ -31,7 +32,8 @@ def persistent_generations(fileroot: str, user: str, experiment: str, trial: str
 
 def trial_store(config: RecoverConfig) -> RecoverStore:
     """The store a ``recover:`` block's dumps commit to, with where they persist behind it (the
-    table above; ``user`` defaults to the login name). Pure (nothing is created)."""
+    table above; ``user`` defaults to the login name). Creates nothing but the default staging
+    folder (private: :func:`~areal_ckpt.storage.folders.staging_root`)."""
     user = config.user or default_user()
     names = (user, config.experiment_name, config.trial_name)
     if config.local_dir is not None:
@@ -40,4 +42,4 @@ def trial_store(config: RecoverConfig) -> RecoverStore:
     if url_scheme(config.fileroot) is None:
         return RecoverStore(trial_root(config.fileroot, *names))
     remote = parse_object_url(config.fileroot, "fileroot").child("checkpoints", *names)
-    return RecoverStore(staging_trial_root(config.staging_dir, remote), ObjectGenerations(remote))
+    return RecoverStore(staging_root(config.staging_dir, remote), ObjectGenerations(remote))

@@ -30,6 +30,8 @@ from areal_ckpt.urls import ObjectURL
 logger = logging.getLogger(__name__)
 
 COMMIT_LOG = ".commits"
+#: Beside a commit log: the records ``recover-pointer`` moved out of it (kept, never debris).
+SET_ASIDE = ".commits-set-aside"
 _RECORD = re.compile(r"^(\d{12})\.json$")
 _RECORD_LIMIT = 1 << 20
 _SEQUENCE_LIMIT = 10**12  # twelve digits: a record past them would not be read as one
@@ -137,6 +139,17 @@ class CommitLog:
         if record.folder not in kept:
             delete_prefix(self.store, self.parent.key(record.folder) + "/")
 
+    def set_aside(self, sequence: int) -> str:
+        """An operator's repair: move the record ``sequence`` (one no reader can use) out of the
+        log, to ``{parent}/.commits-set-aside/`` (kept byte for byte, never removed as debris);
+        returns its new URL."""
+        data = self.store.get_bytes(self._key(sequence))
+        aside = self.parent.key(SET_ASIDE, f"{sequence:012d}.json")
+        if data is not None:
+            self.store.put_bytes(aside, data)
+            self.store.delete([self._key(sequence)])
+        return self.parent.url_of(aside)
+
     def committed_folders(self) -> set[str]:
         """The folders every present record names."""
         return {record.folder for record in self.records()}
@@ -207,7 +220,7 @@ def remove_debris(store: ObjectStore, parent: ObjectURL, keep: set[str]) -> list
     debris: dict[str, list[str]] = {}
     for item in store.list_prefix(base):
         top = item.key[len(base) :].split("/", 1)[0]
-        if top != COMMIT_LOG and top not in keep and "/" in item.key[len(base) :]:
+        if top not in (COMMIT_LOG, SET_ASIDE) and top not in keep and "/" in item.key[len(base) :]:
             debris.setdefault(top, []).append(item.key)
     for folder, keys in sorted(debris.items()):
         store.delete(keys)

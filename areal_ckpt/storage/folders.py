@@ -19,7 +19,7 @@ from typing import Protocol
 
 from areal_ckpt import fsio
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.paths import DATA_SUFFIX
+from areal_ckpt.paths import DATA_SUFFIX, default_staging_base, staging_trial_root
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import (
@@ -96,6 +96,15 @@ class FolderSource:
             raise CheckpointError(f"{source}: missing") from None
         except OSError as error:
             raise CheckpointError(f"{source}: cannot copy: {error}") from None
+
+
+def staging_root(staging_dir: str | None, url: ObjectURL) -> Path:
+    """:func:`~areal_ckpt.paths.staging_trial_root`, the default base first made private
+    (:func:`~areal_ckpt.fsio.private_folder`: 0700, ours, no link; CheckpointError naming it
+    otherwise). Creates at most that one folder."""
+    if not staging_dir:
+        fsio.private_folder(default_staging_base())
+    return staging_trial_root(staging_dir, url)
 
 
 def upload_rest(store: ObjectStore, folder: Path, target: ObjectURL, manifest_name: str, uploaded: set[str]) -> None:

@@ -29,11 +29,11 @@ from typing import Any, Protocol, runtime_checkable
 from areal_ckpt.config import local_path
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import FileWriter, make_dirs
-from areal_ckpt.paths import MANIFEST_NAME, export_trash, staging_trial_root
+from areal_ckpt.paths import MANIFEST_NAME, export_trash
 from areal_ckpt.publish import hide_folder, publish
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import CommitLog, delete_prefix, fresh_folder, remove_debris
-from areal_ckpt.storage.folders import upload_rest
+from areal_ckpt.storage.folders import staging_root, upload_rest
 from areal_ckpt.urls import ObjectURL, parse_object_url, url_scheme
 
 logger = logging.getLogger(__name__)
@@ -339,7 +339,7 @@ def export_trial(fileroot: str, levels: tuple[str, ...], staging_dir: str | None
     if url_scheme(fileroot) is None:
         return FolderTrial(local_path(fileroot, "fileroot").joinpath(*levels))
     root = parse_object_url(fileroot, "fileroot").child(*levels)
-    return ObjectTrial(root, staging_trial_root(staging_dir, root))
+    return ObjectTrial(root, staging_root(staging_dir, root))
 
 
 def remove_trash(folders: list[Path]) -> None:

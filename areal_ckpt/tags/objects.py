@@ -31,10 +31,10 @@ from areal_ckpt.config import check_path_component
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_slices import read_when_needed
 from areal_ckpt.fsio import FileWriter
-from areal_ckpt.paths import DATA_SUFFIX, MANIFEST_NAME, TAG_CLIENT_STATE, TAG_MODEL, staging_trial_root
+from areal_ckpt.paths import DATA_SUFFIX, MANIFEST_NAME, TAG_CLIENT_STATE, TAG_MODEL
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import CommitLog, CommitRecord, upload_folder_files
-from areal_ckpt.storage.folders import ObjectSource, fetch_shared
+from areal_ckpt.storage.folders import ObjectSource, fetch_shared, staging_root
 from areal_ckpt.storage.series import ObjectSeries
 from areal_ckpt.tags.contract import OFFLINE_CONVERTER, OpenedTag, TagSave, offline_converter_script
 from areal_ckpt.urls import ObjectURL
@@ -57,7 +57,7 @@ class ObjectTags:
         """Collective: rank 0 reserves a never-used prefix for the save (``tag`` or ``tag.{n}``;
         CheckpointError naming the endpoint and bucket when it does not answer), every rank
         makes its own staging folder (under ``TMPDIR``) empty."""
-        staging = staging_trial_root(None, self.root) / f".{tag}.rank{dist.rank()}.staging"
+        staging = staging_root(None, self.root) / f".{tag}.rank{dist.rank()}.staging"
 
         def reserve() -> str:
             store_of(self.root).check_access()
@@ -110,7 +110,7 @@ class ObjectTags:
             return None
         folder, _, token = found
         source = ObjectSource(self.root.child(folder))
-        copies = staging_trial_root(None, self.root)
+        copies = staging_root(None, self.root)
         copy = agree.on_every_rank(
             lambda: fetch_shared(source, copies, MANIFEST_NAME, token, deferred=read_when_needed),
             f"{source.where()}: cannot fetch the checkpoint",

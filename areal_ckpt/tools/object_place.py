@@ -229,8 +229,14 @@ def repoint_remote(value: str) -> tuple[str, dict[str, list[str]], bool]:
     generations = ObjectGenerations(parse_object_url(value, "trial URL"))
     generations.check_access()
     store, root = store_of(generations.root), generations.root
-    newest = generations.newest_record()
     skipped: dict[str, list[str]] = {}
+    log = generations.log
+    for sequence in log.sequences():  # a record no reader can use would stop every later load and tidy
+        try:
+            log.read(sequence)
+        except CheckpointError as error:
+            skipped[f"commit {sequence}"] = [str(error), f"moved out of the log to {log.set_aside(sequence)}"]
+    newest = generations.newest_record()
     if newest is not None:
         problems = check_remote_folder(store, root.child(newest.folder), RECOVER_MANIFEST)
         if not problems:
