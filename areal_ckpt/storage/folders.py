@@ -64,9 +64,11 @@ class ObjectSource:
         return self.url.key().rsplit("/", 1)[-1]
 
     def where(self, file: str | None = None) -> str:
+        """The prefix's URL, or the object's."""
         return str(self.url) if file is None else self.url.url_of(self.url.key(file))
 
     def get_file(self, file: str, path: Path) -> None:
+        """Download the object (the store's parallel ranged reads)."""
         store_of(self.url).get_file(self.url.key(file), path)
 
 
@@ -83,9 +85,11 @@ class FolderSource:
         return self.folder.name
 
     def where(self, file: str | None = None) -> str:
+        """The folder's path, or the file's."""
         return str(self.folder if file is None else self.folder / file)
 
     def get_file(self, file: str, path: Path) -> None:
+        """Copy the file (:func:`~areal_ckpt.fsio.copy_durably`), refusing one behind a link."""
         source = self.folder / file
         try:
             link = fsio.link_on_path(source, self.folder)
