@@ -167,15 +167,24 @@ def test_the_default_staging_folder_is_private_ours_and_never_a_link(object_buck
     with pytest.raises(ac.CheckpointError, match=r"staging-\d+: a symbolic link .*move it away, or set staging_dir"):
         ac.RecoverHandler(s3_config(object_bucket, None), SPEC)
     assert list(elsewhere.iterdir()) == []
-    base.unlink()
-    base.mkdir()
-    os.chown(base, 65534, -1)  # another user's folder under that name
-    with pytest.raises(ac.CheckpointError, match=r"owned by uid 65534, not by this user .*move it away"):
-        ac.RecoverHandler(s3_config(object_bucket, None), SPEC)
-    base.rmdir()  # the hint followed: moved away
+    base.unlink()  # the hint followed: moved away
     base.mkdir(mode=0o755)  # as an older version left it
     os.chmod(base, 0o755)
     handler = ac.RecoverHandler(s3_config(object_bucket, None), SPEC)
     handler.dump(make_setup().engine, step_info(0), force=True)
     handler.close()
     assert stat.S_IMODE(base.stat().st_mode) == 0o700 and any(base.rglob("gen-*"))  # private, used
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a folder another user owns needs root")
+def test_a_default_staging_folder_another_user_owns_is_refused(object_bucket, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    base = tmp_path / "tmp" / f"areal_ckpt-staging-{os.getuid()}"
+    base.mkdir()
+    os.chown(base, 65534, -1)  # another user's folder under that name
+    with pytest.raises(ac.CheckpointError, match=r"owned by uid 65534, not by this user .*move it away"):
+        ac.RecoverHandler(s3_config(object_bucket, None), SPEC)
+    base.rmdir()  # the hint followed: moved away
+    ac.RecoverHandler(s3_config(object_bucket, None), SPEC).close()
+    assert base.is_dir() and base.stat().st_uid == os.getuid()
