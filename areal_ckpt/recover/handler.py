@@ -23,11 +23,7 @@ from areal_ckpt.errors import CheckpointError, CollectiveError
 from areal_ckpt.jobs.background import JobOutcome
 from areal_ckpt.jobs.lifecycle import SaveLifecycle, resolve_async
 from areal_ckpt.jobs.shm_arena import arena_layout_of
-from areal_ckpt.paths import (
-    default_user,
-    recover_info_link,
-    trial_root,
-)
+from areal_ckpt.paths import default_user, recover_info_link, trial_root
 from areal_ckpt.recover.frozen import frozen_part, part_fingerprint
 from areal_ckpt.recover.location import trial_store
 from areal_ckpt.recover.persistent import before_dump, new_run_token
