@@ -228,10 +228,10 @@ class RecoverConfig(_TimerBlock):
         return value
 
     @model_validator(mode="after")
-    def _tier_over_object_storage(self) -> Self:
+    def _local_tier_apart(self) -> Self:
         if self.local_dir is None:
             return self
-        if url_scheme(self.fileroot) is None and os.path.realpath(self.fileroot) == os.path.realpath(self.local_dir):
+        if os.path.realpath(self.fileroot) == os.path.realpath(self.local_dir):  # a URL never names a folder
             raise ValueError(
                 f"local_dir {self.local_dir!r} is fileroot itself; the local tier must be another folder (the node's "
                 "own disk), or drop local_dir"

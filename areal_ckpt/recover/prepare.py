@@ -173,11 +173,9 @@ def _link_unchanged(
 ) -> bool:
     """True when ``folder`` (a frozen model, or a model's frozen part) has the fingerprint it
     had in the previous generation on every rank: rank 0 then hard-links its files from there
-    into ``generation`` and adds their records. Collective (one reduction). Never when the
-    trial persists behind the local store (object storage, a shared folder): a staging copy
-    holds no data files (they go to the bucket from memory), a node's local tier only its own
-    ranks', so the part is written again instead."""
-    if store.behind is not None:
+    into ``generation`` and adds their records. Collective (one reduction). Only where the
+    store can (:attr:`RecoverStore.links_previous_data`); elsewhere the part is written again."""
+    if not store.links_previous_data:
         return False
     unchanged = fingerprint is not None and previous.fingerprints.get(folder) == fingerprint
     if not (dist.all_true(unchanged) and previous.generation is not None):

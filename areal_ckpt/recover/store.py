@@ -73,6 +73,13 @@ class RecoverStore:
         #: (:mod:`areal_ckpt.recover.upload`).
         self.tiered = tiered and behind is not None
 
+    @property
+    def links_previous_data(self) -> bool:
+        """True when this store holds every data file of its previous generation on every node,
+        so an unchanged part can be hard-linked from it: a plain local trial. A staging copy
+        holds none (they go to the bucket from memory), a node's local tier only its own ranks'."""
+        return self.behind is None
+
     def claim_local_tier(self) -> None:
         """A tiered trial's local tier, every rank: CheckpointError naming both locations when it
         belongs to another persistent tier than ``behind`` (the same ``local_dir`` under two
