@@ -89,7 +89,10 @@ def report(base: int, adapters: int, rows: list[dict[str, float]], mib: int, rou
                 f"Adapters and their two moments are {3 * adapters / 2**20:.2f} MiB: a later dump writes "
                 f"{median['later bytes'] / (3 * adapters):.2f}x that (the rest is the optimizer's step counters, the "
                 "records' framing and the JSON files). Its seconds include the fingerprint of the base (one CRC-32 "
-                "pass over its bytes in memory), which is what tells a dump that the base did not change.",
+                "pass over its bytes in memory), which is what tells a dump that the base did not change, and the "
+                "check of the base's files before they are linked (one CRC-32 pass over them as stored, from the "
+                "page cache here), so that a file that rotted on disk is written afresh instead of linked into "
+                "every later dump.",
             ]
         )
         + "\n"

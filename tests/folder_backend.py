@@ -94,7 +94,7 @@ class FolderStore:
         for key in keys:
             self._path(key).unlink(missing_ok=True)
 
-    def abort_uploads(self, prefix: str) -> int:
+    def abort_uploads(self, prefix: str, spared: frozenset[str] = frozenset()) -> int:
         return 0
 
 

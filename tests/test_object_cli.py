@@ -201,3 +201,44 @@ def test_recover_pointer_repairs_a_garbage_newest_record_keeping_it_aside(object
     loader.dump(resumed.engine, step_info(1), force=True)  # later dumps commit and tidy without a word
     loader.close()
     assert "not deleted yet" not in caplog.text and read_object(object_bucket, aside) == b"{not a record"
+
+
+def test_export_reads_again_when_the_job_supersedes_the_generation_it_reads(persistent_root, tmp_path, capsys):
+    import areal_ckpt.tools.convert as convert
+    import areal_ckpt.tools.object_place as object_place
+
+    setup = make_setup()
+    handler = ac.RecoverHandler(s3_config(persistent_root.root, tmp_path / "stage"), SPEC)
+    train_step(setup, 0)
+    handler.dump(setup.engine, step_info(0), force=True)
+    trial = f"{persistent_root.root}/{TRIAL}"
+    steps = iter(range(1, 100))
+
+    def the_job_dumps_meanwhile(real):  # the job's next dump lands while `export` reads
+        def reading(*args, **kwargs):
+            step = next(steps)
+            train_step(setup, step)
+            handler.dump(setup.engine, step_info(step), force=True)
+            return real(*args, **kwargs)
+
+        return reading
+
+    hooked = (convert, "check_files") if persistent_root.kind == "posix" else (object_place, "fetch_folder")
+    real = getattr(*hooked)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(*hooked, the_job_dumps_meanwhile(real))
+        code, _, err = run(capsys, "export", trial, str(tmp_path / "busy"))
+    assert code == 2 and "was superseded by" in err and "3 times in a row" in err and "run again" in err
+    assert not (tmp_path / "busy").exists()
+    with pytest.MonkeyPatch.context() as patch:
+        once = iter([the_job_dumps_meanwhile(real)])
+        patch.setattr(*hooked, lambda *a, **k: next(once, real)(*a, **k))  # one dump during the first read
+        code, _, err = run(capsys, "export", trial, str(tmp_path / "once"))
+    assert code == 0, err
+    code, _, err = run(capsys, "export", trial, str(tmp_path / "again"))  # the hint: run again
+    handler.close()
+    assert code == 0, err
+    for folder in ("once", "again"):
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / folder, local_files_only=True)
+        for name, tensor in setup.model.state_dict().items():
+            assert torch.equal(exported.state_dict()[name], tensor), (folder, name)

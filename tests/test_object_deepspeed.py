@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -151,3 +153,37 @@ def test_the_cli_lists_verifies_and_converts_tags_on_the_bucket(object_bucket, t
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
     for name, tensor in setup.model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_a_save_dir_copied_from_the_bucket_converts_offline_by_latest_and_by_tag(object_bucket, tmp_path, monkeypatch):
+    from object_helpers import read_object
+    from safetensors.torch import load_file
+
+    from areal_ckpt.tools.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    (tmp_path / "node").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "node"))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    root, setup, states = f"{object_bucket}/ds", make_setup(), []
+    for step, (tag, latest) in enumerate([("step1", True), ("step1", True), ("side", False)]):
+        train_step(setup, step)
+        ac.save_checkpoint(setup.engine, root, tag=tag, save_latest=latest)  # step1 again: stored as step1.1
+        states.append({name: tensor.clone() for name, tensor in setup.model.state_dict().items()})
+    copy = tmp_path / "copy"
+    for key in keys_under(object_bucket, "ds/"):  # as `aws s3 sync` or `gcloud storage cp -r` copies it
+        (copy / key.removeprefix("ds/")).parent.mkdir(parents=True, exist_ok=True)
+        (copy / key.removeprefix("ds/")).write_bytes(read_object(object_bucket, key))
+    assert not (copy / "latest").exists() and (copy / "step1.1").is_dir() and not (copy / "step1").exists()
+    for number, (arguments, expected) in enumerate(
+        [([], states[1]), (["-t", "step1"], states[1]), (["-t", "side"], states[2])]
+    ):
+        out = tmp_path / f"out{number}"
+        command = [sys.executable, str(copy / "zero_to_fp32.py"), str(copy), str(out), "--safe_serialization"]
+        done = subprocess.run(
+            [*command, *arguments], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""}
+        )
+        assert done.returncode == 0, done.stderr
+        converted = load_file(out / "model.safetensors")
+        inside = get_fp32_state_dict_from_zero_checkpoint(copy, arguments[-1] if arguments else None)
+        for name, tensor in expected.items():
+            assert torch.equal(converted[name], tensor.float()) and torch.equal(inside[name], tensor.float()), name

@@ -9,13 +9,19 @@ import stat
 import tempfile
 
 import pytest
+import torch
+from helpers import read_export_tensors
 from object_helpers import commit_records, keys_under, read_object, write_object
 from recover_fixtures import SPEC, make_setup, step_info, train_step
+from test_object_export import s3_saver
 from test_object_recover import TRIAL, s3_config
 
 import areal_ckpt as ac
 from areal_ckpt.export.download import download_export
+from areal_ckpt.storage import commits
+from areal_ckpt.storage import series as series_module
 from areal_ckpt.storage.backends import store_of
+from areal_ckpt.storage.series import ObjectSeries
 from areal_ckpt.urls import parse_object_url
 
 LOG = f"{TRIAL}/.recover/.commits"
@@ -188,3 +194,58 @@ def test_a_default_staging_folder_another_user_owns_is_refused(object_bucket, tm
     base.rmdir()  # the hint followed: moved away
     ac.RecoverHandler(s3_config(object_bucket, None), SPEC).close()
     assert base.is_dir() and base.stat().st_uid == os.getuid()
+
+
+def test_two_jobs_exporting_one_trial_never_share_a_folder_and_the_later_commit_is_refused(
+    object_bucket, tmp_path, make_model
+):
+    series = [ObjectSeries(parse_object_url(f"{object_bucket}/race", "t"), writer=w) for w in ("a", "b")]
+    assert [one.reserve("step1") for one in series] == ["step1", "step1.1"]  # both listed an empty prefix first
+    first, second = (s3_saver(object_bucket, tmp_path / job) for job in ("a", "b"))  # two jobs, two staging_dirs
+    models = {"a": make_model(seed=1), "b": make_model(seed=2)}
+    url = first.save(ac.TorchEngine(models["a"]), 0, 1, 1, force=True)
+    with pytest.raises(
+        ac.CommitError,
+        match=r"globalstep1 was committed by another job after this one started.*"
+        r"make this Saver again",
+    ):
+        second.save(ac.TorchEngine(models["b"]), 0, 1, 1, force=True)
+    second.finalize()
+    assert len(keys_under(object_bucket, f"{TRIAL}/default/.commits/")) == 1  # nothing of the refused export
+    assert first.save(ac.TorchEngine(models["a"]), 0, 2, 2, force=True).endswith("globalstep2")  # the first goes on
+    first.finalize()
+    assert_export_holds(url, models["a"], tmp_path / "first")
+    again = s3_saver(object_bucket, tmp_path / "b")  # the hint: the Saver made again continues the series
+    later = again.save(ac.TorchEngine(models["b"]), 0, 1, 1, force=True)
+    again.finalize()
+    assert later == url + ".1"
+    assert_export_holds(later, models["b"], tmp_path / "second")
+    assert_export_holds(url, models["a"], tmp_path / "first-again")
+
+
+def test_a_saver_made_while_another_job_exports_leaves_its_uploads_alone(
+    object_bucket, tmp_path, make_model, monkeypatch
+):
+    model = make_model(seed=3)
+    saver = s3_saver(object_bucket, tmp_path / "a")
+    real_upload_rest = series_module.upload_rest
+
+    def another_saver_starts(*args, **kwargs):  # the shards are up, the commit not yet written
+        s3_saver(object_bucket, tmp_path / "b").finalize()
+        real_upload_rest(*args, **kwargs)
+
+    monkeypatch.setattr(series_module, "upload_rest", another_saver_starts)
+    url = saver.save(ac.TorchEngine(model), 0, 1, 1, force=True)
+    assert_export_holds(url, model, tmp_path / "kept")  # the returned URL is whole
+    monkeypatch.setattr(commits, "CLAIM_SECONDS", 0.0)  # as if the writer had been silent for an hour
+    with pytest.raises(ac.CheckpointError, match=r"globalstep2: not committed, its objects went missing meanwhile"):
+        saver.save(ac.TorchEngine(model), 0, 2, 2, force=True)  # never a URL that cannot be downloaded
+    saver.finalize()
+    assert len(keys_under(object_bucket, f"{TRIAL}/default/.commits/")) == 1
+
+
+def assert_export_holds(url: str, model, folder) -> None:
+    tensors = read_export_tensors(download_export(url, folder))
+    assert tensors.keys() == model.state_dict().keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensors[name], tensor), name

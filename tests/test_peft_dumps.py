@@ -150,3 +150,29 @@ def test_a_dump_loads_onto_a_fresh_peft_model_whose_base_comes_from_the_pretrain
     fresh = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), config)
     assert ac.RecoverHandler(recover_config(fileroot), SPEC).load(ac.TorchEngine(fresh)) is not None
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+
+
+def test_rot_in_the_linked_base_is_never_carried_into_a_new_dump(fileroot, caplog):
+    model, optimizer = lora_run()
+    handler = ac.RecoverHandler(recover_config(fileroot), SPEC)
+    engine = ac.TorchEngine(model, optimizer)
+    train_step(model, optimizer)
+    handler.dump(engine, step_info(0), force=True)
+    rotten = frozen_file(fileroot)
+    rotten_inode = rotten.stat().st_ino
+    with rotten.open("r+b") as file:  # one byte flipped in place, after the dump
+        file.seek(rotten.stat().st_size // 2)
+        byte = file.read(1)
+        file.seek(-1, 1)
+        file.write(bytes([byte[0] ^ 0x01]))
+    inodes = []
+    for step in (1, 2):
+        train_step(model, optimizer)
+        handler.dump(engine, step_info(step), force=True)
+        inodes.append(frozen_file(fileroot).stat().st_ino)
+    handler.close()
+    assert "frozen/__0_0.distcp: checksum mismatch" in caplog.text and "written again" in caplog.text
+    assert inodes[0] != rotten_inode and inodes[0] == inodes[1]  # written afresh once, then linked again
+    fresh, fresh_optimizer = lora_run(seed=1)
+    assert ac.RecoverHandler(recover_config(fileroot), SPEC).load(ac.TorchEngine(fresh, fresh_optimizer))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))

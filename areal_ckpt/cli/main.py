@@ -25,6 +25,8 @@ from areal_ckpt.tools.import_areal import import_areal_trial
 from areal_ckpt.tools.launch import launch
 from areal_ckpt.tools.places import place_of
 
+logger = logging.getLogger(__name__)
+
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="areal-ckpt-inspect-") as scratch:  # for a copy, if one is needed
@@ -109,7 +111,34 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+#: How many times ``export`` starts again when a running job supersedes what it reads.
+SUPERSEDED_ATTEMPTS = 3
+
+
 def cmd_export(args: argparse.Namespace) -> int:
+    """``export``; a recovery generation that a running job supersedes (and deletes) while it is
+    read is read again from the newer one, up to :data:`SUPERSEDED_ATTEMPTS` times, then said so."""
+    place, attempt = place_of(args.recover_dir, "recover-dir"), 1
+    while True:
+        read = place.newest_recovery()
+        try:
+            return _export_once(args)
+        except (CheckpointError, OSError) as error:
+            now = place.newest_recovery()
+            if read is None or now == read:
+                raise
+            if attempt == SUPERSEDED_ATTEMPTS:
+                raise CheckpointError(
+                    f"{args.recover_dir}: generation {read} was superseded by {now} while read, {attempt} times in a "
+                    "row (the job dumps faster than this export reads): run again, or export once the job stopped"
+                ) from error
+            logger.warning(
+                "%s: %s was superseded by %s while read (%s); reading %s", args.recover_dir, read, now, error, now
+            )
+            attempt += 1
+
+
+def _export_once(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="areal-ckpt-export-") as scratch:
         source = place_of(args.recover_dir, "recover-dir").readable(Path(scratch) / "source")
         output = place_of(args.out_dir, "out-dir")

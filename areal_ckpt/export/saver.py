@@ -3,7 +3,7 @@
 Saver = schedule (when) + engine (what) + export (an atomic HF folder) + retention (how many),
 written in the caller's process or by a background writer (:mod:`areal_ckpt.jobs.background`).
 Process-safe within one job: every rank calls :meth:`Saver.save` and rank 0 alone publishes.
-Two jobs on one trial are refused by the trial lock.
+Two jobs on one trial are refused: by the trial lock on a folder, by the commit on object storage.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from areal_ckpt.publish import TrashCollector, remove_stale
 from areal_ckpt.schedule import NamedSchedules, TriggerSchedule
 from areal_ckpt.state.rng import python_random_kept
 from areal_ckpt.step import FinetuneSpec
-from areal_ckpt.storage.series import export_trial, keep_last, remove_trash
+from areal_ckpt.storage.series import keep_last, remove_trash
+from areal_ckpt.storage.trials import export_trial
 from areal_ckpt.tensors import EXPORT_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,9 @@ class Saver:
     """Exports a model as a HuggingFace folder when its schedule says so.
 
     Creating one takes the trial's lock on rank 0 (see :mod:`areal_ckpt.lock`): a second job on
-    the same trial is refused.
+    the same trial is refused. On object storage, where no lock dies with its holder, an export
+    whose commit would follow another job's commit since this Saver started is refused instead
+    (:class:`~areal_ckpt.storage.series.ObjectSeries`).
 
     Each model name (``actor``, ``critic``...) has its own schedule and its own folder under
     ``{fileroot}/checkpoints/{user}/{experiment_name}/{trial_name}/{name}/``. An export is

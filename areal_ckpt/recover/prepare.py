@@ -8,6 +8,7 @@ the background writers.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ from areal_ckpt.recover.write import DumpJob, dump_header
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.recover_info import encode_global_info, encode_rank_state
 from areal_ckpt.step import StepInfo
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -172,12 +175,24 @@ def _link_unchanged(
     collected: _Files,
 ) -> bool:
     """True when ``folder`` (a frozen model, or a model's frozen part) has the fingerprint it
-    had in the previous generation on every rank: rank 0 then hard-links its files from there
-    into ``generation`` and adds their records. Collective (one reduction). Only where the
-    store can (:attr:`RecoverStore.links_previous_data`); elsewhere the part is written again."""
+    had in the previous generation on every rank and its files there still match their records
+    (size and CRC-32, all read, each rank a slice): rank 0 then hard-links them into
+    ``generation`` and adds their records. A file that rotted is named in a warning and the
+    part is written again, so no rot is carried into a new generation. Collective (one
+    reduction). Only where the store can (:attr:`RecoverStore.links_previous_data`);
+    elsewhere the part is written again."""
     if not store.links_previous_data:
         return False
-    unchanged = fingerprint is not None and previous.fingerprints.get(folder) == fingerprint
+    unchanged = (
+        fingerprint is not None and previous.fingerprints.get(folder) == fingerprint and previous.generation is not None
+    )
+    if unchanged and previous.generation is not None:
+        problems = store.check_model(previous.generation, folder, dist.rank(), dist.world_size())
+        if problems:
+            logger.warning(
+                "%s: not linked from the previous generation, written again: %s", folder, "; ".join(problems)
+            )
+            unchanged = False
     if not (dist.all_true(unchanged) and previous.generation is not None):
         return False
     if dist.rank() == 0:

@@ -40,7 +40,7 @@ from areal_ckpt.paths import (
     recover_pointer,
     recover_store,
 )
-from areal_ckpt.publish import hide_folder, read_manifest, switch_symlink, write_manifest
+from areal_ckpt.publish import check_files, hide_folder, read_manifest, switch_symlink, write_manifest
 from areal_ckpt.recover.foreign import refuse_foreign_layout
 from areal_ckpt.recover.persistent import PersistentGenerations
 from areal_ckpt.recover.tidy import remove_trash, sweep_trash_later, wait_for_deletions
@@ -225,6 +225,15 @@ class RecoverStore:
             return self.create(global_step, names)
         except OSError as error:
             raise TransientError(f"{self.root}: cannot create a generation folder: {error}") from error
+
+    def check_model(self, source: str, model: str, share: int, shares: int) -> list[str]:
+        """Before ``model``'s files in generation ``source`` are linked into a new one: the
+        problems (missing, a link, size, CRC-32, all read) of the ``share``-th of ``shares``
+        slices of them (each rank checks its own slice), one line each naming the file; empty
+        when intact. Local, read-only, blocking."""
+        files = read_manifest(self.path(source), RECOVER_MANIFEST)["files"]
+        names = sorted(name for name in files if name.startswith(f"{model}/"))[share::shares]
+        return check_files(self.path(source), files, names)
 
     def link_model(self, source: str, target: str, model: str) -> dict[str, FileRecord]:
         """Hard-link ``model``'s files from generation ``source`` into ``target`` (unchanged model).

@@ -188,7 +188,7 @@ class AzureStore:
                     f"{self.url.url_of(failed[0][0])}: delete failed (HTTP {failed[0][1]}); {len(failed)} key(s) not deleted"
                 )
 
-    def abort_uploads(self, prefix: str) -> int:
+    def abort_uploads(self, prefix: str, spared: frozenset[str] = frozenset()) -> int:
         """Nothing to abort: blocks staged and never committed hold no blob and are discarded
         by the service (after a week). Returns 0."""
         return 0

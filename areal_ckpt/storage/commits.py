@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import socket
+import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,6 +35,11 @@ logger = logging.getLogger(__name__)
 COMMIT_LOG = ".commits"
 #: Beside a commit log: the records ``recover-pointer`` moved out of it (kept, never debris).
 SET_ASIDE = ".commits-set-aside"
+#: Beside a commit log: one create-only claim per reserved folder (``{name}``: who reserved it).
+CLAIMS = ".claims"
+#: How long a claimed folder that no record names is presumed to belong to a live writer,
+#: counted from its claim or its newest object, whichever is younger (seconds).
+CLAIM_SECONDS = 3600.0
 _RECORD = re.compile(r"^(\d{12})\.json$")
 _RECORD_LIMIT = 1 << 20
 _SEQUENCE_LIMIT = 10**12  # twelve digits: a record past them would not be read as one
@@ -133,11 +141,18 @@ class CommitLog:
         return CommitRecord(sequence, body)
 
     def remove(self, record: CommitRecord, kept: set[str]) -> None:
-        """Delete ``record`` and then every object of the generation it named (retention), unless
-        a record that stays (its folder in ``kept``) names that generation too."""
+        """Delete ``record`` and then every object of the generation it named and its claim
+        (retention), unless a record that stays (its folder in ``kept``) names that generation
+        too."""
         self.store.delete([self._key(record.sequence)])
         if record.folder not in kept:
             delete_prefix(self.store, self.parent.key(record.folder) + "/")
+            self.store.delete([self.parent.key(CLAIMS, record.folder)])
+
+    def withdraw(self, record: CommitRecord) -> None:
+        """Delete ``record`` alone, right after this writer appended it (its commit is refused);
+        the generation's objects are the caller's to discard."""
+        self.store.delete([self._key(record.sequence)])
 
     def set_aside(self, sequence: int) -> str:
         """An operator's repair: move the record ``sequence`` (one no reader can use) out of the
@@ -158,17 +173,22 @@ class CommitLog:
         return f"{self._prefix}{sequence:012d}.json"
 
 
-def fresh_folder(store: ObjectStore, parent: ObjectURL, name: str) -> str:
-    """``name`` when no object has ever been kept under ``{parent}/{name}/``, else the first
-    free ``{name}.{n}``: a generation's prefix is never reused, so a reader of an older commit
-    never sees a newer writer's objects."""
-    taken = {item.key[len(parent.key()) + 1 :].split("/", 1)[0] for item in store.list_prefix(parent.key(name))}
-    if name not in taken:
-        return name
-    number = 1
-    while f"{name}.{number}" in taken:
+def claim_fresh_folder(store: ObjectStore, parent: ObjectURL, name: str, writer: str) -> str:
+    """Reserve for ``writer`` alone the first of ``name``, ``{name}.1``, ``{name}.2``... under
+    which no object was ever kept and no other writer holds a claim, by writing its claim
+    ``{parent}/.claims/{folder}`` create-only: of several writers reserving at once each gets
+    its own folder, and a reader of an older commit never sees a newer writer's objects.
+    Returns the folder. Blocking."""
+    base, claims = parent.key() + "/", parent.key(CLAIMS) + "/"
+    taken = {item.key[len(base) :].split("/", 1)[0] for item in store.list_prefix(parent.key(name))}
+    taken |= {item.key[len(claims) :] for item in store.list_prefix(claims + name)}
+    claim = json.dumps({"writer": writer, "host": socket.gethostname(), "pid": os.getpid()}).encode()
+    number = 0
+    while True:
+        folder = f"{name}.{number}" if number else name
         number += 1
-    return f"{name}.{number}"
+        if folder not in taken and store.put_bytes(claims + folder, claim, create_only=True):
+            return folder
 
 
 class FolderUploader:
@@ -212,20 +232,36 @@ def delete_prefix(store: ObjectStore, prefix: str) -> int:
 
 
 def remove_debris(store: ObjectStore, parent: ObjectURL, keep: set[str]) -> list[str]:
-    """Delete the objects under ``parent`` whose first path part is neither a committed folder
-    in ``keep`` nor the commit log, and abort unfinished multipart uploads there: what writers
-    that died left. Returns the folders removed. Run it only while no writer of this prefix is
-    alive (at a job's start)."""
-    base = parent.key() + "/"
+    """Delete what writers that died left under ``parent``: the objects whose first path part
+    is neither a committed folder in ``keep`` nor the commit log's, their claims, and the
+    unfinished multipart uploads there. A folder claimed (:func:`claim_fresh_folder`) less
+    than :data:`CLAIM_SECONDS` ago, counted from its claim or its newest object, may belong to
+    a writer still at work (another job's Saver, a slow upload) and is left alone, logged.
+    Returns the folders removed. Blocking."""
+    base, claims = parent.key() + "/", parent.key(CLAIMS) + "/"
     debris: dict[str, list[str]] = {}
+    touched: dict[str, float] = {}
     for item in store.list_prefix(base):
-        top = item.key[len(base) :].split("/", 1)[0]
-        if top not in (COMMIT_LOG, SET_ASIDE) and top not in keep and "/" in item.key[len(base) :]:
+        relative = item.key[len(base) :]
+        top = relative.split("/", 1)[0]
+        if item.key.startswith(claims):
+            top = relative[len(CLAIMS) + 1 :]
+        elif top in (COMMIT_LOG, SET_ASIDE, CLAIMS) or "/" not in relative:
+            continue
+        if top not in keep:
             debris.setdefault(top, []).append(item.key)
+            touched[top] = max(touched.get(top, 0.0), item.modified)
+    now = time.time()
+    live = {folder for folder in debris if claims + folder in debris[folder] and now - touched[folder] < CLAIM_SECONDS}
+    for folder in sorted(live):
+        logger.info(
+            "kept %s: not committed, but claimed by a writer that may still be at work", parent.url_of(base + folder)
+        )
     for folder, keys in sorted(debris.items()):
-        store.delete(keys)
-        logger.info("removed %s: objects of a checkpoint that was never committed", parent.url_of(base + folder))
-    aborted = store.abort_uploads(base)
+        if folder not in live:
+            store.delete(keys)
+            logger.info("removed %s: objects of a checkpoint that was never committed", parent.url_of(base + folder))
+    aborted = store.abort_uploads(base, spared=frozenset(base + folder + "/" for folder in live))
     if aborted:
         logger.info("aborted %d unfinished upload(s) under %s", aborted, parent)
-    return sorted(debris)
+    return sorted(set(debris) - live)

@@ -120,6 +120,23 @@ def upload_rest(store: ObjectStore, folder: Path, target: ObjectURL, manifest_na
     upload_folder_files(store, folder, [manifest_name], target)
 
 
+def check_uploaded(store: ObjectStore, folder: Path, target: ObjectURL, manifest_name: str) -> list[str]:
+    """After :func:`upload_rest`: every file the manifest of the local ``folder`` lists, and the
+    manifest, is an object under ``target`` of its size (one listing; nothing else removed
+    them meanwhile). Returns one problem per object, naming its URL; empty when all are
+    there. Blocking; read-only."""
+    base = target.key() + "/"
+    present = {item.key[len(base) :]: item.size for item in store.list_prefix(base)}
+    expected = {name: int(record["size"]) for name, record in read_manifest(folder, manifest_name)["files"].items()}
+    expected[manifest_name] = (folder / manifest_name).stat().st_size
+    return [
+        f"{target.url_of(target.key(name))}: "
+        + ("missing" if name not in present else f"{present[name]} bytes, not {size}")
+        for name, size in sorted(expected.items())
+        if present.get(name) != size
+    ]
+
+
 def check_local_copy(folder: Path, files: dict[str, dict[str, int]], names: list[str]) -> None:
     """Before ``names`` of the local ``folder`` go up: CheckpointError naming each one that is not
     its record in ``files`` (size and CRC-32, all read), is not a regular file, or lies behind a

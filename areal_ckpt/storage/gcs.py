@@ -176,7 +176,7 @@ class GCSStore:
             except google_errors.NotFound:
                 pass
 
-    def abort_uploads(self, prefix: str) -> int:
+    def abort_uploads(self, prefix: str, spared: frozenset[str] = frozenset()) -> int:
         """Nothing to abort: an unfinished resumable upload holds no object and expires on its
         own (after a week). Returns 0."""
         return 0

@@ -121,6 +121,6 @@ class ObjectStore(Protocol):
     def delete(self, keys: list[str]) -> None:
         """Delete ``keys`` (missing ones are no error)."""
 
-    def abort_uploads(self, prefix: str) -> int:
-        """Abort the unfinished multipart uploads under ``prefix`` (a dead writer's parts);
-        returns how many."""
+    def abort_uploads(self, prefix: str, spared: frozenset[str] = frozenset()) -> int:
+        """Abort the unfinished multipart uploads under ``prefix`` (a dead writer's parts),
+        except those under any prefix in ``spared`` (a live writer's); returns how many."""

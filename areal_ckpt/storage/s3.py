@@ -163,13 +163,16 @@ class S3Store:
                     f"{len(answer['Errors'])} key(s) not deleted"
                 )
 
-    def abort_uploads(self, prefix: str) -> int:
-        """Abort every unfinished multipart upload under ``prefix``; how many. Blocking."""
+    def abort_uploads(self, prefix: str, spared: frozenset[str] = frozenset()) -> int:
+        """Abort every unfinished multipart upload under ``prefix`` but those under a prefix in
+        ``spared``; how many. Blocking."""
         aborted = 0
         with self._translated("abort uploads under", prefix):
             pages = self._client.get_paginator("list_multipart_uploads").paginate(Bucket=self.url.bucket, Prefix=prefix)
             for page in pages:
                 for upload in page.get("Uploads", []):
+                    if any(upload["Key"].startswith(kept) for kept in spared):
+                        continue
                     self._client.abort_multipart_upload(
                         Bucket=self.url.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
                     )

@@ -1,5 +1,5 @@
 """A series of committed checkpoints (one model's exports) wherever it lives: the storage
-contract the export path calls, chosen once from the trial's root by :func:`series_of`.
+contract the export path calls, chosen once per trial by :func:`areal_ckpt.storage.trials.export_trial`.
 
 A checkpoint joins a series in four steps, the same on every location: rank 0 *reserves* its
 name, the ranks write their large files (into the local staging folder, or straight to the
@@ -26,15 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from areal_ckpt.config import local_path
-from areal_ckpt.errors import CheckpointError
-from areal_ckpt.fsio import FileWriter, make_dirs
+from areal_ckpt.errors import CheckpointError, CommitError
+from areal_ckpt.fsio import FileWriter
 from areal_ckpt.paths import MANIFEST_NAME, export_trash
 from areal_ckpt.publish import hide_folder, publish
 from areal_ckpt.storage.backends import store_of
-from areal_ckpt.storage.commits import CommitLog, delete_prefix, fresh_folder, remove_debris
-from areal_ckpt.storage.folders import staging_root, upload_rest
-from areal_ckpt.urls import ObjectURL, parse_object_url, url_scheme
+from areal_ckpt.storage.commits import CLAIMS, CommitLog, CommitRecord, claim_fresh_folder, delete_prefix, remove_debris
+from areal_ckpt.storage.folders import check_uploaded, upload_rest
+from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
 
@@ -167,14 +166,23 @@ class ObjectSeries:
     """A series of checkpoints under the prefix ``root`` of an object store, each committed by
     a create-only record in ``{root}/.commits/``; ``manifest`` names each checkpoint's
     manifest file. The one object commit sequence: exports, recovery generations, DeepSpeed
-    tags and the command line's outputs all commit through :meth:`commit`."""
+    tags and the command line's outputs all commit through :meth:`commit`.
+
+    ``writer`` identifies the writer (a job's Saver) in its claims and records. With ``since``
+    (the newest record's number when the writer started on the series) the series has one
+    writer: a commit that would follow a record another writer made after ``since`` is refused
+    (:class:`~areal_ckpt.errors.CommitError`, nothing committed), since object storage has no
+    lock that dies with its holder to refuse the second job when it starts."""
 
     root: ObjectURL
     manifest: str = MANIFEST_NAME
+    writer: str = ""
+    since: int | None = None
 
     def reserve(self, name: str) -> str:
-        """``name``, or the first free ``name.{n}`` when objects were ever kept under ``name``."""
-        return fresh_folder(store_of(self.root), self.root, name)
+        """``name``, or the first free ``name.{n}``, claimed for this writer alone
+        (:func:`~areal_ckpt.storage.commits.claim_fresh_folder`)."""
+        return claim_fresh_folder(store_of(self.root), self.root, name, self.writer)
 
     def writer_of(self, reserved: str) -> Callable[[str], FileWriter] | None:
         """The store's writer of each file: uploaded from memory as it is written."""
@@ -188,12 +196,46 @@ class ObjectSeries:
 
     def commit(self, staging: Path, reserved: str, final: Path, uploaded: set[str], body: dict[str, Any]) -> int:
         """Upload what the manifest lists beyond ``uploaded``, then the manifest, then the
-        create-only record naming ``reserved`` (CommitError when another writer took its
-        number); returns the record's sequence number."""
+        create-only record naming ``reserved`` and this writer; returns the record's sequence
+        number. CommitError, the record withdrawn, when another writer took its number or
+        (with ``since``) committed after this one started, and CheckpointError naming each
+        object when a file of ``reserved`` is not in the store once the record is written:
+        the caller then discards ``reserved``."""
         target = self.root.child(reserved)
         store = store_of(target)
         upload_rest(store, staging, target, self.manifest, uploaded=uploaded)
-        return CommitLog(store, self.root).append({**body, "folder": reserved}).sequence
+        log = CommitLog(store, self.root)
+        self._refuse_another_writer(log, None)
+        record = log.append({**body, "folder": reserved, **({"writer": self.writer} if self.writer else {})})
+        try:
+            self._refuse_another_writer(log, record)
+            missing = check_uploaded(store, staging, target, self.manifest)
+            if missing:
+                raise CheckpointError(
+                    f"{target}: not committed, its objects went missing meanwhile: " + "; ".join(missing)
+                )
+        except BaseException:
+            try:
+                log.withdraw(record)
+            except CheckpointError as error:
+                logger.warning("%s: the refused commit record stays until it is removed: %s", self.root, error)
+            raise
+        return record.sequence
+
+    def _refuse_another_writer(self, log: CommitLog, mine: CommitRecord | None) -> None:
+        """With ``since``: CommitError naming it when the newest record before ``mine`` (before
+        any, when ``mine`` is None) is newer than ``since`` and another writer's."""
+        if self.since is None:
+            return
+        before = [sequence for sequence in log.sequences() if mine is None or sequence < mine.sequence]
+        other = log.read(before[-1]) if before and before[-1] > self.since else None
+        if other is not None and other.body.get("writer") != self.writer:
+            raise CommitError(
+                f"{self.root.child(other.folder)} was committed by another job after this one started on "
+                f"{self.root}; two jobs must not write one trial (nothing of this checkpoint was committed): stop "
+                "the other job and make this Saver again (it continues after the other's commits), or use another "
+                "trial_name"
+            )
 
     def supersede(self, newest: int, replaced: Callable[[dict[str, Any]], bool]) -> None:
         """After the commit ``newest``: delete each older record whose body ``replaced`` selects
@@ -219,6 +261,7 @@ class ObjectSeries:
         target = self.root.child(reserved)
         try:
             delete_prefix(store_of(target), target.key() + "/")
+            store_of(target).delete([self.root.key(CLAIMS, reserved)])
         except Exception as error:  # the server may be what failed
             logger.warning("could not remove the uncommitted %s (the next start does): %s", target, error)
 
@@ -261,85 +304,6 @@ def keep_last(committed: list[Committed], count: int, newest: str) -> list[Commi
     order), never ``newest`` (the checkpoint just committed). Pure."""
     ordered = sorted(committed, key=lambda entry: (entry.step, entry.order, entry.name))
     return [entry for entry in ordered[: max(len(ordered) - count, 0)] if entry.name != newest]
-
-
-class ExportTrial(Protocol):
-    """A trial's exports: the series of each model and the local folder they are staged in."""
-
-    @property
-    def staging(self) -> Path:
-        """The local folder the trial's exports are staged in (the trial itself when local)."""
-
-    def series(self, name: str) -> CheckpointSeries:
-        """The series of model folder ``name`` (``default``, ``actor``...). Pure."""
-
-    def where(self, *parts: str) -> str:
-        """The path or URL of ``parts`` below the trial. Pure."""
-
-    def make_staging(self) -> None:
-        """Every rank when a Saver starts: the local staging folder exists (a folder trial is
-        made by the trial's lock, which names what stands in its way). Durable; blocking."""
-
-    def open(self) -> None:
-        """Rank 0 when a Saver starts: the store answers, and each model's series is tidied
-        (:meth:`CheckpointSeries.tidy`). Blocking."""
-
-
-@dataclass(frozen=True)
-class FolderTrial:
-    """A trial in a folder of a POSIX file system: staged in place."""
-
-    staging: Path
-
-    def series(self, name: str) -> CheckpointSeries:
-        return FolderSeries(self.staging / name)
-
-    def where(self, *parts: str) -> str:
-        return str(self.staging.joinpath(*parts))
-
-    def make_staging(self) -> None:
-        """Nothing: the trial's lock makes the folder."""
-
-    def open(self) -> None:
-        """Nothing to check: the trial's lock and stale staging folders are the Saver's."""
-
-
-@dataclass(frozen=True)
-class ObjectTrial:
-    """A trial under a prefix of an object store, staged in a local folder."""
-
-    root: ObjectURL
-    staging: Path
-
-    def series(self, name: str) -> CheckpointSeries:
-        return ObjectSeries(self.root.child(name))
-
-    def where(self, *parts: str) -> str:
-        return str(self.root.child(*parts))
-
-    def make_staging(self) -> None:
-        make_dirs(self.staging)
-
-    def open(self) -> None:
-        store = store_of(self.root)
-        store.check_access()
-        base = self.root.key() + "/"
-        names = {
-            item.key[len(base) :].split("/", 1)[0] for item in store.list_prefix(base) if "/" in item.key[len(base) :]
-        }
-        for name in sorted(name for name in names if not name.startswith(".")):  # .recover is the RecoverHandler's
-            self.series(name).tidy()
-
-
-def export_trial(fileroot: str, levels: tuple[str, ...], staging_dir: str | None) -> ExportTrial:
-    """The trial ``{fileroot}/{levels...}`` (``checkpoints/{user}/{experiment}/{trial}``): a
-    folder, or a prefix of an object store (any registered scheme) staged under
-    ``staging_dir``. The one place an export trial's kind is decided; ConfigError naming
-    ``fileroot`` when it is a malformed URL. Pure."""
-    if url_scheme(fileroot) is None:
-        return FolderTrial(local_path(fileroot, "fileroot").joinpath(*levels))
-    root = parse_object_url(fileroot, "fileroot").child(*levels)
-    return ObjectTrial(root, staging_root(staging_dir, root))
 
 
 def remove_trash(folders: list[Path]) -> None:

@@ -26,6 +26,7 @@ from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.store import resolve_recovery
 from areal_ckpt.tags.folder import read_latest
 from areal_ckpt.tensors import TensorSpec
+from areal_ckpt.tools.offline_zero_to_fp32 import ConversionError, committed_folder
 
 logger = logging.getLogger(__name__)
 
@@ -168,8 +169,13 @@ def _zero0_module_states(folder: Path) -> dict[str, torch.Tensor] | None:
 
 def tag_folder(ds_dir: Path, tag: str | None) -> Path:
     """The folder of checkpoint ``tag`` in ``ds_dir`` (None: the one ``latest`` names), ours or
-    DeepSpeed's own; CheckpointError naming what is missing. Local, read-only."""
-    tag = tag or read_latest(ds_dir)
+    DeepSpeed's own; in a save_dir copied from object storage, the folder its commit log names
+    for them. CheckpointError naming what is missing. Local, read-only."""
+    try:
+        committed = committed_folder(ds_dir, tag)  # a save_dir copied from object storage
+    except ConversionError as error:
+        raise CheckpointError(str(error)) from None
+    tag = committed or tag or read_latest(ds_dir)
     if tag is None:
         raise CheckpointError(f"{ds_dir}: no 'latest' file; name the checkpoint with --tag")
     folder = ds_dir / tag

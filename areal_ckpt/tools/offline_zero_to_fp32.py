@@ -66,6 +66,22 @@ def checked_files(tag: Path) -> dict[str, dict[str, int]]:
     return model_files
 
 
+def committed_folder(root: Path, tag: str | None) -> str | None:
+    """In a save_dir copied from object storage (its ``.commits/`` log beside the tag folders,
+    no ``latest`` file): the folder of the newest save of ``tag``, or of the newest save made
+    with ``save_latest`` when ``tag`` is None; None when no record names one."""
+    log = root / ".commits"
+    records = sorted(log.glob("[0-9]" * 12 + ".json")) if log.is_dir() else []
+    for record in reversed(records):
+        body = read_json(record)
+        folder = body.get("folder") if isinstance(body, dict) else None
+        if not isinstance(folder, str) or "/" in folder or folder in ("", ".", ".."):
+            continue
+        if body.get("latest") if tag is None else body.get("tag") == tag:
+            return folder
+    return None
+
+
 def stored_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the DCP folder, whole, by our flat name (``model.<fqn>``, ``optim.<...>``)."""
     metadata = read_json(folder / "dcp_metadata.json")
@@ -189,7 +205,10 @@ def write(state_dict: dict[str, torch.Tensor], out: Path, max_shard_size: int, s
 def main(argv: list[str] | None = None) -> int:
     """Command line entry: convert, print where to, return 0; on a bad checkpoint print why, return 2."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint_dir", help="the save_dir: it holds 'latest' and the tag folders")
+    parser.add_argument(
+        "checkpoint_dir",
+        help="the save_dir: it holds 'latest' (or, copied from object storage, '.commits') and the tags",
+    )
     parser.add_argument("output_dir", help="folder for the state dict files")
     parser.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: what 'latest' names)")
     parser.add_argument("--max_shard_size", default="5GB")
@@ -198,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     root = Path(args.checkpoint_dir)
     try:
-        tag = args.tag
+        tag = committed_folder(root, args.tag) or args.tag
         if tag is None:
             latest = root / "latest"
             if not latest.is_file():

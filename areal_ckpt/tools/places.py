@@ -16,7 +16,7 @@ from typing import Any
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.recover.repoint import repoint_newest_verified
-from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.recover.store import RecoverStore, resolve_recovery
 from areal_ckpt.tools.inspection import describe, list_trial, verify_each
 from areal_ckpt.tools.object_place import ObjectPlace
 from areal_ckpt.tools.place_contract import CheckpointPlace, Progress, Repointed
@@ -46,6 +46,13 @@ class FolderPlace:
     def readable(self, scratch: Path) -> Path:
         """The folder itself."""
         return self.path
+
+    def newest_recovery(self) -> str | None:
+        """The generation ``current`` names now."""
+        try:
+            return resolve_recovery(self.path)[0].name
+        except (CheckpointError, OSError):
+            return None
 
     def readable_tag(self, tag: str | None, scratch: Path) -> tuple[Path, str | None]:
         """The folder itself and ``tag``."""
