@@ -6,21 +6,28 @@ TORCH_SPEC ?= torch==2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 PYTEST_ARGS ?=
 TORTURE_TRIALS ?= 200
 
-.PHONY: demo test lint torture bench scale venv clean
+.PHONY: demo test lint torture bench scale venv clean distclean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+# What the demo needs: the torch pin, the package and its demo extra; nothing compiled.
+$(DEMO_STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
+	$(BIN)/python -m pip install --quiet -e ".[demo]"
+	touch $(DEMO_STAMP)
+
+# What the suite and lint need besides: test tools, DeepSpeed and its CPU ops (built once).
+$(STAMP): $(DEMO_STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[test,demo,deepspeed,lint]"
 	cd tests && ../$(BIN)/python build_ops.py
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/areal-ckpt launch --config configs/demo.yaml -- $(BIN)/python -m areal_ckpt.demo.train --config configs/demo.yaml
 
 # Debian packages some tests need: fuse3 (the power-loss tests serve a FUSE file system,
@@ -58,11 +65,17 @@ bench: $(STAMP)
 	cd benchmarks && ../$(BIN)/python bench_dump.py --out ../docs/benchmarks-dump.md
 	cd benchmarks && ../$(BIN)/python bench_objects.py --out ../docs/benchmarks-objects.md
 	cd benchmarks && ../$(BIN)/python bench_tiered.py --out ../docs/benchmarks-tiered.md
+	cd benchmarks && ../$(BIN)/python bench_cli.py --out ../docs/benchmarks-cli.md
 
 # the full elastic matrix (1 <-> 4 ranks, real processes) and the per-rank cost of a dump at 1-4 ranks
 scale: $(STAMP)
 	$(BIN)/python -m pytest -m scale -n 2 tests/test_scale.py
 	cd benchmarks && ../$(BIN)/python bench_scale.py --out ../docs/scale.md
 
+# `make clean` starts the demo over (its runs/ folder) and keeps the environment; `make
+# distclean` removes the environment too.
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf runs .pytest_cache
+
+distclean: clean
+	rm -rf $(VENV)

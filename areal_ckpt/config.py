@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Any, Literal, Self, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -106,10 +107,12 @@ class _TimerBlock(BaseModel):
     freq_steps: PositiveInt | None = None
     # Seconds on a monotonic clock since the last checkpoint of this model name.
     freq_secs: PositiveInt | None = None
-    # Ours: with fileroot on object storage (s3://bucket/prefix), the local folder where each
-    # node writes and commits a checkpoint before uploading it (docs/storage.md); None: the
-    # system's temporary folder. Exports are removed from it after their upload; a recovery
-    # dump's newest generation stays (the next dump's base).
+    # Ours: with fileroot on object storage (s3://, gs://, az://), the local folder where each
+    # node stages a checkpoint's small files (config, manifests, recovery state) before
+    # uploading them; shards go up from memory, never staged (docs/storage.md). None:
+    # areal_ckpt-staging-{uid} in the system's temporary folder, private. An export's files are
+    # removed after its upload; a recovery dump's newest small files stay (the next dump's
+    # base). Ignored under a POSIX fileroot (the trial itself is the staging folder).
     staging_dir: str | None = None
 
     @field_validator("experiment_name", "trial_name", "user")
@@ -156,6 +159,12 @@ def local_path(value: str | os.PathLike[str], what: str) -> Path:
 
 
 SAVER_MODES = ("auto", "sync", "async")
+#: The floating-point dtypes an export may be written in (``export_dtype``, ``--dtype``).
+ExportDtypeName = Literal["bfloat16", "float16", "float32"]
+EXPORT_DTYPE_NAMES: tuple[str, ...] = get_args(ExportDtypeName)
+#: What an export of a PEFT model writes (``lora``, ``--lora``; docs/lora.md).
+LoraExport = Literal["adapter", "merged", "both"]
+LORA_EXPORTS: tuple[str, ...] = get_args(LoraExport)
 
 
 class SaverConfig(_TimerBlock):
@@ -169,10 +178,10 @@ class SaverConfig(_TimerBlock):
     # Largest safetensors file before the export is split into shards plus an index.
     max_shard_size: int = 5 * 10**9
     # Exported floating-point dtype; None keeps the trained dtype.
-    export_dtype: Literal["bfloat16", "float16", "float32"] | None = None
+    export_dtype: ExportDtypeName | None = None
     # A PEFT (LoRA) model's export (docs/lora.md): its adapter folder(s), peft's own files, which
     # peft loads onto the base model; the merged full model; or both (merged on top, adapters in adapter/).
-    lora: Literal["adapter", "merged", "both"] = "adapter"
+    lora: LoraExport = "adapter"
 
     @field_validator("mode", mode="before")
     @classmethod
@@ -190,6 +199,8 @@ class SaverConfig(_TimerBlock):
 
 
 RECOVER_MODES = ("on", "auto", "sync", "async", "off", "disabled")
+#: The signals ``preemption_signals`` may name.
+CATCHABLE_SIGNALS = frozenset(s.name for s in signal.Signals) - {"SIGKILL", "SIGSTOP"}
 
 
 class RecoverConfig(_TimerBlock):
@@ -219,6 +230,18 @@ class RecoverConfig(_TimerBlock):
     # background; a restart resumes from whichever tier holds the newest commit. It takes
     # staging_dir's place. None: dumps go straight to fileroot.
     local_dir: str | None = None
+    # Ours: signals that mean "dump at the end of this step, then exit" (a spot notice, SLURM's
+    # --signal, Kubernetes' SIGTERM): docs/recovery.md, "Preemption". Empty: signals keep their
+    # usual effect.
+    preemption_signals: tuple[str, ...] = ()
+
+    @field_validator("preemption_signals")
+    @classmethod
+    def _catchable(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in value:
+            if name not in CATCHABLE_SIGNALS:
+                raise ValueError(f"{name!r} is not a signal a process can catch; e.g. SIGTERM, SIGUSR1, SIGUSR2")
+        return value
 
     @field_validator("local_dir")
     @classmethod

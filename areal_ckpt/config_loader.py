@@ -18,12 +18,13 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from areal_ckpt.config import CheckpointConfig
+from areal_ckpt.config import CheckpointConfig, RecoverConfig, SaverConfig
 from areal_ckpt.errors import ConfigError
 
 _REFERENCE = re.compile(r"\$\{([^}]*)\}")
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]*$")
 _TOP_LEVEL = ("experiment_name", "trial_name", "fileroot", "user")
+_BLOCKS: dict[str, type[SaverConfig | RecoverConfig]] = {"saver": SaverConfig, "recover": RecoverConfig}
 
 
 def load_config(path: str | Path, overrides: Sequence[str] | None = None) -> CheckpointConfig:
@@ -244,8 +245,16 @@ def _describe(error: ValidationError, path: Path) -> str:
         location = ".".join(str(part) for part in item["loc"]) or "(top level)"
         message = item["msg"]
         if item["type"] == "extra_forbidden":
-            message = "unknown key"
+            message = "unknown key" + _did_you_mean(item["loc"])
         elif "input" in item and item["type"] != "missing":
             message = f"{message} (got {item['input']!r})"
         lines.append(f"{location}: {message}")
     return f"{path}: invalid configuration: " + "; ".join(lines)
+
+
+def _did_you_mean(location: tuple[int | str, ...]) -> str:
+    """``; did you mean KEY?`` when the unknown key at ``location`` is close to a key of its
+    block (a typo such as ``freq_step``), else nothing. Pure."""
+    fields = _BLOCKS[str(location[0])].model_fields if len(location) == 2 and location[0] in _BLOCKS else {}
+    close = difflib.get_close_matches(str(location[-1]), list(fields), n=1, cutoff=0.75)
+    return f"; did you mean {close[0]}?" if close else ""

@@ -6,13 +6,29 @@ resumed run keeps its cadence.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 from areal_ckpt import dist
 
+logger = logging.getLogger(__name__)
+
 _STATE_VERSION = 1
+
+
+def warn_if_never_due(block: str, freq_epochs: int | None, freq_steps: int | None, freq_secs: float | None) -> None:
+    """A warning on rank 0 naming ``block`` when none of its triggers is set: its checkpoints
+    are then taken only when forced (AReaL's configs may say so on purpose, so it is no error).
+    Local, non-blocking."""
+    if freq_epochs is None and freq_steps is None and freq_secs is None and dist.rank() == 0:
+        logger.warning(
+            "%s: none of freq_epochs, freq_steps, freq_secs is set: nothing is saved unless a call passes "
+            "force=True; set one of them in the %s: block",
+            block,
+            block,
+        )
 
 
 class TriggerSchedule:

@@ -172,32 +172,74 @@ def report(results: list[dict], machine: str) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict], path: Path) -> None:
+def throughput_groups(results: list[dict]) -> list[tuple[str, dict[str, dict[str, float]]]]:
+    """One group per measured state (``float32, 1099 MiB``): GB/s of each method, by direction."""
+    return [
+        (
+            f"{r['dtype']}, {r['bytes'] / 2**20:.0f} MiB",
+            {
+                kind: {name: r["bytes"] / seconds / 1e9 for name, seconds in r[kind].items()}
+                for kind in ("write", "read")
+            },
+        )
+        for r in results
+    ]
+
+
+def groups_from_report(text: str) -> list[tuple[str, dict[str, dict[str, float]]]]:
+    """The same groups read back from a report's tables (``--replot``): each ``### {state}``
+    section's write and read rows, their GB/s column."""
+    groups: list[tuple[str, dict[str, dict[str, float]]]] = []
+    kind = None
+    for line in text.splitlines():
+        if line.startswith("### ") and line.endswith(" of state"):
+            groups.append((line[4:].removesuffix(" of state"), {"write": {}, "read": {}}))
+        elif line.startswith("| write") or line.startswith("| read"):
+            kind = line.split()[1]
+        elif groups and kind and line.startswith("| ") and not line.startswith("| ---"):
+            cells = [cell.strip() for cell in line.strip("|").split("|")]
+            try:
+                groups[-1][1][kind][cells[0]] = float(cells[2])
+            except (IndexError, ValueError):
+                kind = None  # a table of another shape (the targets) ends the section's rows
+        elif not line.startswith("|"):
+            kind = None
+    return groups
+
+
+def plot(groups: list[tuple[str, dict[str, dict[str, float]]]], path: Path) -> None:
+    """Horizontal bars: one panel per direction, one row per method, one colour per measured
+    state, the legend below the panels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4))
+    methods = {kind: list(dict.fromkeys(name for _, g in groups for name in g[kind])) for kind in ("write", "read")}
+    height = 0.8 / max(len(groups), 1)
+    figure, axes = plt.subplots(1, 2, figsize=(13, 0.5 * max(len(m) for m in methods.values()) + 2.2))
+    colours = plt.get_cmap("tab10").colors
     for axis, kind in zip(axes, ("write", "read")):
-        for name in results[0][kind]:
-            for dtype in sorted({r["dtype"] for r in results}):
-                rows = [r for r in results if r["dtype"] == dtype and name in r[kind]]
-                if not rows:
-                    continue
-                axis.plot(
-                    [r["mib"] for r in rows],
-                    [r["bytes"] / r[kind][name] / 1e9 for r in rows],
-                    marker="o",
-                    label=f"{name} ({dtype})",
-                )
-        axis.set_xscale("log", base=2)
-        axis.set_xlabel("model size class (MiB of fp32 state requested; see the tables for exact sizes)")
-        axis.set_ylabel("GB/s")
-        axis.set_title(f"{kind} throughput")
-        axis.legend(fontsize=6)
-    figure.tight_layout()
+        names = methods[kind]
+        for index, (label, group) in enumerate(groups):
+            positions = [row + index * height for row in range(len(names))]
+            axis.barh(
+                positions,
+                [group[kind].get(name, 0.0) for name in names],
+                height,
+                label=label,
+                color=colours[index % 10],
+            )
+        axis.set_yticks([row + 0.4 - height / 2 for row in range(len(names))], names, fontsize=8)
+        axis.invert_yaxis()
+        axis.set_xlabel("GB/s (higher is faster)")
+        axis.set_title("durable write" if kind == "write" else "cold read", fontsize=10)
+        axis.grid(axis="x", alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=len(groups), fontsize=8, frameon=False)
+    figure.tight_layout(rect=(0, 0.07, 1, 1))
     figure.savefig(path, dpi=100)
+    plt.close(figure)
 
 
 NOTES_START = "<!-- notes: written by hand, kept when the tables are regenerated -->"
@@ -221,7 +263,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4, help="an even number: reads alternate their order")
     parser.add_argument("--workdir", default=None, help="where to write (default: a temp folder under ./runs)")
     parser.add_argument("--out", default=None, help="write the Markdown report (and a PNG beside it) here")
+    parser.add_argument("--replot", default=None, help="only redraw the PNG beside this report from its tables")
     args = parser.parse_args(argv)
+    if args.replot:
+        plot(groups_from_report(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png"))
+        return 0
     if args.rounds < 2 or args.rounds % 2:
         parser.error(
             f"--rounds {args.rounds}: need an even number >= 2, since every pair of rounds reads in both orders"
@@ -237,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         out = Path(args.out)
         png = out.with_suffix(".png")
-        plot(results, png)
+        plot(throughput_groups(results), png)
         out.write_text(
             f"# Benchmarks\n\n![throughput against state size]({png.name})\n\n"
             f"Rerun: `make bench` (or `python benchmarks/bench.py --help`). Asynchronous saves: "

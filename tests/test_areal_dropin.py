@@ -295,6 +295,8 @@ def test_what_is_not_an_engine_is_told_what_an_engine_provides(fileroot):
         lambda: handler.dump(object(), step_info(0), force=True),
         lambda: saver.save({"weights": 1}, 0, 0, 0, force=True),
         lambda: handler.dump({"actor": Holder(model=3)}, step_info(0), force=True),
+        lambda: saver.save(torch.nn.Linear(2, 2), 0, 0, 0),  # no trigger set, so never due: refused at once
+        lambda: handler.dump(torch.nn.Linear(2, 2), step_info(0)),
     ):
         with pytest.raises(ac.CheckpointError, match=r"is not an engine: pass areal_ckpt.TorchEngine.*as \.model"):
             call()

@@ -7,6 +7,7 @@ import types
 from pathlib import Path
 
 import pytest
+from recover_fixtures import SPEC
 
 import areal_ckpt as ac
 
@@ -114,6 +115,16 @@ BAD_CONFIGS = [
     ("resolver syntax", BASE + "saver:\n  user: ${oc.env:USER}\n", ["saver.user", "unsupported"]),
     ("bad yaml", "saver:\n  freq_steps: [1, 2\n", ["invalid YAML", "line"]),
     ("top level not a mapping", "- a\n- b\n", ["top level"]),
+    (
+        "a typo of a key",
+        BASE + "recover:\n  freq_step: 5\n",
+        ["recover.freq_step: unknown key; did you mean freq_steps?"],
+    ),
+    (
+        "a typo of another key",
+        BASE + "saver:\n  kep_last: 2\n",
+        ["saver.kep_last: unknown key; did you mean keep_last?"],
+    ),
 ]
 
 
@@ -256,3 +267,22 @@ def test_an_areal_config_object_is_validated_as_strictly_as_yaml(fileroot):
             ArealSaverConfig(experiment_name="exp", trial_name="../up", fileroot=str(fileroot)),
             ac.FinetuneSpec(1, 4, 2),
         )
+
+
+def test_a_block_that_never_saves_is_named_in_a_warning_at_construction(fileroot, caplog):
+    names = {"experiment_name": "e", "trial_name": "t", "fileroot": str(fileroot)}
+    ac.RecoverHandler(ac.RecoverConfig(mode="on", **names), SPEC).close()
+    ac.Saver(ac.SaverConfig(**names), SPEC).finalize()
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(m.startswith("recover: none of freq_epochs, freq_steps, freq_secs is set") for m in warned)
+    assert any(m.startswith("saver: none of freq_epochs, freq_steps, freq_secs is set") for m in warned)
+    caplog.clear()
+    ac.RecoverHandler(ac.RecoverConfig(mode="on", freq_steps=2, **names), SPEC).close()  # the hint: set one
+    ac.RecoverHandler(ac.RecoverConfig(**names), SPEC).close()  # recovery off: nothing to warn about
+    assert not [r for r in caplog.records if "none of freq_epochs" in r.getMessage()]
+
+
+def test_the_key_a_typo_is_told_about_loads(tmp_path):
+    with pytest.raises(ac.ConfigError, match=r"recover.freq_step: unknown key; did you mean freq_steps\?"):
+        ac.load_config(write(tmp_path, BASE + "recover:\n  freq_step: 5\n"))
+    assert ac.load_config(write(tmp_path, BASE + "recover:\n  freq_steps: 5\n")).recover.freq_steps == 5

@@ -40,7 +40,10 @@ def test_demo_is_killed_resumes_by_itself_and_replays_identical_losses(tmp_path)
     assert re.search(r"generate\('3\+4='\) -> '3\+4=", output)
     assert "replay check: steps 10-13 ran twice" in output and "identical to the last bit" in output
     exports = sorted(p.name for p in tmp_path.glob("checkpoints/*/grpo-digits/trial0/actor/epoch*"))
-    assert exports == ["epoch0epochstep7globalstep7", "epoch1epochstep7globalstep15", "epoch2epochstep7globalstep23"]
+    assert exports == ["epoch1epochstep7globalstep15", "epoch2epochstep7globalstep23"]  # keep_last: 2
+    assert "exports written after steps [7, 15, 23]; keep_last 2 kept [15, 23] and removed [7]" in output
+    (trial,) = tmp_path.glob("checkpoints/*/grpo-digits/trial0")
+    assert f"TRIAL={trial}\n    areal-ckpt list $TRIAL" in output  # the path the README's commands use
     assert (tmp_path / "reports/grpo-digits/trial0/report.png").stat().st_size > 10_000
     assert re.search(r"recover +actor,ref +23 ", output)
 

@@ -111,6 +111,7 @@ def test_export_from_the_bucket_to_the_bucket_loads_with_from_pretrained(object_
 
     code, _, err = run(capsys, "export", trial, out)
     assert code == 2 and f"{out}: already holds objects; choose a new output prefix" in err
+    assert "hint:" not in err  # the error names its own way out
     assert run(capsys, "export", trial, f"{object_bucket}/exports/second")[0] == 0  # the hint followed
 
     code, _, _ = run(capsys, "export", trial, str(tmp_path / "local-out"))  # to a local folder too

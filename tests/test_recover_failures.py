@@ -63,9 +63,18 @@ def test_different_model_names_missing_and_unexpected_keys(fileroot):
         load_fresh(fileroot, num_hidden_layers=3)
     assert "missing keys ['model.model.layers.2." in str(caught.value)
     with pytest.raises(
-        ac.CheckpointError, match=r"model.model.embed_tokens.weight: checkpoint has torch.float32 \[48, 64\]"
+        ac.CheckpointError,
+        match=r"model.model.embed_tokens.weight: checkpoint has torch.float32 \[48, 64\].*nothing was loaded.*"
+        r"train the changed model under a new trial_name",
     ):
         load_fresh(fileroot, hidden_size=32, intermediate_size=64)
+    changed = make_setup(seed=1, hidden_size=32, intermediate_size=64)  # the hint: a new trial_name
+    config = recover_config(fileroot).model_copy(update={"trial_name": "changed"})
+    handler = ac.RecoverHandler(config, SPEC)
+    assert handler.load(changed.engine) is None
+    handler.dump(changed.engine, ac.StepInfo(0, 0, 0, SPEC.steps_per_epoch), force=True)
+    handler.close()
+    assert ac.RecoverHandler(config, SPEC).load(make_setup(seed=2, hidden_size=32, intermediate_size=64).engine)
 
 
 def test_edited_manifest_is_named(fileroot):

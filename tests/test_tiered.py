@@ -96,6 +96,14 @@ def test_a_dump_commits_locally_uploads_in_the_background_and_reports_both(persi
         assert loader.load(fresh.engine).last_step_info.global_step == 2
         loader.close()
         assert ("fetched" in caplog.text) == fetched
+        tier = (
+            f"{persistent_root.root}/runs/checkpoints/tester/exp/trial/.recover/gen-00000002-"
+            if fetched
+            else f"{local}/"
+        )
+        resumed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resuming trial")]
+        assert len(resumed) == 1 and resumed[0].startswith("resuming trial trial after global step 2 (epoch 0, step 2")
+        assert tier in resumed[0] and resumed[0].endswith("(the persistent tier)" if fetched else "(the local tier)")
         assert_same_weights(setup.model, fresh.model)
 
 

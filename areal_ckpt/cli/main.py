@@ -1,6 +1,8 @@
 """`areal-ckpt`: inspect, verify, list and export checkpoints from a shell.
 
-Errors print one line plus a hint and exit non-zero; `--help` works on every command.
+Errors print one line plus a hint and exit non-zero; `--help` works on every command. Each
+command imports what it needs when it runs (torch, transformers, a cloud's SDK), so `--help`
+and the commands that read no tensors start at once.
 """
 
 from __future__ import annotations
@@ -12,20 +14,23 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from areal_ckpt.cli import format as fmt
-from areal_ckpt.config import local_path, parse_size
-from areal_ckpt.config_loader import load_config
-from areal_ckpt.engines.peft_export import LORA_EXPORTS
+from areal_ckpt.config import EXPORT_DTYPE_NAMES, LORA_EXPORTS, local_path, parse_size
 from areal_ckpt.errors import CheckpointError, ConfigError
-from areal_ckpt.formats.stock_dcp import is_stock_dcp
-from areal_ckpt.tensors import EXPORT_DTYPES
-from areal_ckpt.tools.convert import export_deepspeed, export_recovery, export_stock_dcp
-from areal_ckpt.tools.import_areal import import_areal_trial
-from areal_ckpt.tools.launch import launch
-from areal_ckpt.tools.places import place_of
+
+if TYPE_CHECKING:
+    from areal_ckpt.tools.place_contract import CheckpointPlace
 
 logger = logging.getLogger(__name__)
+
+
+def place_of(value: str, what: str) -> CheckpointPlace:
+    """:func:`areal_ckpt.tools.places.place_of`, imported when a command first needs it."""
+    from areal_ckpt.tools.places import place_of as resolve
+
+    return resolve(value, what)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -139,6 +144,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _export_once(args: argparse.Namespace) -> int:
+    from areal_ckpt.formats.stock_dcp import is_stock_dcp
+    from areal_ckpt.tensors import EXPORT_DTYPES
+    from areal_ckpt.tools.convert import export_recovery, export_stock_dcp
+
     with tempfile.TemporaryDirectory(prefix="areal-ckpt-export-") as scratch:
         source = place_of(args.recover_dir, "recover-dir").readable(Path(scratch) / "source")
         output = place_of(args.out_dir, "out-dir")
@@ -161,6 +170,9 @@ def _report(size: int, seconds: float, where: str) -> None:
 
 
 def cmd_convert_deepspeed(args: argparse.Namespace) -> int:
+    from areal_ckpt.tensors import EXPORT_DTYPES
+    from areal_ckpt.tools.convert import export_deepspeed
+
     with tempfile.TemporaryDirectory(prefix="areal-ckpt-convert-") as scratch:
         ds_dir, tag = place_of(args.ds_dir, "ds-dir").readable_tag(args.tag, Path(scratch) / "source")
         output = place_of(args.out_dir, "out-dir")
@@ -193,6 +205,8 @@ def cmd_recover_pointer(args: argparse.Namespace) -> int:
 
 
 def cmd_import_areal(args: argparse.Namespace) -> int:
+    from areal_ckpt.tools.import_areal import import_areal_trial
+
     imported = import_areal_trial(
         Path(args.trial),
         None if args.config_from is None else Path(args.config_from),
@@ -214,6 +228,9 @@ def cmd_import_areal(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    from areal_ckpt.config_loader import load_config
+    from areal_ckpt.tools.launch import launch
+
     rest = list(args.rest)
     if "--" not in rest:
         raise ConfigError(
@@ -228,7 +245,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def _add_output_options(command: argparse.ArgumentParser) -> None:
     """The HF output folder and how it is written, shared by the converting commands."""
     command.add_argument("out_dir", help="new folder to create, or a new s3:// prefix to commit the export to")
-    command.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), help="exported floating-point dtype")
+    command.add_argument("--dtype", choices=sorted(EXPORT_DTYPE_NAMES), help="exported floating-point dtype")
     command.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
 
 
@@ -351,12 +368,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args))
     except (CheckpointError, ValueError, OSError) as error:
         print(f"areal-ckpt {args.command}: error: {error}", file=sys.stderr)
-        if not isinstance(error, ConfigError):
+        if not isinstance(error, ConfigError) and any(words in str(error) for words in _ABOUT_WHAT_IS_THERE):
             print(
                 "hint: `areal-ckpt verify PATH` names damaged files; `areal-ckpt list TRIAL` shows what exists",
                 file=sys.stderr,
             )
         return 2
+
+
+#: What an error about a checkpoint's own files says (something missing, damaged, not found
+#: there): then `verify` and `list` help. An error with a way out of its own (an output that
+#: exists, credentials, a server that does not answer) gets no generic hint.
+_ABOUT_WHAT_IS_THERE = (
+    "not a folder",
+    "damaged",
+    "checksum",
+    "missing",
+    "truncated",
+    "incomplete",
+    "not a recovery checkpoint",
+    "no committed checkpoint",
+    "no such",
+    "malformed",
+    "not written by",
+)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,16 @@ def checkpoint_table(trial: Path, records: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def retention_note(trial: Path, records: list[dict[str, Any]], keep_last: int | None) -> str:
+    """Which exports the run wrote and which ``keep_last`` kept (the others were removed)."""
+    written = sorted({r["global_step"] for r in records if r.get("export_seconds") is not None})
+    kept = sorted(e["global_step"] for e in list_trial(trial) if e["kind"] == "export")
+    removed = [step for step in written if step not in kept]
+    return f"exports written after steps {written}; keep_last {keep_last} kept {kept}" + (
+        f" and removed {removed}" if removed else ""
+    )
+
+
 def plot(records: list[dict[str, Any]], path: Path) -> None:
     """Reward per step (last attempt wins) with export and dump events; PNG."""
     import matplotlib
@@ -60,12 +70,13 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     latest: dict[int, dict[str, Any]] = {}
-    crashes = []
-    previous_pid = None
+    resumes, crashes = [], []
+    previous: dict[str, Any] | None = None
     for record in records:
-        if previous_pid is not None and record["pid"] != previous_pid:
-            crashes.append(record["global_step"])
-        previous_pid = record["pid"]
+        if previous is not None and record["pid"] != previous["pid"]:
+            resumes.append(record["global_step"])
+            crashes.append(previous["global_step"])
+        previous = record
         latest[record["global_step"]] = record
     steps = sorted(latest)
     figure, axis = plt.subplots(figsize=(8, 4))
@@ -76,10 +87,15 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
             axis.axvline(s, color="tab:green", alpha=0.3)
         if latest[s].get("recover_seconds") is not None:
             axis.axvline(s, color="tab:orange", alpha=0.3, linestyle="--")
-    for s in crashes:
+    for s in resumes:
         axis.axvline(s - 0.5, color="tab:red", linewidth=2)
+    for s in crashes:
+        axis.axvline(s + 0.5, color="tab:red", linewidth=2, linestyle=":")
     axis.set_xlabel("global step")
-    axis.set_title("reward; green: HF export, orange dashed: recovery dump, red: resumed after a crash")
+    axis.set_title(
+        "reward; green: HF export, orange dashed: recovery dump, red dotted: killed after this step, "
+        "red: resumed from here (the steps between ran twice)"
+    )
     axis.title.set_fontsize(8)
     axis.legend()
     figure.tight_layout()

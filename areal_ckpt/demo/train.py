@@ -30,7 +30,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import areal_ckpt as ac
-from areal_ckpt.demo.report import checkpoint_table, plot, read_metrics, replay_check
+from areal_ckpt.demo.report import checkpoint_table, plot, read_metrics, replay_check, retention_note
 from areal_ckpt.demo.rl import adapt_kl, grpo_loss, make_prompts, sample
 from areal_ckpt.demo.tiny import build_model, build_tokenizer, warmup_cosine
 from areal_ckpt.tools.launch import ATTEMPT_VARIABLE
@@ -175,8 +175,9 @@ def main(argv: list[str] | None = None) -> int:
 def summarize(saver: ac.Saver, reports: Path) -> None:
     """Print the checkpoints, the replay check and the plot; load the newest export and generate."""
     records = read_metrics(reports / "metrics.jsonl")
-    print("\ncheckpoints of this trial (newest first):")
+    print(f"\ncheckpoints of this trial, {saver.trial_root} (newest first):")
     print("\n".join(checkpoint_table(saver.trial_root, records)))
+    print(retention_note(saver.trial_root, records, saver.config.keep_last))
     print(f"\nreplay check: {replay_check(records)}")
     plot(records, reports / "report.png")
     print(f"plot of reward, KL and save events: {reports / 'report.png'}")
@@ -194,6 +195,11 @@ def summarize(saver: ac.Saver, reports: Path) -> None:
         encoded = tokenizer(prompt, return_tensors="pt")
         output = model.generate(**encoded, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         print(f"    generate({prompt!r}) -> {tokenizer.decode(output[0], skip_special_tokens=True)!r}")
+    print(
+        "    (a model of a few thousand parameters after 24 steps: its sums are not meant to be right; the point is\n"
+        "    that the export loads and generates like any HF model)"
+    )
+    print(f"\nlook at the trial from a shell:\n    TRIAL={saver.trial_root}\n    areal-ckpt list $TRIAL")
 
 
 if __name__ == "__main__":

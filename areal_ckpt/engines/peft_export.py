@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from areal_ckpt.config import LORA_EXPORTS
 from areal_ckpt.engines.accept import export_files
 from areal_ckpt.engines.contract import ExportSource
 from areal_ckpt.engines.peft_configs import peft_model_of
@@ -36,8 +37,6 @@ from areal_ckpt.formats.hf_export import ExportPlan, FolderFiles, HFFiles, names
 from areal_ckpt.formats.hf_keys import check_loadable
 from areal_ckpt.tensors import TensorSpec, export_dtype_for
 
-#: Saver ``lora:`` choices, see the module docstring.
-LORA_EXPORTS = ("adapter", "merged", "both")
 ADAPTER_FILE = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
 

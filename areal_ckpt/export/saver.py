@@ -34,7 +34,7 @@ from areal_ckpt.paths import (
     trial_root,
 )
 from areal_ckpt.publish import TrashCollector, remove_stale
-from areal_ckpt.schedule import NamedSchedules, TriggerSchedule
+from areal_ckpt.schedule import NamedSchedules, TriggerSchedule, warn_if_never_due
 from areal_ckpt.state.rng import python_random_kept
 from areal_ckpt.step import FinetuneSpec
 from areal_ckpt.storage.series import keep_last, remove_trash
@@ -75,6 +75,7 @@ class Saver:
         self._schedules = NamedSchedules(
             lambda: TriggerSchedule(config.freq_epochs, config.freq_steps, config.freq_secs)
         )
+        warn_if_never_due("saver", config.freq_epochs, config.freq_steps, config.freq_secs)
         self._dtype = EXPORT_DTYPES[config.export_dtype] if config.export_dtype else None
         self._jobs = SaveLifecycle("saver", self.trial_root, lock=dist.rank() == 0)
         self._went_async = False  # an export of this Saver was written in the background
@@ -162,11 +163,11 @@ class Saver:
         untouched and an error is raised on every rank: by this call when synchronous, by the
         next due ``save``, :meth:`wait` or :meth:`finalize` when asynchronous.
         """
+        exported = as_engine(engine, "Saver.save")  # a wrong argument fails at the first call, due or not
         schedule = self._schedules[name]
         due = schedule.should_fire(self.ft_spec.is_epoch_last_step(step))
         if not (due or force):
             return None
-        exported = as_engine(engine, "Saver.save")
         assets = HFAssets.of(engine, tokenizer, processor, base_model_path)
         return str(self._export(exported, epoch, step, global_step, name, assets))
 

@@ -28,6 +28,12 @@ from areal_ckpt.formats.dcp_metadata import read_metadata_json, tensor_entries
 from areal_ckpt.formats.dcp_storage import RawStorageReader
 from areal_ckpt.fsio import FileRecord
 
+#: The way out of a checkpoint that does not fit the model it is loaded into.
+CHANGED_MODEL = (
+    "; nothing was loaded: a checkpoint loads into the model it was saved from (build that model again, or "
+    "train the changed model under a new trial_name, or save_dir)"
+)
+
 
 def tensor_index(metadata: Metadata) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Names, dtypes and full shapes of the tensors ``metadata`` describes; no I/O."""
@@ -66,13 +72,14 @@ def load_tensors(
         raise CheckpointError(
             f"{folder}: checkpoint does not match the model: missing keys {missing[:10]}"
             f"{' ...' if len(missing) > 10 else ''}, unexpected keys {unexpected[:10]}"
-            f"{' ...' if len(unexpected) > 10 else ''}"
+            f"{' ...' if len(unexpected) > 10 else ''}{CHANGED_MODEL}"
         )
     for name, tensor in template.items():
         dtype, shape = stored[name]
         if tuple(tensor.shape) != shape or tensor.dtype != dtype:
             raise CheckpointError(
-                f"{folder}: {name}: checkpoint has {dtype} {list(shape)}, model has {tensor.dtype} {list(tensor.shape)}"
+                f"{folder}: {name}: checkpoint has {dtype} {list(shape)}, model has {tensor.dtype} "
+                f"{list(tensor.shape)}{CHANGED_MODEL}"
             )
     agree.on_every_rank(  # every rank learns whether all read their shards, so none goes on alone
         lambda: _read_planned(

@@ -13,29 +13,26 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from areal_ckpt import agree, dist
 from areal_ckpt.config import RecoverConfig
 from areal_ckpt.engines.accept import HFAssets, engines_by_name, named_engines
 from areal_ckpt.engines.contract import EnginesLike, RolloutEngine, WeightUpdateMeta
 from areal_ckpt.errors import CheckpointError, CollectiveError
-from areal_ckpt.jobs.background import JobOutcome
 from areal_ckpt.jobs.lifecycle import SaveLifecycle, resolve_async
-from areal_ckpt.jobs.shm_arena import arena_layout_of
 from areal_ckpt.paths import default_user, recover_info_link, trial_root
+from areal_ckpt.recover.dump_runs import DumpRuns, stopped
 from areal_ckpt.recover.frozen import frozen_part, part_fingerprint
 from areal_ckpt.recover.location import trial_store
 from areal_ckpt.recover.persistent import before_dump, new_run_token
+from areal_ckpt.recover.preemption import PreemptionSignals
 from areal_ckpt.recover.prepare import PreviousDump, prepare_dump
 from areal_ckpt.recover.read import load_engine, open_committed
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.rollout_sync import RolloutSync
 from areal_ckpt.recover.tidy import remove_trash, wait_for_deletions
-from areal_ckpt.recover.tiers import restore_from_tiers
+from areal_ckpt.recover.tiers import restore_from_tiers, resumed_from
 from areal_ckpt.recover.upload import Uploads
-from areal_ckpt.recover.write import DumpJob
-from areal_ckpt.schedule import TriggerSchedule
+from areal_ckpt.schedule import TriggerSchedule, warn_if_never_due
 from areal_ckpt.state.components import Stateful, capture_components, dataloader_state, restore_components
 from areal_ckpt.state.recover_info import RecoverInfo
 from areal_ckpt.state.rng import capture_rng_state, python_random_kept, restore_rng_state
@@ -61,6 +58,8 @@ class RecoverHandler:
         self.enabled = config.enabled
         self.store = trial_store(config)
         self._schedule = TriggerSchedule(config.freq_epochs, config.freq_steps, config.freq_secs)
+        if self.enabled:
+            warn_if_never_due("recover", config.freq_epochs, config.freq_steps, config.freq_secs)
         # As AReaL's: the step the last dump (or the loaded checkpoint) was taken after.
         self.last_step_info = StepInfo(-1, -1, -1, max(ft_spec.steps_per_epoch, 0))
         self._generation: str | None = None  # committed generation this process loaded or wrote
@@ -78,6 +77,8 @@ class RecoverHandler:
                     raise
                 logger.warning("%s; dumps commit to the local tier %s until it answers", error, self.store.trial)
         self._jobs = SaveLifecycle("recover", self.store.trial, lock=self.enabled and dist.rank() == 0)
+        watched = config.preemption_signals if self.enabled else ()
+        self._preemption = PreemptionSignals(watched) if watched else None
         #: A tiered trial's uploads to where it persists (recover.local_dir), None otherwise.
         self._uploads = (
             Uploads(self.store, self._run, config.write_retries) if self.enabled and self.store.tiered else None
@@ -99,8 +100,20 @@ class RecoverHandler:
         failed final upload, after releasing everything."""
         self._jobs.close(then=self._finish)
 
+    @property
+    def preempted(self) -> bool:
+        """True once a preemption signal (``recover.preemption_signals``) made the last dump:
+        the loop should stop. A loop that reads it is taken to stop by itself, so that dump
+        returns instead of exiting the process (docs/recovery.md, "Preemption"). Local."""
+        if self._preemption is None:
+            return False
+        self._preemption.asked = True
+        return self._preemption.preempted
+
     def _finish(self) -> None:
         uploads, self._uploads = self._uploads, None
+        if self._preemption is not None:
+            self._preemption.restore()
         try:
             if uploads is not None:
                 uploads.finish()
@@ -160,10 +173,11 @@ class RecoverHandler:
             step_info.check_completed()
         except ValueError as error:
             raise CheckpointError(f"RecoverHandler.dump: {error}: pass the step just completed") from None
+        engines = engines_by_name(engine, "RecoverHandler.dump")  # a wrong argument fails at once, due or not
+        signalled = self._preemption.agreed() if self._preemption is not None else None  # collective
         due = self._schedule.should_fire(self.ft_spec.is_epoch_last_step(step_info.epoch_step))
-        if not (due or force):
+        if not (due or force or signalled):
             return None
-        engines = engines_by_name(engine, "RecoverHandler.dump")
         background = resolve_async(self.config.mode, any(e.on_accelerator for e in engines.values()))
         assets = {
             name: HFAssets.of(original, tokenizer, processor, base_model_path)
@@ -199,62 +213,18 @@ class RecoverHandler:
                 what,
             )
         except CollectiveError as lost:  # retrying without the other ranks cannot succeed
-            raise self._stopped(step_info, lost) from lost
+            raise stopped(self.store, step_info, lost) from lost
         if self._uploads is not None:
             job = dataclasses.replace(job, protected=self._uploads.protected)
+        runs = DumpRuns(self._jobs, self.store, self._committed)
         if background:
-            return self._hand_off(job, tensors, fingerprints, start)
-        try:
-            result = job.run(tensors)
-        except CollectiveError as lost:
-            raise self._stopped(step_info, lost) from lost
-        self._committed(job.generation, fingerprints, result.get("files"))
-        self.last_step_info = step_info
-        path = str(result["path"])
-        self._jobs.finished(
-            time.perf_counter() - start,
-            result["bytes"],
-            f"recovery checkpoint at global step {step_info.global_step}: {path}",
-        )
-        return path
-
-    def _hand_off(
-        self, job: DumpJob, tensors: dict[str, torch.Tensor], fingerprints: dict[str, list[int]], start: float
-    ) -> str:
-        """Stage ``tensors`` in shared memory and hand ``job`` to the background writer (the
-        generation is discarded if staging failed); collective."""
-        layout = arena_layout_of(tensors)
-        try:
-            self._jobs.arena.stage(layout, tensors.items())
-        except BaseException:
-            if dist.rank() == 0:
-                self.store.discard(job.generation)
-            raise
-
-        def collected(outcome: JobOutcome) -> str:
-            self._committed(job.generation, fingerprints, outcome.result.get("files"))
-            return f"recovery checkpoint {outcome.result['path']} committed"
-
-        def committed_anyway() -> str | None:
-            if not agree.decided_by_rank0(lambda: self.store.committed() == job.generation, "RecoverHandler.wait"):
-                return None
-            self._committed(job.generation, fingerprints)
-            return f"recovery checkpoint {self.store.path(job.generation)} committed"
-
-        self._jobs.submit(
-            dataclasses.replace(job, layout=layout),
-            time.perf_counter() - start,
-            layout.nbytes,
-            collected,
-            committed_anyway,
-        )
-        return str(self.store.path(job.generation))
-
-    def _stopped(self, step_info: StepInfo, lost: CollectiveError) -> CollectiveError:
-        return CollectiveError(
-            f"{self.store.root}: recovery dump at global step {step_info.global_step} stopped: {lost}. "
-            "The committed checkpoint is untouched; restart the job to resume from it."
-        )
+            path = runs.hand_off(job, tensors, fingerprints, start)
+        else:
+            path = runs.write(job, tensors, fingerprints, step_info, start)
+            self.last_step_info = step_info
+        if self._preemption is None:
+            return path
+        return self._preemption.after_dump(path, step_info.global_step, signalled, self.wait, self.close)
 
     @property
     def saving_in_background(self) -> bool:
@@ -362,7 +332,6 @@ class RecoverHandler:
         if restored is None:
             return None
         found, manifest, info = restored
-        folder = self.store.path(found)
         if self._uploads is not None and choice is not None:
             self._uploads.resumed(found, choice.remote_newest, choice.local)
         restore_components(
@@ -387,11 +356,11 @@ class RecoverHandler:
         self.last_step_info = info.last_step_info
         if info.rng_state is not None:
             restore_rng_state(info.rng_state)
-        logger.info(
-            "resuming from global step %d (epoch %d, step %d of the epoch): %s",
-            info.last_step_info.global_step,
-            info.last_step_info.epoch,
-            info.last_step_info.epoch_step,
-            folder,
-        )
+        if dist.rank() == 0:
+            step = info.last_step_info
+            logger.info(
+                "resuming trial %s after global step %d (epoch %d, step %d of the epoch) from %s",
+                self.config.trial_name, step.global_step, step.epoch, step.epoch_step,
+                resumed_from(self.store, found, choice),
+            )  # fmt: skip
         return info

@@ -147,3 +147,12 @@ def _decide(store: RecoverStore, behind: PersistentGenerations, held: list[tuple
             missing,
         )
     return TierChoice(local=False, remote_newest=newest, reachable=True)
+
+
+def resumed_from(store: RecoverStore, generation: str, choice: TierChoice | None) -> str:
+    """Where a load found ``generation``, for the one line rank 0 logs: the local tier's folder,
+    or the persistent tier's location (a URL, or a shared folder). Pure."""
+    behind = store.behind
+    if behind is None or (choice is not None and choice.local):
+        return f"{store.path(generation)}" + (" (the local tier)" if choice is not None else "")
+    return behind.where(generation) + (" (the persistent tier)" if choice is not None else "")
