@@ -51,7 +51,30 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--wait-before-kill", action="store_true", help="RecoverHandler.wait() before --kill-at")
     parser.add_argument("--hold-after-load", help="after load: touch {this}/loaded-rank{r}, then wait for {this}/go")
     parser.add_argument("--environment", default="{}", help="JSON object of environment variables to set first")
+    parser.add_argument("--preemption-signals", default="", help="recover.preemption_signals, comma-separated")
+    parser.add_argument("--signal-at", type=int, default=-1, help="send --signal to this process during step K")
+    parser.add_argument("--signal-in-dump-at", type=int, default=-1, help="send it while step K's dump is taken")
+    parser.add_argument("--signal", default="SIGUSR1")
+    parser.add_argument("--signal-ranks", default="all", help="'all' or the comma-separated ranks that get it")
+    parser.add_argument("--step-seconds", type=float, default=0.0, help="sleep this long in every step")
+    parser.add_argument("--ask", action="store_true", help="the loop reads recover.preempted and stops on it")
     return parser.parse_args(argv)
+
+
+class SignalInDump:
+    """A component whose state is taken while a dump is written: armed, it sends the signal then."""
+
+    def __init__(self, sig: signal.Signals) -> None:
+        self.sig, self.armed = sig, False
+
+    def state_dict(self) -> dict:
+        if self.armed:
+            self.armed = False
+            os.kill(os.getpid(), self.sig)
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
 def run(rank: int, world_size: int, argv: list[str]) -> None:
@@ -124,8 +147,12 @@ def train(args: argparse.Namespace) -> None:
         user="tester",
         mode=args.mode,
         freq_steps=args.freq_steps,
+        preemption_signals=tuple(name for name in args.preemption_signals.split(",") if name),
     )
     recover = ac.RecoverHandler(config, ft_spec)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"  # torchrun's restarts run clean
+    signalled = args.signal_ranks == "all" or str(rank) in args.signal_ranks.split(",")
+    in_dump = SignalInDump(signal.Signals[args.signal]) if args.signal_in_dump_at >= 0 else None
 
     info = recover.load(engine, dataloader=loader)
     if args.hold_after_load:  # the test acts (e.g. stops the server) between the load and the first step
@@ -164,8 +191,19 @@ def train(args: argparse.Namespace) -> None:
             step_info = ac.StepInfo(
                 epoch=epoch, epoch_step=epoch_step, global_step=global_step, steps_per_epoch=ft_spec.steps_per_epoch
             )
-            recover.dump(engine, step_info, dataloader=loader, client_state={"noise_scale": noise_scale})
-            if global_step == args.kill_at:
+            time.sleep(args.step_seconds)
+            if first_attempt and signalled and global_step == args.signal_at:
+                os.kill(os.getpid(), signal.Signals[args.signal])  # arrives during the step, before its dump
+            if first_attempt and signalled and global_step == args.signal_in_dump_at and in_dump is not None:
+                in_dump.armed = True
+            recover.dump(
+                engine, step_info, evaluator=in_dump, dataloader=loader, client_state={"noise_scale": noise_scale}
+            )
+            if args.ask and recover.preempted:
+                losses.close()
+                recover.close()
+                return
+            if global_step == args.kill_at and first_attempt:
                 if args.wait_before_kill:
                     recover.wait()
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -30,20 +30,31 @@ def run_job(fileroot: Path, out: Path, world_size: int = 1, wrap: str = "none", 
     return run_distributed(recover_job.run, world_size, _args(fileroot, out, wrap, list(extra)))
 
 
-def run_job_torchrun(fileroot: Path, out: Path, world_size: int, wrap: str, extra: list[str] = ()) -> int:
-    """Run the job under real torchrun (slow: every rank imports torch); returns the exit code."""
+def run_job_torchrun(
+    fileroot: Path, out: Path, world_size: int, wrap: str, extra: list[str] = (), restarts: int = 0
+) -> int:
+    """Run the job under real torchrun (slow: every rank imports torch), its elastic agent
+    restarting the workers up to ``restarts`` times; returns the exit code. A restarting job
+    rendezvouses through c10d and keeps its process group's store apart from torchrun's, as
+    docs/launching.md says: otherwise a restarted rank may read a dead rank's address."""
+    port = free_port()
+    where = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"] if restarts else [
+        "--master-addr=127.0.0.1", f"--master-port={port}"
+    ]  # fmt: skip
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nnodes=1",
         f"--nproc-per-node={world_size}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
+        f"--max-restarts={restarts}",
+        *where,
         str(HERE / "recover_job.py"),
         *_args(fileroot, out, wrap, list(extra)),
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE)}
+    if restarts:
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     if completed.returncode != 0 and "--kill-at" not in extra:
         raise AssertionError(f"torchrun job failed ({completed.returncode}):\n{completed.stderr[-4000:]}")
