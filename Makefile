@@ -66,6 +66,7 @@ bench: $(STAMP)
 	cd benchmarks && ../$(BIN)/python bench_objects.py --out ../docs/benchmarks-objects.md
 	cd benchmarks && ../$(BIN)/python bench_tiered.py --out ../docs/benchmarks-tiered.md
 	cd benchmarks && ../$(BIN)/python bench_cli.py --out ../docs/benchmarks-cli.md
+	cd benchmarks && ../$(BIN)/python bench_preemption.py --out ../docs/benchmarks-preemption.md
 
 # the full elastic matrix (1 <-> 4 ranks, real processes) and the per-rank cost of a dump at 1-4 ranks
 scale: $(STAMP)

@@ -14,6 +14,7 @@ import json
 import os
 import random
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -147,7 +148,7 @@ def _check(trial: str, kind: str, work: Path, staging: str, world: int) -> tuple
     else:
         model = f"{os.environ['TORTURE_BUCKET']}/runs/checkpoints/tester/exp/{trial}/default"
         try:
-            folder = ac.download_export(model, work / f"check-{trial}")
+            folder = ac.download_export(model, Path(tempfile.mkdtemp(prefix=f"check-{trial}-", dir=work)) / "export")
         except ac.CheckpointError as error:
             return "lost", str(error)[:300]
         step = float(json.loads((folder / "areal_ckpt_manifest.json").read_text())["step"]["global_step"])

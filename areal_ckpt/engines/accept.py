@@ -70,6 +70,19 @@ def named_engines(engine: EnginesLike) -> dict[str, EngineLike]:
     return dict(engine) if isinstance(engine, Mapping) else {"default": engine}
 
 
+def check_engines(engine: EnginesLike, where: str) -> None:
+    """CheckpointError, as :func:`as_engine` raises it, when ``engine`` (or a value of a mapping
+    of them) is not an engine; builds nothing, so it is cheap enough for every step. Local."""
+    by_name = isinstance(engine, Mapping)
+    for name, value in named_engines(engine).items():
+        holds_model = isinstance(value, ModelHolder) and isinstance(value.model, nn.Module)
+        if not (
+            isinstance(value, (TorchEngine, DeepSpeedEngine, Engine)) or _is_deepspeed_engine(value) or holds_model
+        ):
+            label = f"{where}[{name!r}]" if by_name else where
+            raise CheckpointError(f"{label}: {type(value).__name__} is not an engine: {_WHAT_AN_ENGINE_IS}")
+
+
 def engines_by_name(engine: EnginesLike, where: str) -> dict[str, Engine]:
     """``{model name: our engine}`` for one engine or a mapping of them (see :func:`as_engine`); local."""
     by_name = isinstance(engine, Mapping)

@@ -17,7 +17,7 @@ from typing import Any
 
 from areal_ckpt import agree, dist
 from areal_ckpt.config import SaverConfig
-from areal_ckpt.engines.accept import HFAssets, as_engine
+from areal_ckpt.engines.accept import HFAssets, as_engine, check_engines
 from areal_ckpt.engines.contract import Engine, EngineLike
 from areal_ckpt.engines.peft_export import export_source
 from areal_ckpt.export.job import ExportTarget, StagedExportSource, begin_export, finish_export, stage_export
@@ -163,11 +163,12 @@ class Saver:
         untouched and an error is raised on every rank: by this call when synchronous, by the
         next due ``save``, :meth:`wait` or :meth:`finalize` when asynchronous.
         """
-        exported = as_engine(engine, "Saver.save")  # a wrong argument fails at the first call, due or not
+        check_engines(engine, "Saver.save")  # a wrong argument fails at the first call, due or not
         schedule = self._schedules[name]
         due = schedule.should_fire(self.ft_spec.is_epoch_last_step(step))
         if not (due or force):
             return None
+        exported = as_engine(engine, "Saver.save")
         assets = HFAssets.of(engine, tokenizer, processor, base_model_path)
         return str(self._export(exported, epoch, step, global_step, name, assets))
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from areal_ckpt import agree, dist
 from areal_ckpt.config import RecoverConfig
-from areal_ckpt.engines.accept import HFAssets, engines_by_name, named_engines
+from areal_ckpt.engines.accept import HFAssets, check_engines, engines_by_name, named_engines
 from areal_ckpt.engines.contract import EnginesLike, RolloutEngine, WeightUpdateMeta
 from areal_ckpt.errors import CheckpointError, CollectiveError
 from areal_ckpt.jobs.lifecycle import SaveLifecycle, resolve_async
@@ -173,12 +173,14 @@ class RecoverHandler:
             step_info.check_completed()
         except ValueError as error:
             raise CheckpointError(f"RecoverHandler.dump: {error}: pass the step just completed") from None
-        engines = engines_by_name(engine, "RecoverHandler.dump")  # a wrong argument fails at once, due or not
+        check_engines(engine, "RecoverHandler.dump")  # a wrong argument fails at once, due or not
         signalled = self._preemption.agreed() if self._preemption is not None else None  # collective
         due = self._schedule.should_fire(self.ft_spec.is_epoch_last_step(step_info.epoch_step))
         if not (due or force or signalled):
             return None
-        background = resolve_async(self.config.mode, any(e.on_accelerator for e in engines.values()))
+        engines = engines_by_name(engine, "RecoverHandler.dump")
+        # a preemption dump is waited for anyway: written here, with no background writer to start
+        background = not signalled and resolve_async(self.config.mode, any(e.on_accelerator for e in engines.values()))
         assets = {
             name: HFAssets.of(original, tokenizer, processor, base_model_path)
             for name, original in named_engines(engine).items()

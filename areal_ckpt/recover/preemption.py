@@ -6,7 +6,8 @@ With ``recover.preemption_signals`` set, the RecoverHandler installs a handler f
 signals that only records its arrival (so nothing runs inside a signal handler, and a second
 signal, during the dump or not, changes nothing). At every ``dump()`` call, the step boundary,
 the ranks agree (one small all-reduce) whether any rank received one; if so every rank dumps
-that step, forced, waits until it is durable (an asynchronous dump finished), and then:
+that step, forced and written in the calling process (it is waited for anyway; a dump still in
+the background writer is finished first), and then:
 
 - when the loop has asked (read :attr:`RecoverHandler.preempted` before), ``dump`` returns and
   ``preempted`` is True: the loop stops cleanly and exits as it likes;
