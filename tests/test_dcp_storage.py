@@ -71,7 +71,7 @@ def _cold_after_evict(monkeypatch) -> None:
     file's pages only on a best-effort basis (under a loaded test run it kept them now and then),
     and these tests are about what the direct reader reads, not about the cache check, which
     ``test_a_cold_file_is_read_around_the_page_cache_and_a_warm_one_through_it`` tests."""
-    monkeypatch.setattr(range_read, "_is_cached", lambda fd, offset: False)
+    monkeypatch.setattr(range_read, "_is_cached", lambda fd, spans: False)
 
 
 def _big_state() -> dict[str, torch.Tensor]:
@@ -107,6 +107,31 @@ def test_a_cold_file_is_read_around_the_page_cache_and_a_warm_one_through_it(tmp
         if isinstance(cold, range_read.DirectRanges):
             break
     assert (type(warm), type(cold)) == (range_read.BufferedRanges, range_read.DirectRanges)
+
+
+def test_a_file_read_again_right_after_a_load_goes_through_the_cache_and_a_probed_one_does_not(tmp_path: Path):
+    state = _big_state()
+    (file_name,) = save_tensors(state, tmp_path)
+    path = tmp_path / file_name
+    spans = [(0, path.stat().st_size)]
+    for _ in range(20):  # the kernel drops pages on a best-effort basis: asked again until it did (the event)
+        _evict(path)
+        with open(path, "rb") as file:
+            file.read(4096)  # the first page read, as a probe or a header read leaves it cached
+        reader = range_read.open_ranges(path, spans)
+        reader.close()
+        if isinstance(reader, range_read.DirectRanges):
+            break
+    assert isinstance(reader, range_read.DirectRanges)  # one cached page does not make a file warm
+    path.read_bytes()  # a load through the page cache
+    again = range_read.open_ranges(path, spans)
+    again.close()
+    assert isinstance(again, range_read.BufferedRanges)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert range_read._resident_fraction(fd, 0, path.stat().st_size) == 1.0
+    finally:
+        os.close(fd)
 
 
 def _mapping_of(address: int) -> dict[str, str]:

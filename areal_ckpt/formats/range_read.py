@@ -21,6 +21,7 @@ file read whole needs no second pass. Local and blocking; nothing here is collec
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
 import mmap
 import os
@@ -62,11 +63,12 @@ class RangeReader(Protocol):
 
 def open_ranges(path: Path, spans: list[tuple[int, int]]) -> RangeReader:
     """A reader for the (offset, length) ``spans`` of ``path`` (sorted, not overlapping), which
-    the calls to ``fill`` will ask for in that order: direct when the first span's start is not
-    in the page cache and the file system accepts O_DIRECT, else buffered. ``spans`` not empty."""
+    the calls to ``fill`` will ask for in that order: buffered when at least half of the pages
+    the spans cover are in the page cache (:func:`_is_cached`) or the file system refuses
+    O_DIRECT, else direct. ``spans`` not empty."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        if _is_cached(fd, spans[0][0]):
+        if _is_cached(fd, spans):
             return BufferedRanges(fd, path)
         direct = _open_direct(path, spans[0][0])
     except BaseException:
@@ -82,18 +84,68 @@ def open_ranges(path: Path, spans: list[tuple[int, int]]) -> RangeReader:
         raise
 
 
-def _is_cached(fd: int, offset: int) -> bool:
-    """Whether the page at ``offset`` is in the page cache (a read that may not wait for I/O)."""
+def _is_cached(fd: int, spans: list[tuple[int, int]]) -> bool:
+    """Whether at least half of the pages from the first span's start to the last span's end
+    are in the page cache: then the cache serves most of the read at memory speed (a load right
+    after a load), else the disk does and reading around the cache is faster. Asked of the
+    kernel with ``mincore`` over a mapping of the file, which reads and caches nothing (a probe
+    read would start read-ahead, so that a cold load left a few cached pages behind); when that
+    cannot be asked, a read of the first span's start that may not wait for I/O decides."""
+    start, end = spans[0][0] // mmap.PAGESIZE * mmap.PAGESIZE, spans[-1][0] + spans[-1][1]
+    fraction = _resident_fraction(fd, start, end - start)
+    if fraction is not None:
+        return fraction >= 0.5
     nowait = getattr(os, "RWF_NOWAIT", None)
     if nowait is None:
         return True  # cannot tell: keep the page cache
     try:
-        os.preadv(fd, [bytearray(1)], offset, nowait)
+        os.preadv(fd, [bytearray(1)], spans[0][0], nowait)
     except BlockingIOError:
         return False
     except OSError:  # the file system does not take the flag
         return True
     return True
+
+
+def _resident_fraction(fd: int, offset: int, length: int) -> float | None:
+    """The fraction of the pages of ``fd`` in [offset, offset + length) that are in the page
+    cache (``offset`` page-aligned), or None when the kernel cannot be asked. Reads nothing.
+    Linux answers truly only for a file the process owns or may write (else it says every page
+    is resident): None for any other."""
+    if (
+        length <= 0
+        or _libc is None
+        or not (os.fstat(fd).st_uid == os.geteuid() or os.access(f"/proc/self/fd/{fd}", os.W_OK))
+    ):
+        return None
+    address = _libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
+    if address is None or address == _MAP_FAILED:
+        return None
+    try:
+        pages = (length + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        residency = ctypes.create_string_buffer(pages)
+        if _libc.mincore(ctypes.c_void_p(address), length, residency) != 0:
+            return None
+        return (pages - residency.raw[:pages].count(0)) / pages
+    finally:
+        _libc.munmap(ctypes.c_void_p(address), length)
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    """libc with the signatures of mmap, munmap and mincore set; None where it has none."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_libc = _load_libc()
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def _open_direct(path: Path, offset: int) -> int | None:

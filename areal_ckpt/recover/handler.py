@@ -104,7 +104,7 @@ class RecoverHandler:
     def preempted(self) -> bool:
         """True once a preemption signal (``recover.preemption_signals``) made the last dump:
         the loop should stop. A loop that reads it is taken to stop by itself, so that dump
-        returns instead of exiting the process (docs/recovery.md, "Preemption"). Local."""
+        returns instead of exiting the process (docs/launching.md). Local."""
         if self._preemption is None:
             return False
         self._preemption.asked = True
