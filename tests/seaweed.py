@@ -88,6 +88,9 @@ class SeaweedServer(ServerProcess):
             f"-filer.port={self.ports['filer']}",
             f"-s3.port={self.ports['s3']}",
             f"-admin.port={self.ports['admin']}",
+            # every test bucket is a collection that grows volumes of its own; left to itself the
+            # count is free disk / 128 MB, which a session's buckets outgrow on a smaller disk
+            "-volume.max=5000",
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
         ]
