@@ -194,8 +194,8 @@ def test_data_files_hold_raw_tensor_bytes_that_our_loader_reads_without_unpickli
     assert torch.equal(setup.model.lm_head.weight, trained.model.lm_head.weight)
 
 
-def test_models_given_to_load_must_match_the_checkpoint(fileroot):
+def test_a_model_given_to_load_that_the_checkpoint_lacks_is_refused(fileroot):
     dump_once(fileroot)
     setup = make_setup()
-    with pytest.raises(ac.CheckpointError, match=r"holds models \['default'\], load was given \['actor', 'ref'\]"):
+    with pytest.raises(ac.CheckpointError, match=r"holds models \['default'\], load was given \['actor', 'ref'\]; it has no actor, ref"):
         ac.RecoverHandler(recover_config(fileroot), SPEC).load({"actor": setup.engine, "ref": setup.engine})

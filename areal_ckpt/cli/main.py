@@ -222,6 +222,12 @@ def cmd_import_areal(args: argparse.Namespace) -> int:
         "note: AReaL's recovery checkpoints hold no LR scheduler state and no RNG streams; a load restores "
         "neither (see docs/migrating.md)"
     )
+    if imported.unpublished:
+        kept = "kept with AReaL's folders" if imported.originals is not None else "removed with AReaL's folders"
+        print(
+            f"note: {', '.join(imported.unpublished)}: newer than the generation AReaL's LATEST names, but never "
+            f"published (a dump cut short); not imported, {kept}"
+        )
     if imported.originals is not None:
         print(f"AReaL's own folders are kept in {imported.originals}; delete it once the job has resumed")
     return 0
@@ -318,8 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     importer = commands.add_parser(
         "import-areal",
         help="convert a trial written by AReaL's RecoverHandler into areal_ckpt's layout, in place",
-        description="Convert the recovery checkpoint AReaL wrote in TRIAL (recover_info/, {name}/recover_checkpoint/) "
-        "into areal_ckpt's layout, atomically; the next start of the job resumes from AReaL's step. "
+        description="Convert the recovery checkpoint AReaL wrote in TRIAL (recover_info/, {name}/recover_checkpoint/; "
+        "or the generation its LATEST names under checkpoint_generations/) into areal_ckpt's layout, atomically; "
+        "the next start of the job resumes from AReaL's step. "
         "AReaL's folders are kept under TRIAL/areal_original/ unless --remove-original.",
     )
     importer.add_argument("trial", help="the trial folder ({fileroot}/checkpoints/{user}/{experiment}/{trial})")

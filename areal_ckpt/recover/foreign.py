@@ -3,8 +3,8 @@
 AReaL keeps its recovery checkpoint in real folders where ours are links (``recover_info/``,
 ``{name}/recover_checkpoint/``), or, in its newer layout, under a ``LATEST`` pointer; a job of
 ours that saw such a trial as empty would start afresh beside the user's checkpoint. These
-read-only checks find them, for a load or a first dump to refuse (and ``import-areal`` to
-convert).
+read-only checks find them, for a load or a first dump to refuse with the way out
+(``areal-ckpt import-areal`` converts either layout).
 """
 
 from __future__ import annotations
@@ -44,21 +44,15 @@ def refuse_foreign_layout(trial: Path) -> None:
     if not found:
         return
     names = ", ".join(str(path.relative_to(trial)) for path in found)
+    layout = " in AReaL's generation layout" if any(path.name in AREAL_GENERATION_LAYOUT for path in found) else ""
     checkpoints = [path for path in found if path.name == RECOVER_CHECKPOINT]
-    salvage = (
+    salvage = (  # in the generation layout the checkpoint is the one LATEST names: the import reads it
         f"; its weights export to an HF folder with `areal-ckpt export {checkpoints[0]} OUT --config-from BASE_MODEL`"
-        if checkpoints
+        if checkpoints and not layout
         else ""
     )
-    if any(path.name in AREAL_GENERATION_LAYOUT for path in found):
-        raise CheckpointError(
-            f"{trial}: holds a recovery checkpoint in AReaL's generation layout ({names}); areal_ckpt "
-            f"cannot resume from or import that layout yet and leaves it untouched. Resume it with AReaL, or "
-            f"start afresh: move that trial folder away (e.g. mv {trial} {trial}.areal) or use "
-            "another trial_name"
-        )
     raise CheckpointError(
-        f"{trial}: holds a recovery checkpoint written by AReaL ({names}); areal_ckpt does "
+        f"{trial}: holds a recovery checkpoint written by AReaL{layout} ({names}); areal_ckpt does "
         f"not resume from it as it is and leaves it untouched. To resume from AReaL's step, convert it "
         f"in place with `areal-ckpt import-areal {trial}`, then start the job again; to start "
         f"afresh, move that trial folder away (e.g. mv {trial} {trial}.areal) or use another "

@@ -77,7 +77,7 @@ def open_committed(
     (:mod:`areal_ckpt.recover.nodes`). Collective: rank 0
     finds it (removing debris), every rank verifies its share and reads its info. Raises
     CheckpointError on every rank when the commit record is broken, the trial holds AReaL's
-    folders, a file is damaged, the models differ from ``models``, the three records of its step
+    folders, a file is damaged, ``models`` names one it does not hold (:func:`check_models`), the three records of its step
     disagree, or a component cannot be restored (``dataloader``: the one the load restores);
     nothing is loaded then."""
     behind = None if local else store.behind
@@ -91,8 +91,7 @@ def open_committed(
         fill_from_peers(store, found)
     manifest = verify_checkpoint(folder, data_on_demand=behind is not None)
     fetch = None if behind is None else OnDemandFiles(behind.files_of(found), folder, manifest["files"]).ensure
-    if models != manifest["models"]:
-        raise CheckpointError(f"{folder}: checkpoint holds models {manifest['models']}, load was given {models}")
+    check_models(folder, manifest["models"], models)
     info = read_recover_info(
         folder / RECOVER_INFO, dist.rank(), dist.world_size(), manifest["world_size"], on_world_size_change
     )
@@ -100,6 +99,28 @@ def open_committed(
     check_restorable(info, dataloader)  # before any weight is loaded: a failed load changes nothing
     warn_if_numerics_changed(str(folder), manifest, dist.rank())
     return found, manifest, info, fetch
+
+
+def check_models(folder: Path, held: list[str], given: list[str]) -> None:
+    """Raise CheckpointError unless every model a load was ``given`` is ``held`` by the
+    checkpoint in ``folder``. A load given only some of them (AReaL's RL trainer dumps actor
+    and critic and loads the actor) loads those; the others keep the state they have, said in
+    a warning on rank 0 naming them. Pure, the same on every rank."""
+    lacking = sorted(set(given) - set(held))
+    if lacking:
+        raise CheckpointError(
+            f"{folder}: checkpoint holds models {held}, load was given {given}; it has no {', '.join(lacking)}"
+        )
+    left = sorted(set(held) - set(given))
+    if left and dist.rank() == 0:
+        logger.warning(
+            "%s: holds models %s; this load was given %s only, so %s keep(s) the state they have now "
+            "(pass every engine to load to restore them all)",
+            folder,
+            held,
+            given,
+            ", ".join(left),
+        )
 
 
 def check_one_step(folder: Path, manifest: dict[str, Any], info: RecoverInfo) -> None:

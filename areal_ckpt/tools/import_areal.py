@@ -2,11 +2,13 @@
 
 AReaL leaves ``{trial}/recover_info/`` (JSON files and a pickled ``dataloader_info.pkl``) and
 one stock DCP folder ``{trial}/{name}/recover_checkpoint/`` per model (an FSDP engine's
-``dcp.save({"dcp": DCPState(model, optimizer)})``). The import reads all of it first, without
+``dcp.save({"dcp": DCPState(model, optimizer)})``), or the same files in the generation that
+its ``LATEST`` names (:mod:`areal_ckpt.tools.areal_layout`). The import reads all of it first, without
 running anything from it (DCP metadata and the pickle through allow-listed unpicklers, tensor
 records through ``torch.load(weights_only=True)``), writes one recovery generation of ours
 beside it, and commits that generation with the usual atomic pointer switch. Only then are
-AReaL's folders moved under ``{trial}/areal_original/`` (or removed on request) and our links
+AReaL's folders (``LATEST`` and ``checkpoint_generations/`` too) moved under
+``{trial}/areal_original/`` (or removed on request) and our links
 put in their place. A failure before the commit leaves the trial as it was; an interruption
 after it is finished by running the import again (a load refuses the trial until then).
 
@@ -26,7 +28,7 @@ import math
 import shutil
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +50,6 @@ from areal_ckpt.paths import (
     ENGINE_STATE_FILE,
     GLOBAL_FILES,
     HF_FILES,
-    RECOVER_CHECKPOINT,
     RECOVER_INFO,
     RECOVER_MANIFEST,
     STEP_FILE,
@@ -57,7 +58,7 @@ from areal_ckpt.paths import (
     recover_info_link,
 )
 from areal_ckpt.publish import check_files, read_manifest, switch_symlink, write_manifest
-from areal_ckpt.recover.foreign import AREAL_GENERATION_LAYOUT, foreign_recovery_layout
+from areal_ckpt.recover.foreign import foreign_recovery_layout
 from areal_ckpt.recover.repoint import missing_parts
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.write import dump_header
@@ -65,6 +66,7 @@ from areal_ckpt.schedule import schedule_state
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.plain_pickle import load_plain_pickle
 from areal_ckpt.step import StepInfo
+from areal_ckpt.tools.areal_layout import areal_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -78,13 +80,16 @@ _MODEL, _STATE, _GROUPS = "dcp.model.", "dcp.optim.state.", "dcp.optim.param_gro
 @dataclass(frozen=True)
 class ImportedTrial:
     """What :func:`import_areal_trial` made: the committed generation, the step it resumes
-    after, its models, the number of ranks AReaL ran with, and where the originals went."""
+    after, its models, the number of ranks AReaL ran with, where the originals went, and the
+    names of AReaL's generations newer than its LATEST that were never published (not imported;
+    kept with the originals unless those were removed)."""
 
     generation: Path
     step_info: StepInfo
     models: list[str]
     world_size: int
     originals: Path | None
+    unpublished: list[str] = field(default_factory=list)
 
 
 def import_areal_trial(trial: Path, config_from: Path | None = None, remove_original: bool = False) -> ImportedTrial:
@@ -116,24 +121,19 @@ def import_areal_trial(trial: Path, config_from: Path | None = None, remove_orig
                 f"{store.path(committed)}: the trial already holds areal_ckpt's recovery "
                 "checkpoints; there is nothing to import"
             )
-        if any(path.name in AREAL_GENERATION_LAYOUT for path in found):
-            raise CheckpointError(
-                f"{trial}: holds AReaL's generation layout ({', '.join(AREAL_GENERATION_LAYOUT)}), which cannot be "
-                "imported yet; nothing was changed"
-            )
-        info = recover_info_link(trial)
-        if info not in found:
-            raise CheckpointError(f"{info}: missing; {trial} holds no recovery checkpoint written by AReaL")
-        models = sorted(path.parent.name for path in found if path.name == RECOVER_CHECKPOINT)
-        if not models:
-            raise CheckpointError(f"{trial}: holds AReaL's recover_info/ but no {{name}}/{RECOVER_CHECKPOINT}/")
+        source = areal_checkpoint(store.trial, found)
         _moves(store, found)  # where AReaL's folders go is checked before anything is written
-        step_info, files, world_size = _read_recover_info(info, models)
-        sources = {name: trial / name / RECOVER_CHECKPOINT for name in models}
+        step_info, files, world_size = _read_recover_info(source.info, sorted(source.payloads))
+        if source.published_step is not None and source.published_step != step_info.global_step:
+            raise CheckpointError(
+                f"{source.info / STEP_FILE}: global step {step_info.global_step}, but AReaL's LATEST names step "
+                f"{source.published_step}; nothing was imported"
+            )
+        sources = source.payloads
         for folder in sources.values():  # every check that needs no tensor, before anything is written
             _stored_tensors(folder)
         store.remove_debris(keep=None)
-        generation = store.create(step_info.global_step, models)
+        generation = store.create(step_info.global_step, sorted(sources))
         try:
             header = _write(store.path(generation), step_info, files, sources, config_from, world_size)
             write_manifest(store.path(generation), RECOVER_MANIFEST, {}, header)  # checksums every file
@@ -144,7 +144,7 @@ def import_areal_trial(trial: Path, config_from: Path | None = None, remove_orig
             with contextlib.suppress(OSError):
                 store.root.rmdir()  # only when the import created it: it is empty then
             raise
-        return _finish(store, generation, header, remove_original)
+        return _finish(store, generation, header, remove_original, source.unpublished)
     finally:
         release_trial_lock(trial)
 
@@ -360,7 +360,13 @@ def _moves(store: RecoverStore, found: list[Path]) -> dict[Path, Path]:
     return moves
 
 
-def _finish(store: RecoverStore, generation: str, header: dict[str, Any], remove_original: bool) -> ImportedTrial:
+def _finish(
+    store: RecoverStore,
+    generation: str,
+    header: dict[str, Any],
+    remove_original: bool,
+    unpublished: list[Path] | None = None,
+) -> ImportedTrial:
     """After the commit: move AReaL's folders away (or remove them), then put our links."""
     originals = store.trial / ORIGINALS
     for path, target in _moves(store, foreign_recovery_layout(store.trial)).items():
@@ -385,4 +391,5 @@ def _finish(store: RecoverStore, generation: str, header: dict[str, Any], remove
         models=models,
         world_size=int(header["world_size"]),
         originals=None if remove_original or not originals.exists() else originals,
+        unpublished=[path.name for path in unpublished or []],
     )
