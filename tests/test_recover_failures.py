@@ -197,5 +197,7 @@ def test_data_files_hold_raw_tensor_bytes_that_our_loader_reads_without_unpickli
 def test_a_model_given_to_load_that_the_checkpoint_lacks_is_refused(fileroot):
     dump_once(fileroot)
     setup = make_setup()
-    with pytest.raises(ac.CheckpointError, match=r"holds models \['default'\], load was given \['actor', 'ref'\]; it has no actor, ref"):
+    with pytest.raises(
+        ac.CheckpointError, match=r"holds models \['default'\], load was given \['actor', 'ref'\]; it has no actor, ref"
+    ):
         ac.RecoverHandler(recover_config(fileroot), SPEC).load({"actor": setup.engine, "ref": setup.engine})
