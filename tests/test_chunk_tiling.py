@@ -8,9 +8,10 @@ import pickle
 
 import pytest
 import torch
+from areal_trials import snapshot
 from recover_fixtures import committed_generation, dump_once, make_setup
 from test_forged import edit_json, forget_index, load_into_fresh
-from test_import_areal import _snapshot, areal_trial  # noqa: F401  (a fixture)
+from test_import_areal import areal_trial  # noqa: F401  (a fixture)
 from test_stock_dcp import LAYOUTS, _stock_save
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
 
@@ -99,11 +100,11 @@ def test_a_stock_dcp_export_refuses_chunks_that_do_not_tile(tmp_path, capsys, fo
 @pytest.mark.parametrize("forgery", sorted(FORGERIES))
 def test_an_areal_import_refuses_chunks_that_do_not_tile_and_changes_nothing(areal_trial, capsys, forgery):  # noqa: F811
     chunks, message, _ = FORGERIES[forgery]
-    trial, _ = areal_trial
-    folder = trial / "default/recover_checkpoint"
+    trial = areal_trial.path
+    folder = areal_trial.payload()
     _forge_stock(folder, "dcp.model.lm_head.weight", chunks)
-    before = _snapshot(trial)
+    before = snapshot(trial)
     assert cli_main(["import-areal", str(trial)]) == 2
     error = capsys.readouterr().err
     assert f"{folder / '.metadata'}: dcp.model.lm_head.weight: " in error and message in error, error
-    assert _snapshot(trial) == before and not (trial / ".recover").exists()
+    assert snapshot(trial) == before and not (trial / ".recover").exists()

@@ -28,8 +28,9 @@ from areal_trials import (
     run,
     snapshot,
     write_areal_trial,
+    write_recover_info,
 )
-from recover_fixtures import SPEC, make_setup, recover_config, trial_dir
+from recover_fixtures import SPEC, dump_once, make_setup, recover_config, step_info, trial_dir
 from test_dcp_interop import _assert_bitwise
 
 import areal_ckpt as ac
@@ -80,12 +81,51 @@ def test_an_imported_areal_trial_resumes_with_the_same_state_and_data(fileroot, 
     saver.finalize()
 
 
-def test_import_with_remove_original_leaves_only_our_layout(areal_trial):
+def test_import_with_remove_original_leaves_only_our_layout(areal_trial, capsys):
     trial = areal_trial.path
     assert cli_main(["import-areal", str(trial), "--remove-original"]) == 0
     assert not (trial / "areal_original").exists()
     assert cli_main(["verify", str(trial)]) == 0
-    assert cli_main(["import-areal", str(trial)]) == 2  # nothing left to import
+    before = snapshot(trial)
+    assert cli_main(["import-areal", str(trial)]) == 0  # a re-run: nothing to import, nothing changed
+    assert "nothing to import: it holds areal_ckpt's checkpoint gen-" in capsys.readouterr().out
+    assert snapshot(trial) == before
+
+
+def test_a_rerun_after_training_on_changes_nothing_and_removes_the_originals_only_when_asked(
+    fileroot, areal_trial, capsys
+):
+    """A launch script may run the import before every start of the job."""
+    trial = areal_trial.path
+    assert cli_main(["import-areal", str(trial)]) == 0
+    setup = make_setup(seed=1)
+    handler = ac.RecoverHandler(recover_config(fileroot), SPEC)
+    handler.load(setup.engine)
+    assert handler.dump(setup.engine, step_info(DUMP_AFTER + 1), force=True)
+    handler.close()
+    committed = (trial / ".recover/current").readlink().name
+    before = snapshot(trial)
+    capsys.readouterr()
+    assert cli_main(["import-areal", str(trial)]) == 0
+    out = capsys.readouterr().out
+    assert f"nothing to import: it holds areal_ckpt's checkpoint {committed} (global step 5) already" in out
+    assert f"AReaL's own folders are kept in {trial / 'areal_original'}" in out
+    assert snapshot(trial) == before
+    assert cli_main(["import-areal", str(trial), "--remove-original"]) == 0
+    assert not (trial / "areal_original").exists() and (trial / ".recover/current").readlink().name == committed
+    assert ac.RecoverHandler(recover_config(fileroot), SPEC).load(setup.engine).last_step_info.global_step == 5
+
+
+def test_our_checkpoints_beside_areals_folders_are_refused_by_name(fileroot, capsys):
+    trial = trial_dir(fileroot)
+    dump_once(fileroot)
+    (trial / "recover_info").unlink()
+    write_recover_info(trial / "recover_info", loader(), Counter())  # AReaL's folder where our link was
+    before = snapshot(trial)
+    assert cli_main(["import-areal", str(trial)]) == 2
+    error = capsys.readouterr().err
+    assert "holds areal_ckpt's recovery checkpoints and also AReaL's folders (recover_info)" in error
+    assert snapshot(trial) == before
 
 
 def test_an_interrupted_import_is_refused_until_the_import_is_run_again(fileroot, areal_trial, monkeypatch):

@@ -213,6 +213,14 @@ def cmd_import_areal(args: argparse.Namespace) -> int:
         remove_original=args.remove_original,
     )
     step = imported.step_info
+    if not imported.imported_now:
+        print(
+            f"OK   {args.trial}: nothing to import: it holds areal_ckpt's checkpoint {imported.generation.name} "
+            f"(global step {step.global_step}) already"
+        )
+        if imported.originals is not None:
+            print(f"AReaL's own folders are kept in {imported.originals}; delete it once the job has resumed")
+        return 0
     print(
         f"OK   {args.trial}: AReaL's checkpoint after global step {step.global_step} (epoch {step.epoch}, step "
         f"{step.epoch_step}) of {', '.join(imported.models)} on {imported.world_size} rank(s) is now "
