@@ -27,6 +27,7 @@ import time
 import warnings
 from pathlib import Path
 
+import bench_peers
 import torch
 from common import machine_description, model_of_size, scratch_folder, state_bytes
 
@@ -171,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=None, help="write the Markdown report here")
+    parser.add_argument(
+        "--peer-rounds", type=int, default=7, help="rounds of the comparison with torch's async_save (0: skip it)"
+    )
     args = parser.parse_args(argv)
     workdir = scratch_folder("bench-async-")
     try:
@@ -178,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     text = report(results, machine_description(), getattr(torch, args.dtype))
+    if args.peer_rounds:
+        text += "\n## Beside torch's own async save and load\n\n" + bench_peers.measure(args.peer_rounds) + "\n"
     print(text)
     if args.out:
         Path(args.out).write_text(

@@ -35,10 +35,7 @@ from areal_ckpt.urls import ObjectURL
 logger = logging.getLogger(__name__)
 
 _RETRY_SECONDS = 30.0
-
-
-def _log_retry(error: Exception) -> None:
-    logger.warning("Google Cloud Storage did not answer (%s); trying again for up to %.0f s", error, _RETRY_SECONDS)
+_RETRY_TIMEOUTS = 4  # as the other clients: four more request timeouts at most
 
 
 def _transient(error: Exception) -> bool:
@@ -47,14 +44,19 @@ def _transient(error: Exception) -> bool:
     return bool(google.api_core.retry.if_transient_error(error)) or isinstance(error, requests.exceptions.Timeout)
 
 
-#: Every call's retry of transient failures: bounded (30 s in all), each try logged.
-_RETRY = google.api_core.retry.Retry(
-    predicate=_transient,
-    initial=0.5,
-    maximum=8.0,
-    timeout=_RETRY_SECONDS,
-    on_error=_log_retry,
-)
+def _retry(request_seconds: float) -> google.api_core.retry.Retry:
+    """Every call's retry of transient failures, each try logged: for up to 30 s, or four request
+    timeouts when those are shorter (a store set to wait briefly gives up as briefly)."""
+    seconds = min(_RETRY_SECONDS, _RETRY_TIMEOUTS * request_seconds)
+
+    def log_retry(error: Exception) -> None:
+        logger.warning("Google Cloud Storage did not answer (%s); trying again for up to %.1f s", error, seconds)
+
+    return google.api_core.retry.Retry(
+        predicate=_transient, initial=0.5, maximum=8.0, timeout=seconds, on_error=log_retry
+    )
+
+
 _CREDENTIALS_HINT = (
     "set GOOGLE_APPLICATION_CREDENTIALS to a service-account key file (or STORAGE_EMULATOR_HOST for an emulator)"
 )
@@ -72,6 +74,7 @@ class GCSStore:
         self._bucket: storage.Bucket | None = None
         self._lock = threading.Lock()
         self._timeout = (10.0, request_timeout())  # connect, read (seconds)
+        self._retry = _retry(self._timeout[1])
 
     def bucket(self) -> storage.Bucket:
         """The SDK's bucket object, its client made on first use; CheckpointError naming the
@@ -93,7 +96,7 @@ class GCSStore:
             bucket = self.bucket()
             list(
                 bucket.client.list_blobs(
-                    bucket, prefix=self.url.key(), max_results=1, timeout=self._timeout, retry=_RETRY
+                    bucket, prefix=self.url.key(), max_results=1, timeout=self._timeout, retry=self._retry
                 )
             )
 
@@ -101,7 +104,7 @@ class GCSStore:
         """Upload ``path`` as ``key`` (a resumable upload past 8 MiB: the object appears when it
         is finished). Blocking."""
         with self._translated("upload", key, bucket_level=True):
-            self.bucket().blob(key).upload_from_filename(str(path), timeout=self._timeout, retry=_RETRY)
+            self.bucket().blob(key).upload_from_filename(str(path), timeout=self._timeout, retry=self._retry)
 
     def put_bytes(self, key: str, data: bytes, create_only: bool = False) -> bool:
         """One upload of ``data``; with ``create_only`` conditional on no object having ``key``
@@ -109,7 +112,7 @@ class GCSStore:
         condition: dict[str, Any] = {"if_generation_match": 0} if create_only else {}
         try:
             with self._translated("write", key, bucket_level=True, passes=(google_errors.PreconditionFailed,)):
-                self.bucket().blob(key).upload_from_string(data, timeout=self._timeout, retry=_RETRY, **condition)
+                self.bucket().blob(key).upload_from_string(data, timeout=self._timeout, retry=self._retry, **condition)
         except google_errors.PreconditionFailed:
             return False
         return True
@@ -125,7 +128,7 @@ class GCSStore:
         def read() -> bytes | None:
             try:
                 with self._translated("read", key, passes=(google_errors.NotFound,)):
-                    return bytes(self.bucket().blob(key).download_as_bytes(timeout=self._timeout, retry=_RETRY))
+                    return bytes(self.bucket().blob(key).download_as_bytes(timeout=self._timeout, retry=self._retry))
             except google_errors.NotFound:
                 self._require_bucket("read", key)
                 return None
@@ -139,7 +142,9 @@ class GCSStore:
             with self._translated("read", key):
                 blob = self.bucket().blob(key)
                 return bytes(
-                    blob.download_as_bytes(start=start, end=start + length - 1, timeout=self._timeout, retry=_RETRY)
+                    blob.download_as_bytes(
+                        start=start, end=start + length - 1, timeout=self._timeout, retry=self._retry
+                    )
                 )
 
         return patiently(read)
@@ -150,7 +155,7 @@ class GCSStore:
 
         def read() -> None:
             with self._translated("download", key):
-                self.bucket().blob(key).download_to_filename(str(path), timeout=self._timeout, retry=_RETRY)
+                self.bucket().blob(key).download_to_filename(str(path), timeout=self._timeout, retry=self._retry)
 
         patiently(read)
 
@@ -162,7 +167,9 @@ class GCSStore:
                 bucket = self.bucket()
                 return [
                     ObjectInfo(blob.name, int(blob.size or 0), blob.updated.timestamp() if blob.updated else 0.0)
-                    for blob in bucket.client.list_blobs(bucket, prefix=prefix, timeout=self._timeout, retry=_RETRY)
+                    for blob in bucket.client.list_blobs(
+                        bucket, prefix=prefix, timeout=self._timeout, retry=self._retry
+                    )
                 ]
 
         return patiently(read)
@@ -172,7 +179,7 @@ class GCSStore:
         for key in keys:
             try:
                 with self._translated("delete", key, passes=(google_errors.NotFound,)):
-                    self.bucket().blob(key).delete(timeout=self._timeout, retry=_RETRY)
+                    self.bucket().blob(key).delete(timeout=self._timeout, retry=self._retry)
             except google_errors.NotFound:
                 pass
 
@@ -185,7 +192,7 @@ class GCSStore:
         """CheckpointError naming the bucket when it does not exist (a missing object and a
         missing bucket both answer 404)."""
         try:
-            exists = self.bucket().exists(timeout=self._timeout, retry=_RETRY)
+            exists = self.bucket().exists(timeout=self._timeout, retry=self._retry)
         except (google_errors.GoogleAPIError, requests.exceptions.RequestException):
             return
         if not exists:
@@ -301,7 +308,11 @@ class GCSObjectWriter:
             with self._store._translated("upload", self._key, bucket_level=True):
                 blob = self._store.bucket().blob(self._key)
                 with blob.open(
-                    "wb", chunk_size=PART_BYTES, ignore_flush=True, timeout=self._store._timeout, retry=_RETRY
+                    "wb",
+                    chunk_size=PART_BYTES,
+                    ignore_flush=True,
+                    timeout=self._store._timeout,
+                    retry=self._store._retry,
                 ) as upload:
                     while (piece := self._next_piece()) is not _DONE:
                         upload.write(piece)
