@@ -289,7 +289,9 @@ class RecoverHandler:
         every rank calls it before training. Returns None when mode is off or the trial has no
         checkpoint. A checkpoint that exists but cannot be loaded raises CheckpointError naming
         the file and cause; nothing is deleted or overwritten then. A trial holding AReaL's own
-        recovery folders is refused, untouched.
+        recovery folders is refused, untouched. ``engine`` may name fewer models than the
+        checkpoint holds (AReaL's RL trainer loads the actor of an actor + critic dump): those
+        are loaded, the others named in a warning; a model the checkpoint lacks is refused.
 
         With ``inference_engine`` (an RL trainer's rollout server) the recovered weights are
         pushed to it as AReaL does, through the objects' own methods: the engine named
