@@ -44,8 +44,12 @@ AZURITE := $(VENV)/azurite/node_modules/.bin/azurite-blob
 $(AZURITE): | $(STAMP)
 	npm install --silent --prefix $(VENV)/azurite azurite@3.37.0 --no-audit --no-fund
 
+# The suite runs in two pytest workers (many tests wait on subprocesses and servers);
+# PYTEST_WORKERS=0 runs it in this process.
+PYTEST_WORKERS ?= 2
+
 test: $(SYSTEM) $(STAMP) $(AZURITE)  # system packages first: the environment's op build needs libaio
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # ruff (lint rules and formatting) on the code, tests and benchmarks; mypy --strict on the package
 lint: $(STAMP)

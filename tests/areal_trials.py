@@ -10,7 +10,7 @@ import json
 import os
 import pickle
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -131,11 +131,13 @@ def publish_latest(trial: Path, global_step: int, engines: list[str]) -> None:
 @dataclass
 class AReaLTrial:
     """An AReaL trial after global step DUMP_AFTER and the uninterrupted run's final states
-    (one per engine), with where its recover info and each engine's payload lie."""
+    (one per engine), each model's weights as dumped, and where its recover info and each
+    engine's payload lie."""
 
     path: Path
     layout: str
     want: dict[str, dict[str, torch.Tensor]]
+    dumped: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # each model's weights as dumped
 
     @property
     def info(self) -> Path:
@@ -170,6 +172,7 @@ def write_areal_trial(trial: Path, layout: str, engines: dict[str, Setup]) -> AR
     write_recover_info(areal.info, data, stats)
     for name, setup in engines.items():
         write_payload(areal.payload(name), setup)
+        areal.dumped[name] = {key: value.clone() for key, value in setup.model.state_dict().items()}
     if layout == GENERATIONS:
         publish_latest(trial, DUMP_AFTER, list(engines))
     run(DUMP_AFTER + 1, STEPS - 1, setups, data, batches)

@@ -182,3 +182,29 @@ def own_s3_server(tmp_path, monkeypatch):
         monkeypatch.setenv(variable, value)
     yield server
     server.stop()
+
+
+#: The stores whose test server keeps what it acknowledged across a SIGKILL. Azurite is not one:
+#: it holds its blob index in memory and saves it now and then, so after a kill it forgets
+#: containers and commits it had acknowledged (seen here: "container ... does not exist").
+CRASH_DURABLE_SERVERS = ("gs", "s3")
+
+
+@pytest.fixture(params=CRASH_DURABLE_SERVERS)
+def own_object_server(request, tmp_path, monkeypatch):
+    """A server of this test's own for each store whose test server survives a SIGKILL
+    (:data:`CRASH_DURABLE_SERVERS`; ``.scheme`` says which), which it may kill and start again
+    (the same port and data folder); its client settings in this process's environment, and
+    requests that wait 2 s for an answer (so retries against a killed server end within seconds)."""
+    from cloud_emulators import FakeGCSServer
+    from seaweed import SeaweedServer
+
+    kinds = {"s3": SeaweedServer, "gs": FakeGCSServer}
+    server = kinds[request.param](tmp_path / "own-server")
+    server.scheme = request.param
+    server.start()
+    for variable, value in server.environment().items():
+        monkeypatch.setenv(variable, value)
+    monkeypatch.setenv("AREAL_CKPT_STORAGE_TIMEOUT", "2")
+    yield server
+    server.stop()

@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import boto3
 import botocore.config
@@ -154,13 +155,17 @@ class SeaweedServer(ServerProcess):
         self.client().create_bucket(Bucket=name)
 
 
-def kill_at_next_upload(server: SeaweedServer, monkeypatch, streamed: bool = True) -> Callable[[], None]:  # type: ignore[no-untyped-def]
+def kill_at_next_upload(server: Any, monkeypatch, streamed: bool = True) -> Callable[[], None]:  # type: ignore[no-untyped-def]
     """Make the next file upload of areal_ckpt (a whole file, or, unless not ``streamed``, one
-    written straight from memory) SIGKILL ``server`` before it starts (the event a fault test
-    waits for); returns the function that puts uploads back as they were."""
+    written straight from memory) SIGKILL ``server`` (SeaweedFS, or an emulator whose
+    ``.scheme`` names its store) before it starts (the event a fault test waits for); returns
+    the function that puts uploads back as they were."""
+    from areal_ckpt.storage.azure import AzureStore
+    from areal_ckpt.storage.gcs import GCSStore
     from areal_ckpt.storage.s3 import S3Store
 
-    real_put, real_writer = S3Store.put_file, S3Store.open_writer
+    store = {"s3": S3Store, "gs": GCSStore, "az": AzureStore}[getattr(server, "scheme", "s3")]
+    real_put, real_writer = store.put_file, store.open_writer
 
     def put_after_killing(self, key, path):  # type: ignore[no-untyped-def]
         server.kill()
@@ -170,12 +175,12 @@ def kill_at_next_upload(server: SeaweedServer, monkeypatch, streamed: bool = Tru
         server.kill()
         return real_writer(self, key)
 
-    monkeypatch.setattr(S3Store, "put_file", put_after_killing)
+    monkeypatch.setattr(store, "put_file", put_after_killing)
     if streamed:
-        monkeypatch.setattr(S3Store, "open_writer", writer_after_killing)
+        monkeypatch.setattr(store, "open_writer", writer_after_killing)
 
     def restore() -> None:
-        monkeypatch.setattr(S3Store, "put_file", real_put)
-        monkeypatch.setattr(S3Store, "open_writer", real_writer)
+        monkeypatch.setattr(store, "put_file", real_put)
+        monkeypatch.setattr(store, "open_writer", real_writer)
 
     return restore

@@ -72,27 +72,26 @@ def test_tags_and_latest_on_the_bucket_load_bit_exact(object_server, object_buck
     assert_same_training_state(setup, again)
 
 
-def test_a_server_killed_mid_save_leaves_the_previous_tag_and_latest(own_s3_server, tmp_path, monkeypatch):
+def test_a_server_killed_mid_save_leaves_the_previous_tag_and_latest(own_object_server, tmp_path, monkeypatch):
     (tmp_path / "node").mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp_path / "node"))
     monkeypatch.setattr(tempfile, "tempdir", None)
-    server = own_s3_server
+    server = own_object_server
     server.make_bucket("killed")
+    bucket = f"{server.scheme}://killed"
     setup = make_setup()
     train_step(setup, 0)
-    ac.save_checkpoint(setup.engine, "s3://killed/ds", tag="good")
+    ac.save_checkpoint(setup.engine, f"{bucket}/ds", tag="good")
     saved = {name: tensor.clone() for name, tensor in setup.model.state_dict().items()}
     train_step(setup, 1)
     restore = kill_at_next_upload(server, monkeypatch)  # the event: the next save's first upload starts
-    with pytest.raises(
-        ac.CheckpointError, match=r"s3://killed/ds/bad: checkpoint not saved .*cannot upload s3://killed"
-    ):
-        ac.save_checkpoint(setup.engine, "s3://killed/ds", tag="bad")
+    with pytest.raises(ac.CheckpointError, match=rf"{bucket}/ds/bad: checkpoint not saved .*cannot upload {bucket}"):
+        ac.save_checkpoint(setup.engine, f"{bucket}/ds", tag="bad")
     restore()
     server.start()
-    assert list(keys_under("s3://killed", "ds/.commits/")) == ["ds/.commits/000000000001.json"]
+    assert list(keys_under(bucket, "ds/.commits/")) == ["ds/.commits/000000000001.json"]
     fresh = make_setup(seed=2)
-    assert ac.load_checkpoint(fresh.engine, "s3://killed/ds")[0] == "s3://killed/ds/good"
+    assert ac.load_checkpoint(fresh.engine, f"{bucket}/ds")[0] == f"{bucket}/ds/good"
     for name, tensor in saved.items():
         assert torch.equal(fresh.model.state_dict()[name], tensor), name
 

@@ -141,30 +141,31 @@ def test_async_export_to_object_storage_equals_the_sync_one(object_server, objec
     assert sync.keys() == asyn.keys() and all(torch.equal(sync[k], asyn[k]) for k in sync)
 
 
-def test_server_killed_before_an_upload_keeps_the_previous_export(own_s3_server, tmp_path, make_model, monkeypatch):
-    server = own_s3_server
+def test_server_killed_before_an_upload_keeps_the_previous_export(own_object_server, tmp_path, make_model, monkeypatch):
+    server = own_object_server
     server.make_bucket("killed")
-    saver = s3_saver("s3://killed", tmp_path)
+    bucket = f"{server.scheme}://killed"
+    saver = s3_saver(bucket, tmp_path)
     engine = ac.TorchEngine(make_model())
     first = saver.save(engine, 0, 1, 1, force=True)
     restore = kill_at_next_upload(server, monkeypatch)  # the event: the second export's first upload starts
-    random.seed(7)  # botocore's retries draw their jitter from the loop's stream: the export leaves it alone
+    random.seed(7)  # the clients' retries draw their jitter from the loop's stream: the export leaves it alone
     with pytest.raises(ac.CheckpointError, match=r"export failed \(nothing was published\)"):
         saver.save(engine, 0, 2, 2, force=True)
     assert random.random() == random.Random(7).random()
     restore()
     saver.finalize()
     server.start()  # the same data folder and ports: the server came back
-    keys = keys_under("s3://killed", f"{TRIAL}/default/")
+    keys = keys_under(bucket, f"{TRIAL}/default/")
     assert [key for key in keys if "/.commits/" in key] == [f"{TRIAL}/default/.commits/000000000001.json"]
-    intact = download_export("s3://killed/" + TRIAL + "/default", tmp_path / "intact")
+    intact = download_export(f"{bucket}/" + TRIAL + "/default", tmp_path / "intact")
     assert json.loads((intact / "areal_ckpt_manifest.json").read_text())["step"]["global_step"] == 1
     assert first.endswith("globalstep1")
-    s3_saver("s3://killed", tmp_path).finalize()  # so young a claim may be a live writer's: kept
-    assert any(key.endswith("/.claims/epoch0epochstep2globalstep2") for key in keys_under("s3://killed", TRIAL))
+    s3_saver(bucket, tmp_path).finalize()  # so young a claim may be a live writer's: kept
+    assert any(key.endswith("/.claims/epoch0epochstep2globalstep2") for key in keys_under(bucket, TRIAL))
     monkeypatch.setattr(commits, "CLAIM_SECONDS", 0.0)  # as if an hour had passed
-    s3_saver("s3://killed", tmp_path).finalize()  # a new job removes what the failed one left
-    assert all("globalstep1" in key or "/.commits/" in key for key in keys_under("s3://killed", f"{TRIAL}/"))
+    s3_saver(bucket, tmp_path).finalize()  # a new job removes what the failed one left
+    assert all("globalstep1" in key or "/.commits/" in key for key in keys_under(bucket, f"{TRIAL}/"))
 
 
 def test_ctrl_c_during_an_upload_commits_nothing_and_stays_an_interrupt(

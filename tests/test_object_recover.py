@@ -106,11 +106,14 @@ def test_two_ranks_on_two_disks_dump_to_object_storage_and_resume_bit_exact(
 
 
 @pytest.mark.parametrize("event", ["data file streamed while written", "upload after the local commit"])
-def test_a_server_killed_during_a_dump_leaves_the_previous_one_committed(own_s3_server, tmp_path, monkeypatch, event):
-    server = own_s3_server
+def test_a_server_killed_during_a_dump_leaves_the_previous_one_committed(
+    own_object_server, tmp_path, monkeypatch, event
+):
+    server = own_object_server
     server.make_bucket("killed-dump")
+    bucket = f"{server.scheme}://killed-dump"
     setup = make_setup()
-    handler = ac.RecoverHandler(s3_config("s3://killed-dump", tmp_path / "disk", write_retries=1), SPEC)
+    handler = ac.RecoverHandler(s3_config(bucket, tmp_path / "disk", write_retries=1), SPEC)
     train_step(setup, 0)
     handler.dump(setup.engine, step_info(0), force=True)
     streamed = event == "data file streamed while written"
@@ -118,7 +121,7 @@ def test_a_server_killed_during_a_dump_leaves_the_previous_one_committed(own_s3_
     train_step(setup, 1)
     started = time.monotonic()
     if streamed:  # the dump fails while writing: not even the staging copy commits it
-        failed = r"recovery dump at global step 1 failed after 2 attempts: .*cannot upload s3://killed-dump/\S+/__0_0"
+        failed = rf"recovery dump at global step 1 failed after 2 attempts: .*cannot upload {bucket}/\S+/__0_0"
     else:  # the staging copy committed it; the bucket did not
         failed = r"upload of the recovery dump at global step 1 \(committed in \S+ only\) failed after 2 attempts: "
     with pytest.raises(ac.CheckpointError, match=failed + r".*the server did not answer.*the previous checkpoint is"):
@@ -127,9 +130,9 @@ def test_a_server_killed_during_a_dump_leaves_the_previous_one_committed(own_s3_
     restore()
     handler.close()
     server.start()
-    assert [record["global_step"] for record in commit_records("s3://killed-dump", TRIAL)] == [0]
+    assert [record["global_step"] for record in commit_records(bucket, TRIAL)] == [0]
     fresh = make_setup(seed=1)
-    resumed = ac.RecoverHandler(s3_config("s3://killed-dump", tmp_path / "other-disk"), SPEC)
+    resumed = ac.RecoverHandler(s3_config(bucket, tmp_path / "other-disk"), SPEC)
     info = resumed.load(fresh.engine)
     assert info is not None and info.last_step_info.global_step == 0
     resumed.close()

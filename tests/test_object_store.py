@@ -98,6 +98,7 @@ def test_a_missing_bucket_is_named(object_server, monkeypatch):
 
 
 def test_a_server_that_does_not_answer_is_a_transient_error_naming_the_url(object_server, monkeypatch):
+    monkeypatch.setenv("AREAL_CKPT_STORAGE_TIMEOUT", "1")  # GCS then retries for 4 s, not 30
     for variable, value in object_server.environment().items():
         monkeypatch.setenv(variable, value.replace(str(object_server.endpoint).rsplit(":", 1)[1], "9"))
     url = parse_object_url(f"{object_server.scheme}://some-bucket/x", "test")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from areal_trials import DUMP_AFTER, LAYOUTS, write_areal_trial
 from crashfs import MODELS, Mounted, mark_returned
 from distributed import run_distributed
 from recover_fixtures import SPEC, make_setup, recover_config, step_info, train_step
@@ -147,19 +148,17 @@ def test_deepspeed_shaped_tags_and_latest_survive_a_power_cut_at_every_point(cra
     assert _check_every_state(crashfs, tmp_path, check) > 10
 
 
-def test_import_areal_survives_a_power_cut_at_every_point(tmp_path):
-    """An AReaL trial on disk, imported in place: after any cut the trial holds AReaL's own
-    layout (refused with the import hint, which then succeeds) or the import, and either way
-    the job resumes with AReaL's weights. Never a trial that loads nothing or other weights."""
-    from test_import_areal import DUMP_AFTER, _loader, _run, _write_areal_trial
-
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_import_areal_survives_a_power_cut_at_every_point(tmp_path, layout):
+    """An AReaL trial on disk (in place, or in its generation layout under LATEST), imported in
+    place: after any cut the trial holds AReaL's own layout (refused with the import hint, which
+    then succeeds) or the import, and either way the job resumes with AReaL's weights. Never a
+    trial that loads nothing or other weights."""
     from areal_ckpt.tools.import_areal import import_areal_trial
 
     backing = tmp_path / "fs/backing"
-    reference, loader = make_setup(), _loader()
-    _run(0, DUMP_AFTER, reference, loader)
-    _write_areal_trial(backing / "checkpoints/tester/exp/trial", reference, loader, _Counter())
-    weights = {k: v.clone() for k, v in reference.model.state_dict().items()}
+    written = write_areal_trial(backing / "checkpoints/tester/exp/trial", layout, {"default": make_setup()})
+    weights = written.dumped["default"]
     mounted = Mounted(tmp_path / "fs", backing)
     try:
         import_areal_trial(mounted.mount / "checkpoints/tester/exp/trial")
@@ -219,11 +218,6 @@ def test_recover_pointer_survives_a_power_cut_at_every_point(tmp_path):
         assert all(torch.equal(fresh.model.state_dict()[k], v) for k, v in weights.items()), "weights differ"
 
     assert _check_every_state(mounted, tmp_path, check) >= 2
-
-
-class _Counter:
-    def state_dict(self) -> dict:
-        return {"calls": 0}
 
 
 def _tiny_writer(folder: Path, durable: bool) -> None:

@@ -35,11 +35,21 @@ if _SDK_REQUESTS.level == logging.NOTSET:
 
 
 _RETRIES = 4
+_WAITS_SECONDS = 18.0  # about 1 + 3 + 5 + 9: the SDK's exponential waits before the 4 tries
+_RETRY_TIMEOUTS = 4  # as GCS: a store set to wait briefly gives up about as briefly
 
 
 class _LoggedRetry(ExponentialRetry):
-    """The SDK's exponential retry, each wait before another try logged: no wait on the server
-    goes unlogged."""
+    """The SDK's exponential retry, each wait before another try logged (no wait on the server
+    goes unlogged), every wait scaled by ``scale``."""
+
+    def __init__(self, scale: float, **settings: Any) -> None:
+        super().__init__(**settings)
+        self.scale = scale
+
+    def get_backoff_time(self, settings: dict[str, Any]) -> float:
+        """The SDK's back-off (with its jitter) times ``scale``."""
+        return float(super().get_backoff_time(settings)) * self.scale
 
     def sleep(self, settings: dict[str, Any], transport: Any) -> None:
         failed = settings["history"][-1] if settings.get("history") else None
@@ -50,11 +60,14 @@ class _LoggedRetry(ExponentialRetry):
 
 def _settings() -> dict[str, Any]:
     """Bounded calls: connect and read timeouts (:func:`request_timeout`), 4 more tries after
-    waits of about 1, 3, 5 and 9 s, each logged."""
+    waits of about 1, 3, 5 and 9 s (shortened to about four request timeouts in all when those
+    are shorter), each logged."""
+    timeout = request_timeout()
+    scale = min(1.0, _RETRY_TIMEOUTS * timeout / _WAITS_SECONDS)
     return {
         "connection_timeout": 10,
-        "read_timeout": request_timeout(),
-        "retry_policy": _LoggedRetry(initial_backoff=1, increment_base=2, retry_total=_RETRIES),
+        "read_timeout": timeout,
+        "retry_policy": _LoggedRetry(scale, initial_backoff=1, increment_base=2, retry_total=_RETRIES),
     }
 
 
