@@ -107,9 +107,12 @@ def test_a_dump_commits_locally_uploads_in_the_background_and_reports_both(persi
         assert_same_weights(setup.model, fresh.model)
 
 
-def test_uploads_wait_out_a_stopped_server_and_a_restart_without_it_resumes_locally(own_s3_server, tmp_path, caplog):
-    server, bucket = own_s3_server, "s3://tiered-outage"
+def test_uploads_wait_out_a_stopped_server_and_a_restart_without_it_resumes_locally(
+    own_object_server, tmp_path, caplog
+):
+    server = own_object_server
     server.make_bucket("tiered-outage")
+    bucket = f"{server.scheme}://tiered-outage"
     config = tiered_config(bucket, tmp_path / "local", write_retries=1)
     setup = make_setup()
     handler = ac.RecoverHandler(config, SPEC)
@@ -137,21 +140,22 @@ def test_uploads_wait_out_a_stopped_server_and_a_restart_without_it_resumes_loca
     with caplog.at_level(logging.WARNING):
         loader = ac.RecoverHandler(config, SPEC)
         assert loader.load(fresh.engine).last_step_info.global_step == 3
-    assert "cannot reach s3://tiered-outage/" in caplog.text and "resuming from the local tier" in caplog.text
+    assert f"cannot reach {bucket}/" in caplog.text and "resuming from the local tier" in caplog.text
     assert_same_weights(setup.model, fresh.model)
     server.start()
     loader.close()
 
 
-def test_a_dump_whose_requests_are_retried_leaves_the_loops_python_random_stream_alone(own_s3_server, tmp_path):
-    # botocore draws its retry jitter from Python's global random, which the loop seeds and a
-    # checkpoint records: a resumed run must not depend on how often the bucket answered
-    server, bucket = own_s3_server, "s3://tiered-jitter"
+def test_a_dump_whose_requests_are_retried_leaves_the_loops_python_random_stream_alone(own_object_server, tmp_path):
+    # botocore and google-api-core draw their retry jitter from Python's global random, which the
+    # loop seeds and a checkpoint records: a resumed run must not depend on how often the bucket answered
+    server = own_object_server
     server.make_bucket("tiered-jitter")
+    bucket = f"{server.scheme}://tiered-jitter"
     setup = make_setup()
     handler = ac.RecoverHandler(tiered_config(bucket, tmp_path / "local", write_retries=0), SPEC)
     train_step(setup, 0)
-    server.kill()  # the first dump's check of the bucket is retried by botocore, then given up
+    server.kill()  # the first dump's check of the bucket is retried by the client, then given up
     random.seed(1234)
     handler.dump(setup.engine, step_info(0), force=True)
     assert local_step(tmp_path / "local") == 0
@@ -160,9 +164,10 @@ def test_a_dump_whose_requests_are_retried_leaves_the_loops_python_random_stream
     handler.close()
 
 
-def test_a_restart_after_a_cut_upload_resumes_from_the_local_tier_and_uploads_it(own_s3_server, tmp_path):
-    server, bucket = own_s3_server, "s3://tiered-cut"
+def test_a_restart_after_a_cut_upload_resumes_from_the_local_tier_and_uploads_it(own_object_server, tmp_path):
+    server = own_object_server
     server.make_bucket("tiered-cut")
+    bucket = f"{server.scheme}://tiered-cut"
     config = tiered_config(bucket, tmp_path / "local", write_retries=0)
     setup = make_setup()
     handler = ac.RecoverHandler(config, SPEC)
