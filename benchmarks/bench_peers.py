@@ -11,8 +11,9 @@ ratio taken inside one round (so a slow round slows both sides of it), with its 
   the time the call blocks the loop, and the time until the save is complete (ours: committed
   and durable; torch's: its future done);
 - the loop's slowdown while the save is written in the background (what ByteCheckpoint calls
-  the checkpoint stall): a real training step (forward, backward, AdamW) of this model timed
-  alone, during our background write and during torch's process checkpointer's;
+  the checkpoint stall): three real training steps of this model (forward, backward, AdamW)
+  started as the save returns, against the same three steps with no save, for our async dump
+  and for torch's process checkpointer;
 - loading the checkpoint again right after a cold load (a job that crash-loops reloads the same
   checkpoint), ours against `dcp.load` of a `dcp.save` of the same state, and against our own cold
   load. "Cold": the files evicted from the page cache (fsync, then POSIX_FADV_DONTNEED).
@@ -89,7 +90,8 @@ def torch_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
 
 
 class Contenders:
-    """The three savers and two loaders over one model, each writing under ``root``."""
+    """The three savers of one model and its optimizer, each writing under ``root``, and the
+    training step they are timed against."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, root: Path) -> None:
         self.model, self.optimizer, self.root = model, optimizer, root

@@ -74,12 +74,12 @@ def open_committed(
     only as a rank reads them (each rank the files its share needs); with ``local`` (a tiered
     trial resuming from its local tier, :mod:`areal_ckpt.recover.tiers`) the local copy is read
     as a local trial, once each node received the files only other nodes hold
-    (:mod:`areal_ckpt.recover.nodes`). Collective: rank 0
-    finds it (removing debris), every rank verifies its share and reads its info. Raises
-    CheckpointError on every rank when the commit record is broken, the trial holds AReaL's
-    folders, a file is damaged, ``models`` names one it does not hold (:func:`check_models`), the three records of its step
-    disagree, or a component cannot be restored (``dataloader``: the one the load restores);
-    nothing is loaded then."""
+    (:mod:`areal_ckpt.recover.nodes`). Collective: rank 0 finds it (removing debris), every
+    rank verifies its share and reads its info. Raises CheckpointError on every rank when the
+    commit record is broken, the trial holds AReaL's folders, a file is damaged, ``models``
+    names one it does not hold (:func:`check_models`), the three records of its step disagree,
+    or a component cannot be restored (``dataloader``: the one the load restores); nothing is
+    loaded then."""
     behind = None if local else store.behind
     if behind is not None:  # where the trial persists holds what counts: its newest commit, into the local copy
         fetch_newest(behind, store.root, deferred=read_when_needed)
