@@ -18,7 +18,8 @@ ratio taken inside one round (so a slow round slows both sides of it), with its 
   checkpoint), ours against `dcp.load` of a `dcp.save` of the same state, and against our own cold
   load. "Cold": the files evicted from the page cache (fsync, then POSIX_FADV_DONTNEED).
 
-A ratio above 1 means ours is faster. `python benchmarks/bench_peers.py --rounds 7 --out docs/benchmarks-peers.md`
+A ratio above 1 means ours is faster. `make bench` runs it from bench_async.py, into
+docs/benchmarks-async.md; alone: `python benchmarks/bench_peers.py --rounds 7`.
 """
 
 from __future__ import annotations
