@@ -263,22 +263,54 @@ def write_file_durably(path: Path, data: bytes) -> FileRecord:
 def copy_durably(source: Path, path: Path) -> FileRecord:
     """Copy the regular file ``source`` (:func:`open_regular_file`) to ``path`` whole: written to
     a new temporary name beside it, fsync'd, renamed over ``path`` (a link named ``path`` is
-    replaced, never written through). Returns the size and CRC-32 of the bytes copied. OSError
-    when it fails, with nothing left behind. Local, blocking."""
+    replaced, never written through). Returns the size and CRC-32 of the copy's bytes, read
+    back once they are on disk. The kernel copies (``copy_file_range``: no pass through this
+    process) where the file systems allow it, else a read / write loop. OSError when it fails,
+    with nothing left behind. Local, blocking."""
     with open_regular_file(source) as reader:
         fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
         try:
-            size, crc = 0, 0
-            with os.fdopen(fd, "wb") as writer:
-                while chunk := reader.read(_CHUNK):
-                    writer.write(chunk)
-                    crc, size = _crc32(chunk, crc), size + len(chunk)
-                writer.flush()
-                os.fsync(writer.fileno())
+            try:
+                _copy_contents(reader.fileno(), fd)
+                os.fsync(fd)
+                record = _record_of(fd)
+            finally:
+                os.close(fd)
             os.replace(temp, path)
         except BaseException:
             Path(temp).unlink(missing_ok=True)
             raise
+    return record
+
+
+_COPY_FALLBACK = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM}
+_READ_BUFFER = 8 << 20
+
+
+def _copy_contents(source: int, target: int) -> None:
+    """Copy what ``source`` holds from its start into ``target`` (both at offset 0)."""
+    copied = 0
+    try:
+        while step := os.copy_file_range(source, target, 1 << 30):
+            copied += step
+        return
+    except OSError as error:
+        if copied or error.errno not in _COPY_FALLBACK:  # a real failure, or one after bytes went over
+            raise
+    buffer = memoryview(bytearray(_READ_BUFFER))
+    while count := os.readv(source, [buffer]):
+        view = buffer[:count]
+        while view:
+            view = view[os.write(target, view) :]
+
+
+def _record_of(fd: int) -> FileRecord:
+    """The size and CRC-32 of what the file ``fd`` holds, read from its start."""
+    os.lseek(fd, 0, os.SEEK_SET)
+    buffer = memoryview(bytearray(_READ_BUFFER))
+    size = crc = 0
+    while count := os.readv(fd, [buffer]):
+        crc, size = _crc32(buffer[:count], crc), size + count
     return FileRecord(size=size, crc32=crc)
 
 

@@ -1,5 +1,6 @@
-"""`make bench` (seventh part): tiered recovery dumps (`recover.local_dir` over object storage)
-against a dump to a local trial, and their background upload against the S3 client's raw upload.
+"""`make bench` (seventh part): tiered recovery dumps (`recover.local_dir` over object storage,
+then over a shared POSIX folder) against a dump to a local trial, and their background upload
+against the S3 client's raw upload (or a plain copy into the folder).
 
 A real S3 server (SeaweedFS, `weed mini` on 127.0.0.1, its data on this machine's disk) and one
 process. Each round, interleaved and alternating the order: a tiered dump of a Qwen2-shaped fp32
@@ -15,6 +16,7 @@ Controls pair a local dump with a local dump, and a raw upload with a raw upload
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
 import sys
@@ -42,8 +44,32 @@ def _in_order(first: bool, one: Callable[[], None], other: Callable[[], None]) -
         time.sleep(PAUSE_SECONDS)
 
 
-def measure(mib: int, rounds: int) -> list[dict[str, float]]:
-    """One row per round: seconds of the tiered dump, the local dump, the upload, the raw upload."""
+def _raw_copy(size: int, work: Path) -> float:
+    """Seconds to copy ``size`` bytes (from the page cache) into a new file of the shared folder
+    and fsync it and the folder: what the upload to a shared POSIX fileroot does at its best."""
+    source = work / "raw.bin"
+    if not source.exists() or source.stat().st_size != size:
+        with open(source, "wb") as handle:
+            for start in range(0, size, 64 << 20):
+                handle.write(os.urandom(min(64 << 20, size - start)))
+    target = work / "shared-raw" / "raw.bin"
+    shutil.rmtree(target.parent, ignore_errors=True)
+    start = time.perf_counter()
+    target.parent.mkdir(parents=True)
+    shutil.copyfile(source, target)
+    descriptor = os.open(target, os.O_RDONLY)
+    os.fsync(descriptor)
+    os.close(descriptor)
+    folder = os.open(target.parent, os.O_RDONLY)
+    os.fsync(folder)
+    os.close(folder)
+    return time.perf_counter() - start
+
+
+def measure(mib: int, rounds: int, behind: str = "s3") -> list[dict[str, float]]:
+    """One row per round: seconds of the tiered dump, the local dump, the upload, the raw upload;
+    the trial persisting on the S3 server (``behind`` "s3") or in a folder standing for a shared
+    file system ("posix", raw upload: a copy into it)."""
     work, server, client, model, optimizer = server_and_state("bench-tiered-", mib)
     engine = ac.TorchEngine(model, optimizer)
     rows = []
@@ -52,8 +78,9 @@ def measure(mib: int, rounds: int) -> list[dict[str, float]]:
             row: dict[str, float] = {}
             fields = dict(experiment_name="bench", user="bench", mode="sync")
 
+            fileroot = "s3://bench/runs" if behind == "s3" else str(work / "shared")
             tiered_config = ac.RecoverConfig(
-                **fields, trial_name=f"t{index}", fileroot="s3://bench/runs", local_dir=str(work / "tier")
+                **fields, trial_name=f"t{index}", fileroot=fileroot, local_dir=str(work / "tier")
             )
             local_config = ac.RecoverConfig(**fields, trial_name=f"local{index}", fileroot=str(work / "local"))
 
@@ -93,14 +120,13 @@ def measure(mib: int, rounds: int) -> list[dict[str, float]]:
 
             _in_order(index % 2 == 0, tiered, local("local"))
             _in_order(index % 2 == 0, load("tiered load", tiered_config), load("local load", local_config))
-            for folder in ("tier", "local"):  # each dump's bytes are freed before the next writes
+            for folder in ("tier", "local", "shared"):  # each dump's bytes are freed before the next writes
                 shutil.rmtree(work / folder, ignore_errors=True)
             time.sleep(PAUSE_SECONDS)
             _in_order(index % 2 == 0, local("control"), local("local control"))
             size = int(row["upload bytes"])
-            row["raw upload"] = _raw_put(client, size, work)
-            row["control upload"] = _raw_put(client, size, work)
-            row["raw control upload"] = _raw_put(client, size, work)
+            raw = (lambda: _raw_put(client, size, work)) if behind == "s3" else (lambda: _raw_copy(size, work))
+            row["raw upload"], row["control upload"], row["raw control upload"] = raw(), raw(), raw()
             rows.append(row)
     finally:
         server.stop()
@@ -149,9 +175,42 @@ def report(rows: list[dict[str, float]], mib: int, rounds: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def report_posix(rows: list[dict[str, float]], mib: int, rounds: int) -> str:
+    median = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+    size = f"{median['upload bytes'] / 2**20:.0f} MiB"
+    return (
+        "\n".join(
+            [
+                "## Over a shared POSIX folder",
+                "",
+                f"The same {rounds} rounds with the trial persisting in a folder of this disk standing for a shared "
+                "file system (Lustre, NFS, GPFS: `fileroot` a path, `local_dir` in front of it). Its upload copies "
+                "each file in, checks it, fsyncs and switches `current`; the raw baseline copies the same number "
+                "of bytes into one new file there and fsyncs it and its folder.",
+                "",
+                "| measured | bytes | ours (s) | against (s) | ratio | goal |",
+                "| --- | --- | --- | --- | --- | --- |",
+                f"| tiered dump blocking / local dump blocking | {size} | {median['tiered']:.2f} | "
+                f"{median['local']:.2f} | {_ratio(rows, 'tiered', 'local')} | <= 1.1x |",
+                f"| control: local dump / local dump | {size} | {median['control']:.2f} | "
+                f"{median['local control']:.2f} | {_ratio(rows, 'control', 'local control')} | |",
+                f"| tiered load (own node) / local load | {size} | {median['tiered load']:.2f} | "
+                f"{median['local load']:.2f} | {_ratio(rows, 'tiered load', 'local load')} | <= 1.1x |",
+                f"| raw copy + fsync / background upload | {size} | {median['upload']:.2f} | "
+                f"{median['raw upload']:.2f} | {_ratio(rows, 'raw upload', 'upload')} | >= 0.9x |",
+                f"| control: raw copy / raw copy | {size} | {median['control upload']:.2f} | "
+                f"{median['raw control upload']:.2f} | {_ratio(rows, 'raw control upload', 'control upload')} | |",
+            ]
+        )
+        + "\n"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = size_and_rounds(__doc__, 400, "MiB of fp32 weights").parse_args(argv)
-    return publish(report(measure(args.size, args.rounds), args.size, args.rounds), args.out)
+    text = report(measure(args.size, args.rounds), args.size, args.rounds)
+    text += "\n" + report_posix(measure(args.size, args.rounds, "posix"), args.size, args.rounds)
+    return publish(text, args.out)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import zlib
 
-from areal_ckpt.fsio import ChecksummedWriter, crc32, record_of, write_file_durably
+import pytest
+
+from areal_ckpt.fsio import ChecksummedWriter, copy_durably, crc32, record_of, write_file_durably
 
 
 def test_crc32_has_zlib_values_also_when_chained():
@@ -40,3 +43,39 @@ def test_record_of_matches_zlib_for_a_file_of_one_piece_and_of_several(tmp_path,
         (tmp_path / name).write_bytes(data)
         record = record_of(tmp_path / name)
         assert (record.size, record.crc32) == (size, zlib.crc32(data))
+
+
+def _refuse_kernel_copy(errno_value: int, after: int = 0):  # type: ignore[no-untyped-def]
+    """os.copy_file_range that moves ``after`` bytes once, then fails with ``errno_value``."""
+    real = os.copy_file_range
+    calls = {"n": 0}
+
+    def copy_file_range(source: int, target: int, count: int) -> int:
+        calls["n"] += 1
+        if calls["n"] == 1 and after:
+            return real(source, target, after)
+        raise OSError(errno_value, os.strerror(errno_value))
+
+    return copy_file_range
+
+
+@pytest.mark.parametrize("route", ["kernel copy", "read-write loop"])
+def test_copy_durably_copies_whole_and_records_the_copys_bytes(tmp_path, monkeypatch, route):
+    data = os.urandom((9 << 20) + 123)  # more than one read buffer, not a multiple of it
+    (tmp_path / "source").write_bytes(data)
+    (tmp_path / "out").mkdir()
+    if route == "read-write loop":  # what a pair of file systems without an in-kernel copy gets
+        monkeypatch.setattr(os, "copy_file_range", _refuse_kernel_copy(errno.EXDEV))
+    record = copy_durably(tmp_path / "source", tmp_path / "out/copy")
+    assert (tmp_path / "out/copy").read_bytes() == data
+    assert (record.size, record.crc32) == (len(data), zlib.crc32(data))
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["copy"]  # no temporary file left
+
+
+def test_a_copy_that_fails_part_way_is_an_error_and_leaves_nothing(tmp_path, monkeypatch):
+    (tmp_path / "source").write_bytes(os.urandom(4 << 20))
+    (tmp_path / "out").mkdir()
+    monkeypatch.setattr(os, "copy_file_range", _refuse_kernel_copy(errno.EIO, after=1 << 20))
+    with pytest.raises(OSError, match="Input/output error"):
+        copy_durably(tmp_path / "source", tmp_path / "out/copy")
+    assert list((tmp_path / "out").iterdir()) == []
