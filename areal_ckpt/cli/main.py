@@ -1,259 +1,20 @@
 """`areal-ckpt`: inspect, verify, list and export checkpoints from a shell.
 
-Errors print one line plus a hint and exit non-zero; `--help` works on every command. Each
-command imports what it needs when it runs (torch, transformers, a cloud's SDK), so `--help`
-and the commands that read no tensors start at once.
+The command line: its parser and the entry point. What each command does lives in
+:mod:`areal_ckpt.cli.commands`. Errors print one line plus a hint and exit non-zero; `--help`
+works on every command and imports nothing heavy.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
-import tempfile
 from collections.abc import Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING
 
-from areal_ckpt.cli import format as fmt
-from areal_ckpt.config import EXPORT_DTYPE_NAMES, LORA_EXPORTS, local_path, parse_size
+from areal_ckpt.cli import commands as cli_commands
+from areal_ckpt.config import EXPORT_DTYPE_NAMES, LORA_EXPORTS, local_path
 from areal_ckpt.errors import CheckpointError, ConfigError
-
-if TYPE_CHECKING:
-    from areal_ckpt.tools.place_contract import CheckpointPlace
-
-logger = logging.getLogger(__name__)
-
-
-def place_of(value: str, what: str) -> CheckpointPlace:
-    """:func:`areal_ckpt.tools.places.place_of`, imported when a command first needs it."""
-    from areal_ckpt.tools.places import place_of as resolve
-
-    return resolve(value, what)
-
-
-def cmd_inspect(args: argparse.Namespace) -> int:
-    with tempfile.TemporaryDirectory(prefix="areal-ckpt-inspect-") as scratch:  # for a copy, if one is needed
-        facts = place_of(args.path, "path").describe(Path(scratch))
-    if args.json:
-        print(json.dumps(facts, indent=1))
-        return 0
-    rows = [
-        ["kind", facts["kind"]],
-        ["path", facts["path"]],
-        ["step", fmt.step(facts.get("step"))],
-        ["world size", str(facts.get("world_size") or "-")],
-        ["created", fmt.when(facts.get("created_unix"))],
-        ["size", f"{fmt.size(facts['bytes'])} in {facts['files']} files"],
-        ["complete", {True: "yes", False: "NO", None: "unknown (no manifest)"}[facts["complete"]]],
-    ]
-    if facts["kind"] == "export":
-        rows.insert(3, ["parameters", f"{facts['parameters']:,}"])
-        rows.insert(4, ["dtypes", ", ".join(f"{k} ({v:,})" for k, v in facts["dtypes"].items())])
-    elif facts["kind"] == "dcp":
-        rows[-1] = ["complete", "unknown (stock DCP keeps no checksums)"]
-        for group, info in facts["groups"].items():
-            rows.append(
-                [
-                    f"keys {group}.*",
-                    f"{info['tensors']:,} tensors, {info['elements']:,} elements "
-                    f"({', '.join(info['dtypes']) or 'no tensors'})",
-                ]
-            )
-    else:
-        for model, info in facts["models"].items():
-            dtypes = ", ".join(info["dtypes"])
-            rows.append(
-                [
-                    f"model {model}",
-                    f"{info['parameters']:,} parameters ({dtypes}), {fmt.size(info['bytes'])}, "
-                    f"optimizer {'yes' if info['optimizer'] else 'no'}",
-                ]
-            )
-    fmt.print_table(rows)
-    return 0
-
-
-def cmd_verify(args: argparse.Namespace) -> int:
-    place = place_of(args.path, "path")
-    results = place.verify(progress=fmt.progress(place.unit))
-    bad = 0
-    for checkpoint, problems in results:
-        if problems:
-            bad += 1
-            print(f"BAD  {checkpoint}: " + "; ".join(problems))
-        else:
-            print(f"OK   {checkpoint}: every file matches its manifest")
-    if bad:
-        print(f"{args.path}: {bad} of {len(results)} checkpoint(s) damaged; do not load those", file=sys.stderr)
-        return 1
-    return 0
-
-
-def cmd_list(args: argparse.Namespace) -> int:
-    entries = place_of(args.trial_root, "trial-root").list()
-    if args.json:
-        print(json.dumps(entries, indent=1))
-        return 0
-    if not entries:
-        print(f"{args.trial_root}: no exports and no recovery checkpoint")
-        return 0
-    rows = [["kind", "model", "global step", "epoch", "size", "created", "path"]]
-    for e in entries:
-        rows.append(
-            [
-                e["kind"] + (" (DAMAGED)" if "problem" in e else ""),
-                e["name"],
-                str(e["global_step"]),
-                str(e["epoch"]),
-                fmt.size(e["bytes"]),
-                fmt.when(e["created_unix"]),
-                e["path"],
-            ]
-        )
-    fmt.print_table(rows)
-    return 0
-
-
-#: How many times ``export`` starts again when a running job supersedes what it reads.
-SUPERSEDED_ATTEMPTS = 3
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    """``export``; a recovery generation that a running job supersedes (and deletes) while it is
-    read is read again from the newer one, up to :data:`SUPERSEDED_ATTEMPTS` times, then said so."""
-    place, attempt = place_of(args.recover_dir, "recover-dir"), 1
-    while True:
-        read = place.newest_recovery()
-        try:
-            return _export_once(args)
-        except (CheckpointError, OSError) as error:
-            now = place.newest_recovery()
-            if read is None or now == read:
-                raise
-            if attempt == SUPERSEDED_ATTEMPTS:
-                raise CheckpointError(
-                    f"{args.recover_dir}: generation {read} was superseded by {now} while read, {attempt} times in a "
-                    "row (the job dumps faster than this export reads): run again, or export once the job stopped"
-                ) from error
-            logger.warning(
-                "%s: %s was superseded by %s while read (%s); reading %s", args.recover_dir, read, now, error, now
-            )
-            attempt += 1
-
-
-def _export_once(args: argparse.Namespace) -> int:
-    from areal_ckpt.formats.stock_dcp import is_stock_dcp
-    from areal_ckpt.tensors import EXPORT_DTYPES
-    from areal_ckpt.tools.convert import export_recovery, export_stock_dcp
-
-    with tempfile.TemporaryDirectory(prefix="areal-ckpt-export-") as scratch:
-        source = place_of(args.recover_dir, "recover-dir").readable(Path(scratch) / "source")
-        output = place_of(args.out_dir, "out-dir")
-        out_dir = output.output(Path(scratch))
-        dtype = EXPORT_DTYPES[args.dtype] if args.dtype else None
-        options = {"dtype": dtype, "max_shard_size": parse_size(args.max_shard_size), "progress": fmt.progress("shard")}
-        config_from = Path(args.config_from) if args.config_from else None
-        if is_stock_dcp(source):
-            result = export_stock_dcp(source, out_dir, config_from, **options)
-        else:
-            result = export_recovery(
-                source, out_dir, name=args.name, config_from=config_from, lora=args.lora, **options
-            )
-        _report(result.bytes, result.seconds, output.commit_output(result.path))
-    return 0
-
-
-def _report(size: int, seconds: float, where: str) -> None:
-    print(f"exported {fmt.size(size)} in {seconds:.2f} s to {where}")
-
-
-def cmd_convert_deepspeed(args: argparse.Namespace) -> int:
-    from areal_ckpt.tensors import EXPORT_DTYPES
-    from areal_ckpt.tools.convert import export_deepspeed
-
-    with tempfile.TemporaryDirectory(prefix="areal-ckpt-convert-") as scratch:
-        ds_dir, tag = place_of(args.ds_dir, "ds-dir").readable_tag(args.tag, Path(scratch) / "source")
-        output = place_of(args.out_dir, "out-dir")
-        result = export_deepspeed(
-            ds_dir,
-            output.output(Path(scratch)),
-            tag=tag,
-            dtype=EXPORT_DTYPES[args.dtype] if args.dtype else None,
-            max_shard_size=parse_size(args.max_shard_size),
-            config_dir=Path(args.config) if args.config else None,
-            progress=fmt.progress("shard"),
-        )
-        _report(result.bytes, result.seconds, output.commit_output(result.path))
-    return 0
-
-
-def cmd_recover_pointer(args: argparse.Namespace) -> int:
-    repointed = place_of(args.trial, "trial").repoint()
-    for name, problems in repointed.skipped.items():
-        print(f"SKIP {name}: {'; '.join(problems)}")
-    if not repointed.changed:
-        intact = ", which is intact" if repointed.checked else ""
-        print(f"{repointed.record} already names {repointed.generation}{intact}; nothing changed")
-    else:
-        print(
-            f"OK   {repointed.record} -> {repointed.generation}: every file matches its manifest; the next start "
-            "resumes from it"
-        )
-    return 0
-
-
-def cmd_import_areal(args: argparse.Namespace) -> int:
-    from areal_ckpt.tools.import_areal import import_areal_trial
-
-    imported = import_areal_trial(
-        Path(args.trial),
-        None if args.config_from is None else Path(args.config_from),
-        remove_original=args.remove_original,
-    )
-    step = imported.step_info
-    if not imported.imported_now:
-        print(
-            f"OK   {args.trial}: nothing to import: it holds areal_ckpt's checkpoint {imported.generation.name} "
-            f"(global step {step.global_step}) already"
-        )
-        if imported.originals is not None:
-            print(f"AReaL's own folders are kept in {imported.originals}; delete it once the job has resumed")
-        return 0
-    print(
-        f"OK   {args.trial}: AReaL's checkpoint after global step {step.global_step} (epoch {step.epoch}, step "
-        f"{step.epoch_step}) of {', '.join(imported.models)} on {imported.world_size} rank(s) is now "
-        f"{imported.generation.name}; the next start of the job resumes from it"
-    )
-    print(
-        "note: AReaL's recovery checkpoints hold no LR scheduler state and no RNG streams; a load restores "
-        "neither (see docs/migrating.md)"
-    )
-    if imported.unpublished:
-        kept = "kept with AReaL's folders" if imported.originals is not None else "removed with AReaL's folders"
-        print(
-            f"note: {', '.join(imported.unpublished)}: newer than the generation AReaL's LATEST names, but never "
-            f"published (a dump cut short); not imported, {kept}"
-        )
-    if imported.originals is not None:
-        print(f"AReaL's own folders are kept in {imported.originals}; delete it once the job has resumed")
-    return 0
-
-
-def cmd_launch(args: argparse.Namespace) -> int:
-    from areal_ckpt.config_loader import load_config
-    from areal_ckpt.tools.launch import launch
-
-    rest = list(args.rest)
-    if "--" not in rest:
-        raise ConfigError(
-            "launch: put the job's command after '--', e.g. "
-            "areal-ckpt launch --config job.yaml -- torchrun --nproc-per-node 2 train.py"
-        )
-    split = rest.index("--")
-    config = load_config(args.config, rest[:split])
-    return launch(config.recover, rest[split + 1 :])
 
 
 def _add_output_options(command: argparse.ArgumentParser) -> None:
@@ -271,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="what a checkpoint folder is: kind, step, sizes, dtypes")
     inspect.add_argument("path", help="a checkpoint folder, or an s3:// URL (that checkpoint is downloaded to read it)")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
-    inspect.set_defaults(run=cmd_inspect)
+    inspect.set_defaults(run=cli_commands.cmd_inspect)
 
     check = commands.add_parser(
         "verify",
@@ -279,12 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
         "against its manifest; one line each; exit 0 only if all are intact",
     )
     check.add_argument("path", help="a checkpoint or trial folder, or an s3:// URL (objects are read where they lie)")
-    check.set_defaults(run=cmd_verify)
+    check.set_defaults(run=cli_commands.cmd_verify)
 
     listing = commands.add_parser("list", help="every export and the recovery checkpoint of a trial, newest first")
     listing.add_argument("trial_root", help="a trial folder, or its s3:// URL")
     listing.add_argument("--json", action="store_true", help="machine-readable output")
-    listing.set_defaults(run=cmd_list)
+    listing.set_defaults(run=cli_commands.cmd_list)
 
     export = commands.add_parser("export", help="recovery checkpoint (DCP) -> HuggingFace folder")
     export.add_argument(
@@ -305,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="adapter",
         help="for a PEFT (LoRA) model: its adapter folder(s), the merged model, or both (docs/lora.md)",
     )
-    export.set_defaults(run=cmd_export)
+    export.set_defaults(run=cli_commands.cmd_export)
 
     convert = commands.add_parser("convert-deepspeed", help="DeepSpeed ZeRO checkpoint -> HuggingFace folder")
     convert.add_argument(
@@ -319,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="folder with the model's config.json: needed for DeepSpeed's own layout (default: DS_DIR) and for a "
         "save_checkpoint of a plain nn.Module",
     )
-    convert.set_defaults(run=cmd_convert_deepspeed)
+    convert.set_defaults(run=cli_commands.cmd_convert_deepspeed)
 
     pointer = commands.add_parser(
         "recover-pointer", help="re-point a trial's lost or broken commit record at its newest intact generation"
@@ -327,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     pointer.add_argument(
         "trial", help="the trial folder ({fileroot}/checkpoints/{user}/{experiment}/{trial}), or its s3:// URL"
     )
-    pointer.set_defaults(run=cmd_recover_pointer)
+    pointer.set_defaults(run=cli_commands.cmd_recover_pointer)
 
     importer = commands.add_parser(
         "import-areal",
@@ -344,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
         "tokenizer are kept with the checkpoint for `areal-ckpt export`",
     )
     importer.add_argument("--remove-original", action="store_true", help="delete AReaL's folders once imported")
-    importer.set_defaults(run=cmd_import_areal)
+    importer.set_defaults(run=cli_commands.cmd_import_areal)
 
     relaunch = commands.add_parser(
         "launch",
@@ -355,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     relaunch.add_argument("--config", required=True, help="the job's YAML file (its recover: block is read)")
     relaunch.add_argument("rest", nargs=argparse.REMAINDER, metavar="[OVERRIDE ...] -- COMMAND ...")
-    relaunch.set_defaults(run=cmd_launch)
+    relaunch.set_defaults(run=cli_commands.cmd_launch)
     return parser
 
 
