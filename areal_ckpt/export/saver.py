@@ -37,7 +37,8 @@ from areal_ckpt.publish import TrashCollector, remove_stale
 from areal_ckpt.schedule import NamedSchedules, TriggerSchedule, warn_if_never_due
 from areal_ckpt.state.rng import python_random_kept
 from areal_ckpt.step import FinetuneSpec
-from areal_ckpt.storage.series import keep_last, remove_trash
+from areal_ckpt.storage.retention import KeepLast
+from areal_ckpt.storage.series import remove_trash, retain
 from areal_ckpt.storage.trials import export_trial
 from areal_ckpt.tensors import EXPORT_DTYPES
 
@@ -275,14 +276,13 @@ class _ExportJob:
 
 def apply_retention(newest: ExportTarget, count: int) -> list[Path]:
     """Rank 0, after ``newest`` was committed: remove all but the newest ``count`` exports of its
-    series (by global step, then commit order; :func:`~areal_ckpt.storage.series.keep_last`),
-    never ``newest`` itself, so that no reader finds them any more. Returns the local trash
-    folders for the caller to delete (off the training loop's path). Failures are logged, not
-    raised: the export they follow is already committed."""
+    series (by global step, then commit order; the :class:`~areal_ckpt.storage.retention.KeepLast`
+    policy), never ``newest`` itself, so that no reader finds them any more. Returns the local
+    trash folders for the caller to delete (off the training loop's path). Failures are logged,
+    not raised: the export they follow is already committed."""
     try:
         series = newest.series
-        doomed = keep_last(series.committed(_step_of), count, newest.reserved)
-        trash = series.remove(doomed)
+        doomed, trash = retain(series, KeepLast(count), newest.reserved, _step_of)
     except Exception as error:
         logger.warning("retention: could not remove old exports beside %s: %s", newest.location, error)
         return []

@@ -44,6 +44,7 @@ from areal_ckpt.publish import check_files, hide_folder, read_manifest, switch_s
 from areal_ckpt.recover.foreign import refuse_foreign_layout
 from areal_ckpt.recover.persistent import PersistentGenerations
 from areal_ckpt.recover.tidy import remove_trash, sweep_trash_later, wait_for_deletions
+from areal_ckpt.storage.retention import Committed, KeepNewest, doomed_by
 
 logger = logging.getLogger(__name__)
 
@@ -323,22 +324,25 @@ class RecoverStore:
             switch_symlink(link, target)
 
     def _superseded(self, keep: str | None, protected: tuple[str, ...] = ()) -> list[str]:
-        """Generations other than ``keep`` and ``protected`` that are incomplete, or complete but
-        older than ``keep``. A complete generation at or after ``keep``'s step (a dump
-        interrupted between its manifest and the switch) is not among them, with a warning: a
-        checkpoint is never deleted unless a newer committed one exists. Read-only."""
-        superseded = []
-        for name in self.generations():
-            if name == keep or name in protected:
-                continue
-            committable = self.is_complete(name) and not self.is_pending(name)
-            if committable and (keep is None or generation_step(name) >= generation_step(keep)):
+        """Generations other than ``keep`` and ``protected`` that are incomplete, or that the
+        :class:`~areal_ckpt.storage.retention.KeepNewest` policy removes beside ``keep``. A
+        complete generation at or after ``keep``'s step (a dump interrupted between its manifest
+        and the switch, so possibly committed after ``keep`` as far as the store can tell) is
+        not among them, with a warning: a checkpoint is never deleted unless a newer committed
+        one exists. Read-only."""
+        names = [name for name in self.generations() if name != keep and name not in protected]
+        complete = [name for name in names if self.is_complete(name) and not self.is_pending(name)]
+        # the committed one first in commit order: an uncommitted complete one of its step sorts after it
+        entries = [Committed(name, generation_step(name), 1) for name in complete]
+        if keep is not None:
+            entries.append(Committed(keep, generation_step(keep), 0))
+        doomed = {entry.name for entry in doomed_by(KeepNewest(), entries, keep or "").remove}
+        for name in complete:
+            if name not in doomed:
                 logger.warning(
                     "%s: keeping %s: it is complete and not older than the committed %s", self.root, name, keep
                 )
-                continue
-            superseded.append(name)
-        return superseded
+        return [name for name in names if name not in complete or name in doomed]
 
     def remove_debris(self, keep: str | None) -> list[str]:
         """Delete the generations ``keep`` supersedes (see :meth:`_superseded`), hidden ones and

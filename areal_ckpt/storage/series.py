@@ -33,20 +33,10 @@ from areal_ckpt.publish import hide_folder, publish
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import CLAIMS, CommitLog, CommitRecord, claim_fresh_folder, delete_prefix, remove_debris
 from areal_ckpt.storage.folders import check_uploaded, upload_rest
+from areal_ckpt.storage.retention import Committed, RetentionPolicy, doomed_by
 from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Committed:
-    """One committed checkpoint of a series: its name in the series (a folder, or a prefix),
-    the step it was taken at (-1 when unknown) and its commit order (0 for a folder: a name is
-    committed once)."""
-
-    name: str
-    step: int
-    order: int
 
 
 @runtime_checkable
@@ -237,24 +227,6 @@ class ObjectSeries:
                 "trial_name"
             )
 
-    def supersede(self, newest: int, replaced: Callable[[dict[str, Any]], bool]) -> None:
-        """After the commit ``newest``: delete each older record whose body ``replaced`` selects
-        (record first, then its objects unless a remaining record names them too), so no reader
-        finds it any more. A failure is logged: the commit it follows stands."""
-        log = CommitLog(store_of(self.root), self.root)
-        try:
-            records = log.records()
-        except CheckpointError as error:
-            logger.warning("%s: superseded checkpoints not deleted yet: %s", self.root, error)
-            return
-        doomed = [record for record in records if record.sequence < newest and replaced(record.body)]
-        kept = {record.folder for record in records if record not in doomed}
-        for record in doomed:
-            try:
-                log.remove(record, kept)
-            except CheckpointError as error:
-                logger.warning("%s: superseded, not deleted yet: %s", self.root.child(record.folder), error)
-
     def discard(self, reserved: str) -> None:
         """Delete the objects uploaded under ``reserved``; a failure is logged (the next
         start removes them)."""
@@ -271,12 +243,20 @@ class ObjectSeries:
 
     def committed(self, step_of: Callable[[str], int | None]) -> list[Committed]:
         """What the commit records name: the step from the record's ``step`` (else from its
-        ``name``), the order its sequence number."""
+        ``name``), the order its sequence number, the label its ``tag``."""
         found = []
         for record in CommitLog(store_of(self.root), self.root).records():
             step = record.body.get("step")
             value = step.get("global_step") if isinstance(step, dict) else step_of(str(record.body.get("name", "")))
-            found.append(Committed(record.folder, value if isinstance(value, int) else -1, record.sequence))
+            label = record.body.get("tag")
+            found.append(
+                Committed(
+                    record.folder,
+                    value if isinstance(value, int) else -1,
+                    record.sequence,
+                    label if isinstance(label, str) else "",
+                )
+            )
         return found
 
     def remove(self, doomed: list[Committed]) -> list[Path]:
@@ -299,11 +279,23 @@ class ObjectSeries:
         remove_debris(store, self.root, CommitLog(store, self.root).committed_folders())
 
 
-def keep_last(committed: list[Committed], count: int, newest: str) -> list[Committed]:
-    """The retention policy ``keep_last``: all but the ``count`` newest by (step, commit
-    order), never ``newest`` (the checkpoint just committed). Pure."""
-    ordered = sorted(committed, key=lambda entry: (entry.step, entry.order, entry.name))
-    return [entry for entry in ordered[: max(len(ordered) - count, 0)] if entry.name != newest]
+def retain(
+    series: CheckpointSeries,
+    policy: RetentionPolicy,
+    newest: str,
+    step_of: Callable[[str], int | None] = lambda name: None,
+) -> tuple[list[Committed], list[Path]]:
+    """Rank 0, after ``newest`` (a reserved name) was committed to ``series``: remove what
+    ``policy`` dooms (:func:`~areal_ckpt.storage.retention.doomed_by`), so that no reader finds
+    it any more. Returns what was removed and the local trash folders for the caller to delete
+    off the training loop's path. Blocking; failures are logged, not raised: the commit it
+    follows stands."""
+    try:
+        doomed = doomed_by(policy, series.committed(step_of), newest).remove
+        return doomed, series.remove(doomed)
+    except CheckpointError as error:
+        logger.warning("retention: could not remove checkpoints older than %s: %s", newest, error)
+        return [], []
 
 
 def remove_trash(folders: list[Path]) -> None:

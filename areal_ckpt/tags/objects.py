@@ -35,7 +35,8 @@ from areal_ckpt.paths import DATA_SUFFIX, MANIFEST_NAME, TAG_CLIENT_STATE, TAG_M
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import CommitLog, CommitRecord, upload_folder_files
 from areal_ckpt.storage.folders import ObjectSource, fetch_shared, staging_root
-from areal_ckpt.storage.series import ObjectSeries
+from areal_ckpt.storage.retention import ReplaceSameLabel
+from areal_ckpt.storage.series import ObjectSeries, retain
 from areal_ckpt.tags.contract import OFFLINE_CONVERTER, OpenedTag, TagSave, offline_converter_script
 from areal_ckpt.urls import ObjectURL
 
@@ -82,8 +83,8 @@ class ObjectTags:
         """Rank 0: upload the rest and the manifest, write the commit record, then delete the
         older saves of ``tag`` and place the offline converter. Blocking."""
         series = ObjectSeries(self.root)
-        newest = series.commit(save.staging, save.folder, save.staging, written, {"tag": tag, "latest": save_latest})
-        series.supersede(newest, lambda body: body.get("tag") == tag)  # a tag saved again replaces it
+        series.commit(save.staging, save.folder, save.staging, written, {"tag": tag, "latest": save_latest})
+        retain(series, ReplaceSameLabel(), save.folder)
         store = store_of(self.root)
         script = offline_converter_script()
         try:
