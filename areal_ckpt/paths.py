@@ -48,7 +48,7 @@ def default_user() -> str:
 def trial_root(fileroot: str | Path, user: str, experiment_name: str, trial_name: str) -> Path:
     """``{fileroot}/checkpoints/{user}/{experiment_name}/{trial_name}``; ConfigError for a URL
     ``fileroot`` (see :func:`local_path`): the callers that take object storage (the Saver,
-    ``recover.location.trial_store``) check for a URL first and stage the trial with :func:`staging_trial_root`."""
+    ``recover.location.trial_location``) check for a URL first and stage the trial with :func:`staging_trial_root`."""
     try:
         root = local_path(fileroot, "fileroot")
     except ValueError as error:

@@ -224,11 +224,12 @@ def test_two_nodes_with_their_own_local_dirs_resume_bit_exact_after_one_loses_it
 
 @pytest.mark.dist
 def test_two_nodes_whose_uploads_never_went_through_resume_bit_exact_from_their_local_tiers(
-    reference_run_fsdp2, own_s3_server, tmp_path
+    reference_run_fsdp2, own_object_server, tmp_path
 ):
     # rank 0's commit stands for both nodes, the other holding its own rank's files of each dump;
     # the restart copies over what each node lacks (an FSDP2 load also reads the other rank's file)
-    server, root, out, local = own_s3_server, "s3://tiered-nodes/root", tmp_path / "out", tmp_path / "local"
+    server, out, local = own_object_server, tmp_path / "out", tmp_path / "local"
+    root = f"{server.scheme}://tiered-nodes/root"
     server.make_bucket("tiered-nodes")
     tiered = ["--local-dir", str(local), "--environment", json.dumps(server.environment())]
     held = tmp_path / "held"
@@ -310,9 +311,10 @@ def test_a_broken_local_commit_record_is_warned_about_and_the_persistent_tier_us
 
 
 def test_a_restart_on_a_fresh_node_while_the_bucket_is_down_refuses_then_resumes_once_it_answers(
-    own_s3_server, tmp_path
+    own_object_server, tmp_path
 ):
-    server, bucket = own_s3_server, "s3://tiered-fresh"
+    server = own_object_server
+    bucket = f"{server.scheme}://tiered-fresh"
     server.make_bucket("tiered-fresh")
     setup = make_setup()
     handler = ac.RecoverHandler(tiered_config(bucket, tmp_path / "node-a"), SPEC)
@@ -321,9 +323,7 @@ def test_a_restart_on_a_fresh_node_while_the_bucket_is_down_refuses_then_resumes
     server.kill()
     fresh = make_setup(seed=1)
     loader = ac.RecoverHandler(tiered_config(bucket, tmp_path / "node-b"), SPEC)
-    with pytest.raises(
-        CheckpointError, match="cannot reach s3://tiered-fresh/.* not starting fresh: restart when it answers"
-    ):
+    with pytest.raises(CheckpointError, match=f"cannot reach {bucket}/.* not starting fresh: restart when it answers"):
         loader.load(fresh.engine)
     loader.close()
     server.start()  # the hint followed
@@ -349,9 +349,10 @@ def test_a_local_tier_under_another_fileroot_is_refused_naming_both(persistent_r
 
 
 def test_a_local_generation_damaged_while_its_upload_waits_is_never_committed_to_the_bucket(
-    own_s3_server, tmp_path, caplog
+    own_object_server, tmp_path, caplog
 ):
-    server, bucket = own_s3_server, "s3://tiered-rot"
+    server = own_object_server
+    bucket = f"{server.scheme}://tiered-rot"
     server.make_bucket("tiered-rot")
     setup = make_setup()
     handler = ac.RecoverHandler(tiered_config(bucket, tmp_path / "local", write_retries=0), SPEC)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from areal_ckpt import agree, dist
+from areal_ckpt import dist
 from areal_ckpt.config import RecoverConfig
 from areal_ckpt.engines.accept import HFAssets, check_engines, engines_by_name, named_engines
 from areal_ckpt.engines.contract import EnginesLike, RolloutEngine, WeightUpdateMeta
@@ -22,16 +22,14 @@ from areal_ckpt.jobs.lifecycle import SaveLifecycle, resolve_async
 from areal_ckpt.paths import default_user, recover_info_link, trial_root
 from areal_ckpt.recover.dump_runs import DumpRuns, stopped
 from areal_ckpt.recover.frozen import frozen_part, part_fingerprint
-from areal_ckpt.recover.location import trial_store
-from areal_ckpt.recover.persistent import before_dump, new_run_token
+from areal_ckpt.recover.location import trial_location
+from areal_ckpt.recover.persistent import new_run_token
 from areal_ckpt.recover.preemption import PreemptionSignals
 from areal_ckpt.recover.prepare import PreviousDump, prepare_dump
 from areal_ckpt.recover.read import load_engine, open_committed
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.rollout_sync import RolloutSync
 from areal_ckpt.recover.tidy import remove_trash, wait_for_deletions
-from areal_ckpt.recover.tiers import restore_from_tiers, resumed_from
-from areal_ckpt.recover.upload import Uploads
 from areal_ckpt.schedule import TriggerSchedule, warn_if_never_due
 from areal_ckpt.state.components import Stateful, capture_components, dataloader_state, restore_components
 from areal_ckpt.state.recover_info import RecoverInfo
@@ -56,7 +54,7 @@ class RecoverHandler:
         self.config = config = RecoverConfig.of(config)
         self.ft_spec = ft_spec
         self.enabled = config.enabled
-        self.store = trial_store(config)
+        self.store, self.publication = trial_location(config)
         self._schedule = TriggerSchedule(config.freq_epochs, config.freq_steps, config.freq_secs)
         if self.enabled:
             warn_if_never_due("recover", config.freq_epochs, config.freq_steps, config.freq_secs)
@@ -64,25 +62,16 @@ class RecoverHandler:
         self.last_step_info = StepInfo(-1, -1, -1, max(ft_spec.steps_per_epoch, 0))
         self._generation: str | None = None  # committed generation this process loaded or wrote
         self._tidied = False  # rank 0 removed the debris of earlier jobs (at load or first dump)
-        self._behind_tidied = False  # rank 0 removed the debris of earlier jobs where the trial persists (first dump)
+        self._dumped = False  # rank 0 began a dump in this job (its first dump checks where the trial persists)
         self._fingerprints: dict[str, list[int]] = {}
         self._run = new_run_token()  # names this job in the commits where the trial persists
-        behind = self.store.behind
-        if self.enabled and behind is not None:
-            agree.on_every_rank(self.store.claim_local_tier, "RecoverHandler: cannot use the local tier")
-            try:
-                agree.decided_by_rank0(behind.check_access, f"RecoverHandler: cannot use {behind.where()}")
-            except CheckpointError as error:
-                if not self.store.tiered:
-                    raise
-                logger.warning("%s; dumps commit to the local tier %s until it answers", error, self.store.trial)
+        if self.enabled:
+            self.publication.start(self.store)
         self._jobs = SaveLifecycle("recover", self.store.trial, lock=self.enabled and dist.rank() == 0)
         watched = config.preemption_signals if self.enabled else ()
         self._preemption = PreemptionSignals(watched) if watched else None
         #: A tiered trial's uploads to where it persists (recover.local_dir), None otherwise.
-        self._uploads = (
-            Uploads(self.store, self._run, config.write_retries) if self.enabled and self.store.tiered else None
-        )
+        self._uploads = self.publication.uploads(self.store, self._run, config.write_retries) if self.enabled else None
 
     @property
     def last_metrics(self) -> dict[str, float]:
@@ -201,6 +190,7 @@ class RecoverHandler:
             job, tensors, fingerprints = retried(
                 lambda: prepare_dump(
                     self.store,
+                    self.publication,
                     self.config,
                     PreviousDump(self._generation, dict(self._fingerprints)),
                     self._begin,
@@ -256,13 +246,10 @@ class RecoverHandler:
     def _begin(self, global_step: int, names: list[str]) -> str:
         """Rank 0: create the generation folder (see RecoverStore.begin), after checking that
         the newest commit where the trial persists (if it persists behind the local store) is
-        this job's; local. A tiered trial checks at its first dump only, and goes on when that
-        location does not answer (each upload checks again before it commits)."""
-        behind = self.store.behind
-        if behind is not None and not (self.store.tiered and self._behind_tidied):
-            loaded = [name for name in (self._generation, *(self._uploads.loaded if self._uploads else ())) if name]
-            before_dump(behind, self._run, loaded, first=not self._behind_tidied, tiered=self.store.tiered)
-            self._behind_tidied = True
+        this job's (:meth:`~areal_ckpt.recover.publication.Publication.before_dump`); local."""
+        loaded = [name for name in (self._generation, *(self._uploads.loaded if self._uploads else ())) if name]
+        self.publication.before_dump(self._run, loaded, first=not self._dumped)
+        self._dumped = True
         generation = self.store.begin(global_step, names, loaded=self._generation, first=not self._tidied)
         self._tidied = True
         return generation
@@ -314,7 +301,9 @@ class RecoverHandler:
         policy = "drop_rank_state" if drop_rank_state else self.config.on_world_size_change
 
         def restore(local: bool) -> tuple[str, dict[str, Any], RecoverInfo] | None:
-            opened = open_committed(self.store, sorted(engines), policy, dataloader, local=local)
+            opened = open_committed(
+                self.store, self.publication.source(local), sorted(engines), policy, dataloader, local=local
+            )
             if opened is None:
                 return None
             found, manifest, info, fetch = opened
@@ -332,7 +321,7 @@ class RecoverHandler:
             return found, manifest, info
 
         with python_random_kept():  # a request retried meanwhile draws from it; restored below when loaded
-            restored, choice = restore_from_tiers(self.store, restore) if self.store.tiered else (restore(False), None)
+            restored, choice = self.publication.restore(self.store, restore)
         if restored is None:
             return None
         found, manifest, info = restored
@@ -365,6 +354,6 @@ class RecoverHandler:
             logger.info(
                 "resuming trial %s after global step %d (epoch %d, step %d of the epoch) from %s",
                 self.config.trial_name, step.global_step, step.epoch, step.epoch_step,
-                resumed_from(self.store, found, choice),
+                self.publication.where(self.store, found, choice),
             )  # fmt: skip
         return info

@@ -1,13 +1,16 @@
 """The one place a ``recover:`` block's ``fileroot`` and ``local_dir`` become stores.
 
-=====================================  ===========================  ==========================
-``fileroot`` / ``local_dir``           local store (dumps commit)   behind it (published to)
-=====================================  ===========================  ==========================
-a folder / unset                       the trial itself             nothing
-a URL / unset                          the staging copy             the prefix, synchronously
-a URL / a folder                       the local tier               the prefix, in background
-a shared folder / a node-local folder  the local tier               the shared trial, in background
-=====================================  ===========================  ==========================
+=====================================  ===========================  ==========================================
+``fileroot`` / ``local_dir``           local store (dumps commit)   behind it (published to), the policy
+=====================================  ===========================  ==========================================
+a folder / unset                       the trial itself             nothing (KeptLocally)
+a URL / unset                          the staging copy             the prefix (PublishedInDump)
+a URL / a folder                       the local tier               the prefix (PublishedInBackground)
+a shared folder / a node-local folder  the local tier               the shared trial (PublishedInBackground)
+=====================================  ===========================  ==========================================
+
+Nothing else in the package decides which row it is in: the handler, the dump and the load call
+the :class:`~areal_ckpt.recover.publication.Publication` this returns.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 from areal_ckpt.config import RecoverConfig
 from areal_ckpt.paths import default_user, trial_root
 from areal_ckpt.recover.persistent import PersistentGenerations
+from areal_ckpt.recover.publication import KeptLocally, Publication, PublishedInBackground, PublishedInDump
 from areal_ckpt.recover.remote import ObjectGenerations
 from areal_ckpt.recover.shared_folder import FolderGenerations
 from areal_ckpt.recover.store import RecoverStore
@@ -30,16 +34,24 @@ def persistent_generations(fileroot: str, user: str, experiment: str, trial: str
     return ObjectGenerations(parse_object_url(fileroot, "fileroot").child("checkpoints", user, experiment, trial))
 
 
-def trial_store(config: RecoverConfig) -> RecoverStore:
-    """The store a ``recover:`` block's dumps commit to, with where they persist behind it (the
-    table above; ``user`` defaults to the login name). Creates nothing but the default staging
-    folder (private: :func:`~areal_ckpt.storage.folders.staging_root`)."""
+def trial_location(config: RecoverConfig) -> tuple[RecoverStore, Publication]:
+    """The store a ``recover:`` block's dumps commit to, and the policy by which they reach where
+    the trial persists (the table above; ``user`` defaults to the login name). Creates nothing
+    but the default staging folder (private: :func:`~areal_ckpt.storage.folders.staging_root`)."""
     user = config.user or default_user()
     names = (user, config.experiment_name, config.trial_name)
     if config.local_dir is not None:
         behind = persistent_generations(config.fileroot, *names)
-        return RecoverStore(trial_root(config.local_dir, *names), behind, tiered=True)
+        return RecoverStore(trial_root(config.local_dir, *names), links_previous_data=False), PublishedInBackground(
+            behind
+        )
     if url_scheme(config.fileroot) is None:
-        return RecoverStore(trial_root(config.fileroot, *names))
+        return RecoverStore(trial_root(config.fileroot, *names)), KeptLocally()
     remote = parse_object_url(config.fileroot, "fileroot").child("checkpoints", *names)
-    return RecoverStore(staging_root(config.staging_dir, remote), ObjectGenerations(remote))
+    staging = RecoverStore(staging_root(config.staging_dir, remote), links_previous_data=False)
+    return staging, PublishedInDump(ObjectGenerations(remote))
+
+
+def trial_store(config: RecoverConfig) -> RecoverStore:
+    """The store of :func:`trial_location` alone (what a launcher watches for new commits)."""
+    return trial_location(config)[0]

@@ -8,7 +8,7 @@ there. :class:`PersistentGenerations` is that contract; its implementations are
 :class:`~areal_ckpt.recover.remote.ObjectGenerations` (a prefix on any object store: a
 create-only commit record) and :class:`~areal_ckpt.recover.shared_folder.FolderGenerations` (a
 trial folder on a shared file system: fsync, then the ``current`` link switch). The factory is
-:func:`~areal_ckpt.recover.location.trial_store`; nothing else asks which one it has.
+:func:`~areal_ckpt.recover.location.trial_location`; nothing else asks which one it has.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from areal_ckpt.fsio import FileRecord
 from areal_ckpt.paths import ENGINE_STATE_FILE, MODEL_SEPARATOR, RECOVER_INFO, check_model_name
 from areal_ckpt.recover.frozen import fingerprint as fingerprint_of
 from areal_ckpt.recover.frozen import frozen_names, frozen_part
+from areal_ckpt.recover.publication import Publication
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.write import DumpJob, dump_header
 from areal_ckpt.state import safe_json
@@ -57,6 +58,7 @@ class _Files:
 
 def prepare_dump(
     store: RecoverStore,
+    publication: Publication,
     config: RecoverConfig,
     previous: PreviousDump,
     begin: Callable[[int, list[str]], str],
@@ -69,7 +71,8 @@ def prepare_dump(
 ) -> tuple[DumpJob, dict[str, torch.Tensor], dict[str, list[int]]]:
     """Create the generation (rank 0, with ``begin``), encode its JSON files, capture the
     tensors; returns the second half's job, the tensors and the frozen models' fingerprints.
-    ``run`` names the job in its commits where the trial persists (``store.behind``).
+    ``run`` names the job in its commits where the trial persists; ``publication`` says when
+    the commit reaches there (:mod:`areal_ckpt.recover.publication`).
 
     Collective. Raises RankMismatchError when ranks disagree on the step or the models, the
     refusal ``begin`` raises, or TransientError on every rank (after discarding the
@@ -120,9 +123,8 @@ def prepare_dump(
         param_groups=collected.param_groups,
         header=dump_header(step_info.to_dict(), names),
         retries=config.write_retries,
-        behind=store.behind,
+        publication=publication,
         run_token=run,
-        tiered=store.tiered,
     )
     return job, tensors, collected.fingerprints
 

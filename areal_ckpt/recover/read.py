@@ -32,11 +32,10 @@ from areal_ckpt.paths import (
     generation_step,
 )
 from areal_ckpt.publish import check_files, read_manifest
-from areal_ckpt.recover.foreign import refuse_foreign_layout
-from areal_ckpt.recover.location import trial_store
+from areal_ckpt.recover.location import trial_location
 from areal_ckpt.recover.nodes import fill_from_peers
-from areal_ckpt.recover.persistent import fetch_newest
-from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.recover.persistent import PersistentGenerations, fetch_newest
+from areal_ckpt.recover.store import RecoverStore, find_committed
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.components import Stateful, check_dataloader_state
@@ -48,20 +47,9 @@ from areal_ckpt.storage.folders import OnDemandFiles
 logger = logging.getLogger(__name__)
 
 
-def find_committed(store: RecoverStore) -> str | None:
-    """Rank 0 at start: the committed generation (None if none) after deleting the debris of
-    interrupted dumps. Local. Raises CheckpointError, deleting nothing, when the commit record
-    is broken or the trial holds AReaL's own recovery folders."""
-    refuse_foreign_layout(store.trial)
-    committed = store.committed()
-    removed = store.remove_debris(keep=committed)
-    if removed:
-        logger.warning("removed uncommitted recovery generations (interrupted dumps): %s", removed)
-    return committed
-
-
 def open_committed(
     store: RecoverStore,
+    source: PersistentGenerations | None,
     models: list[str],
     on_world_size_change: str,
     dataloader: Stateful | None = None,
@@ -69,18 +57,18 @@ def open_committed(
 ) -> tuple[str, dict[str, Any], RecoverInfo, Callable[[Path], None] | None] | None:
     """The committed generation of ``store``, its verified manifest, this rank's recover info
     and what brings a data file down before it is read (None on a local trial), or None when
-    there is none. When the trial persists behind ``store`` (object storage, a shared folder)
-    the generation's small files come down to the node's local copy first and its data files
-    only as a rank reads them (each rank the files its share needs); with ``local`` (a tiered
-    trial resuming from its local tier, :mod:`areal_ckpt.recover.tiers`) the local copy is read
-    as a local trial, once each node received the files only other nodes hold
-    (:mod:`areal_ckpt.recover.nodes`). Collective: rank 0 finds it (removing debris), every
+    there is none. With a ``source`` (where the trial persists, when its newest commit counts:
+    :meth:`~areal_ckpt.recover.publication.Publication.source`) the generation's small files
+    come down to the node's local copy first and its data files only as a rank reads them (each
+    rank the files its share needs); without, the local copy is read as it is, and with
+    ``local`` (a tiered trial resuming from its local tier, :mod:`areal_ckpt.recover.tiers`)
+    once each node received the files only other nodes hold (:mod:`areal_ckpt.recover.nodes`). Collective: rank 0 finds it (removing debris), every
     rank verifies its share and reads its info. Raises CheckpointError on every rank when the
     commit record is broken, the trial holds AReaL's folders, a file is damaged, ``models``
     names one it does not hold (:func:`check_models`), the three records of its step disagree,
     or a component cannot be restored (``dataloader``: the one the load restores); nothing is
     loaded then."""
-    behind = None if local else store.behind
+    behind = source
     if behind is not None:  # where the trial persists holds what counts: its newest commit, into the local copy
         fetch_newest(behind, store.root, deferred=read_when_needed)
     found = agree.decided_by_rank0(lambda: find_committed(store), "RecoverHandler.load")
@@ -312,22 +300,8 @@ def check_if_auto_recover(config: RecoverConfig | Any) -> bool:
     AReaL's own recovery folders, so a launcher never mistakes a checkpoint for a fresh trial.
     Checksums are verified by ``RecoverHandler.load``.
     """
-    store = trial_store(RecoverConfig.of(config))
-    behind = store.behind
-    if store.tiered and behind is not None:  # this node's local tier first (a broken one is left to the other)
-        try:
-            if store.committed() is not None:
-                return True
-        except CheckpointError as error:
-            logger.warning("the local tier cannot be used (%s); looking at %s", error, behind.where())
-    if behind is not None:
-        return behind.newest() is not None
-    refuse_foreign_layout(store.trial)
-    generation = store.committed()
-    if generation is None:
-        return False
-    read_manifest(store.path(generation), RECOVER_MANIFEST)
-    return True
+    store, publication = trial_location(RecoverConfig.of(config))
+    return publication.has_checkpoint(store)
 
 
 def check_if_recover(config: RecoverConfig | Any, _run_id: int = 0) -> bool:

@@ -42,7 +42,6 @@ from areal_ckpt.paths import (
 )
 from areal_ckpt.publish import check_files, hide_folder, read_manifest, switch_symlink, write_manifest
 from areal_ckpt.recover.foreign import refuse_foreign_layout
-from areal_ckpt.recover.persistent import PersistentGenerations
 from areal_ckpt.recover.tidy import remove_trash, sweep_trash_later, wait_for_deletions
 from areal_ckpt.storage.retention import Committed, KeepNewest, doomed_by
 
@@ -62,35 +61,23 @@ _LINKED_FOLDERS_NAMED: set[Path] = set()
 class RecoverStore:
     """The recovery generations of one trial."""
 
-    def __init__(self, trial: Path, behind: PersistentGenerations | None = None, tiered: bool = False) -> None:
+    def __init__(self, trial: Path, links_previous_data: bool = True) -> None:
         self.trial = trial
         self.root = recover_store(trial)
         self.pointer = recover_pointer(trial)
-        #: Where the trial persists behind this store (``trial`` is then its local staging copy
-        #: or local tier; see :mod:`areal_ckpt.recover.persistent`); None for a plain local trial.
-        self.behind = behind
-        #: True when ``trial`` is the local tier of a tiered trial (``recover.local_dir``): its
-        #: commits count too, and their publication ``behind`` runs in the background
-        #: (:mod:`areal_ckpt.recover.upload`).
-        self.tiered = tiered and behind is not None
+        #: True when this store holds every data file of its previous generation on every node,
+        #: so an unchanged part can be hard-linked from it: a plain local trial. A staging copy
+        #: holds none (they go to the bucket from memory), a node's local tier only its own
+        #: ranks'. Set by :func:`~areal_ckpt.recover.location.trial_location`.
+        self.links_previous_data = links_previous_data
 
-    @property
-    def links_previous_data(self) -> bool:
-        """True when this store holds every data file of its previous generation on every node,
-        so an unchanged part can be hard-linked from it: a plain local trial. A staging copy
-        holds none (they go to the bucket from memory), a node's local tier only its own ranks'."""
-        return self.behind is None
-
-    def claim_local_tier(self) -> None:
+    def claim_local_tier(self, persists_at: str) -> None:
         """A tiered trial's local tier, every rank: CheckpointError naming both locations when it
-        belongs to another persistent tier than ``behind`` (the same ``local_dir`` under two
-        fileroots with the same trial names), else record ``behind`` in it if it is not yet
-        (create-only: ranks sharing the tier agree without a lock). No-op for other stores.
-        Local; durable on return."""
-        if not self.tiered or self.behind is None:
-            return
+        belongs to another persistent tier than ``persists_at`` (the same ``local_dir`` under two
+        fileroots with the same trial names), else record ``persists_at`` in it if it is not yet
+        (create-only: ranks sharing the tier agree without a lock). Local; durable on return."""
         self.check_root()
-        wanted = f"{self.behind.where()}\n".encode()
+        wanted = f"{persists_at}\n".encode()
         record = self.root / PERSISTS_AT
         try:
             make_dirs(self.root)
@@ -110,7 +97,7 @@ class RecoverStore:
         if held != wanted:
             raise CheckpointError(
                 f"{self.trial}: this local tier belongs to {held.decode(errors='replace').strip()}, not to "
-                f"{self.behind.where()} (the same local_dir and trial names under another fileroot); nothing was "
+                f"{persists_at} (the same local_dir and trial names under another fileroot); nothing was "
                 "read or deleted: give this job another local_dir, or move that trial folder away"
             )
 
@@ -369,6 +356,18 @@ class RecoverStore:
     def discard(self, generation: str) -> None:
         """Delete an uncommitted generation after a failed dump (best effort)."""
         shutil.rmtree(self.path(generation), ignore_errors=True)
+
+
+def find_committed(store: RecoverStore) -> str | None:
+    """Rank 0 at start: the committed generation (None if none) after deleting the debris of
+    interrupted dumps. Local. Raises CheckpointError, deleting nothing, when the commit record
+    is broken or the trial holds AReaL's own recovery folders."""
+    refuse_foreign_layout(store.trial)
+    committed = store.committed()
+    removed = store.remove_debris(keep=committed)
+    if removed:
+        logger.warning("removed uncommitted recovery generations (interrupted dumps): %s", removed)
+    return committed
 
 
 def resolve_recovery(path: Path) -> tuple[Path, str | None]:

@@ -35,8 +35,7 @@ from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.paths import generation_step
 from areal_ckpt.recover.persistent import PersistentGenerations
-from areal_ckpt.recover.read import find_committed
-from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.recover.store import RecoverStore, find_committed
 
 logger = logging.getLogger(__name__)
 
@@ -55,15 +54,13 @@ class TierChoice:
     reachable: bool
 
 
-def choose_tier(store: RecoverStore) -> TierChoice:
-    """Decide where the tiered trial ``store`` resumes from (see the module docstring).
+def choose_tier(store: RecoverStore, behind: PersistentGenerations) -> TierChoice:
+    """Decide where the tiered trial ``store`` (persisting ``behind``) resumes from (see the
+    module docstring).
     Collective: every rank reads its own local tier, rank 0 the persistent tier and decides. Raises
     CheckpointError on every rank when neither tier can serve every rank although a checkpoint
     exists. Rank 0 removes its local tier's debris (as a local load does); a local tier whose
     commit record is broken counts as empty, with a warning naming the cause."""
-    behind = store.behind
-    if behind is None:
-        raise ValueError("choose_tier needs a tiered trial")
 
     def own_local() -> tuple[str | None, list[str]]:
         if dist.rank() != 0:
@@ -79,14 +76,16 @@ def choose_tier(store: RecoverStore) -> TierChoice:
     )
 
 
-def restore_from_tiers(store: RecoverStore, restore: Callable[[bool], T | None]) -> tuple[T | None, TierChoice]:
-    """Resume the tiered trial ``store``: :func:`choose_tier`, then ``restore(local)`` (a
+def restore_from_tiers(
+    store: RecoverStore, behind: PersistentGenerations, restore: Callable[[bool], T | None]
+) -> tuple[T | None, TierChoice]:
+    """Resume the tiered trial ``store`` (persisting ``behind``): :func:`choose_tier`, then ``restore(local)`` (a
     collective load from the local tier, or from the persistent tier, returning None when there
     is nothing to load). When a rank's load from the local tier fails (a file damaged or
     missing) and the persistent tier holds a generation, every rank loads that one instead, with a warning
     naming the failure. Collective; returns what ``restore`` returned and the choice it
     followed."""
-    choice = choose_tier(store)
+    choice = choose_tier(store, behind)
     if not choice.local:
         return restore(False), choice
     failure: CheckpointError | None = None
@@ -147,12 +146,3 @@ def _decide(store: RecoverStore, behind: PersistentGenerations, held: list[tuple
             missing,
         )
     return TierChoice(local=False, remote_newest=newest, reachable=True)
-
-
-def resumed_from(store: RecoverStore, generation: str, choice: TierChoice | None) -> str:
-    """Where a load found ``generation``, for the one line rank 0 logs: the local tier's folder,
-    or the persistent tier's location (a URL, or a shared folder). Pure."""
-    behind = store.behind
-    if behind is None or (choice is not None and choice.local):
-        return f"{store.path(generation)}" + (" (the local tier)" if choice is not None else "")
-    return behind.where(generation) + (" (the persistent tier)" if choice is not None else "")

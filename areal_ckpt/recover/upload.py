@@ -63,7 +63,7 @@ class UploadJob:
         """Publish and commit the generation where the trial persists, retried ``retries`` times.
         Collective over the uploaders' group; blocking; returns its URL and size. Raises
         CheckpointError on every rank when it failed (nothing committed there then)."""
-        folder = RecoverStore(self.trial, self.behind, tiered=True).path(self.generation)
+        folder = RecoverStore(self.trial).path(self.generation)
         behind = self.behind
         step = generation_step(self.generation)
         what = f"{behind.where()}: upload of the recovery dump at global step {step} (committed in {folder} only)"
@@ -99,11 +99,9 @@ class Uploads:
     Owned by the training process of every rank; every method is collective and must be called
     by every rank at the same points (the handler's ``dump``, ``load`` and ``close``)."""
 
-    def __init__(self, store: RecoverStore, run_token: str, retries: int) -> None:
-        if store.behind is None:
-            raise ValueError("Uploads needs a trial that persists behind its local tier")
+    def __init__(self, store: RecoverStore, behind: PersistentGenerations, run_token: str, retries: int) -> None:
         self.store = store
-        self.behind: PersistentGenerations = store.behind
+        self.behind = behind
         self.run_token = run_token
         self.retries = retries
         self.loaded: tuple[str, ...] = ()  # set by the handler's load

@@ -11,7 +11,6 @@ generation is discarded, so the previous checkpoint stays the committed one what
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,11 +20,11 @@ from areal_ckpt._version import __version__
 from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchError, TransientError
 from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.hf_export import HFFiles
-from areal_ckpt.fsio import FileRecord, FileWriter, write_file_durably
+from areal_ckpt.fsio import FileRecord, write_file_durably
 from areal_ckpt.jobs.shm_arena import ArenaLayout
 from areal_ckpt.paths import DATA_SUFFIX, HF_FILES, MODEL_SEPARATOR, RECOVER_FORMAT, RECOVER_FORMAT_VERSION
-from areal_ckpt.recover.nodes import first_ranks, node_of
-from areal_ckpt.recover.persistent import PersistentGenerations
+from areal_ckpt.recover.nodes import first_ranks
+from areal_ckpt.recover.publication import KeptLocally, Publication
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.tidy import delete_later, drop_later
@@ -54,14 +53,13 @@ class DumpJob:
     ``records`` are this rank's files already in the generation (an unchanged frozen model's
     linked shards); ``files`` are this rank's small files to write (path in the generation ->
     content) and ``hf`` rank 0's HF files per model; ``header`` is the manifest header;
-    ``layout`` locates the staged tensors (async only). With ``behind`` (where the trial
-    persists, :mod:`areal_ckpt.recover.persistent`) the generation committed in ``trial`` (the
-    staging copy) is then published there, in a commit naming the job's ``run_token``; with
-    ``tiered`` as well, ``trial`` is the local tier: the dump ends with the local commit (its
-    data files written there, not streamed; on several nodes rank 0's commit stands for every
-    node's, :mod:`areal_ckpt.recover.nodes`) and its publication is another job's
+    ``layout`` locates the staged tensors (async only). ``publication`` says what follows the
+    commit in ``trial`` (:mod:`areal_ckpt.recover.publication`): nothing (a local trial); the
+    generation published where the trial persists within the dump, in a commit naming the job's
+    ``run_token`` (``trial`` is then a staging copy); or, for a tiered trial, another job's upload
     (:mod:`areal_ckpt.recover.upload`), whose generations ``protected`` names (kept by the
-    commit's tidying).
+    commit's tidying; on several nodes rank 0's commit stands for every node's,
+    :mod:`areal_ckpt.recover.nodes`).
     """
 
     trial: Path
@@ -74,9 +72,8 @@ class DumpJob:
     header: dict[str, Any]
     retries: int
     layout: ArenaLayout | None = None
-    behind: PersistentGenerations | None = None
+    publication: Publication = KeptLocally()
     run_token: str = ""
-    tiered: bool = False
     protected: tuple[str, ...] = ()
 
     def run(self, tensors: dict[str, Any]) -> dict[str, Any]:
@@ -90,7 +87,7 @@ class DumpJob:
         files hard-linked from the previous generation (an unchanged frozen model or part) are
         not counted. Tiered, the result also lists this rank's files (``files``), for the upload.
         """
-        store = RecoverStore(self.trial, self.behind, self.tiered)
+        store = RecoverStore(self.trial)
         by_folder: dict[str, dict[str, Any]] = {}  # a model's folder, or its frozen part's
         for key, tensor in tensors.items():
             folder, _, name = key.rpartition(MODEL_SEPARATOR)
@@ -115,18 +112,10 @@ class DumpJob:
         if tidies_node:  # another node's local tier: rank 0's commit superseded all but this one
             kept = {self.generation, *self.protected}
             drop_later(store.root, [name for name in store.generations() if name not in kept])
-        behind = self.behind
-        if behind is None or self.tiered:
-            return {"path": str(store.path(self.generation)), "bytes": written, "files": mine}
-        retried(
-            lambda: behind.publish(store.path(self.generation), mine, self.run_token, step, streamed),
-            self.retries,
-            f"{behind.where()}: upload of the recovery dump at global step {step} (committed in {store.root} only)",
+        where = self.publication.publish(
+            store, self.generation, step, self.models, mine, self.run_token, streamed, self.retries
         )
-        older = [name for name in store.generations() if name != self.generation]
-        # on its own node, a rank's alone to delete
-        delete_later(store.root, older, dist.rank(), self.models, remove_folders=True)
-        return {"path": behind.where(self.generation), "bytes": written}
+        return {"path": where, "bytes": written, "files": mine}
 
     def _attempt(
         self,
@@ -150,7 +139,7 @@ class DumpJob:
                     tensors, groups = by_folder[part], self.param_groups.get(part)
                     plan_key = f"{self.trial}/{part}"
                     (folder / part).mkdir(parents=True, exist_ok=True)  # a frozen part's; on another node any
-                    open_writer = self._direct_writer(part)
+                    open_writer = self.publication.direct_writer(self.generation, part)
                     for file_name, record in save_tensors(
                         tensors, folder / part, groups, plan_key, open_writer
                     ).items():
@@ -164,7 +153,7 @@ class DumpJob:
                 for model, hf_files in self.hf.items():  # checksummed and fsync'd by the commit
                     (folder / model / HF_FILES).mkdir(exist_ok=True)
                     hf_files.write(folder / model / HF_FILES)
-                node = node_of(store.root) if self.tiered else ""  # who shares this local tier
+                node = self.publication.node(store)  # who shares this copy of the store
             except (RankMismatchError, CollectiveError):
                 raise
             except Exception as error:  # retried, once every rank knows
@@ -173,16 +162,6 @@ class DumpJob:
             return records, node
 
         return agree.gathered_then_dealt(write, lambda every: self._commit(store, every), "writing failed")
-
-    def _direct_writer(self, part: str) -> Callable[[Path], FileWriter] | None:
-        """Published synchronously: what writes a data file of ``part`` straight to where the
-        trial persists, if that location takes them so (object storage: from memory,
-        uncommitted until the commit record, debris if the dump fails; the staging copy then
-        holds no data file of its own and a load brings it down when read). None: written into
-        ``trial``."""
-        if self.behind is None or self.tiered:
-            return None
-        return self.behind.direct_writer(self.generation, part)
 
     def _commit(
         self, store: RecoverStore, every: list[tuple[dict[str, tuple[int, int]], str]]
@@ -201,7 +180,7 @@ class DumpJob:
         linked = sum(size for size, _ in self.records.values())  # rank 0's: unchanged parts, not written
         written = sum(record.size for record in records.values()) - linked
         nodes = [node for _, node in every]
-        tidying = set(first_ranks(nodes).values()) - {0} if self.tiered else set()
+        tidying = set(first_ranks(nodes).values()) - {0}  # one node: nobody but rank 0
         return [(written, hidden, rank in tidying) for rank in range(len(every))]
 
 
