@@ -230,6 +230,14 @@ class RecoverConfig(_TimerBlock):
     # background; a restart resumes from whichever tier holds the newest commit. It takes
     # staging_dir's place. None: dumps go straight to fileroot.
     local_dir: str | None = None
+    # Ours, with local_dir on several nodes: how many other nodes keep a copy of each node's
+    # files of the newest local commit (placed on the ring of nodes, sent over the job's process
+    # group in the background), so a restart after up to this many nodes lost their disks
+    # resumes from the nodes, not from fileroot (docs/storage.md, "Peer copies"). 0: none.
+    local_replicas: Annotated[int, Field(ge=0, le=64, strict=True)] = 0
+    # Ours, with local_dir: only every N-th local commit goes to fileroot (the last one at
+    # close always does); the local tiers and their copies hold the newer ones. 1: every one.
+    upload_every: Annotated[int, Field(ge=1, le=1_000_000, strict=True)] = 1
     # Ours: signals that mean "dump at the end of this step, then exit" (a spot notice, SLURM's
     # --signal, Kubernetes' SIGTERM): docs/recovery.md, "Preemption". Empty: signals keep their
     # usual effect.
@@ -253,6 +261,12 @@ class RecoverConfig(_TimerBlock):
     @model_validator(mode="after")
     def _local_tier_apart(self) -> Self:
         if self.local_dir is None:
+            for name, unset in (("local_replicas", 0), ("upload_every", 1)):
+                if getattr(self, name) != unset:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)} needs local_dir (the node-local tier it applies to); set "
+                        f"local_dir, or drop {name}"
+                    )
             return self
         if os.path.realpath(self.fileroot) == os.path.realpath(self.local_dir):  # a URL never names a folder
             raise ValueError(

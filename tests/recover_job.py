@@ -48,6 +48,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters (peft) on a frozen base")
     parser.add_argument("--staging-dir", help="staging_dir (fileroot on object storage): rank r uses {this}/node{r}")
     parser.add_argument("--local-dir", help="local_dir (a tiered trial): rank r uses {this}/node{r}")
+    parser.add_argument("--local-replicas", type=int, default=0, help="recover.local_replicas (with --local-dir)")
+    parser.add_argument("--upload-every", type=int, default=1, help="recover.upload_every (with --local-dir)")
+    parser.add_argument("--wait-after-dumps", action="store_true", help="RecoverHandler.wait() after every dump")
     parser.add_argument("--wait-before-kill", action="store_true", help="RecoverHandler.wait() before --kill-at")
     parser.add_argument("--hold-after-load", help="after load: touch {this}/loaded-rank{r}, then wait for {this}/go")
     parser.add_argument("--environment", default="{}", help="JSON object of environment variables to set first")
@@ -144,6 +147,8 @@ def train(args: argparse.Namespace) -> None:
         fileroot=args.fileroot,
         staging_dir=None if args.staging_dir is None else f"{args.staging_dir}/node{rank}",
         local_dir=None if args.local_dir is None else f"{args.local_dir}/node{rank}",
+        local_replicas=args.local_replicas,
+        upload_every=args.upload_every,
         user="tester",
         mode=args.mode,
         freq_steps=args.freq_steps,
@@ -199,6 +204,8 @@ def train(args: argparse.Namespace) -> None:
             recover.dump(
                 engine, step_info, evaluator=in_dump, dataloader=loader, client_state={"noise_scale": noise_scale}
             )
+            if args.wait_after_dumps:
+                recover.wait()
             if args.ask and recover.preempted:
                 losses.close()
                 recover.close()

@@ -34,6 +34,7 @@ from distributed import start_processes  # noqa: E402
 from recover_fixtures import SPEC, make_setup, recover_config, step_info, train_step  # noqa: E402
 from torture_objects import scenario_objects  # noqa: E402
 from torture_operator import scenario_ctrl_c, scenario_operator  # noqa: E402
+from torture_peers import scenario_peers  # noqa: E402
 from torture_power import scenario_power_loss  # noqa: E402
 
 import areal_ckpt as ac  # noqa: E402
@@ -489,6 +490,7 @@ def run_all(trials: int, seed: int = 0, select: str | None = None) -> list[Row]:
         if select is None or select in "power-loss":
             rows += scenario_power_loss(trials, rng, work)
         rows += scenario_objects(max(2, trials // 10), rng, work, select)
+        rows += scenario_peers(max(2, trials // 10), rng, work, select)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return rows
@@ -503,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         "--select",
         default=None,
         help="run only scenarios whose id contains this (ids: kill-{recover,saver}-{1,2}-{sync,async}, "
-        "kill-one-rank, disk-full, corruption, hostile, two-jobs, bad-config, ctrl-c, operator, power-loss, s3-kill, gs-kill, az-kill)",
+        "kill-one-rank, disk-full, corruption, hostile, two-jobs, bad-config, ctrl-c, operator, power-loss, s3-kill, gs-kill, az-kill, peers-kill)",
     )
     args = parser.parse_args(argv)
     started = time.time()

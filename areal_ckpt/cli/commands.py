@@ -47,6 +47,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ["size", f"{fmt.size(facts['bytes'])} in {facts['files']} files"],
         ["complete", {True: "yes", False: "NO", None: "unknown (no manifest)"}[facts["complete"]]],
     ]
+    for held in facts.get("held", []):
+        rows.append([f"holds {held['generation']}", fmt.holding(held)])
     if facts["kind"] == "export":
         rows.insert(3, ["parameters", f"{facts['parameters']:,}"])
         rows.insert(4, ["dtypes", ", ".join(f"{k} ({v:,})" for k, v in facts["dtypes"].items())])
@@ -102,7 +104,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     for e in entries:
         rows.append(
             [
-                e["kind"] + (" (DAMAGED)" if "problem" in e else ""),
+                e["kind"]
+                + (" (DAMAGED)" if "problem" in e else "")
+                + (" (with copies)" if e.get("copied_files") else ""),
                 e["name"],
                 str(e["global_step"]),
                 str(e["epoch"]),

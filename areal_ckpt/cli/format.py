@@ -45,3 +45,12 @@ def print_table(rows: list[list[str]]) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+def holding(entry: dict[str, Any]) -> str:
+    """What one generation folder of a local tier holds, as a line (own files, copies of other
+    nodes' files, committed here or not); ``entry`` as ``tools.local_tier.tier_holdings`` gives it."""
+    what = f"{entry['own_files']} own files ({size(entry['own_bytes'])})"
+    if entry["copied_files"]:
+        what += f", copies of {entry['copied_files']} other nodes' files ({size(entry['copied_bytes'])})"
+    return what + (", committed here" if entry["committed"] else "")

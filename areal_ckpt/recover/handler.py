@@ -78,7 +78,8 @@ class RecoverHandler:
         """The last dump's ``time/saving``, ``time/background``, ``bytes`` and ``gbps``; for a
         tiered trial also the last upload's ``upload/seconds``, ``upload/bytes``,
         ``upload/gbps``, and ``upload/lag_steps`` / ``upload/failures`` (how far object storage
-        lags the local tier, failed uploads in a row)."""
+        lags the local tier, failed uploads in a row); with ``local_replicas``, the last copy
+        job's ``copies/seconds`` and the bytes this rank received in it, ``copies/bytes_received``."""
         return {**self._jobs.last_metrics, **(self._uploads.metrics if self._uploads is not None else {})}
 
     def close(self) -> None:

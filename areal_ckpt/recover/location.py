@@ -42,9 +42,8 @@ def trial_location(config: RecoverConfig) -> tuple[RecoverStore, Publication]:
     names = (user, config.experiment_name, config.trial_name)
     if config.local_dir is not None:
         behind = persistent_generations(config.fileroot, *names)
-        return RecoverStore(trial_root(config.local_dir, *names), links_previous_data=False), PublishedInBackground(
-            behind
-        )
+        publication = PublishedInBackground(behind, config.local_replicas, config.upload_every)
+        return RecoverStore(trial_root(config.local_dir, *names), links_previous_data=False), publication
     if url_scheme(config.fileroot) is None:
         return RecoverStore(trial_root(config.fileroot, *names)), KeptLocally()
     remote = parse_object_url(config.fileroot, "fileroot").child("checkpoints", *names)

@@ -16,6 +16,7 @@ the rule needs no launcher variables and holds for several nodes simulated on on
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -27,7 +28,16 @@ import torch
 
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.fsio import ChecksummedWriter, FileRecord, fsync_dir, link_on_path, open_regular_file, record_of
+from areal_ckpt.fsio import (
+    ChecksummedWriter,
+    FileRecord,
+    fsync_dir,
+    link_on_path,
+    open_regular_file,
+    read_regular_file,
+    record_of,
+    write_file_durably,
+)
 from areal_ckpt.paths import RECOVER_MANIFEST
 from areal_ckpt.publish import read_manifest
 from areal_ckpt.recover.store import RecoverStore
@@ -36,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 #: Bytes one message of a file transfer between nodes carries.
 TRANSFER_CHUNK = 64 << 20
+
+#: The folder of a local tier's store that records, per generation, the files it holds as
+#: copies of other nodes' (``{generation}.json``: a sorted JSON list of names).
+COPIES_FOLDER = ".copies"
 
 
 def node_of(folder: Path) -> str:
@@ -104,14 +118,61 @@ def fill_from_peers(store: RecoverStore, generation: str) -> int:
                 transfers.append(Transfer(name, record.size, record.crc32, source, target))
         return [[move for move in transfers if rank in (move.source, move.target)] for rank in range(len(listings))]
 
-    mine = agree.gathered_then_dealt(lambda: _listing(folder) if leading else None, plan, what)
-    received = agree.on_every_rank(lambda: _run(folder, mine), what)
+    mine = agree.gathered_then_dealt(lambda: listing_of(folder) if leading else None, plan, what)
+    received = agree.on_every_rank(lambda: receive_copies(store, generation, mine), what)
     if received:
         logger.info("%s: received %d bytes from other nodes", folder, received)
     return received
 
 
-def _listing(folder: Path) -> dict[str, int]:
+def receive_copies(store: RecoverStore, generation: str, transfers: list[Transfer]) -> int:
+    """This rank's share of ``transfers`` of ``generation`` (:func:`run_transfers`), then the
+    files it received noted as copies (:func:`note_copies`); returns the bytes received."""
+    received = run_transfers(store.path(generation), transfers)
+    names = [move.name for move in transfers if move.target == dist.rank()]
+    if names:
+        note_copies(store, generation, names)
+    return received
+
+
+def note_copies(store: RecoverStore, generation: str, names: list[str]) -> None:
+    """Record that this node's local tier holds ``names`` of ``generation`` as copies of other
+    nodes' files (for ``areal-ckpt list`` / ``inspect``), and drop the records of generations
+    it no longer holds. Never through a link; a failure is logged (the record is a
+    description, not part of the checkpoint)."""
+    folder = store.root / COPIES_FOLDER
+    try:
+        if folder.is_symlink():
+            raise OSError(f"{folder} is a link; not writing through it")
+        folder.mkdir(exist_ok=True)
+        held = set(store.generations())
+        for record in folder.iterdir():
+            if record.suffix == ".json" and record.stem not in held and not record.is_symlink():
+                record.unlink()
+        record = folder / f"{generation}.json"
+        staged = folder / f".{generation}.{secrets.token_hex(4)}"
+        write_file_durably(staged, json.dumps(sorted({*copies_of(store, generation), *names})).encode())
+        os.replace(staged, record)  # replaces a link there, never writes through it
+        fsync_dir(folder)
+    except OSError as error:
+        logger.warning("%s: could not record the copies held of %s: %s", folder, generation, error)
+
+
+def copies_of(store: RecoverStore, generation: str) -> list[str]:
+    """The files of ``generation`` this node's local tier holds as copies of other nodes' (what
+    :func:`note_copies` recorded; empty when nothing is, or the record does not read). Local,
+    read-only."""
+    record = store.root / COPIES_FOLDER / f"{generation}.json"
+    try:
+        if record.is_symlink() or store.root.joinpath(COPIES_FOLDER).is_symlink():
+            return []
+        names = json.loads(read_regular_file(record, limit=16 << 20))
+    except (OSError, ValueError):
+        return []
+    return [name for name in names if isinstance(name, str)] if isinstance(names, list) else []
+
+
+def listing_of(folder: Path) -> dict[str, int]:
     """The size of every regular file in ``folder`` by its path there (links not followed); local."""
     listing: dict[str, int] = {}
     for top, _, names in os.walk(folder):
@@ -122,7 +183,7 @@ def _listing(folder: Path) -> dict[str, int]:
     return listing
 
 
-def _run(folder: Path, transfers: list[Transfer]) -> int:
+def run_transfers(folder: Path, transfers: list[Transfer]) -> int:
     """This rank's share of the transfers, in the global order (so no pair waits on another);
     each one runs to its end even after a failure, keeping its peer in step. Raises the first
     failure once all are done; returns the bytes received."""

@@ -230,9 +230,12 @@ class PublishedInDump:
 
 @dataclass(frozen=True)
 class PublishedInBackground:
-    """A tiered trial: commits on the node-local tier, published ``behind`` by uploads."""
+    """A tiered trial: commits on the node-local tier, copied to ``copies`` other nodes' local
+    tiers and published ``behind`` (every ``upload_every``-th commit) by the uploads."""
 
     behind: PersistentGenerations
+    copies: int = 0
+    upload_every: int = 1
 
     def start(self, store: RecoverStore) -> None:
         """Every rank claims its local tier for ``behind``; rank 0 checks ``behind`` answers,
@@ -252,8 +255,8 @@ class PublishedInBackground:
             before_dump(self.behind, run, loaded, first=True, tiered=True)
 
     def uploads(self, store: RecoverStore, run: str, retries: int) -> Uploads | None:
-        """The uploads of each local commit to ``behind``."""
-        return Uploads(store, self.behind, run, retries)
+        """The uploads (and peer copies) of the local commits."""
+        return Uploads(store, self.behind, run, retries, self.copies, self.upload_every)
 
     def restore(self, store: RecoverStore, restore: Callable[[bool], T | None]) -> tuple[T | None, TierChoice | None]:
         """The tier choice (:func:`~areal_ckpt.recover.tiers.restore_from_tiers`)."""

@@ -1,26 +1,26 @@
-"""Which tier a tiered trial resumes from: the node's local tier or where the trial persists.
+"""Which tier a tiered trial resumes from: the nodes' local tiers or where the trial persists.
 
 A tiered trial (``recover.local_dir``) commits each dump locally first and publishes it later
 (:mod:`areal_ckpt.recover.upload`) to where it persists (object storage or a shared folder:
-"the persistent tier" below), so at a restart either tier may hold the newest commit. Every
-rank looks at its own local tier; rank 0 also asks the persistent tier; all ranks then follow
-one decision (:func:`choose_tier`):
+"the persistent tier" below), so at a restart either tier may hold the newest commit. The
+lowest rank of each node reports what its node's local tier holds; rank 0 also asks the
+persistent tier; all ranks then follow one decision (:func:`choose_tier`):
 
-- rank 0's local tier has committed a generation, every rank's local tier holds its folder,
-  and the persistent tier holds that one, an older one or none: resume locally (as fast as a
-  local trial);
-- the persistent tier holds a newer one, or some rank has no local copy of the local one (a
-  node that lost its disk, a job moved to other nodes): resume from the persistent tier, with
-  a warning when that skips a newer local generation;
-- the persistent tier cannot be reached: resume locally, saying so, when every rank can; else
-  a CheckpointError (never a silent fresh start).
+- the newest generation the local tiers hold whole between them (every file on some node: a
+  node's own files, or the copies other nodes keep of them, :mod:`areal_ckpt.recover.peer_copies`),
+  when the persistent tier holds that one, an older one or none: resume locally, once each
+  node received what it lacks and rank 0's node committed it (as fast as a local trial);
+- the persistent tier holds a newer one, or no local generation is whole (nodes that lost
+  their disks with no copies elsewhere, a job moved to other nodes): resume from the persistent
+  tier, with a warning naming the newer local generation and what it lacks where;
+- the persistent tier cannot be reached: resume locally, saying so, when a generation is
+  whole; else a CheckpointError (never a silent fresh start).
 
-On several nodes rank 0's commit stands for every node: another node's local tier holds only
-the folder of each generation, with its own ranks' files (:mod:`areal_ckpt.recover.nodes`).
-Before a local load the nodes exchange the files each lacks.
+On several nodes rank 0's commit stands for every node: another node's local tier holds the
+folder of each generation with its own ranks' files and any copies (:mod:`areal_ckpt.recover.nodes`).
 
-A local generation that turns out damaged while it loads is given up for the persistent tier's
-newest by the caller (:meth:`~areal_ckpt.recover.handler.RecoverHandler.load`).
+A local generation that turns out damaged while it is assembled or loads (a copy failing its
+check included) is given up for the persistent tier's newest, named in a warning.
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ from typing import TypeVar
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.paths import generation_step
+from areal_ckpt.recover.foreign import refuse_foreign_layout
+from areal_ckpt.recover.peer_copies import Assembly, Holding, assemble, assemblies, holdings_of, node_leaders
 from areal_ckpt.recover.persistent import PersistentGenerations
-from areal_ckpt.recover.store import RecoverStore, find_committed
+from areal_ckpt.recover.store import RecoverStore
 
 logger = logging.getLogger(__name__)
 
@@ -45,52 +47,67 @@ T = TypeVar("T")
 @dist.exchanged
 @dataclass(frozen=True)
 class TierChoice:
-    """Where a tiered trial resumes from: ``local`` (the local tier's committed generation) or
-    the persistent tier; ``remote_newest`` is the persistent tier's newest generation (None:
-    none, or it could not be reached, ``reachable`` False)."""
+    """Where a tiered trial resumes from: ``local`` (``generation``, assembled from the nodes'
+    local tiers, its manifest from rank ``manifest_from``'s node) or the persistent tier;
+    ``remote_newest`` is the persistent tier's newest generation (None: none, or it could not be
+    reached, ``reachable`` False)."""
 
     local: bool
     remote_newest: str | None
     reachable: bool
+    generation: str | None = None
+    manifest_from: int = 0
 
 
 def choose_tier(store: RecoverStore, behind: PersistentGenerations) -> TierChoice:
     """Decide where the tiered trial ``store`` (persisting ``behind``) resumes from (see the
-    module docstring).
-    Collective: every rank reads its own local tier, rank 0 the persistent tier and decides. Raises
-    CheckpointError on every rank when neither tier can serve every rank although a checkpoint
-    exists. Rank 0 removes its local tier's debris (as a local load does); a local tier whose
-    commit record is broken counts as empty, with a warning naming the cause."""
+    module docstring). Collective: the lowest rank of each node reads its node's local tier,
+    rank 0 also the persistent tier, and decides. Raises CheckpointError on every rank when
+    neither tier can serve every rank although a checkpoint exists, or the trial holds AReaL's
+    folders. Nothing is deleted here (the load removes debris once the choice is made); a local
+    tier whose commit record is broken counts as empty, with a warning naming the cause."""
+    leaders = node_leaders(store)
 
-    def own_local() -> tuple[str | None, list[str]]:
-        if dist.rank() != 0:
-            return None, store.generations()
-        try:
-            return find_committed(store), store.generations()
-        except CheckpointError as error:  # the bucket may still hold everything: not a reason to stop
-            logger.warning("the local tier cannot be used (%s); looking at %s", error, behind.where())
-            return None, []
+    def own_local() -> dict[str, Holding] | None:
+        if dist.rank() not in leaders:
+            return None
+        committed = None
+        if dist.rank() == 0:
+            try:  # its debris stays until the load: an older generation may be the one to assemble
+                refuse_foreign_layout(store.trial)
+                committed = store.committed()
+            except CheckpointError as error:  # the bucket may still hold everything: not a reason to stop
+                logger.warning("the local tier cannot be used (%s); looking at %s", error, behind.where())
+                return {}
+        return holdings_of(store, committed, on_rank0_node=dist.rank() == 0)
 
     return agree.gathered_then_decided(
-        own_local, lambda held: _decide(store, behind, held), f"{store.root}: cannot choose a tier to resume from"
+        own_local,
+        lambda held: _decide(
+            store, behind, {rank: holdings for rank, holdings in enumerate(held) if holdings is not None}
+        ),
+        f"{store.root}: cannot choose a tier to resume from",
     )
 
 
 def restore_from_tiers(
     store: RecoverStore, behind: PersistentGenerations, restore: Callable[[bool], T | None]
 ) -> tuple[T | None, TierChoice]:
-    """Resume the tiered trial ``store`` (persisting ``behind``): :func:`choose_tier`, then ``restore(local)`` (a
-    collective load from the local tier, or from the persistent tier, returning None when there
-    is nothing to load). When a rank's load from the local tier fails (a file damaged or
-    missing) and the persistent tier holds a generation, every rank loads that one instead, with a warning
-    naming the failure. Collective; returns what ``restore`` returned and the choice it
-    followed."""
+    """Resume the tiered trial ``store`` (persisting ``behind``): :func:`choose_tier`, then
+    ``restore(local)`` (a collective load from the local tiers, once the chosen generation was
+    assembled on them, or from the persistent tier, returning None when there is nothing to
+    load). When assembling or loading from the local tiers fails on a rank (a file damaged, a
+    copy that fails its check) and the persistent tier holds a generation, every rank loads that
+    one instead, with a warning naming the failure. Collective; returns what ``restore``
+    returned and the choice it followed."""
     choice = choose_tier(store, behind)
     if not choice.local:
         return restore(False), choice
     failure: CheckpointError | None = None
     restored: T | None = None
     try:
+        assert choice.generation is not None
+        assemble(store, choice.generation, choice.manifest_from)
         restored = restore(True)
     except CheckpointError as error:
         failure = error
@@ -106,43 +123,52 @@ def restore_from_tiers(
     return restore(False), dataclasses.replace(choice, local=False)
 
 
-def _decide(store: RecoverStore, behind: PersistentGenerations, held: list[tuple[str | None, list[str]]]) -> TierChoice:
-    """Rank 0: the decision, from rank 0's local committed generation and the generation
-    folders each rank's local tier holds (``held``, by rank)."""
-    local = held[0][0]
-    missing = [rank for rank, (_, folders) in enumerate(held) if local not in folders]
-    everywhere = local is not None and not missing
+def _decide(store: RecoverStore, behind: PersistentGenerations, held: dict[int, dict[str, Holding]]) -> TierChoice:
+    """Rank 0: the decision, from what each node's local tier holds (``held``, by the node's
+    lowest rank)."""
+    found = assemblies(held)
+    whole = next((entry for entry in found if entry.whole), None)
     try:
         newest = behind.newest()
     except CheckpointError as error:
-        if everywhere:
+        if whole is not None:
             logger.warning(
                 "cannot reach %s (%s): resuming from the local tier's %s; it is uploaded once it answers",
                 behind.where(),
                 error,
-                store.path(local),  # type: ignore[arg-type]
+                store.path(whole.generation),
             )
-            return TierChoice(local=True, remote_newest=None, reachable=False)
-        what = "holds no committed recovery checkpoint" if local is None else f"of ranks {missing} lacks {local}"
+            return TierChoice(True, None, False, whole.generation, whole.manifest_from)
+        what = "holds no committed recovery checkpoint" if not found else _lacking(store, found[0], held)
         raise CheckpointError(
             f"cannot reach {behind.where()} ({error}), and the local tier {what}; not starting fresh: restart when "
             "it answers"
         ) from None
-    if everywhere and (newest is None or newest == local or generation_step(local) > generation_step(newest)):  # type: ignore[arg-type]
-        return TierChoice(local=True, remote_newest=newest, reachable=True)
-    if local is not None and (newest is None or generation_step(local) > generation_step(newest)):
+    if whole is not None and (newest is None or generation_step(whole.generation) >= generation_step(newest)):
+        return TierChoice(True, newest, True, whole.generation, whole.manifest_from)
+    newer = next(
+        (entry for entry in found if newest is None or generation_step(entry.generation) > generation_step(newest)),
+        None,
+    )
+    if newer is not None:
         if newest is None:
             raise CheckpointError(
-                f"{store.path(local)}: the newest recovery checkpoint is committed on local tiers only, "
-                f"{behind.where()} holds none, and ranks {missing} have no local copy of it (their node lost its "
-                "disk, or the job moved to other nodes); not starting fresh, nothing was deleted: restart on the "
-                "nodes whose local_dir holds it"
+                f"{store.path(newer.generation)}: the newest recovery checkpoint is committed on local tiers only, "
+                f"{behind.where()} holds none, and {_lacking(store, newer, held)} (their node lost its disk, or the "
+                "job moved to other nodes); not starting fresh, nothing was deleted: restart on the nodes whose "
+                "local_dir holds it"
             )
         logger.warning(
-            "%s is newer than %s, but ranks %s have no local copy of it (a node lost its disk, or the job "
-            "moved): resuming from there",
-            store.path(local),
+            "%s is newer than %s, but %s (a node lost its disk, or the job moved): resuming from there",
+            store.path(newer.generation),
             behind.where(newest),
-            missing,
+            _lacking(store, newer, held),
         )
-    return TierChoice(local=False, remote_newest=newest, reachable=True)
+    return TierChoice(False, newest, True)
+
+
+def _lacking(store: RecoverStore, entry: Assembly, held: dict[int, dict[str, Holding]]) -> str:
+    """What keeps ``entry`` from being assembled: the nodes without it, the files no node holds."""
+    ranks = [rank for rank, holdings in sorted(held.items()) if entry.generation not in holdings]
+    shown = ", ".join(entry.missing[:3]) + (f" and {len(entry.missing) - 3} more" if len(entry.missing) > 3 else "")
+    return (f"ranks {ranks} have no local copy of it and " if ranks else "") + f"no node holds {shown}"

@@ -9,9 +9,11 @@ With ``recover.local_dir`` a dump ends with its local commit (:mod:`areal_ckpt.r
 When uploads fall behind dumps: one upload runs at a time; a generation committed meanwhile
 waits as the *pending* one, and a newer commit replaces it, so the generations in between are
 never uploaded (the persistent tier moves from one committed generation to a newer one, never to a
-mix). The commit's tidying keeps the generation in flight and the pending one, so the local tier
-holds at most three (in flight, pending, the one being written) and no upload is ever cut by
-its own job. A failed upload (after ``write_retries`` tries) is logged with how far object
+mix). With ``recover.upload_every`` N only every N-th commit is due (and the newest at close);
+with ``recover.local_replicas`` K every commit is first copied to K other nodes' local tiers
+(:mod:`areal_ckpt.recover.peer_copies`) by the same background job. The commit's tidying keeps
+the generation in flight, the pending one and the newest whose copies are complete, so a local
+tier holds at most four and no upload or copy is ever cut by its own job. A failed upload (after ``write_retries`` tries) is logged with how far object
 storage lags, and the newest committed generation is tried again at the next local commit (or
 ``wait`` / ``close``), not at every step; training goes on. ``close`` uploads the newest and
 raises if it cannot.
@@ -19,6 +21,7 @@ raises if it cannot.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +35,7 @@ from areal_ckpt.jobs.background import BackgroundWriter, JobOutcome
 from areal_ckpt.jobs.shm_arena import ArenaLayout
 from areal_ckpt.paths import RECOVER_MANIFEST, generation_step
 from areal_ckpt.publish import read_manifest
+from areal_ckpt.recover.peer_copies import replicate
 from areal_ckpt.recover.persistent import PersistentGenerations
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.store import RecoverStore
@@ -58,13 +62,22 @@ class UploadJob:
     retries: int
     tidy: bool = False
     layout: ArenaLayout | None = None
+    copies: int = 0
+    publish: bool = True
 
     def run(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Publish and commit the generation where the trial persists, retried ``retries`` times.
-        Collective over the uploaders' group; blocking; returns its URL and size. Raises
-        CheckpointError on every rank when it failed (nothing committed there then)."""
-        folder = RecoverStore(self.trial).path(self.generation)
+        """Copy the generation to ``copies`` other nodes' local tiers
+        (:func:`~areal_ckpt.recover.peer_copies.replicate`), then, when ``publish``, publish and
+        commit it where the trial persists, retried ``retries`` times. Collective over the
+        uploaders' group; blocking; returns where it is, the bytes published and the bytes this
+        rank received as copies. Raises CheckpointError on every rank when it failed (nothing
+        committed there then)."""
+        store = RecoverStore(self.trial)
+        folder = store.path(self.generation)
         behind = self.behind
+        copied = replicate(store, self.generation, self.copies) if self.copies else 0
+        if not self.publish:
+            return {"path": str(folder), "bytes": 0, "copied": copied, "generation": self.generation}
         step = generation_step(self.generation)
         what = f"{behind.where()}: upload of the recovery dump at global step {step} (committed in {folder} only)"
 
@@ -81,7 +94,7 @@ class UploadJob:
         size = agree.decided_by_rank0(
             lambda: sum(entry["size"] for entry in read_manifest(folder, RECOVER_MANIFEST)["files"].values()), what
         )
-        return {"path": behind.where(self.generation), "bytes": size, "generation": self.generation}
+        return {"path": behind.where(self.generation), "bytes": size, "copied": copied, "generation": self.generation}
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,7 @@ class _Offer:
 
     generation: str
     files: dict[str, tuple[int, int]]
+    publish: bool = True
 
 
 class Uploads:
@@ -99,9 +113,19 @@ class Uploads:
     Owned by the training process of every rank; every method is collective and must be called
     by every rank at the same points (the handler's ``dump``, ``load`` and ``close``)."""
 
-    def __init__(self, store: RecoverStore, behind: PersistentGenerations, run_token: str, retries: int) -> None:
+    def __init__(
+        self,
+        store: RecoverStore,
+        behind: PersistentGenerations,
+        run_token: str,
+        retries: int,
+        copies: int = 0,
+        upload_every: int = 1,
+    ) -> None:
         self.store = store
         self.behind = behind
+        self.copies = copies
+        self.upload_every = upload_every
         self.run_token = run_token
         self.retries = retries
         self.loaded: tuple[str, ...] = ()  # set by the handler's load
@@ -114,28 +138,42 @@ class Uploads:
         self._failures = 0  # failed uploads since the last one that went through
         self._parked = False  # the pending one failed: tried again at the next commit, wait or close
         self._tidied = False
+        self._offers = 0  # local commits offered by this job
+        self._newest: _Offer | None = None  # the newest one offered
+        self._copied: str | None = None  # the newest generation whose peer copies are complete
 
     @property
     def protected(self) -> tuple[str, ...]:
-        """The generations the local tier must keep for their uploads: in flight and pending."""
-        return tuple(offer.generation for offer in (self._in_flight, self._pending) if offer is not None)
+        """The generations the local tiers must keep: the uploads in flight and pending, and the
+        newest generation whose peer copies are complete (until a newer one's are)."""
+        offers = [offer.generation for offer in (self._in_flight, self._pending) if offer is not None]
+        return tuple(dict.fromkeys([*offers, *([self._copied] if self._copied else [])]))
 
     def resumed(self, generation: str, remote_newest: str | None, local: bool) -> None:
-        """After the job resumed from ``generation`` (from the local tier when ``local``;
-        ``remote_newest``: the persistent tier's newest then): both count as loaded for the owner check,
-        and a local generation the persistent tier lacks is offered for upload at once. Collective."""
+        """After the job resumed from ``generation`` (assembled from the local tiers when
+        ``local``; ``remote_newest``: the persistent tier's newest then): both count as loaded
+        for the owner check; a local generation is kept as the one whose copies are complete
+        (every node received it whole), and one the persistent tier lacks is offered for upload
+        at once when every commit is uploaded (``upload_every`` 1). Collective."""
         self.loaded = tuple(sorted({generation, *([remote_newest] if remote_newest else [])}))
         self._committed = generation
         self._uploaded = remote_newest if local else generation
-        if local and generation != remote_newest:  # the persistent tier lags: catch it up
+        self._copied = generation if local else None
+        if local and generation != remote_newest and self.upload_every == 1:  # the persistent tier lags
             self.offer(generation, {})
 
     def offer(self, generation: str, files: dict[str, tuple[int, int]]) -> None:
-        """After ``generation`` committed locally: upload it now if no upload is in flight on any
-        rank, else keep it as the pending one (replacing an older pending one). Collective;
-        non-blocking."""
+        """After ``generation`` committed locally: copy it to other nodes (``copies``) and, when
+        it is due (every ``upload_every``-th commit, or it replaces a due one still pending),
+        upload it, now if nothing is in flight on any rank, else as the pending one (replacing
+        an older pending one). Collective; non-blocking."""
         self._committed = generation
-        self._pending, self._parked = _Offer(generation, dict(files)), False
+        self._offers += 1
+        due = self._offers % self.upload_every == 0 or (self._pending is not None and self._pending.publish)
+        self._newest = _Offer(generation, dict(files), due)
+        if not due and not self.copies:
+            return  # nothing to do for it in the background: the local tier holds it
+        self._pending, self._parked = self._newest, False
         self.poll()
 
     def poll(self) -> None:
@@ -152,10 +190,16 @@ class Uploads:
         if self._pending is not None and not self._parked:
             self._start(self._pending)
 
-    def drain(self) -> None:
-        """Wait for the upload in flight, then upload the pending generation and wait for it.
-        Collective; blocking. Raises CheckpointError naming both tiers when the newest committed
-        generation is not in the persistent tier in the end."""
+    def drain(self, newest: bool = False) -> None:
+        """Wait for the upload in flight, then upload the pending generation and wait for it;
+        with ``newest`` (at close) the newest local commit is published whatever
+        ``upload_every`` says. Collective; blocking. Raises CheckpointError naming both tiers
+        when the generation due (with ``newest``: the newest) is not in the persistent tier in
+        the end."""
+        target, flying = self._newest, self._in_flight
+        published = flying is not None and target is not None and flying == dataclasses.replace(target, publish=True)
+        if newest and target is not None and self._uploaded != target.generation and not published:
+            self._pending = dataclasses.replace(target, publish=True)
         if self._in_flight is not None:
             self._collect(blocking=True)
         if self._pending is not None:
@@ -171,7 +215,7 @@ class Uploads:
     def finish(self) -> None:
         """:meth:`drain`, then stop the upload processes, even when it raised. Collective."""
         try:
-            self.drain()
+            self.drain(newest=True)
         finally:
             self._writer.close()
 
@@ -184,7 +228,9 @@ class Uploads:
             run_token=self.run_token,
             loaded=self.loaded,
             retries=self.retries,
-            tidy=not self._tidied,
+            tidy=not self._tidied and offer.publish,
+            copies=self.copies,
+            publish=offer.publish,
         )
         self._writer.submit(job)
         self._in_flight, self._pending = offer, None
@@ -216,9 +262,15 @@ class Uploads:
             self._record(None)
             return
         assert outcome is not None
+        if self.copies:
+            self._copied = offer.generation
+        self._failures = 0
+        if not offer.publish:
+            self._record(outcome, published=False)
+            logger.info("copied recovery checkpoint %s to other nodes' local tiers", outcome.result["path"])
+            return
         self._tidied = True
         self._uploaded = offer.generation
-        self._failures = 0
         self._record(outcome)
         logger.info(
             "uploaded recovery checkpoint %s (%.3f GB in %.2f s, %.2f GB/s); %s",
@@ -242,9 +294,13 @@ class Uploads:
             f"({self._failures} failed upload(s) in a row)"
         )
 
-    def _record(self, outcome: JobOutcome | None) -> None:
-        if outcome is not None:
+    def _record(self, outcome: JobOutcome | None, published: bool = True) -> None:
+        if outcome is not None and self.copies:
+            self.metrics["copies/bytes_received"] = float(outcome.result["copied"])
+            self.metrics["copies/seconds"] = outcome.seconds
+        if outcome is not None and published:
             self.metrics = {
+                **self.metrics,
                 "upload/bytes": float(outcome.result["bytes"]),
                 "upload/seconds": outcome.seconds,
                 "upload/gbps": outcome.result["bytes"] / outcome.seconds / 1e9 if outcome.seconds > 0 else 0.0,

@@ -1,0 +1,193 @@
+"""Peer copies of a tiered trial's local tiers: each node's files also kept on other nodes.
+
+With ``recover.local_replicas`` K on a job whose local tiers are on several nodes, every file
+of a committed generation (the manifest and small files rank 0's node wrote, each node's own
+ranks' data files) ends up on K+1 nodes (at most all of them). The nodes, ordered by their
+lowest rank (node 0 holds rank 0), form a ring; a file held by one node only is copied to the K
+nodes after it on the ring, so a node's copies never sit on that node. The copies travel over
+the job's process group (the uploaders', :mod:`areal_ckpt.recover.upload`) after the local
+commit, in the background, each written beside its place and given its name only once its size
+and CRC-32 match the manifest (:func:`~areal_ckpt.recover.nodes.run_transfers`): a crash at any
+instant leaves whole files only. The local tiers keep the previous generation until the copies
+of the next one are complete (:attr:`~areal_ckpt.recover.upload.Uploads.protected`).
+
+A restart looks at what every node holds (:func:`holdings_of`) and resumes from the newest
+generation the surviving tiers hold whole (:func:`assemble`): up to K lost local tiers resume
+from the nodes. Only a generation whose manifest rank 0's node committed, or whose manifest a
+peer received as a copy (copies are made after the commit), counts: a dump interrupted before
+its commit is never resumed from.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from areal_ckpt import agree, dist
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.fsio import FileRecord, record_of
+from areal_ckpt.paths import RECOVER_CURRENT, RECOVER_MANIFEST, generation_step
+from areal_ckpt.publish import read_manifest, switch_symlink
+from areal_ckpt.recover.nodes import (
+    Transfer,
+    fill_from_peers,
+    first_ranks,
+    listing_of,
+    node_of,
+    receive_copies,
+)
+from areal_ckpt.recover.store import RecoverStore
+
+logger = logging.getLogger(__name__)
+
+
+def node_leaders(store: RecoverStore) -> list[int]:
+    """Every node's lowest rank, in ring order (the index of a node in this list is its node
+    index). Collective; the same list on every rank."""
+    nodes = agree.gathered_then_dealt(
+        lambda: node_of(store.root), lambda every: [every] * len(every), f"{store.root}: finding the nodes"
+    )
+    return sorted(first_ranks(nodes).values())
+
+
+def replicate(store: RecoverStore, generation: str, copies: int) -> int:
+    """Collective, after ``generation`` committed on rank 0's node: every file of it held by
+    fewer than ``copies`` + 1 nodes is sent, whole and checked, to the nodes after the lowest
+    node holding it on the ring until that many hold it. Returns the bytes this rank received.
+    Blocking; durable on return. Raises CheckpointError on every rank naming the file and ranks
+    when a transfer failed (the files received whole are kept) or no node holds a file."""
+    folder = store.path(generation)
+    what = f"{folder}: copying to other nodes"
+    leaders = node_leaders(store)
+    if len(leaders) < 2 or copies < 1:
+        return 0
+    wanted = min(copies, len(leaders) - 1) + 1
+
+    def plan(listings: list[dict[str, int] | None]) -> list[list[Transfer]]:
+        files = read_manifest(folder, RECOVER_MANIFEST)["files"]
+        records = [(RECOVER_MANIFEST, record_of(folder / RECOVER_MANIFEST))]
+        records += [(name, FileRecord(entry["size"], entry["crc32"])) for name, entry in sorted(files.items())]
+        transfers: list[Transfer] = []
+        for name, record in records:
+            holders = [node for node, leader in enumerate(leaders) if (listings[leader] or {}).get(name) == record.size]
+            if not holders:
+                raise CheckpointError(f"{folder / name}: no node holds this file of {generation}")
+            origin = holders[0]
+            for hop in range(1, len(leaders)):
+                if len(holders) >= wanted:
+                    break
+                node = (origin + hop) % len(leaders)
+                if node not in holders:
+                    transfers.append(Transfer(name, record.size, record.crc32, leaders[origin], leaders[node]))
+                    holders.append(node)
+        return [[move for move in transfers if rank in (move.source, move.target)] for rank in range(len(listings))]
+
+    leading = dist.rank() in leaders
+    mine = agree.gathered_then_dealt(lambda: listing_of(folder) if leading else None, plan, what)
+    received = agree.on_every_rank(lambda: receive_copies(store, generation, mine), what)
+    if received:
+        logger.info("%s: received %d bytes of other nodes' files (local_replicas=%d)", folder, received, copies)
+    return received
+
+
+@dist.exchanged
+@dataclass(frozen=True)
+class Holding:
+    """What one node's local tier holds of one generation: the file list of its manifest when
+    it holds a manifest that counts (None else), and the size of every file it holds."""
+
+    files: dict[str, tuple[int, int]] | None
+    listing: dict[str, int]
+
+
+def holdings_of(store: RecoverStore, committed: str | None, on_rank0_node: bool) -> dict[str, Holding]:
+    """This node's holdings, by generation. On rank 0's node only the ``committed`` generation's
+    manifest counts (another complete one there may be a dump interrupted before its switch);
+    on other nodes every manifest is a copy made after a commit. A manifest that does not read
+    (damaged) counts as absent. Local, read-only."""
+    held: dict[str, Holding] = {}
+    for generation in store.generations():
+        folder = store.path(generation)
+        files: dict[str, tuple[int, int]] | None = None
+        if not on_rank0_node or generation == committed:
+            try:
+                listed = read_manifest(folder, RECOVER_MANIFEST)["files"]
+                files = {name: (entry["size"], entry["crc32"]) for name, entry in listed.items()}
+            except CheckpointError as error:
+                if (folder / RECOVER_MANIFEST).exists():
+                    logger.warning("%s: not used to resume: %s", folder / RECOVER_MANIFEST, error)
+        held[generation] = Holding(files, listing_of(folder))
+    return held
+
+
+@dataclass(frozen=True)
+class Assembly:
+    """Whether a generation can be resumed from the local tiers: ``manifest_from`` (a rank
+    whose node holds its manifest), and the files no node holds (empty: whole)."""
+
+    generation: str
+    manifest_from: int
+    missing: list[str]
+
+    @property
+    def whole(self) -> bool:
+        """True when every file is held by some node."""
+        return not self.missing
+
+
+def assemblies(held: dict[int, dict[str, Holding]]) -> list[Assembly]:
+    """Every generation some node holds a manifest of that counts, newest first, with what no
+    node holds of it; ``held``: each node leader's holdings by its rank. Pure."""
+    found: dict[str, Assembly] = {}
+    for rank, holdings in sorted(held.items()):
+        for generation, holding in holdings.items():
+            if holding.files is None or generation in found:
+                continue
+            needed = {RECOVER_MANIFEST: -1, **{name: size for name, (size, _) in holding.files.items()}}
+            missing = [
+                name
+                for name, size in sorted(needed.items())
+                if not any(
+                    name in other.get(generation, Holding(None, {})).listing
+                    and (size < 0 or other[generation].listing[name] == size)
+                    for other in held.values()
+                )
+            ]
+            found[generation] = Assembly(generation, rank, missing)
+    return sorted(found.values(), key=lambda entry: (generation_step(entry.generation), entry.generation), reverse=True)
+
+
+def assemble(store: RecoverStore, generation: str, manifest_from: int) -> None:
+    """Collective, before a load from the local tiers: make ``generation`` whole on every node
+    and committed on rank 0's node. Rank 0 first receives its manifest from ``manifest_from``
+    when its node lacks it, then every node receives what it lacks
+    (:func:`~areal_ckpt.recover.nodes.fill_from_peers`, each file checked against the manifest),
+    then rank 0 points ``current`` at it (durable). Raises CheckpointError on every rank naming
+    the file when a copy fails its check; nothing is committed then."""
+    folder = store.path(generation)
+    what = f"{folder}: assembling it from the nodes' local tiers"
+    if manifest_from != 0:
+
+        def manifest_record() -> tuple[int, int] | None:
+            if dist.rank() != manifest_from:
+                return None
+            record = record_of(folder / RECOVER_MANIFEST)
+            return record.size, record.crc32
+
+        def plan(records: list[tuple[int, int] | None]) -> list[list[Transfer]]:
+            size, crc = records[manifest_from] or (0, 0)
+            move = Transfer(RECOVER_MANIFEST, size, crc, manifest_from, 0)
+            return [[move] if rank in (0, manifest_from) else [] for rank in range(len(records))]
+
+        moves = agree.gathered_then_dealt(manifest_record, plan, what)
+        agree.on_every_rank(lambda: receive_copies(store, generation, moves), what)
+        agree.decided_by_rank0(lambda: read_manifest(folder, RECOVER_MANIFEST) and None, what)
+    fill_from_peers(store, generation)
+
+    def point() -> None:
+        pointer = store.root / RECOVER_CURRENT
+        if not pointer.is_symlink() or os.readlink(pointer) != generation:
+            switch_symlink(pointer, generation)
+
+    agree.decided_by_rank0(point, what)

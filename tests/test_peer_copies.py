@@ -1,0 +1,220 @@
+"""Peer copies of the local tiers (recover.local_replicas): three ranks as three nodes, each its
+own local tier; copies placed on the ring, a node that lost its disk assembled from the others,
+a copy that fails its check never used."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from distributed import run_distributed
+from recovery_runs import assert_same_run, losses, run_job
+
+from areal_ckpt import dist
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.fsio import FileRecord, crc32
+from areal_ckpt.paths import RECOVER_MANIFEST, generation_name, generation_step
+from areal_ckpt.publish import check_files, read_manifest
+from areal_ckpt.recover import nodes, peer_copies
+from areal_ckpt.recover.store import RecoverStore
+
+SHARED = "recover_info/step_info.json"
+
+
+def _contents(rank: int, step: int) -> dict[str, bytes]:
+    """The files rank ``rank`` writes of the dump at ``step``: its data file, on rank 0 also a shared one."""
+    data = {f"default/__{rank}_0.distcp": bytes((rank * 7 + step + index) % 251 for index in range(10_000))}
+    return {**data, SHARED: b'{"global_step": %d}' % step} if rank == 0 else data
+
+
+def _everything(world_size: int, step: int) -> dict[str, bytes]:
+    return {name: data for peer in range(world_size) for name, data in _contents(peer, step).items()}
+
+
+def _dump(store: RecoverStore, step: int, world_size: int) -> str:
+    """Every rank writes its files of a generation on its own node; rank 0 commits it."""
+    generation = generation_name(step, "feedbeef")
+    for name, data in _contents(dist.rank(), step).items():
+        (store.path(generation) / name).parent.mkdir(parents=True, exist_ok=True)
+        (store.path(generation) / name).write_bytes(data)
+    if dist.rank() == 0:
+        listed = _everything(world_size, step)
+        records = {name: FileRecord(len(data), crc32(data)) for name, data in listed.items()}
+        store.commit(generation, records, {"step": {"global_step": step}}, ["default"])
+    dist.barrier()
+    return generation
+
+
+def _lose_disk(store: RecoverStore, rank: int) -> None:
+    """Rank ``rank``'s node loses its local tier; the restarted job claims an empty one."""
+    dist.barrier()
+    if dist.rank() == rank:
+        shutil.rmtree(store.trial)
+        store.root.mkdir(parents=True)
+    dist.barrier()
+
+
+def _assemblies(store: RecoverStore) -> list[peer_copies.Assembly]:
+    committed = store.committed() if dist.rank() == 0 else None
+    held = dist.all_gather_objects(peer_copies.holdings_of(store, committed, on_rank0_node=dist.rank() == 0))
+    return peer_copies.assemblies(dict(enumerate(held)))
+
+
+def _ring_case(rank: int, world_size: int, root: str) -> None:
+    nodes.TRANSFER_CHUNK = 4096  # a data file crosses in several messages
+    store = RecoverStore(Path(root) / f"node{rank}" / "trial")
+    generation = _dump(store, 5, world_size)
+    peer_copies.replicate(store, generation, copies=1)
+    held = set(nodes.listing_of(store.path(generation)))
+    before = (rank - 1) % world_size  # the node before this one on the ring
+    expected = {*_contents(rank, 5), *_contents(before, 5)} | ({RECOVER_MANIFEST} if rank in (0, 1) else set())
+    assert held == expected  # its own files and its predecessor's; node 0's manifest on node 1 too
+    assert peer_copies.replicate(store, generation, copies=1) == 0  # each file on two nodes already
+
+    _lose_disk(store, 1)  # node 1's own files live on as node 2's copies
+    (found, *_) = _assemblies(store)
+    assert (found.generation, found.whole, found.manifest_from) == (generation, True, 0)
+    peer_copies.assemble(store, generation, found.manifest_from)
+    files = read_manifest(store.path(generation), RECOVER_MANIFEST)["files"]
+    assert check_files(store.path(generation), files, list(_everything(world_size, 5))) == []
+
+    later = _dump(store, 7, world_size)
+    peer_copies.replicate(store, later, copies=1)
+    _lose_disk(store, 0)  # rank 0's node, with the commit record: its manifest lives on as node 1's copy
+    (found, *_) = _assemblies(store)
+    assert (found.generation, found.whole, found.manifest_from) == (later, True, 1)
+    peer_copies.assemble(store, later, found.manifest_from)
+    if rank == 0:
+        assert store.committed() == later  # committed again on rank 0's node
+    files = read_manifest(store.path(later), RECOVER_MANIFEST)["files"]
+    assert check_files(store.path(later), files, list(_everything(world_size, 7))) == []
+
+    newest = _dump(store, 9, world_size)
+    peer_copies.replicate(store, newest, copies=1)
+    _lose_disk(store, 1)
+    if rank == 2:  # the only copy of node 1's data file rots on node 2
+        damaged = store.path(newest) / "default/__1_0.distcp"
+        data = bytearray(damaged.read_bytes())
+        data[100] ^= 0x01
+        damaged.write_bytes(bytes(data))
+    (found, *_) = _assemblies(store)
+    assert found.generation == newest and found.whole  # same size: the transfer's check catches it
+    with pytest.raises(CheckpointError, match=r"__1_0\.distcp: cannot receive it from rank 2: .*CRC-32"):
+        peer_copies.assemble(store, newest, found.manifest_from)
+    if rank in (0, 1):  # the damaged copy was never given the file's name
+        assert not (store.path(newest) / "default/__1_0.distcp").exists()
+
+
+@pytest.mark.dist
+def test_copies_sit_on_the_ring_and_a_lost_node_is_assembled_from_them(tmp_path):
+    run_distributed(_ring_case, 3, str(tmp_path))
+
+
+def _uncommitted_case(rank: int, world_size: int, root: str) -> None:
+    store = RecoverStore(Path(root) / f"node{rank}" / "trial")
+    committed = _dump(store, 3, world_size)
+    peer_copies.replicate(store, committed, copies=1)
+    interrupted = generation_name(5, "0badf00d")  # every file and a manifest, but killed before the switch
+    for name, data in _contents(rank, 5).items():
+        (store.path(interrupted) / name).parent.mkdir(parents=True, exist_ok=True)
+        (store.path(interrupted) / name).write_bytes(data)
+    if rank == 0:
+        listed = _everything(world_size, 5)
+        from areal_ckpt.publish import write_manifest
+
+        write_manifest(
+            store.path(interrupted),
+            RECOVER_MANIFEST,
+            {name: FileRecord(len(data), crc32(data)) for name, data in listed.items()},
+            {"step": {"global_step": 5}},
+        )
+    dist.barrier()
+    assert [entry.generation for entry in _assemblies(store)] == [committed]  # never the uncommitted one
+
+
+@pytest.mark.dist
+def test_a_dump_interrupted_before_its_commit_is_never_assembled(tmp_path):
+    run_distributed(_uncommitted_case, 2, str(tmp_path))
+
+
+def _shared_step(root: Path) -> int | None:
+    """The step the shared fileroot's trial has committed (None: none)."""
+    pointer = root / "checkpoints/tester/exp/bitexact/.recover/current"
+    return generation_step(pointer.readlink().name) if pointer.is_symlink() else None
+
+
+@pytest.mark.dist
+def test_nodes_that_lost_their_disks_in_turn_resume_from_the_copies_bit_exact(reference_run_fsdp2, tmp_path):
+    root, out, local = tmp_path / "shared", tmp_path / "out", tmp_path / "local"
+    tiered = ["--local-dir", str(local), "--local-replicas", "1", "--upload-every", "1000"]
+    killed = ["--wait-before-kill", "--kill-at"]  # its copies are complete when it dies
+    assert run_job(root, out, world_size=2, wrap="fsdp2", extra=[*tiered, *killed, "3"]) == [-9, -9]
+    assert _shared_step(root) is None  # nothing uploaded: the nodes hold it alone
+    shutil.rmtree(local / "node1")
+    assert run_job(root, out, world_size=2, wrap="fsdp2", extra=[*tiered, *killed, "5"]) == [-9, -9]
+    assert _shared_step(root) is None
+    shutil.rmtree(local / "node0")  # rank 0's node, with its commit record
+    run_job(root, out, world_size=2, wrap="fsdp2", extra=tiered)
+    assert_same_run(reference_run_fsdp2, out, world_size=2)
+    for rank in range(2):  # each resumed after its last dump: no step ran twice
+        assert all(len(values) == 1 for values in losses(out, rank).values())
+    assert _shared_step(root) == 7  # close uploads the newest whatever upload_every says
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("damage", ["a flipped byte in the only copy", "both local tiers lost"])
+def test_what_the_nodes_cannot_assemble_whole_resumes_from_the_remote_newest(reference_run_fsdp2, tmp_path, damage):
+    root, out, local = tmp_path / "shared", tmp_path / "out", tmp_path / "local"
+    tiered = ["--local-dir", str(local), "--local-replicas", "1", "--upload-every", "3"]  # dumps 1 3 5 7: 5 uploaded
+    first = [*tiered, "--wait-after-dumps", "--kill-at", "7"]
+    assert run_job(root, out, world_size=2, wrap="fsdp2", extra=first) == [-9, -9]
+    assert _shared_step(root) == 5
+    shutil.rmtree(local / "node1")
+    if damage == "both local tiers lost":
+        shutil.rmtree(local / "node0")
+    else:  # node 0 holds the only copy of rank 1's data file of step 7
+        (copy,) = (local / "node0").rglob("gen-00000007-*/default/__1_0.distcp")
+        data = bytearray(copy.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        copy.write_bytes(bytes(data))
+    run_job(root, out, world_size=2, wrap="fsdp2", extra=tiered)
+    assert_same_run(reference_run_fsdp2, out, world_size=2)
+    for rank in range(2):  # resumed after step 5: steps 6 and 7 ran again, nothing before them
+        assert {step: len(values) for step, values in losses(out, rank).items()} == {
+            **dict.fromkeys(range(6), 1),
+            6: 2,
+            7: 2,
+        }
+
+
+def _listing_case(rank: int, world_size: int, root: str) -> None:
+    import contextlib
+    import io
+
+    from areal_ckpt.cli.main import main as cli
+    from areal_ckpt.tools.inspection import describe
+
+    store = RecoverStore(Path(root) / f"node{rank}" / "trial")
+    generation = _dump(store, 5, world_size)
+    peer_copies.replicate(store, generation, copies=1)
+    facts = describe(store.trial)
+    (held,) = facts["held"]
+    if rank == 0:  # its commit, its own data and shared files, a copy of rank 1's data file
+        assert facts["kind"] == "recover"
+        assert (held["committed"], held["own_files"], held["copied_files"]) == (True, 3, 1)
+    else:  # no commit of its own: its data file, copies of rank 0's data, shared file and manifest
+        assert facts["kind"] == "local tier"
+        assert (held["committed"], held["own_files"], held["copied_files"]) == (False, 1, 3)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert cli(["inspect", str(store.trial)]) == 0
+        assert cli(["list", str(store.trial)]) == 0
+    text = printed.getvalue()
+    assert f"holds {generation}" in text and "other nodes' files" in text
+    assert ("recover (with copies)" if rank == 0 else "held (with copies)") in text
+
+
+@pytest.mark.dist
+def test_list_and_inspect_tell_a_local_tiers_own_files_from_its_copies(tmp_path):
+    run_distributed(_listing_case, 2, str(tmp_path))

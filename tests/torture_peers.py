@@ -1,0 +1,128 @@
+"""`make torture`'s peer-copy rows (``peers-kill-{ranks}``): a tiered job on 2 or 4 ranks, each
+rank its own simulated node (its own ``local_dir`` folder) in front of a shared folder, with
+``local_replicas`` 1 and ``upload_every`` 4, dumping forever (step s sets every weight to s);
+SIGKILLed at a random instant after its first local commit, then up to one node's local tier
+(chosen at random, or none) deleted before the restart on the same nodes. A resume must name a
+step no older than the shared folder's newest and load exactly that step's weights (``lost`` /
+``wrong`` otherwise); the notes count the resumes from the nodes (newer than the shared folder,
+so from the local tiers and their copies) and from the shared folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import torch
+from distributed import run_distributed, start_processes
+from recover_fixtures import SPEC, make_setup, step_info
+
+import areal_ckpt as ac
+from areal_ckpt.paths import generation_step
+
+BIG = dict(hidden_size=192, intermediate_size=384, num_hidden_layers=3)  # ~2 MB of weights
+COPIES = 1
+UPLOAD_EVERY = 4
+
+
+def _config(work: str, trial: str, rank: int) -> ac.RecoverConfig:
+    return ac.RecoverConfig(
+        experiment_name="exp",
+        trial_name=trial,
+        fileroot=f"{work}/shared",
+        user="tester",
+        mode="sync",
+        local_dir=f"{work}/{trial}-local/node{rank}",
+        local_replicas=COPIES,
+        upload_every=UPLOAD_EVERY,
+    )
+
+
+def peer_job(rank: int, world: int, work: str, trial: str) -> None:
+    """Step s sets every weight to s (each rank its own share of the model), then dumps, forever."""
+    setup = make_setup(**BIG)
+    handler = ac.RecoverHandler(_config(work, trial, rank), SPEC)
+    for step in range(10**6):
+        with torch.no_grad():
+            for parameter in setup.model.parameters():
+                parameter.fill_(float(step))
+        handler.dump(setup.engine, step_info(step), force=True)
+
+
+def resume_peers(rank: int, world: int, work: str, trial: str, report: str) -> None:
+    """Resume on the same nodes; write the step named and whether every weight equals it."""
+    setup = make_setup(seed=1, **BIG)
+    handler = ac.RecoverHandler(_config(work, trial, rank), SPEC)
+    try:
+        info = handler.load(setup.engine)
+        step = None if info is None else float(info.last_step_info.global_step)
+        why = "" if info is not None else "no checkpoint after a commit"
+    except ac.CheckpointError as error:
+        step, why = None, str(error)[:300]
+    exact = step is not None and all(bool((w == step).all()) for w in setup.model.parameters())
+    Path(f"{report}{rank}.json").write_text(json.dumps({"step": step, "why": why, "exact": exact}))
+    handler.close()
+
+
+def _shared_step(work: Path, trial: str) -> int | None:
+    pointer = work / f"shared/checkpoints/tester/exp/{trial}/.recover/current"
+    return generation_step(os.readlink(pointer)) if pointer.is_symlink() else None
+
+
+def _local_step(work: Path, trial: str) -> int | None:
+    pointer = work / f"{trial}-local/node0/checkpoints/tester/exp/{trial}/.recover/current"
+    return generation_step(os.readlink(pointer)) if pointer.is_symlink() else None
+
+
+def scenario_peers(trials: int, rng: random.Random, work: Path, select: str | None = None) -> list:
+    """Rows ``peers-kill-2`` and ``peers-kill-4`` (those whose id contains ``select``)."""
+    from torture import Row
+
+    rows = []
+    for world in (2, 4):
+        row = Row(f"peers-kill-{world}")
+        if select is not None and select not in row.scenario:
+            continue
+        from_nodes = from_shared = lost_tiers = 0
+        for index in range(trials):
+            trial = f"peers{world}-{index}"
+            processes = start_processes(peer_job, world, str(work), trial)
+            try:
+                deadline = time.monotonic() + 120
+                while _local_step(work, trial) is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(rng.uniform(0.0, 3.0))
+                for process in processes:
+                    os.kill(process.pid, signal.SIGKILL)
+            finally:
+                for process in processes:
+                    process.join(30)
+            gone = rng.sample(range(world), rng.randint(0, COPIES))
+            for node in gone:
+                shutil.rmtree(work / f"{trial}-local/node{node}", ignore_errors=True)
+            lost_tiers += len(gone)
+            shared = _shared_step(work, trial)
+            report = str(work / f"{trial}-rank")
+            run_distributed(resume_peers, world, str(work), trial, report)
+            found = [json.loads(Path(f"{report}{rank}.json").read_text()) for rank in range(world)]
+            steps = {entry["step"] for entry in found}
+            if None in steps or len(steps) != 1:
+                row.record("lost", "; ".join(entry["why"] for entry in found if entry["why"]) or str(steps))
+            elif shared is not None and steps.pop() < shared:
+                row.record("lost", f"resumed {found[0]['step']}, the shared folder holds {shared}")
+            elif not all(entry["exact"] for entry in found):
+                row.record("wrong", f"weights do not all equal step {found[0]['step']}")
+            else:
+                row.record("resumed_correctly")
+                from_nodes += shared is None or found[0]["step"] > shared
+                from_shared += shared is not None and found[0]["step"] == shared
+        row.notes.append(
+            f"{lost_tiers} local tiers deleted in all; {from_nodes} resumes from the nodes (local tiers and "
+            f"copies, newer than the shared folder), {from_shared} from the shared folder's newest"
+        )
+        rows.append(row)
+    return rows
