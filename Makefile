@@ -69,6 +69,7 @@ bench: $(STAMP)
 	cd benchmarks && ../$(BIN)/python bench_dump.py --out ../docs/benchmarks-dump.md
 	cd benchmarks && ../$(BIN)/python bench_objects.py --out ../docs/benchmarks-objects.md
 	cd benchmarks && ../$(BIN)/python bench_tiered.py --out ../docs/benchmarks-tiered.md
+	cd benchmarks && ../$(BIN)/python bench_peer_copies.py --out ../docs/benchmarks-peer-copies.md
 	cd benchmarks && ../$(BIN)/python bench_cli.py --out ../docs/benchmarks-cli.md
 	cd benchmarks && ../$(BIN)/python bench_preemption.py --out ../docs/benchmarks-preemption.md
 

@@ -218,3 +218,39 @@ def _listing_case(rank: int, world_size: int, root: str) -> None:
 @pytest.mark.dist
 def test_list_and_inspect_tell_a_local_tiers_own_files_from_its_copies(tmp_path):
     run_distributed(_listing_case, 2, str(tmp_path))
+
+
+@pytest.mark.parametrize("field, value", [("local_replicas", 1), ("upload_every", 5)])
+def test_copies_and_upload_cadence_need_a_local_tier(tmp_path, field, value):
+    import areal_ckpt as ac
+    from areal_ckpt.errors import ConfigError
+
+    block = {"experiment_name": "e", "trial_name": "t", "fileroot": str(tmp_path / "shared"), field: value}
+    with pytest.raises(ConfigError, match=f"{field}={value} needs local_dir .* set local_dir, or drop {field}"):
+        ac.RecoverConfig.of(block)
+    followed = ac.RecoverConfig.of({**block, "local_dir": str(tmp_path / "local")})  # the hint followed
+    assert getattr(followed, field) == value
+    with pytest.raises(ConfigError, match="local_replicas"):
+        ac.RecoverConfig.of({**block, "local_dir": str(tmp_path / "local"), "local_replicas": -1})
+
+
+def _orphans_case(rank: int, world_size: int, root: str) -> None:
+    from areal_ckpt.recover.shared_folder import FolderGenerations
+    from areal_ckpt.recover.tiers import choose_tier
+
+    store = RecoverStore(Path(root) / f"node{rank}" / "trial")
+    behind = FolderGenerations(Path(root) / "shared" / "trial")
+    generation = _dump(store, 5, world_size)  # killed before its copies were made
+    _lose_disk(store, 0)
+    with pytest.raises(CheckpointError, match=r"hold files of gen-00000005-feedbeef, rank 0's node holds none.*"):
+        choose_tier(store, behind)
+    dist.barrier()
+    if rank == 1:  # the hint followed: those folders removed
+        shutil.rmtree(store.path(generation))
+    dist.barrier()
+    assert choose_tier(store, behind).generation is None  # a fresh start, said by None
+
+
+@pytest.mark.dist
+def test_files_no_manifest_can_be_found_for_are_never_a_silent_fresh_start(tmp_path):
+    run_distributed(_orphans_case, 2, str(tmp_path))

@@ -1,10 +1,11 @@
 """`make torture`'s peer-copy rows (``peers-kill-{ranks}``): a tiered job on 2 or 4 ranks, each
 rank its own simulated node (its own ``local_dir`` folder) in front of a shared folder, with
 ``local_replicas`` 1 and ``upload_every`` 4, dumping forever (step s sets every weight to s);
-SIGKILLed at a random instant after its first local commit, then up to one node's local tier
-(chosen at random, or none) deleted before the restart on the same nodes. A resume must name a
-step no older than the shared folder's newest and load exactly that step's weights (``lost`` /
-``wrong`` otherwise); the notes count the resumes from the nodes (newer than the shared folder,
+SIGKILLed at a random instant once the copies of a first commit are complete, then up to one
+node's local tier (chosen at random, or none) deleted before the restart on the same nodes. A
+resume must name a step no older than the shared folder's newest, nor than the newest generation
+whose copies were complete on the disks at the kill (read by the test itself), and load exactly
+that step's weights (``lost`` / ``wrong`` otherwise); the notes count the resumes from the nodes (newer than the shared folder,
 so from the local tiers and their copies) and from the shared folder."""
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from distributed import run_distributed, start_processes
 from recover_fixtures import SPEC, make_setup, step_info
 
 import areal_ckpt as ac
-from areal_ckpt.paths import generation_step
+from areal_ckpt.paths import RECOVER_MANIFEST, generation_step
+from areal_ckpt.publish import read_manifest
 
 BIG = dict(hidden_size=192, intermediate_size=384, num_hidden_layers=3)  # ~2 MB of weights
 COPIES = 1
@@ -73,9 +75,33 @@ def _shared_step(work: Path, trial: str) -> int | None:
     return generation_step(os.readlink(pointer)) if pointer.is_symlink() else None
 
 
-def _local_step(work: Path, trial: str) -> int | None:
-    pointer = work / f"{trial}-local/node0/checkpoints/tester/exp/{trial}/.recover/current"
-    return generation_step(os.readlink(pointer)) if pointer.is_symlink() else None
+def _replicated_step(work: Path, trial: str, world: int) -> int | None:
+    """The test's own oracle, read off the disks: the newest step whose generation (by any
+    node's manifest) has every file, the manifest too, on ``COPIES`` + 1 nodes (all of them
+    when fewer) at the manifest's size; None when none is."""
+    stores = [work / f"{trial}-local/node{node}/checkpoints/tester/exp/{trial}/.recover" for node in range(world)]
+    names = {folder.name for store in stores if store.is_dir() for folder in store.glob("gen-*") if folder.is_dir()}
+    wanted = min(COPIES + 1, world)
+    best = None
+    for name in names:
+        manifests = []
+        for store in stores:
+            try:
+                manifests.append(read_manifest(store / name, RECOVER_MANIFEST))
+            except ac.CheckpointError:
+                continue
+        if not manifests:
+            continue
+        needed: dict[str, int | None] = {RECOVER_MANIFEST: None}
+        needed.update({entry: record["size"] for entry, record in manifests[0]["files"].items()})
+
+        def holders(entry: str, size: int | None) -> int:
+            paths = [store / name / entry for store in stores]
+            return sum(path.is_file() and (size is None or path.stat().st_size == size) for path in paths)
+
+        if all(holders(entry, size) >= wanted for entry, size in needed.items()):
+            best = max(-1 if best is None else best, generation_step(name))
+    return best
 
 
 def scenario_peers(trials: int, rng: random.Random, work: Path, select: str | None = None) -> list:
@@ -92,15 +118,16 @@ def scenario_peers(trials: int, rng: random.Random, work: Path, select: str | No
             trial = f"peers{world}-{index}"
             processes = start_processes(peer_job, world, str(work), trial)
             try:
-                deadline = time.monotonic() + 120
-                while _local_step(work, trial) is None and time.monotonic() < deadline:
-                    time.sleep(0.01)
+                deadline = time.monotonic() + 120  # from the first generation whose copies are complete on
+                while _replicated_step(work, trial, world) is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 time.sleep(rng.uniform(0.0, 3.0))
                 for process in processes:
                     os.kill(process.pid, signal.SIGKILL)
             finally:
                 for process in processes:
                     process.join(30)
+            bound = _replicated_step(work, trial, world)  # no resume may be older, whichever tier is lost
             gone = rng.sample(range(world), rng.randint(0, COPIES))
             for node in gone:
                 shutil.rmtree(work / f"{trial}-local/node{node}", ignore_errors=True)
@@ -112,8 +139,11 @@ def scenario_peers(trials: int, rng: random.Random, work: Path, select: str | No
             steps = {entry["step"] for entry in found}
             if None in steps or len(steps) != 1:
                 row.record("lost", "; ".join(entry["why"] for entry in found if entry["why"]) or str(steps))
-            elif shared is not None and steps.pop() < shared:
-                row.record("lost", f"resumed {found[0]['step']}, the shared folder holds {shared}")
+            elif steps.pop() < max(-1 if shared is None else shared, -1 if bound is None else bound):
+                row.record(
+                    "lost",
+                    f"resumed {found[0]['step']}; the shared folder holds {shared}, copies were complete of {bound}",
+                )
             elif not all(entry["exact"] for entry in found):
                 row.record("wrong", f"weights do not all equal step {found[0]['step']}")
             else:

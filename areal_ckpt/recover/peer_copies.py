@@ -102,15 +102,18 @@ class Holding:
 
 
 def holdings_of(store: RecoverStore, committed: str | None, on_rank0_node: bool) -> dict[str, Holding]:
-    """This node's holdings, by generation. On rank 0's node only the ``committed`` generation's
-    manifest counts (another complete one there may be a dump interrupted before its switch);
-    on other nodes every manifest is a copy made after a commit. A manifest that does not read
-    (damaged) counts as absent. Local, read-only."""
+    """This node's holdings, by generation. On rank 0's node the manifests of the ``committed``
+    generation and of older ones count (kept for uploads or copies; a dump interrupted before
+    its switch is removed before a newer commit passes it), a newer one does not (it may be
+    such a dump); on other nodes every manifest is a copy made after a commit. A manifest that
+    does not read (damaged) counts as absent. Local, read-only."""
     held: dict[str, Holding] = {}
+    newest = None if committed is None else generation_step(committed)
     for generation in store.generations():
         folder = store.path(generation)
         files: dict[str, tuple[int, int]] | None = None
-        if not on_rank0_node or generation == committed:
+        counts = newest is not None and (generation == committed or generation_step(generation) < newest)
+        if not on_rank0_node or counts:
             try:
                 listed = read_manifest(folder, RECOVER_MANIFEST)["files"]
                 files = {name: (entry["size"], entry["crc32"]) for name, entry in listed.items()}

@@ -47,6 +47,22 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class CommittedDump:
+    """A dump just committed in the local store, as :meth:`Publication.publish` sees it: its
+    generation and global step, its models, this rank's files in it (``mine``: size and
+    CRC-32; ``streamed``: those already written where the trial persists), the job's run token
+    and the retries allowed."""
+
+    generation: str
+    step: int
+    models: list[str]
+    mine: Mapping[str, tuple[int, int]]
+    streamed: set[str]
+    run: str
+    retries: int
+
+
 class Publication(Protocol):
     """When the local commits of a trial reach where it persists, and where a load looks."""
 
@@ -85,17 +101,7 @@ class Publication(Protocol):
         """Which node's copy of the store this rank writes ("" when every rank writes one copy,
         so rank 0's node tidies alone). Local."""
 
-    def publish(
-        self,
-        store: RecoverStore,
-        generation: str,
-        step: int,
-        models: list[str],
-        mine: Mapping[str, tuple[int, int]],
-        run: str,
-        streamed: set[str],
-        retries: int,
-    ) -> str:
+    def publish(self, store: RecoverStore, dump: CommittedDump) -> str:
         """After ``generation`` committed in ``store``: what the dump still owes before it
         returns (publishing it, within the dump); returns where the dump's checkpoint now is,
         for its result. ``step``: its global step, ``models`` its models, ``mine``: this rank's
@@ -144,19 +150,9 @@ class KeptLocally:
         """ "": one copy of the trial."""
         return ""
 
-    def publish(
-        self,
-        store: RecoverStore,
-        generation: str,
-        step: int,
-        models: list[str],
-        mine: Mapping[str, tuple[int, int]],
-        run: str,
-        streamed: set[str],
-        retries: int,
-    ) -> str:
+    def publish(self, store: RecoverStore, dump: CommittedDump) -> str:
         """Nothing owed: the generation's folder."""
-        return str(store.path(generation))
+        return str(store.path(dump.generation))
 
     def where(self, store: RecoverStore, generation: str, choice: TierChoice | None) -> str:
         """The generation's folder."""
@@ -201,26 +197,20 @@ class PublishedInDump:
         """ "": each node's staging copy is tidied by its own ranks after the publication."""
         return ""
 
-    def publish(
-        self,
-        store: RecoverStore,
-        generation: str,
-        step: int,
-        models: list[str],
-        mine: Mapping[str, tuple[int, int]],
-        run: str,
-        streamed: set[str],
-        retries: int,
-    ) -> str:
-        """Publish ``generation`` behind (retried), then every rank deletes the older
+    def publish(self, store: RecoverStore, dump: CommittedDump) -> str:
+        """Publish the generation behind (retried), then every rank deletes the older
         generations of its staging copy off the dump's path; returns its location behind."""
+        generation = dump.generation
         retried(
-            lambda: self.behind.publish(store.path(generation), mine, run, step, streamed),
-            retries,
-            f"{self.behind.where()}: upload of the recovery dump at global step {step} (committed in {store.root} only)",
+            lambda: self.behind.publish(store.path(generation), dump.mine, dump.run, dump.step, dump.streamed),
+            dump.retries,
+            f"{self.behind.where()}: upload of the recovery dump at global step {dump.step} (committed in "
+            f"{store.root} only)",
         )
         older = [name for name in store.generations() if name != generation]
-        delete_later(store.root, older, dist.rank(), models, remove_folders=True)  # on its own node, a rank's alone
+        delete_later(
+            store.root, older, dist.rank(), dump.models, remove_folders=True
+        )  # on its own node, a rank's alone
         return self.behind.where(generation)
 
     def where(self, store: RecoverStore, generation: str, choice: TierChoice | None) -> str:
@@ -283,19 +273,9 @@ class PublishedInBackground:
         """The node whose local tier this rank writes (:func:`~areal_ckpt.recover.nodes.node_of`)."""
         return node_of(store.root)
 
-    def publish(
-        self,
-        store: RecoverStore,
-        generation: str,
-        step: int,
-        models: list[str],
-        mine: Mapping[str, tuple[int, int]],
-        run: str,
-        streamed: set[str],
-        retries: int,
-    ) -> str:
+    def publish(self, store: RecoverStore, dump: CommittedDump) -> str:
         """Nothing within the dump (the upload is offered by the handler): the local folder."""
-        return str(store.path(generation))
+        return str(store.path(dump.generation))
 
     def where(self, store: RecoverStore, generation: str, choice: TierChoice | None) -> str:
         """The local tier's folder, or the location behind, as the choice was."""

@@ -366,7 +366,9 @@ def find_committed(store: RecoverStore) -> str | None:
     committed = store.committed()
     removed = store.remove_debris(keep=committed)
     if removed:
-        logger.warning("removed uncommitted recovery generations (interrupted dumps): %s", removed)
+        logger.warning(
+            "removed recovery generations older than the committed %s or never committed: %s", committed, removed
+        )
     return committed
 
 

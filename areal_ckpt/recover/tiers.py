@@ -146,6 +146,15 @@ def _decide(store: RecoverStore, behind: PersistentGenerations, held: dict[int, 
         ) from None
     if whole is not None and (newest is None or generation_step(whole.generation) >= generation_step(newest)):
         return TierChoice(True, newest, True, whole.generation, whole.manifest_from)
+    orphans = sorted({name for holdings in held.values() for name in holdings} - set(held.get(0, {})))
+    if newest is None and not found and orphans:  # rank 0's node lost its tier, and every manifest with it
+        raise CheckpointError(
+            f"{store.root}: other nodes' local tiers hold files of {', '.join(orphans)}, rank 0's node holds none "
+            f"of them and no node holds a manifest of any (rank 0's local tier lost before their copies were "
+            f"made), and {behind.where()} holds none: whether one was committed cannot be told; not starting "
+            "fresh, nothing was deleted: restart with rank 0's local tier back, or remove those generation "
+            "folders to start afresh"
+        )
     newer = next(
         (entry for entry in found if newest is None or generation_step(entry.generation) > generation_step(newest)),
         None,

@@ -13,10 +13,10 @@ mix). With ``recover.upload_every`` N only every N-th commit is due (and the new
 with ``recover.local_replicas`` K every commit is first copied to K other nodes' local tiers
 (:mod:`areal_ckpt.recover.peer_copies`) by the same background job. The commit's tidying keeps
 the generation in flight, the pending one and the newest whose copies are complete, so a local
-tier holds at most four and no upload or copy is ever cut by its own job. A failed upload (after ``write_retries`` tries) is logged with how far object
-storage lags, and the newest committed generation is tried again at the next local commit (or
-``wait`` / ``close``), not at every step; training goes on. ``close`` uploads the newest and
-raises if it cannot.
+tier holds at most four and no upload or copy is ever cut by its own job. A failed upload
+(after ``write_retries`` tries) is logged with how far object storage lags, and the newest
+committed generation is tried again at the next local commit (or ``wait`` / ``close``), not at
+every step; training goes on. ``close`` uploads the newest and raises if it cannot.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ class Uploads:
         self.loaded = tuple(sorted({generation, *([remote_newest] if remote_newest else [])}))
         self._committed = generation
         self._uploaded = remote_newest if local else generation
-        self._copied = generation if local else None
+        self._copied = generation if local and self.copies else None
         if local and generation != remote_newest and self.upload_every == 1:  # the persistent tier lags
             self.offer(generation, {})
 

@@ -24,7 +24,7 @@ from areal_ckpt.fsio import FileRecord, write_file_durably
 from areal_ckpt.jobs.shm_arena import ArenaLayout
 from areal_ckpt.paths import DATA_SUFFIX, HF_FILES, MODEL_SEPARATOR, RECOVER_FORMAT, RECOVER_FORMAT_VERSION
 from areal_ckpt.recover.nodes import first_ranks
-from areal_ckpt.recover.publication import KeptLocally, Publication
+from areal_ckpt.recover.publication import CommittedDump, KeptLocally, Publication
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.tidy import delete_later, drop_later
@@ -112,9 +112,8 @@ class DumpJob:
         if tidies_node:  # another node's local tier: rank 0's commit superseded all but this one
             kept = {self.generation, *self.protected}
             drop_later(store.root, [name for name in store.generations() if name not in kept])
-        where = self.publication.publish(
-            store, self.generation, step, self.models, mine, self.run_token, streamed, self.retries
-        )
+        dump = CommittedDump(self.generation, step, self.models, mine, streamed, self.run_token, self.retries)
+        where = self.publication.publish(store, dump)
         return {"path": where, "bytes": written, "files": mine}
 
     def _attempt(
