@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Protocol
 
 from areal_ckpt import agree
-from areal_ckpt.errors import TransientError
 from areal_ckpt.fsio import FileWriter
 from areal_ckpt.paths import RECOVER_CURRENT, RECOVER_MANIFEST
 from areal_ckpt.publish import switch_symlink
@@ -78,22 +77,6 @@ class PersistentGenerations(Protocol):
         """What writes a data file of ``part`` straight here, bypassing the local copy (the
         file is uncommitted until :meth:`publish`), or None when data files are written locally
         and put here by :meth:`publish`."""
-
-
-def before_dump(behind: PersistentGenerations, run: str, loaded: list[str], first: bool, tiered: bool) -> None:
-    """Rank 0 before a dump: :meth:`~PersistentGenerations.check_owner`, then at the job's
-    ``first`` dump :meth:`~PersistentGenerations.remove_debris`. A ``tiered`` trial is checked at
-    its first dump only, goes on (logged) when the location does not answer, since each of its
-    uploads checks again, and leaves the debris to its first upload. Local; blocking."""
-    if not tiered:
-        behind.check_owner(run, loaded)
-        if first:
-            behind.remove_debris()
-        return
-    try:
-        behind.check_owner(run, loaded)
-    except TransientError as error:
-        logger.warning("%s; the dump commits to the local tier, its upload checks again", error)
 
 
 def fetch_newest(

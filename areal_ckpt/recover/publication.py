@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 from areal_ckpt import agree, dist
-from areal_ckpt.errors import CheckpointError
+from areal_ckpt.errors import CheckpointError, TransientError
 from areal_ckpt.fsio import FileWriter
 from areal_ckpt.paths import RECOVER_MANIFEST
 from areal_ckpt.publish import read_manifest
 from areal_ckpt.recover.foreign import refuse_foreign_layout
 from areal_ckpt.recover.nodes import node_of
-from areal_ckpt.recover.persistent import PersistentGenerations, before_dump
+from areal_ckpt.recover.persistent import PersistentGenerations
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.tidy import delete_later
@@ -102,10 +102,9 @@ class Publication(Protocol):
         so rank 0's node tidies alone). Local."""
 
     def publish(self, store: RecoverStore, dump: CommittedDump) -> str:
-        """After ``generation`` committed in ``store``: what the dump still owes before it
-        returns (publishing it, within the dump); returns where the dump's checkpoint now is,
-        for its result. ``step``: its global step, ``models`` its models, ``mine``: this rank's
-        files (size, CRC-32), ``streamed`` those already written behind. Collective; blocking; durable on return; raises on every rank."""
+        """After ``dump`` committed in ``store``: what the dump still owes before it returns
+        (publishing it, within the dump); returns where the dump's checkpoint now is, for its
+        result. Collective; blocking; durable on return; raises on every rank."""
 
     def where(self, store: RecoverStore, generation: str, choice: TierChoice | None) -> str:
         """Where a load found ``generation``, for the line rank 0 logs. Pure."""
@@ -147,7 +146,7 @@ class KeptLocally:
         return None
 
     def node(self, store: RecoverStore) -> str:
-        """ "": one copy of the trial."""
+        """The empty name: one copy of the trial."""
         return ""
 
     def publish(self, store: RecoverStore, dump: CommittedDump) -> str:
@@ -171,7 +170,9 @@ class PublishedInDump:
 
     def before_dump(self, run: str, loaded: list[str], first: bool) -> None:
         """Every dump: the owner check; the first also removes earlier jobs' debris behind."""
-        before_dump(self.behind, run, loaded, first=first, tiered=False)
+        self.behind.check_owner(run, loaded)
+        if first:
+            self.behind.remove_debris()
 
     def uploads(self, store: RecoverStore, run: str, retries: int) -> Uploads | None:
         """None: each dump publishes before it returns."""
@@ -194,7 +195,7 @@ class PublishedInDump:
         return self.behind.direct_writer(generation, part)
 
     def node(self, store: RecoverStore) -> str:
-        """ "": each node's staging copy is tidied by its own ranks after the publication."""
+        """The empty name: each node's staging copy is tidied by its own ranks after the publication."""
         return ""
 
     def publish(self, store: RecoverStore, dump: CommittedDump) -> str:
@@ -207,10 +208,8 @@ class PublishedInDump:
             f"{self.behind.where()}: upload of the recovery dump at global step {dump.step} (committed in "
             f"{store.root} only)",
         )
-        older = [name for name in store.generations() if name != generation]
-        delete_later(
-            store.root, older, dist.rank(), dump.models, remove_folders=True
-        )  # on its own node, a rank's alone
+        older = [name for name in store.generations() if name != generation]  # on its own node, a rank's alone
+        delete_later(store.root, older, dist.rank(), dump.models, remove_folders=True)
         return self.behind.where(generation)
 
     def where(self, store: RecoverStore, generation: str, choice: TierChoice | None) -> str:
@@ -239,10 +238,14 @@ class PublishedInBackground:
             logger.warning("%s; dumps commit to the local tier %s until it answers", error, store.trial)
 
     def before_dump(self, run: str, loaded: list[str], first: bool) -> None:
-        """The job's first dump only: the owner check, going on when ``behind`` does not
-        answer (each upload checks again and removes the debris)."""
-        if first:
-            before_dump(self.behind, run, loaded, first=True, tiered=True)
+        """The job's first dump only: the owner check, going on (logged) when ``behind`` does
+        not answer, since each upload checks again; the debris is left to the first upload."""
+        if not first:
+            return
+        try:
+            self.behind.check_owner(run, loaded)
+        except TransientError as error:
+            logger.warning("%s; the dump commits to the local tier, its upload checks again", error)
 
     def uploads(self, store: RecoverStore, run: str, retries: int) -> Uploads | None:
         """The uploads (and peer copies) of the local commits."""
