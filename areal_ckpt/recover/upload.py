@@ -205,6 +205,11 @@ class Uploads:
         if self._pending is not None:
             self._start(self._pending)
             self._collect(blocking=True)
+        if self._pending is not None and not self._pending.publish:
+            raise CheckpointError(
+                f"{self.store.path(self._pending.generation)}: copying the newest recovery checkpoint to other "
+                f"nodes' local tiers failed; {self._lag_text()}"
+            )
         if self._pending is not None:
             raise CheckpointError(
                 f"{self.store.path(self._pending.generation)}: the newest recovery checkpoint is committed on "
