@@ -15,7 +15,7 @@ from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import FileRecord, crc32
 from areal_ckpt.paths import RECOVER_MANIFEST, generation_name, generation_step
-from areal_ckpt.publish import check_files, read_manifest
+from areal_ckpt.publish import check_files, read_manifest, write_manifest
 from areal_ckpt.recover import nodes, peer_copies
 from areal_ckpt.recover.store import RecoverStore
 
@@ -121,8 +121,6 @@ def _uncommitted_case(rank: int, world_size: int, root: str) -> None:
         (store.path(interrupted) / name).write_bytes(data)
     if rank == 0:
         listed = _everything(world_size, 5)
-        from areal_ckpt.publish import write_manifest
-
         write_manifest(
             store.path(interrupted),
             RECOVER_MANIFEST,
