@@ -252,3 +252,16 @@ def _orphans_case(rank: int, world_size: int, root: str) -> None:
 @pytest.mark.dist
 def test_files_no_manifest_can_be_found_for_are_never_a_silent_fresh_start(tmp_path):
     run_distributed(_orphans_case, 2, str(tmp_path))
+
+
+def _one_node_case(rank: int, world_size: int, root: str) -> None:
+    store = RecoverStore(Path(root) / "trial")  # both ranks share this local tier: one node
+    generation = _dump(store, 5, world_size)
+    assert peer_copies.node_leaders(store) == [0]
+    assert peer_copies.replicate(store, generation, copies=1) == 0  # no other node to copy to
+    assert not (store.root / nodes.COPIES_FOLDER).exists()
+
+
+@pytest.mark.dist
+def test_ranks_sharing_one_local_tier_make_no_copies(tmp_path):
+    run_distributed(_one_node_case, 2, str(tmp_path))
