@@ -265,3 +265,40 @@ def _one_node_case(rank: int, world_size: int, root: str) -> None:
 @pytest.mark.dist
 def test_ranks_sharing_one_local_tier_make_no_copies(tmp_path):
     run_distributed(_one_node_case, 2, str(tmp_path))
+
+
+def _hostile_case(rank: int, world_size: int, root: str) -> None:
+    store = RecoverStore(Path(root) / f"node{rank}" / "trial")
+    generation = _dump(store, 5, world_size)
+    outside = Path(root) / f"outside{rank}"
+    (outside / "info").mkdir(parents=True)
+    (outside / "copies").mkdir()
+    if rank == 1:  # links where the copies would land: the record's folder, a folder of the generation
+        (store.root / nodes.COPIES_FOLDER).symlink_to(outside / "copies")
+        (store.path(generation) / "recover_info").symlink_to(outside / "info")
+    dist.barrier()
+    with pytest.raises(CheckpointError, match=r"recover_info: a link in the local tier; not writing through it"):
+        peer_copies.replicate(store, generation, copies=1)
+    dist.barrier()
+    if rank == 1:
+        (store.path(generation) / "recover_info").unlink()
+    dist.barrier()
+    peer_copies.replicate(store, generation, copies=1)  # the record's folder is a link: no record, a warning
+    assert not any(outside.rglob("*.json"))
+    if rank == 1:
+        assert (store.path(generation) / SHARED).read_bytes() == _contents(0, 5)[SHARED]
+    assert nodes.copies_of(store, generation) == ([] if rank == 1 else ["default/__1_0.distcp"])
+
+    _lose_disk(store, 0)  # the only manifest left is node 1's copy, and one byte of it flips
+    if rank == 1:
+        manifest = store.path(generation) / RECOVER_MANIFEST
+        data = bytearray(manifest.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        manifest.write_bytes(bytes(data))
+    dist.barrier()
+    assert _assemblies(store) == []  # a damaged manifest is never used to assemble
+
+
+@pytest.mark.dist
+def test_copies_never_land_through_a_link_and_a_flipped_manifest_copy_is_not_used(tmp_path):
+    run_distributed(_hostile_case, 2, str(tmp_path))

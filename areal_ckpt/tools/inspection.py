@@ -26,7 +26,7 @@ from areal_ckpt.paths import (
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.store import RecoverStore, resolve_recovery
 from areal_ckpt.tags.folder import read_latest
-from areal_ckpt.tools.local_tier import tier_holdings
+from areal_ckpt.tools.local_tier import describe_tier, held_entries, tier_holdings
 
 _MAX_SAFETENSORS_HEADER = 100 << 20
 
@@ -124,15 +124,7 @@ def describe(path: Path) -> dict[str, Any]:
         return _describe_stock_dcp(path)
     held = tier_holdings(path)
     if held:  # another node's local tier: generation folders, no commit record of its own
-        return {
-            "kind": "local tier",
-            "path": str(path),
-            "bytes": sum(entry["own_bytes"] + entry["copied_bytes"] for entry in held),
-            "files": sum(entry["own_files"] + entry["copied_files"] for entry in held),
-            "complete": None,
-            "models": {},
-            "held": held,
-        }
+        return describe_tier(path, held)
     raise CheckpointError(f"{path}: neither an HF export, a recovery checkpoint nor a DeepSpeed checkpoint")
 
 
@@ -341,6 +333,7 @@ def list_trial(trial: Path) -> list[dict[str, Any]]:
     if not trial.is_dir():
         raise CheckpointError(f"{trial}: not a folder")
     entries = []
+    held = tier_holdings(trial)
     for model in sorted(p for p in trial.iterdir() if p.is_dir() and not p.name.startswith(".")):
         for export in model.iterdir():
             parsed = parse_export_leaf(export.name)
@@ -383,21 +376,8 @@ def list_trial(trial: Path) -> list[dict[str, Any]]:
                 "created_unix": recovery["created_unix"],
                 "path": recovery["path"],
                 **({"problem": recovery["problem"]} if "problem" in recovery else {}),
-                "copied_files": sum(entry["copied_files"] for entry in tier_holdings(trial) if entry["committed"]),
+                "copied_files": sum(entry["copied_files"] for entry in held if entry["committed"]),
             }
         )
-    for held in tier_holdings(trial):  # a local tier: what it holds besides the committed generation
-        if not held["committed"]:
-            entries.append(
-                {
-                    "kind": "held",
-                    "name": "",
-                    "epoch": None,
-                    "epoch_step": None,
-                    "global_step": held["global_step"],
-                    "bytes": held["own_bytes"] + held["copied_bytes"],
-                    "created_unix": Path(held["path"]).stat().st_mtime,
-                    **held,
-                }
-            )
+    entries += held_entries(held)  # a local tier: what it holds besides the committed generation
     return sorted(entries, key=lambda e: (e["global_step"] or 0, e["created_unix"] or 0), reverse=True)

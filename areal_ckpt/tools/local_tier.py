@@ -44,3 +44,36 @@ def tier_holdings(trial: Path) -> list[dict[str, Any]]:
             }
         )
     return held
+
+
+def describe_tier(path: Path, held: list[dict[str, Any]]) -> dict[str, Any]:
+    """``inspect``'s facts about a local tier without a commit record of its own (another
+    node's): what it holds (``held``, :func:`tier_holdings`), in all. Pure."""
+    return {
+        "kind": "local tier",
+        "path": str(path),
+        "bytes": sum(entry["own_bytes"] + entry["copied_bytes"] for entry in held),
+        "files": sum(entry["own_files"] + entry["copied_files"] for entry in held),
+        "complete": None,
+        "models": {},
+        "held": held,
+    }
+
+
+def held_entries(held: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``list``'s rows for the generation folders of ``held`` (:func:`tier_holdings`) other than
+    the committed one (listed as the recovery checkpoint). Reads each folder's time."""
+    return [
+        {
+            "kind": "held",
+            "name": "",
+            "epoch": None,
+            "epoch_step": None,
+            "global_step": entry["global_step"],
+            "bytes": entry["own_bytes"] + entry["copied_bytes"],
+            "created_unix": Path(entry["path"]).stat().st_mtime,
+            **entry,
+        }
+        for entry in held
+        if not entry["committed"]
+    ]
