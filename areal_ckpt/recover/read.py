@@ -62,23 +62,23 @@ def open_committed(
     come down to the node's local copy first and its data files only as a rank reads them (each
     rank the files its share needs); without, the local copy is read as it is, and with
     ``local`` (a tiered trial resuming from its local tier, :mod:`areal_ckpt.recover.tiers`)
-    once each node received the files only other nodes hold (:mod:`areal_ckpt.recover.nodes`). Collective: rank 0 finds it (removing debris), every
-    rank verifies its share and reads its info. Raises CheckpointError on every rank when the
+    once each node received the files only other nodes hold (:mod:`areal_ckpt.recover.nodes`).
+    Collective: rank 0 finds it (removing debris), every rank verifies its share and reads its
+    info. Raises CheckpointError on every rank when the
     commit record is broken, the trial holds AReaL's folders, a file is damaged, ``models``
     names one it does not hold (:func:`check_models`), the three records of its step disagree,
     or a component cannot be restored (``dataloader``: the one the load restores); nothing is
     loaded then."""
-    behind = source
-    if behind is not None:  # where the trial persists holds what counts: its newest commit, into the local copy
-        fetch_newest(behind, store.root, deferred=read_when_needed)
+    if source is not None:  # where the trial persists holds what counts: its newest commit, into the local copy
+        fetch_newest(source, store.root, deferred=read_when_needed)
     found = agree.decided_by_rank0(lambda: find_committed(store), "RecoverHandler.load")
     if found is None:
         return None
     folder = store.path(found)
     if local:  # on several nodes, each node's copy lacks the other nodes' files until now
         fill_from_peers(store, found)
-    manifest = verify_checkpoint(folder, data_on_demand=behind is not None)
-    fetch = None if behind is None else OnDemandFiles(behind.files_of(found), folder, manifest["files"]).ensure
+    manifest = verify_checkpoint(folder, data_on_demand=source is not None)
+    fetch = None if source is None else OnDemandFiles(source.files_of(found), folder, manifest["files"]).ensure
     check_models(folder, manifest["models"], models)
     info = read_recover_info(
         folder / RECOVER_INFO, dist.rank(), dist.world_size(), manifest["world_size"], on_world_size_change
