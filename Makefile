@@ -10,7 +10,7 @@ DEMO_STAMP := $(VENV)/.installed-demo
 PYTEST_ARGS ?=
 TORTURE_TRIALS ?= 200
 
-.PHONY: demo test lint torture bench scale venv clean distclean
+.PHONY: demo test lint torture bench scale gpu-check venv clean distclean
 
 venv: $(STAMP)
 
@@ -72,6 +72,11 @@ bench: $(STAMP)
 	cd benchmarks && ../$(BIN)/python bench_peer_copies.py --out ../docs/benchmarks-peer-copies.md
 	cd benchmarks && ../$(BIN)/python bench_cli.py --out ../docs/benchmarks-cli.md
 	cd benchmarks && ../$(BIN)/python bench_preemption.py --out ../docs/benchmarks-preemption.md
+
+# the paths only a GPU takes, once, one line per check (docs/benchmarks-gpu.md); exits 2 without CUDA.
+# Install a CUDA build of torch: `make gpu-check TORCH_SPEC="torch==2.13.0 --index-url <a CUDA index>"`
+gpu-check: $(STAMP)
+	cd benchmarks && ../$(BIN)/python gpu_check.py --out ../docs/benchmarks-gpu.md
 
 # the full elastic matrix (1 <-> 4 ranks, real processes) and the per-rank cost of a dump at 1-4 ranks
 scale: $(STAMP)

@@ -44,16 +44,16 @@ PAUSE_SECONDS = 2.0  # between measurements
 
 
 READING = """Reading the rows. The copies run in the background uploaders after `dump` returns, so the
-loop pays nothing for them (the ratio moves around 1 with the machine's noise). The restart from
-the copies is slower here than from the bucket, for two reasons that are this machine's and one
-that is ours. The bucket is SeaweedFS on the same disk and loopback, as fast as a local read,
-where a real bucket is the slowest tier a job has; the copies cross gloo over loopback (CPU
-copies, 64 MiB messages), where a cluster has NCCL or RDMA. Ours: before a load from the local
-tiers every node receives every file it lacks (`fill_from_peers`), so the node that lost its
-disk takes the whole checkpoint, while a load from the bucket brings down only the files each
-rank's slice reads. Sending each node only the data files its ranks' slices name
-(`formats/dcp_slices.py` knows them at the same world size) would halve what crosses here; not
-done yet.
+loop pays nothing for them (the ratio moves around 1 with the machine's noise). A restart after
+node 1 lost its local tier sends node 1 what its ranks read (the small files and the data files
+their slices name: here its own shards, half the checkpoint), over gloo on loopback, each 64 MiB
+message read from node 0's disk while the one before crosses and written on node 1 while the next
+arrives; node 1 writes them durably before the load reads them. Both simulated nodes share one
+disk here, which writes about 0.54 GB/s with an fsync, so that write is most of the restart; the
+bucket (SeaweedFS) reads the same disk over loopback, and a load from it keeps what it downloads
+as an unsynced cache copy. On a cluster the bucket is the slowest tier and the copies cross NCCL
+or RDMA to each node's own disk: the ratio there is the disk's durable write speed against the
+bucket's download speed per node.
 """
 
 

@@ -44,6 +44,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--freq-steps", type=int, default=2)
     parser.add_argument("--kill-at", type=int, default=-1, help="SIGKILL this process after step K")
     parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--device", default="cpu", help="where the model trains (cuda: deterministic algorithms on)")
     parser.add_argument("--mode", choices=["on", "sync", "async"], default="on")
     parser.add_argument("--lora", action="store_true", help="train LoRA adapters (peft) on a frozen base")
     parser.add_argument("--staging-dir", help="staging_dir (fileroot on object storage): rank r uses {this}/node{r}")
@@ -114,6 +115,9 @@ def train(args: argparse.Namespace) -> None:
 
         config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
         model = get_peft_model(model, config)
+    if args.device != "cpu":  # CUDA kernels are bitwise repeatable only with these (and CUBLAS_WORKSPACE_CONFIG)
+        torch.use_deterministic_algorithms(True)
+        model.to(args.device)
     if args.wrap == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -177,6 +181,7 @@ def train(args: argparse.Namespace) -> None:
         sampler.set_epoch(epoch)
         epoch_step = start.epoch_step if epoch == start.epoch else 0
         for batch in loader:
+            batch = batch.to(args.device)
             # python, numpy and torch RNGs all feed the loss, so each must be restored exactly
             jitter = random.random() * 1e-3 + float(np.random.rand()) * 1e-3
             loss = model(input_ids=batch, labels=batch).loss * (1 + jitter * noise_scale)
@@ -220,7 +225,7 @@ def train(args: argparse.Namespace) -> None:
     final = {}
     for name, tensor in engine.recover_template(with_optimizer_tensors=True).items():
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        final[name] = local.detach().clone().contiguous()
+        final[name] = local.detach().cpu().clone().contiguous()
     final["lr"] = torch.tensor([group["lr"] for group in optimizer.param_groups], dtype=torch.float64)
     if args.wrap.startswith("zero"):
         final["global_steps"] = torch.tensor([model.global_steps])

@@ -302,3 +302,103 @@ def _hostile_case(rank: int, world_size: int, root: str) -> None:
 @pytest.mark.dist
 def test_copies_never_land_through_a_link_and_a_flipped_manifest_copy_is_not_used(tmp_path):
     run_distributed(_hostile_case, 2, str(tmp_path))
+
+
+def _sharded_model(sharded: bool) -> tuple:
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    from areal_ckpt.demo.tiny import build_model
+
+    torch.manual_seed(0)
+    model = build_model(48, hidden_size=32, intermediate_size=64)
+    if sharded:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.arange(24).reshape(2, 12)
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _full_state(model) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+        for name, value in model.state_dict().items()
+    }
+
+
+def _slices_case(rank: int, world_size: int, root: str) -> None:
+    import logging
+
+    import torch
+
+    import areal_ckpt as ac
+
+    spec = ac.FinetuneSpec(total_train_epochs=1, dataset_size=100, train_batch_size=1)
+
+    def config() -> ac.RecoverConfig:
+        return ac.RecoverConfig(
+            experiment_name="exp", trial_name="slices", fileroot=f"{root}/shared", user="tester", mode="sync",
+            local_dir=f"{root}/node{rank}", local_replicas=1, upload_every=1000,
+        )  # fmt: skip
+
+    def lose_node1() -> None:
+        dist.barrier()
+        if rank == 1:
+            shutil.rmtree(f"{root}/node1")
+        dist.barrier()
+
+    def node1_data_files() -> set[str]:
+        return {path.name for path in Path(f"{root}/node1").rglob("gen-*/**/*.distcp")}
+
+    model, optimizer = _sharded_model(sharded=True)
+    saved = _full_state(model)
+    handler = ac.RecoverHandler(config(), spec)
+    handler.dump(ac.TorchEngine(model, optimizer=optimizer), ac.StepInfo(0, 3, 3, 100), force=True)
+    handler.wait()
+    handler.close()
+    assert node1_data_files() == {"__0_0.distcp", "__1_0.distcp"}  # its own and its copy of node 0's
+    dist.barrier()
+    if rank == 0:  # close published it: gone, so only the nodes can serve the restarts below
+        shutil.rmtree(f"{root}/shared")
+    lose_node1()
+
+    # the same sharding: node 1 receives the data file its rank reads, not node 0's
+    fresh, fresh_optimizer = _sharded_model(sharded=True)
+    with torch.no_grad():
+        for parameter in fresh.parameters():
+            parameter.add_(1)
+    loader = ac.RecoverHandler(config(), spec)
+    info = loader.load(ac.TorchEngine(fresh, optimizer=fresh_optimizer))
+    loader.close()
+    assert info is not None and info.last_step_info.global_step == 3
+    assert all(torch.equal(saved[name], value) for name, value in _full_state(fresh).items())
+    assert node1_data_files() == {"__1_0.distcp"}
+    lose_node1()
+
+    # unsharded (each rank the whole model): beyond its slice, so every file is sent and it loads
+    logger = logging.getLogger("areal_ckpt.recover.tiers")
+    warnings: list[str] = []
+    handler_ = logging.Handler()
+    handler_.emit = lambda record: warnings.append(record.getMessage())
+    logger.addHandler(handler_)
+    whole, whole_optimizer = _sharded_model(sharded=False)
+    loader = ac.RecoverHandler(config(), spec)
+    info = loader.load(ac.TorchEngine(whole, optimizer=whole_optimizer))
+    loader.close()
+    logger.removeHandler(handler_)
+    assert info is not None and info.last_step_info.global_step == 3  # from the nodes, not a fresh start
+    assert all(torch.equal(saved[name], value) for name, value in _full_state(whole).items())
+    assert node1_data_files() == {"__0_0.distcp", "__1_0.distcp"}
+    if rank == 0:
+        assert any("did not load with the files each node's ranks read" in message for message in warnings)
+
+
+@pytest.mark.dist
+def test_a_restarted_node_receives_what_its_ranks_read_and_everything_when_they_read_more(tmp_path):
+    run_distributed(_slices_case, 2, str(tmp_path))

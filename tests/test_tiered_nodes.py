@@ -45,14 +45,14 @@ def _fill_case(rank: int, world_size: int, root: str) -> None:
     if rank == 1:  # a copy torn by a crash: the wrong size, so it is received again
         (store.path(generation) / SHARED).parent.mkdir()
         (store.path(generation) / SHARED).write_bytes(b"{")
-    received = nodes.fill_from_peers(store, generation)
+    received = nodes.fill_from_peers(store, generation).received
     manifest = (store.path(generation) / RECOVER_MANIFEST).read_bytes()
     assert dist.all_gather_objects(manifest) == [manifest, manifest]  # rank 0's, on both nodes
     files = read_manifest(store.path(generation), RECOVER_MANIFEST)["files"]
     assert check_files(store.path(generation), files, list(everything)) == []
     others = sum(len(data) for name, data in everything.items() if name not in _contents(rank))
     assert received == others + (len(manifest) if rank == 1 else 0)
-    assert nodes.fill_from_peers(store, generation) == 0  # whole on both nodes: nothing to send again
+    assert nodes.fill_from_peers(store, generation).received == 0  # whole on both nodes: nothing to send again
     lost = {**everything, "default/__9_0.distcp": b"held by no node"}
     generation = _dump(store, 7, lost)
     with pytest.raises(CheckpointError, match=r"__9_0\.distcp: no node holds this file of gen-00000007"):
@@ -71,7 +71,7 @@ def _one_node_case(rank: int, world_size: int, root: str) -> None:
         (store.path(generation) / "recover_info").mkdir(parents=True)
         store.commit(generation, {}, {"step": {"global_step": 3}}, ["default"])
     dist.barrier()
-    assert nodes.fill_from_peers(store, generation) == 0
+    assert nodes.fill_from_peers(store, generation) == nodes.Filled(0, frozenset())
 
 
 @pytest.mark.dist

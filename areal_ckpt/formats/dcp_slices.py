@@ -131,6 +131,26 @@ def rank_metadata(
     return metadata_from_json(index, source, complete=False), whole
 
 
+def data_files_read_by(checkpoint: Path, names: Iterable[str], rank: int) -> set[str] | None:
+    """The data files (paths in the checkpoint folder ``checkpoint``, among ``names``) that
+    ``rank``'s load reads at the world size the checkpoint was written with: those its slice
+    names in each DCP folder (:func:`rank_metadata`). None when that cannot be told from the
+    index and the rank's chunk file (a folder written before the index, one that does not
+    read): then any may be read. A load whose model is sharded otherwise than when saved reads
+    beyond its slice. Local, read-only; the index and chunk files must be in place."""
+    wanted: set[str] = set()
+    for folder in sorted({name.rpartition("/")[0] for name in names if name.endswith(DATA_SUFFIX)}):
+        prefix = f"{folder}/" if folder else ""
+        if not (checkpoint / folder / INDEX_JSON).is_file():
+            return None
+        try:
+            metadata, _ = rank_metadata(checkpoint / folder, rank)
+        except CheckpointError:
+            return None
+        wanted |= {prefix + info.relative_path for info in metadata.storage_data.values()}
+    return wanted
+
+
 def _json_object(path: Path, what: str) -> dict[str, Any]:
     _, data = read_json_file(path, what)
     if not isinstance(data, dict):

@@ -6,9 +6,9 @@ for every node. Another node's local tier holds the folder of each committed gen
 own ranks' files only, and no commit record of its own; after each commit the lowest rank of
 that node drops its other generations but those uploads still need
 (:func:`~areal_ckpt.recover.tidy.drop_later`). Before a load from the local tiers, each node
-receives the files it lacks (rank 0's manifest among them), whole, from a node that holds them,
-over the job's process group (:func:`fill_from_peers`), each checked against the manifest's
-size and CRC-32; every rank then loads as from a local trial.
+receives the files it lacks that its ranks read (rank 0's manifest among them), whole, from a
+node that holds them, over the job's process group (:func:`fill_from_peers`), each checked
+against the manifest's size and CRC-32; every rank then loads as from a local trial.
 
 Ranks share a node when their local tier is the same folder (host name, device and inode), so
 the rule needs no launcher variables and holds for several nodes simulated on one machine.
@@ -21,24 +21,29 @@ import logging
 import os
 import secrets
 import socket
+from collections.abc import Callable
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
+from areal_ckpt.formats.dcp_slices import data_files_read_by
 from areal_ckpt.fsio import (
     ChecksummedWriter,
     FileRecord,
     fsync_dir,
+    helper_threads,
     link_on_path,
     open_regular_file,
     read_regular_file,
     record_of,
     write_file_durably,
 )
-from areal_ckpt.paths import RECOVER_MANIFEST
+from areal_ckpt.paths import DATA_SUFFIX, RECOVER_MANIFEST
 from areal_ckpt.publish import read_manifest
 from areal_ckpt.recover.store import RecoverStore
 
@@ -79,46 +84,93 @@ class Transfer:
     target: int
 
 
-def fill_from_peers(store: RecoverStore, generation: str) -> int:
+@dataclass(frozen=True)
+class Filled:
+    """What :func:`fill_from_peers` did on this rank: the bytes it received, and the data files
+    its node holds none of because no rank of it reads them (they are checked where read)."""
+
+    received: int
+    elsewhere: frozenset[str]
+
+
+def fill_from_peers(store: RecoverStore, generation: str, every_file: bool = False) -> Filled:
     """Collective, before a load of ``generation`` (rank 0's committed one) from the local
-    tiers, whose folder every node holds: each node receives, whole, every file of it that it
-    lacks (or holds at another size) from a node that holds it, and rank 0's manifest when it
-    has none, each checked against the manifest's size and CRC-32 before it takes its name; returns the bytes this rank received. Nothing is sent on
-    one node. Blocking; durable on return. Raises CheckpointError on every rank, naming the
-    file and the ranks, when no node holds a file or a transfer failed (files received whole
-    are kept)."""
+    tiers, whose folder every node holds: each node receives, whole, the files of it that it
+    lacks (or holds at another size) from a node that holds it, each checked against the
+    manifest's size and CRC-32 before it takes its name. First every file but the DCP data
+    files (rank 0's manifest among them, when a node has none), then the data files its ranks
+    read (:func:`~areal_ckpt.formats.dcp_slices.data_files_read_by`: at the saved world size a
+    rank's own shards and the tensors stored whole; every one at another world size, or with
+    ``every_file``). Nothing is sent on one node. Blocking; durable on return. Raises
+    CheckpointError on every rank, naming the file and the ranks, when no node holds a file a
+    node needs or a transfer failed (files received whole are kept)."""
     folder = store.path(generation)
     what = f"{folder}: copying the files of other nodes"
 
-    def roles(nodes: list[str]) -> list[tuple[bool, bool]]:  # (several nodes, this rank leads its node)
-        leaders = set(first_ranks(nodes).values())
-        return [(len(leaders) > 1, rank in leaders) for rank in range(len(nodes))]
+    def roles(nodes: list[str]) -> list[tuple[bool, int]]:  # (several nodes, the lowest rank of this rank's node)
+        first = first_ranks(nodes)
+        return [(len(first) > 1, first[node]) for node in nodes]
 
-    several, leading = agree.gathered_then_dealt(lambda: node_of(store.root), roles, what)
+    several, leader = agree.gathered_then_dealt(lambda: node_of(store.root), roles, what)
     if not several:
-        return 0
+        return Filled(0, frozenset())
+    received = _fill(store, generation, leader, lambda name: not name.endswith(DATA_SUFFIX), lambda: None)
 
-    def plan(listings: list[dict[str, int] | None]) -> list[list[Transfer]]:
+    def read_here() -> set[str] | None:
+        files = read_manifest(folder, RECOVER_MANIFEST)
+        if every_file or files.get("world_size") != dist.world_size():
+            return None
+        return data_files_read_by(folder, files["files"], dist.rank())
+
+    received += _fill(store, generation, leader, lambda name: name.endswith(DATA_SUFFIX), read_here)
+    files = read_manifest(folder, RECOVER_MANIFEST)["files"]
+    return Filled(
+        received, frozenset(name for name in files if name.endswith(DATA_SUFFIX) and not (folder / name).is_file())
+    )
+
+
+def _fill(
+    store: RecoverStore,
+    generation: str,
+    leader: int,
+    kind: Callable[[str], bool],
+    wanted: Callable[[], set[str] | None],
+) -> int:
+    """One pass of :func:`fill_from_peers` over the files of ``kind``: each node's lowest rank
+    (``leader``) lists its node's folder, every rank says which it reads (``wanted``: None,
+    every one), rank 0 plans, and each node receives what it lacks of what its ranks read;
+    returns the bytes this rank received."""
+    folder = store.path(generation)
+    what = f"{folder}: copying the files of other nodes"
+    leading = leader == dist.rank()
+
+    def plan(asked: list[tuple[int, dict[str, int] | None, set[str] | None]]) -> list[list[Transfer]]:
         manifest = record_of(folder / RECOVER_MANIFEST)  # rank 0's; a node may have one from an earlier load
         listed = read_manifest(folder, RECOVER_MANIFEST)["files"]
-        files = {name: FileRecord(entry["size"], entry["crc32"]) for name, entry in listed.items()}
-        holders = {rank: listing for rank, listing in enumerate(listings) if listing is not None}
+        files = {name: FileRecord(entry["size"], entry["crc32"]) for name, entry in listed.items() if kind(name)}
+        holders = {rank: listing for rank, (_, listing, _) in enumerate(asked) if listing is not None}
+        reads: dict[int, set[str] | None] = {}  # by node: what its ranks read (None: every file)
+        for node, _, names in asked:
+            if node not in reads or reads[node] is not None:
+                reads[node] = None if names is None else {*(reads.get(node) or ()), *names}
+        everything = [(RECOVER_MANIFEST, manifest)] if kind(RECOVER_MANIFEST) else []
         transfers: list[Transfer] = []
-        for index, (name, record) in enumerate([(RECOVER_MANIFEST, manifest), *sorted(files.items())]):
+        for index, (name, record) in enumerate([*everything, *sorted(files.items())]):
+            needing = [rank for rank in holders if reads[rank] is None or name in (reads[rank] or ())]
             if name == RECOVER_MANIFEST:
                 sources = [0]
-                targets = [rank for rank, listing in holders.items() if name not in listing]
+                targets = [rank for rank in needing if name not in holders[rank]]
             else:
                 sources = [rank for rank, listing in holders.items() if listing.get(name) == record.size]
-                targets = [rank for rank, listing in holders.items() if listing.get(name) != record.size]
+                targets = [rank for rank in needing if holders[rank].get(name) != record.size]
             if targets and not sources:
                 raise CheckpointError(f"{folder / name}: no node holds this file of {generation}")
             for offset, target in enumerate(targets):  # the senders take turns
                 source = sources[(index + offset) % len(sources)]
                 transfers.append(Transfer(name, record.size, record.crc32, source, target))
-        return [[move for move in transfers if rank in (move.source, move.target)] for rank in range(len(listings))]
+        return [[move for move in transfers if rank in (move.source, move.target)] for rank in range(len(asked))]
 
-    mine = agree.gathered_then_dealt(lambda: listing_of(folder) if leading else None, plan, what)
+    mine = agree.gathered_then_dealt(lambda: (leader, listing_of(folder) if leading else None, wanted()), plan, what)
     received = agree.on_every_rank(lambda: receive_copies(store, generation, mine), what)
     if received:
         logger.info("%s: received %d bytes from other nodes", folder, received)
@@ -204,25 +256,49 @@ def run_transfers(folder: Path, transfers: list[Transfer]) -> int:
 
 
 def _send(folder: Path, move: Transfer) -> None:
-    """Send ``move``'s file in :data:`TRANSFER_CHUNK` messages; after a read error the rest
-    goes as zeros (the receiver's check refuses it) and the error is raised at the end."""
+    """Send ``move``'s file in :data:`TRANSFER_CHUNK` messages, the next one read from disk (on
+    a helper thread, into the other of two reused buffers) while this one is sent; after a read
+    error the rest goes as zeros (the receiver's check refuses it) and the error is raised at
+    the end."""
     failure: OSError | None = None
     try:
-        source = open_regular_file(folder / move.name)
+        source: BinaryIO | None = open_regular_file(folder / move.name)
     except OSError as error:
         source, failure = None, error
+    pieces = [(offset, min(TRANSFER_CHUNK, move.size - offset)) for offset in range(0, move.size, TRANSFER_CHUNK)]
+    buffers = [torch.empty(min(TRANSFER_CHUNK, move.size), dtype=torch.uint8) for _ in range(min(2, len(pieces)))]
+
+    def read(index: int, broken: bool) -> OSError | None:
+        piece = buffers[index % 2][: pieces[index][1]]
+        if source is None or broken:
+            piece.zero_()
+            return None
+        try:
+            view = piece.numpy().data.cast("B")
+            got = 0
+            while got < len(view):
+                count = os.preadv(source.fileno(), [view[got:]], pieces[index][0] + got)
+                if not count:
+                    break
+                got += count
+            view[got:] = bytes(len(view) - got)
+            return None
+        except OSError as error:
+            piece.zero_()
+            return error
+
+    reader = helper_threads("transfer-read", 1)
+    pending = reader.submit(read, 0, False) if pieces else None
     try:
-        for offset in range(0, move.size, TRANSFER_CHUNK):
-            length = min(TRANSFER_CHUNK, move.size - offset)
-            data = bytearray(length)
-            if source is not None and failure is None:
-                try:
-                    read = source.read(length)
-                    data[: len(read)] = read
-                except OSError as error:
-                    failure = error
-            dist.send_bytes(torch.frombuffer(data, dtype=torch.uint8), move.target)
+        for index, (_, length) in enumerate(pieces):
+            assert pending is not None
+            failure = failure or pending.result()
+            if index + 1 < len(pieces):
+                pending = reader.submit(read, index + 1, failure is not None)
+            dist.send_bytes(buffers[index % 2][:length], move.target)
     finally:
+        if pending is not None:
+            wait([pending])  # no read left running on a file about to be closed
         if source is not None:
             source.close()
     if failure is not None:
@@ -230,9 +306,10 @@ def _send(folder: Path, move: Transfer) -> None:
 
 
 def _receive(folder: Path, move: Transfer) -> None:
-    """Receive ``move``'s file into a new file beside its place, then give it its name (never
-    through a link) once its size and CRC-32 match the manifest; durable. After a write error
-    the rest is received and dropped, and the error is raised at the end."""
+    """Receive ``move``'s file into a new file beside its place, each message written (on a
+    helper thread) while the next one arrives, then give it its name (never through a link)
+    once its size and CRC-32 match the manifest; durable. After a write error the rest is
+    received and dropped, and the error is raised at the end."""
     path = folder / move.name
     link = link_on_path(path, folder)
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.part")
@@ -245,13 +322,23 @@ def _receive(folder: Path, move: Transfer) -> None:
         writer = ChecksummedWriter(temporary)
     except (OSError, CheckpointError) as error:
         failure = error
+
+    def write(chunk: torch.Tensor) -> OSError | None:
+        try:
+            assert writer is not None
+            writer.write(chunk.numpy().data)
+            return None
+        except OSError as error:
+            return error
+
+    written: Future[OSError | None] | None = None
     for offset in range(0, move.size, TRANSFER_CHUNK):
         chunk = dist.receive_bytes(min(TRANSFER_CHUNK, move.size - offset), move.source)
-        if writer is not None and failure is None:
-            try:
-                writer.write(chunk.numpy().data)
-            except OSError as error:
-                failure = error
+        if written is not None:
+            failure = failure or written.result()
+        written = helper_threads("transfer-write", 1).submit(write, chunk) if writer and failure is None else None
+    if written is not None:
+        failure = failure or written.result()
     if writer is not None and failure is None:
         failure = _finish(writer, temporary, path, FileRecord(move.size, move.crc32))
     elif writer is not None:

@@ -161,12 +161,13 @@ def assemblies(held: dict[int, dict[str, Holding]]) -> list[Assembly]:
     return sorted(found.values(), key=lambda entry: (generation_step(entry.generation), entry.generation), reverse=True)
 
 
-def assemble(store: RecoverStore, generation: str, manifest_from: int) -> None:
+def assemble(store: RecoverStore, generation: str, manifest_from: int, every_file: bool = False) -> bool:
     """Collective, before a load from the local tiers: make ``generation`` whole on every node
     and committed on rank 0's node. Rank 0 first receives its manifest from ``manifest_from``
-    when its node lacks it, then every node receives what it lacks
-    (:func:`~areal_ckpt.recover.nodes.fill_from_peers`, each file checked against the manifest),
-    then rank 0 points ``current`` at it (durable). Raises CheckpointError on every rank naming
+    when its node lacks it, then every node receives what it lacks of what its ranks read (of
+    every file with ``every_file``; :func:`~areal_ckpt.recover.nodes.fill_from_peers`, each file
+    checked against the manifest), then rank 0 points ``current`` at it (durable). Returns
+    whether some node was left without files no rank of it reads (the same on every rank). Raises CheckpointError on every rank naming
     the file when a copy fails its check; nothing is committed then."""
     folder = store.path(generation)
     what = f"{folder}: assembling it from the nodes' local tiers"
@@ -186,7 +187,7 @@ def assemble(store: RecoverStore, generation: str, manifest_from: int) -> None:
         moves = agree.gathered_then_dealt(manifest_record, plan, what)
         agree.on_every_rank(lambda: receive_copies(store, generation, moves), what)
         agree.decided_by_rank0(lambda: read_manifest(folder, RECOVER_MANIFEST) and None, what)
-    fill_from_peers(store, generation)
+    partial = not dist.all_true(not fill_from_peers(store, generation, every_file).elsewhere)
 
     def point() -> None:
         pointer = store.root / RECOVER_CURRENT
@@ -194,3 +195,4 @@ def assemble(store: RecoverStore, generation: str, manifest_from: int) -> None:
             switch_symlink(pointer, generation)
 
     agree.decided_by_rank0(point, what)
+    return partial

@@ -75,9 +75,10 @@ def open_committed(
     if found is None:
         return None
     folder = store.path(found)
+    elsewhere: frozenset[str] = frozenset()
     if local:  # on several nodes, each node's copy lacks the other nodes' files until now
-        fill_from_peers(store, found)
-    manifest = verify_checkpoint(folder, data_on_demand=source is not None)
+        elsewhere = fill_from_peers(store, found).elsewhere
+    manifest = verify_checkpoint(folder, data_on_demand=source is not None, elsewhere=elsewhere)
     fetch = None if source is None else OnDemandFiles(source.files_of(found), folder, manifest["files"]).ensure
     check_models(folder, manifest["models"], models)
     info = read_recover_info(
@@ -148,13 +149,15 @@ def verify_checkpoint(
     fmt: str = RECOVER_FORMAT,
     versions: tuple[int, ...] = READABLE_RECOVER_VERSIONS,
     data_on_demand: bool = False,
+    elsewhere: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """Check the manifest's format, every file's presence and size, and the CRC-32 of every
     file but the tensor data files (those are checked while :func:`load_engine` reads them,
     saving a full pass); returns the manifest. Defaults: a recovery generation. With
     ``data_on_demand`` (a local copy of a checkpoint on object storage) the DCP files (data,
     chunks, metadata) are not looked at here: each is brought down, and checked, when a rank
-    reads it.
+    reads it. ``elsewhere``: data files this node does not hold because none of its ranks
+    reads them (a load from several nodes' local tiers); not looked at here either.
 
     Collective: the files are dealt out to the ranks, each checks its share, all agree.
     Raises CheckpointError naming every damaged file.
@@ -168,7 +171,11 @@ def verify_checkpoint(
             f"(reads {fmt!r} versions {', '.join(map(str, versions))})"
         )
     files = manifest["files"]
-    mine = [name for index, name in enumerate(sorted(files)) if index % dist.world_size() == dist.rank()]
+    mine = [
+        name
+        for index, name in enumerate(sorted(files))
+        if index % dist.world_size() == dist.rank() and name not in elsewhere
+    ]
 
     def check_share() -> None:
         later = [name for name in mine if data_on_demand and read_when_needed(name)]

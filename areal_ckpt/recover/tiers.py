@@ -96,23 +96,36 @@ def restore_from_tiers(
     """Resume the tiered trial ``store`` (persisting ``behind``): :func:`choose_tier`, then
     ``restore(local)`` (a collective load from the local tiers, once the chosen generation was
     assembled on them, or from the persistent tier, returning None when there is nothing to
-    load). When assembling or loading from the local tiers fails on a rank (a file damaged, a
-    copy that fails its check) and the persistent tier holds a generation, every rank loads that
-    one instead, with a warning naming the failure. Collective; returns what ``restore``
-    returned and the choice it followed."""
+    load). Each node first receives only what its ranks read; when assembling or loading fails
+    on a rank, every node receives every file it lacks and the load runs again; when that fails
+    too (a file damaged, a copy that fails its check) and the persistent tier holds a
+    generation, every rank loads that one instead, with a warning naming the failure.
+    Collective; returns what ``restore`` returned and the choice it followed."""
     choice = choose_tier(store, behind)
     if not choice.local:
         return restore(False), choice
     failure: CheckpointError | None = None
     restored: T | None = None
-    try:
-        assert choice.generation is not None
-        assemble(store, choice.generation, choice.manifest_from)
-        restored = restore(True)
-    except CheckpointError as error:
-        failure = error
-    if dist.all_true(failure is None):
-        return restored, choice
+    partial = False
+    for every_file in (False, True):  # a load sharded otherwise than the dump reads beyond its slice
+        failure = None
+        try:
+            assert choice.generation is not None
+            partial = assemble(store, choice.generation, choice.manifest_from, every_file)
+            restored = restore(True)
+        except CheckpointError as error:
+            failure = error
+        if dist.all_true(failure is None):
+            return restored, choice
+        if not partial:
+            break
+        if not every_file:
+            logger.warning(
+                "the local tiers' %s did not load with the files each node's ranks read (%s): every node "
+                "receives every file it lacks, and it is loaded again",
+                choice.generation,
+                failure or "on another rank",
+            )
     if choice.remote_newest is None:
         raise failure or CheckpointError(f"{store.root}: another rank could not load the local tier")
     logger.warning(

@@ -1,0 +1,40 @@
+"""`make gpu-check` (benchmarks/gpu_check.py) where there is no GPU: it refuses to pass, and its
+checks run and pass on CPU tensors in the rehearsal, so the script a GPU machine runs once is
+known to work up to the device it was written for."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+
+
+def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, str(SCRIPT), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=cwd, env=environment)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: make gpu-check runs for real")
+def test_without_a_gpu_it_checks_nothing_and_exits_non_zero(tmp_path):
+    done = _run("--out", str(tmp_path / "gpu.md"), cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "no CUDA device here" in done.stdout and "nothing was checked" in done.stdout
+    assert not (tmp_path / "gpu.md").exists()
+
+
+def test_the_rehearsal_on_cpu_runs_every_check_and_says_it_is_no_gpu_result(tmp_path):
+    done = _run("--rehearse-on-cpu", "--size", "8", "--rounds", "1", "--out", str(tmp_path / "gpu.md"), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    lines = done.stdout.splitlines()
+    for name in ("resume", "async dump", "export", "dump", "peer copies over gloo"):
+        assert any(line.startswith("PASS") and f" {name}: " in line for line in lines), (name, done.stdout)
+    assert "bitwise equal to the run through" in done.stdout
+    assert "gpu-check: 5 passed, 0 failed, 0 not run (a rehearsal on CPU: these are not GPU results)" in done.stdout
+    assert not (tmp_path / "gpu.md").exists(), "a rehearsal must not write the GPU figures' file"
