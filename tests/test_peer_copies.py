@@ -4,7 +4,11 @@ a copy that fails its check never used."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -311,7 +315,7 @@ def _sharded_model(sharded: bool) -> tuple:
     from areal_ckpt.demo.tiny import build_model
 
     torch.manual_seed(0)
-    model = build_model(48, hidden_size=32, intermediate_size=64)
+    model = build_model(48, hidden_size=256, intermediate_size=512)  # data files far larger than the small ones
     if sharded:
         for layer in model.model.layers:
             fully_shard(layer)
@@ -332,9 +336,27 @@ def _full_state(model) -> dict:
     }
 
 
-def _slices_case(rank: int, world_size: int, root: str) -> None:
-    import logging
+@contextlib.contextmanager
+def _messages(name: str, level: int) -> Iterator[list[str]]:
+    """What the logger ``name`` logs at ``level`` and above while inside, as text."""
+    logger, captured = logging.getLogger(name), []
+    handler = logging.Handler(level)
+    handler.emit = lambda record: captured.append(record.getMessage())
+    old_level = logger.level
+    logger.setLevel(level)
+    logger.addHandler(handler)
+    try:
+        yield captured
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
 
+
+def _received(messages: list[str]) -> int:
+    return sum(int(found) for found in re.findall(r"received (\d+) bytes from other nodes", " ".join(messages)))
+
+
+def _slices_case(rank: int, world_size: int, root: str) -> None:
     import torch
 
     import areal_ckpt as ac
@@ -363,40 +385,44 @@ def _slices_case(rank: int, world_size: int, root: str) -> None:
     handler.wait()
     handler.close()
     assert node1_data_files() == {"__0_0.distcp", "__1_0.distcp"}  # its own and its copy of node 0's
+    (generation,) = [found for found in Path(f"{root}/node0").rglob("gen-*") if found.is_dir()]
+    sizes = {
+        Path(name).name: entry["size"] for name, entry in read_manifest(generation, RECOVER_MANIFEST)["files"].items()
+    }
     dist.barrier()
     if rank == 0:  # close published it: gone, so only the nodes can serve the restarts below
         shutil.rmtree(f"{root}/shared")
     lose_node1()
 
-    # the same sharding: node 1 receives the data file its rank reads, not node 0's
+    # the same sharding: node 1 receives the data file its rank reads, not node 0's, and after the
+    # load the background copy brings node 0's back (every file on two nodes again)
     fresh, fresh_optimizer = _sharded_model(sharded=True)
     with torch.no_grad():
         for parameter in fresh.parameters():
             parameter.add_(1)
     loader = ac.RecoverHandler(config(), spec)
-    info = loader.load(ac.TorchEngine(fresh, optimizer=fresh_optimizer))
-    loader.close()
+    with _messages("areal_ckpt.recover.nodes", logging.INFO) as sent:
+        info = loader.load(ac.TorchEngine(fresh, optimizer=fresh_optimizer))
     assert info is not None and info.last_step_info.global_step == 3
     assert all(torch.equal(saved[name], value) for name, value in _full_state(fresh).items())
-    assert node1_data_files() == {"__1_0.distcp"}
+    if rank == 1:
+        assert sizes["__1_0.distcp"] < _received(sent) < sizes["__1_0.distcp"] + sizes["__0_0.distcp"]
+    else:
+        assert _received(sent) == 0
+    loader.close()  # waits for the copies
+    assert node1_data_files() == {"__0_0.distcp", "__1_0.distcp"}
     lose_node1()
 
     # unsharded (each rank the whole model): beyond its slice, so every file is sent and it loads
-    logger = logging.getLogger("areal_ckpt.recover.tiers")
-    warnings: list[str] = []
-    handler_ = logging.Handler()
-    handler_.emit = lambda record: warnings.append(record.getMessage())
-    logger.addHandler(handler_)
     whole, whole_optimizer = _sharded_model(sharded=False)
     loader = ac.RecoverHandler(config(), spec)
-    info = loader.load(ac.TorchEngine(whole, optimizer=whole_optimizer))
-    loader.close()
-    logger.removeHandler(handler_)
+    with _messages("areal_ckpt.recover.tiers", logging.WARNING) as warned:
+        info = loader.load(ac.TorchEngine(whole, optimizer=whole_optimizer))
     assert info is not None and info.last_step_info.global_step == 3  # from the nodes, not a fresh start
     assert all(torch.equal(saved[name], value) for name, value in _full_state(whole).items())
     assert node1_data_files() == {"__0_0.distcp", "__1_0.distcp"}
-    if rank == 0:
-        assert any("did not load with the files each node's ranks read" in message for message in warnings)
+    assert any("did not load with the files each node's ranks read" in message for message in warned)
+    loader.close()
 
 
 @pytest.mark.dist

@@ -327,7 +327,7 @@ class RecoverHandler:
             return None
         found, manifest, info = restored
         if self._uploads is not None and choice is not None:
-            self._uploads.resumed(found, choice.remote_newest, choice.local)
+            self._uploads.resumed(found, choice.remote_newest, choice.local, choice.partial)
         restore_components(
             info.path,
             {

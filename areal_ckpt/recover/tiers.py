@@ -48,15 +48,17 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class TierChoice:
     """Where a tiered trial resumes from: ``local`` (``generation``, assembled from the nodes'
-    local tiers, its manifest from rank ``manifest_from``'s node) or the persistent tier;
-    ``remote_newest`` is the persistent tier's newest generation (None: none, or it could not be
-    reached, ``reachable`` False)."""
+    local tiers, its manifest from rank ``manifest_from``'s node; ``partial`` once loaded when
+    a node received only what its ranks read) or the persistent tier; ``remote_newest`` is the
+    persistent tier's newest generation (None: none, or it could not be reached, ``reachable``
+    False)."""
 
     local: bool
     remote_newest: str | None
     reachable: bool
     generation: str | None = None
     manifest_from: int = 0
+    partial: bool = False  # set once loaded: some node holds only what its ranks read of it
 
 
 def choose_tier(store: RecoverStore, behind: PersistentGenerations) -> TierChoice:
@@ -116,7 +118,7 @@ def restore_from_tiers(
         except CheckpointError as error:
             failure = error
         if dist.all_true(failure is None):
-            return restored, choice
+            return restored, dataclasses.replace(choice, partial=partial)
         if not partial:
             break
         if not every_file:

@@ -149,18 +149,23 @@ class Uploads:
         offers = [offer.generation for offer in (self._in_flight, self._pending) if offer is not None]
         return tuple(dict.fromkeys([*offers, *([self._copied] if self._copied else [])]))
 
-    def resumed(self, generation: str, remote_newest: str | None, local: bool) -> None:
+    def resumed(self, generation: str, remote_newest: str | None, local: bool, partial: bool = False) -> None:
         """After the job resumed from ``generation`` (assembled from the local tiers when
-        ``local``; ``remote_newest``: the persistent tier's newest then): both count as loaded
-        for the owner check; a local generation is kept as the one whose copies are complete
-        (every node received it whole), and one the persistent tier lacks is offered for upload
-        at once when every commit is uploaded (``upload_every`` 1). Collective."""
+        ``local``; ``remote_newest``: the persistent tier's newest then; ``partial``: a node
+        received only what its ranks read of it): both count as loaded for the owner check; a
+        local generation is kept as the one whose copies are complete, and one the persistent
+        tier lacks is offered for upload at once when every commit is uploaded (``upload_every``
+        1), its copies made first; a partial one is copied again in the background otherwise,
+        so every file is back on K+1 nodes. Collective; non-blocking."""
         self.loaded = tuple(sorted({generation, *([remote_newest] if remote_newest else [])}))
         self._committed = generation
         self._uploaded = remote_newest if local else generation
         self._copied = generation if local and self.copies else None
         if local and generation != remote_newest and self.upload_every == 1:  # the persistent tier lags
             self.offer(generation, {})
+        elif partial and self.copies:
+            self._pending = _Offer(generation, {}, publish=False)
+            self.poll()
 
     def offer(self, generation: str, files: dict[str, tuple[int, int]]) -> None:
         """After ``generation`` committed locally: copy it to other nodes (``copies``) and, when
