@@ -22,6 +22,7 @@ from areal_ckpt.paths import RECOVER_MANIFEST, generation_name, generation_step
 from areal_ckpt.publish import check_files, read_manifest, write_manifest
 from areal_ckpt.recover import nodes, peer_copies
 from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.storage import peers
 
 SHARED = "recover_info/step_info.json"
 
@@ -66,11 +67,11 @@ def _assemblies(store: RecoverStore) -> list[peer_copies.Assembly]:
 
 
 def _ring_case(rank: int, world_size: int, root: str) -> None:
-    nodes.TRANSFER_CHUNK = 4096  # a data file crosses in several messages
+    peers.TRANSFER_CHUNK = 4096  # a data file crosses in several messages
     store = RecoverStore(Path(root) / f"node{rank}" / "trial")
     generation = _dump(store, 5, world_size)
     peer_copies.replicate(store, generation, copies=1)
-    held = set(nodes.listing_of(store.path(generation)))
+    held = set(peers.listing_of(store.path(generation)))
     before = (rank - 1) % world_size  # the node before this one on the ring
     expected = {*_contents(rank, 5), *_contents(before, 5)} | ({RECOVER_MANIFEST} if rank in (0, 1) else set())
     assert held == expected  # its own files and its predecessor's; node 0's manifest on node 1 too

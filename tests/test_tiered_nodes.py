@@ -15,6 +15,7 @@ from areal_ckpt.paths import RECOVER_MANIFEST, generation_name
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover import nodes
 from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.storage import peers
 
 SHARED = "recover_info/step_info.json"
 
@@ -38,7 +39,7 @@ def _dump(store: RecoverStore, step: int, listed: dict[str, bytes]) -> str:
 
 
 def _fill_case(rank: int, world_size: int, root: str) -> None:
-    nodes.TRANSFER_CHUNK = 4096  # a data file crosses in several messages
+    peers.TRANSFER_CHUNK = 4096  # a data file crosses in several messages
     store = RecoverStore(Path(root) / f"node{rank}" / "trial")
     everything = {name: data for peer in range(world_size) for name, data in _contents(peer).items()}
     generation = _dump(store, 5, everything)

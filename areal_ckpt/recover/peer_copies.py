@@ -7,7 +7,7 @@ lowest rank (node 0 holds rank 0), form a ring; a file held by one node only is 
 nodes after it on the ring, so a node's copies never sit on that node. The copies travel over
 the job's process group (the uploaders', :mod:`areal_ckpt.recover.upload`) after the local
 commit, in the background, each written beside its place and given its name only once its size
-and CRC-32 match the manifest (:func:`~areal_ckpt.recover.nodes.run_transfers`): a crash at any
+and CRC-32 match the manifest (:func:`~areal_ckpt.storage.peers.run_transfers`): a crash at any
 instant leaves whole files only. The local tiers keep the previous generation until the copies
 of the next one are complete (:attr:`~areal_ckpt.recover.upload.Uploads.protected`).
 
@@ -29,15 +29,9 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import FileRecord, record_of
 from areal_ckpt.paths import RECOVER_CURRENT, RECOVER_MANIFEST, generation_step
 from areal_ckpt.publish import read_manifest, switch_symlink
-from areal_ckpt.recover.nodes import (
-    Transfer,
-    fill_from_peers,
-    first_ranks,
-    listing_of,
-    node_of,
-    receive_copies,
-)
+from areal_ckpt.recover.nodes import fill_from_peers, first_ranks, node_of, receive_copies
 from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.storage.peers import Transfer, listing_of
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,9 @@ from typing import Any
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.paths import generation_step
-from areal_ckpt.recover.nodes import copies_of, listing_of
+from areal_ckpt.recover.nodes import copies_of
 from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.storage.peers import listing_of
 
 
 def tier_holdings(trial: Path) -> list[dict[str, Any]]:
