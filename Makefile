@@ -75,7 +75,7 @@ bench: $(STAMP)
 
 # the paths only a GPU takes, once, one line per check (docs/benchmarks-gpu.md); exits 2 without CUDA.
 # Install a CUDA build of torch: `make gpu-check TORCH_SPEC="torch==2.13.0 --index-url <a CUDA index>"`
-gpu-check: $(STAMP)
+gpu-check: $(DEMO_STAMP)  # torch, the package and transformers: no DeepSpeed build
 	cd benchmarks && ../$(BIN)/python gpu_check.py --out ../docs/benchmarks-gpu.md
 
 # the full elastic matrix (1 <-> 4 ranks, real processes) and the per-rank cost of a dump at 1-4 ranks
