@@ -37,8 +37,9 @@ def _everything(world_size: int, step: int) -> dict[str, bytes]:
     return {name: data for peer in range(world_size) for name, data in _contents(peer, step).items()}
 
 
-def _dump(store: RecoverStore, step: int, world_size: int) -> str:
-    """Every rank writes its files of a generation on its own node; rank 0 commits it."""
+def _dump(store: RecoverStore, step: int, world_size: int, models: bool = False) -> str:
+    """Every rank writes its files of a generation on its own node; rank 0 commits it (its
+    manifest naming the model folder with ``models``, as a publish needs)."""
     generation = generation_name(step, "feedbeef")
     for name, data in _contents(dist.rank(), step).items():
         (store.path(generation) / name).parent.mkdir(parents=True, exist_ok=True)
@@ -46,7 +47,8 @@ def _dump(store: RecoverStore, step: int, world_size: int) -> str:
     if dist.rank() == 0:
         listed = _everything(world_size, step)
         records = {name: FileRecord(len(data), crc32(data)) for name, data in listed.items()}
-        store.commit(generation, records, {"step": {"global_step": step}}, ["default"])
+        header = {"step": {"global_step": step}, **({"models": ["default"]} if models else {})}
+        store.commit(generation, records, header, ["default"])
     dist.barrier()
     return generation
 
@@ -429,3 +431,26 @@ def _slices_case(rank: int, world_size: int, root: str) -> None:
 @pytest.mark.dist
 def test_a_restarted_node_receives_what_its_ranks_read_and_everything_when_they_read_more(tmp_path):
     run_distributed(_slices_case, 2, str(tmp_path))
+
+
+def _shares_case(rank: int, world_size: int, root: str) -> None:
+    from areal_ckpt.recover.shared_folder import FolderGenerations
+
+    store = RecoverStore(Path(root) / f"node{rank}" / "trial")
+    generation = _dump(store, 5, world_size, models=True)  # node 0 lacks node 1's data file, as after a resume
+    behind = FolderGenerations(Path(root) / "shared" / "trial")
+    with pytest.raises(CheckpointError, match=r"__1_0\.distcp"):  # rank 0 cannot send what it lacks
+        behind.publish(store.path(generation), {}, "run", 5)
+    shares = peer_copies.shares_held(store, generation)
+    assert shares == (
+        {} if rank == 0 else {"default/__1_0.distcp": (10_000, crc32(_contents(1, 5)["default/__1_0.distcp"]))}
+    )
+    behind.publish(store.path(generation), shares, "run", 5)  # each node sends what it holds
+    assert behind.newest() == generation
+    shared = behind.store.path(generation)
+    assert all((shared / name).read_bytes() == data for name, data in _everything(world_size, 5).items())
+
+
+@pytest.mark.dist
+def test_a_generation_the_nodes_hold_in_parts_is_uploaded_by_the_nodes_that_hold_each_file(tmp_path):
+    run_distributed(_shares_case, 2, str(tmp_path))

@@ -85,6 +85,28 @@ def replicate(store: RecoverStore, generation: str, copies: int) -> int:
     return received
 
 
+def shares_held(store: RecoverStore, generation: str) -> dict[str, tuple[int, int]]:
+    """Collective: this rank's share of sending ``generation`` on as the nodes hold it (an upload
+    after a resume that gave each node only what its ranks read): every file of its manifest
+    goes to the lowest node leader holding it at its size, by name with its size and CRC-32;
+    rank 0's share is left empty, since rank 0 sends whatever no other rank does. The same
+    plan on every rank."""
+    folder = store.path(generation)
+    leaders = node_leaders(store)
+
+    def deal(listings: list[dict[str, int] | None]) -> list[dict[str, tuple[int, int]]]:
+        shares: list[dict[str, tuple[int, int]]] = [{} for _ in listings]
+        for name, entry in read_manifest(folder, RECOVER_MANIFEST)["files"].items():
+            holder = next((rank for rank in leaders if (listings[rank] or {}).get(name) == entry["size"]), 0)
+            if holder:
+                shares[holder][name] = (entry["size"], entry["crc32"])
+        return shares
+
+    return agree.gathered_then_dealt(
+        lambda: listing_of(folder) if dist.rank() in leaders else None, deal, f"{folder}: who sends which file"
+    )
+
+
 @dist.exchanged
 @dataclass(frozen=True)
 class Holding:
@@ -161,8 +183,9 @@ def assemble(store: RecoverStore, generation: str, manifest_from: int, every_fil
     when its node lacks it, then every node receives what it lacks of what its ranks read (of
     every file with ``every_file``; :func:`~areal_ckpt.recover.nodes.fill_from_peers`, each file
     checked against the manifest), then rank 0 points ``current`` at it (durable). Returns
-    whether some node was left without files no rank of it reads (the same on every rank). Raises CheckpointError on every rank naming
-    the file when a copy fails its check; nothing is committed then."""
+    whether some node was left without files no rank of it reads (the same on every rank).
+    Raises CheckpointError on every rank naming the file when a copy fails its check; nothing
+    is committed then."""
     folder = store.path(generation)
     what = f"{folder}: assembling it from the nodes' local tiers"
     if manifest_from != 0:

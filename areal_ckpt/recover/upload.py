@@ -35,7 +35,7 @@ from areal_ckpt.jobs.background import BackgroundWriter, JobOutcome
 from areal_ckpt.jobs.shm_arena import ArenaLayout
 from areal_ckpt.paths import RECOVER_MANIFEST, generation_step
 from areal_ckpt.publish import read_manifest
-from areal_ckpt.recover.peer_copies import replicate
+from areal_ckpt.recover.peer_copies import replicate, shares_held
 from areal_ckpt.recover.persistent import PersistentGenerations
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.store import RecoverStore
@@ -155,14 +155,15 @@ class Uploads:
         received only what its ranks read of it): both count as loaded for the owner check; a
         local generation is kept as the one whose copies are complete, and one the persistent
         tier lacks is offered for upload at once when every commit is uploaded (``upload_every``
-        1), its copies made first; a partial one is copied again in the background otherwise,
-        so every file is back on K+1 nodes. Collective; non-blocking."""
+        1), its copies made first, each file sent by a node that holds it; a partial one is
+        copied again in the background otherwise, so every file is back on K+1 nodes.
+        Collective; non-blocking."""
         self.loaded = tuple(sorted({generation, *([remote_newest] if remote_newest else [])}))
         self._committed = generation
         self._uploaded = remote_newest if local else generation
         self._copied = generation if local and self.copies else None
         if local and generation != remote_newest and self.upload_every == 1:  # the persistent tier lags
-            self.offer(generation, {})
+            self.offer(generation, shares_held(self.store, generation) if partial else {})
         elif partial and self.copies:
             self._pending = _Offer(generation, {}, publish=False)
             self.poll()
