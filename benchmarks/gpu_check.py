@@ -57,6 +57,7 @@ HERE = Path(__file__).resolve().parent
 JOB = HERE.parent / "tests" / "recover_job.py"
 SPEC = ac.FinetuneSpec(total_train_epochs=1, dataset_size=10**6, train_batch_size=1)
 KILL_AT = 5  # the resume check's job is killed after this step's dump
+FILL_SECONDS = 300  # the two-rank check is stopped after this long (NCCL may hang rather than refuse)
 GB = 1e9
 
 
@@ -351,14 +352,22 @@ def check_fill(device: str, work: Path) -> Line:
     """Peer copies and the restart's fill over the job's process group (NCCL on a GPU)."""
     name = "peer copies over NCCL" if device == "cuda" else "peer copies over gloo"
     result = work / "fill-result"
+    ranks = mp.start_processes(
+        _fill_worker, args=(_port(), device, str(work), str(result)), nprocs=2, start_method="spawn", join=False
+    )
+    deadline = time.monotonic() + FILL_SECONDS
     try:
-        mp.start_processes(_fill_worker, args=(_port(), device, str(work), str(result)), nprocs=2, start_method="spawn")
+        while not ranks.join(timeout=5):
+            if time.monotonic() > deadline:
+                for process in ranks.processes:
+                    process.kill()
+                return Line("FAIL", name, f"the two ranks had not finished after {FILL_SECONDS} s: stopped")
     except Exception as error:  # a rank that died without reporting
         return Line("FAIL", name, f"a rank died: {error}")
     outcomes = [json.loads(Path(f"{result}.{rank}").read_text()) for rank in range(2)]
     errors = [f"rank {rank}: {outcome['error']}" for rank, outcome in enumerate(outcomes) if "error" in outcome]
-    if errors and device == "cuda" and torch.cuda.device_count() < 2 and "uplicate GPU" in " ".join(errors):
-        return Line("NOT RUN", name, f"NCCL refuses two ranks on this machine's one GPU ({errors[0][:200]})")
+    if errors and device == "cuda" and torch.cuda.device_count() < 2 and "nccl" in " ".join(errors).lower():
+        return Line("NOT RUN", name, f"NCCL refuses two ranks on this machine's one GPU ({errors[0][:300]})")
     if errors:
         return Line("FAIL", name, "; ".join(errors)[:600])
     if any(o["step"] != 1 or o["different"] for o in outcomes) or not outcomes[1]["node1_files"]:
