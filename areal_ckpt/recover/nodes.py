@@ -65,7 +65,8 @@ def first_ranks(nodes: list[str]) -> dict[str, int]:
 @dataclass(frozen=True)
 class Filled:
     """What :func:`fill_from_peers` did on this rank: the bytes it received, and the data files
-    its node holds none of because no rank of it reads them (they are checked where read)."""
+    its node does not hold whole because no rank of it reads them (they are checked where
+    read; a torn copy of one stays until a load needs it)."""
 
     received: int
     elsewhere: frozenset[str]
@@ -102,8 +103,12 @@ def fill_from_peers(store: RecoverStore, generation: str, every_file: bool = Fal
 
     received += _fill(store, generation, leader, lambda name: name.endswith(DATA_SUFFIX), read_here)
     files = read_manifest(folder, RECOVER_MANIFEST)["files"]
+    held = listing_of(folder)
     return Filled(
-        received, frozenset(name for name in files if name.endswith(DATA_SUFFIX) and not (folder / name).is_file())
+        received,
+        frozenset(
+            name for name, entry in files.items() if name.endswith(DATA_SUFFIX) and held.get(name) != entry["size"]
+        ),
     )
 
 
