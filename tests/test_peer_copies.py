@@ -445,6 +445,14 @@ def _shares_case(rank: int, world_size: int, root: str) -> None:
     assert shares == (
         {} if rank == 0 else {"default/__1_0.distcp": (10_000, crc32(_contents(1, 5)["default/__1_0.distcp"]))}
     )
+    own = store.path(generation) / "default/__1_0.distcp"
+    if rank == 1:  # a byte of the file node 1 is to send flips: refused by name, nothing committed
+        own.write_bytes(bytes([own.read_bytes()[0] ^ 0x01]) + own.read_bytes()[1:])
+    with pytest.raises(CheckpointError, match=r"__1_0\.distcp"):
+        behind.publish(store.path(generation), shares, "run", 5)
+    assert behind.newest() is None
+    if rank == 1:
+        own.write_bytes(_contents(1, 5)["default/__1_0.distcp"])
     behind.publish(store.path(generation), shares, "run", 5)  # each node sends what it holds
     assert behind.newest() == generation
     shared = behind.store.path(generation)
