@@ -90,13 +90,15 @@ def main(argv: list[str] | None = None) -> int:
         "--rehearse-on-cpu", action="store_true", help="the same checks on CPU tensors (not GPU figures)"
     )
     parser.add_argument("--out", default=None, help="write the lines to this Markdown file (GPU runs only)")
+    parser.add_argument("--commit", default=None, help="the commit to report (default: git's HEAD, where git is)")
     args = parser.parse_args(argv)
     if not args.rehearse_on_cpu and not torch.cuda.is_available():
         print(f"gpu-check: no CUDA device here (torch {torch.__version__}): nothing was checked", flush=True)
         return 2
     device = "cpu" if args.rehearse_on_cpu else "cuda"
     card = "CPU rehearsal" if device == "cpu" else torch.cuda.get_device_name(0)
-    print(f"gpu-check on {card}, torch {torch.__version__}, commit {_commit()}", flush=True)
+    commit = args.commit or _commit()
+    print(f"gpu-check on {card}, torch {torch.__version__}, commit {commit}", flush=True)
     lines = run_checks(device, args.size, args.rounds)
     failed = sum(line.verdict == "FAIL" for line in lines)
     summary = f"gpu-check: {sum(line.verdict == 'PASS' for line in lines)} passed, {failed} failed, "
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         body = "\n".join(f"- `{line}`" for line in lines)
         Path(args.out).write_text(
             f"# GPU truth (`make gpu-check`)\n\nRun {datetime.date.today()} on {card}, torch {torch.__version__}, "
-            f"commit {_commit()}; {args.size} MiB models, {args.rounds} rounds.\n\n{body}\n\n{summary}\n"
+            f"commit {commit}; {args.size} MiB models, {args.rounds} rounds.\n\n{body}\n\n{summary}\n"
         )
     return 1 if failed else 0
 
