@@ -59,6 +59,7 @@ def run_checks(device: str, mib: int, rounds: int) -> list[Line]:
         torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     checks: list[tuple[str, Callable[[Path], Line | list[Line]]]] = [
         ("resume", lambda work: check_resume(device, work)),
+        ("resume fsdp2", lambda work: check_resume(device, work, "fsdp2")),
         ("async dump", lambda work: check_async(device, mib, rounds, work)),
         ("export, dump", lambda work: check_throughput(device, mib, rounds, work)),
         ("peer copies", lambda work: check_fill(device, work)),

@@ -94,14 +94,18 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def check_resume(device: str, work: Path) -> Line:
-    """Kill + resume of a real job against the same job run through: bitwise final state, losses."""
+def check_resume(device: str, work: Path, wrap: str = "none") -> Line:
+    """Kill + resume of a real job against the same job run through: bitwise final state, losses.
+    ``wrap="fsdp2"``: the model sharded by FSDP2 in a one-rank process group (NCCL on CUDA)."""
     env = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    label = "resume" if wrap == "none" else f"resume {wrap} ({'NCCL' if device == 'cuda' else 'gloo'}, 1 rank)"
 
     def job(name: str, *extra: str) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, str(JOB), "--fileroot", str(work / name), "--out", str(work / f"out-{name}")]
-        command += ["--device", device, "--mode", "async", "--freq-steps", "1", *extra]
-        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        command += ["--device", device, "--mode", "async", "--freq-steps", "1", "--wrap", wrap, *extra]
+        group = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+        ranks = {**group, "MASTER_PORT": str(free_port())} if wrap != "none" else {}
+        return subprocess.run(command, env={**env, **ranks}, capture_output=True, text=True, timeout=600)
 
     start = time.perf_counter()
     through = job("through")
@@ -110,7 +114,7 @@ def check_resume(device: str, work: Path) -> Line:
     seconds = time.perf_counter() - start
     for what, run, expected in (("run through", through, 0), ("killed", killed, -9), ("restarted", resumed, 0)):
         if run.returncode != expected:
-            return Line("FAIL", "resume", f"the {what} job exited {run.returncode}: {run.stderr.strip()[-400:]}")
+            return Line("FAIL", label, f"the {what} job exited {run.returncode}: {run.stderr.strip()[-400:]}")
     from safetensors.torch import load_file
 
     want, got = (load_file(work / f"out-{name}" / "final-rank0.safetensors") for name in ("through", "resumed"))
@@ -122,10 +126,10 @@ def check_resume(device: str, work: Path) -> Line:
     steps = len(losses["through"])
     if different or losses["through"] != losses["resumed"]:
         shown = different[:3] or ["losses"]
-        return Line("FAIL", "resume", f"differs from the run through after a kill at step {KILL_AT}: {shown}")
+        return Line("FAIL", label, f"differs from the run through after a kill at step {KILL_AT}: {shown}")
     return Line(
         "PASS",
-        "resume",
+        label,
         f"killed after step {KILL_AT}'s async dump, restarted: {len(want)} tensors bitwise equal to the run "
         f"through, {steps} losses equal ({device} dropout and kernels; 3 jobs in {seconds:.0f} s)",
     )
@@ -227,45 +231,77 @@ def _raw_write(tensors: list[torch.Tensor], path: Path) -> float:
 
 
 def check_throughput(device: str, mib: int, rounds: int, work: Path) -> list[Line]:
-    """A bf16 HF export and an fp32 recovery dump of GPU tensors against raw write + fsync."""
+    """A bf16 HF export and an fp32 recovery dump of GPU tensors against raw write + fsync. The
+    export runs through one async Saver (what mode auto picks for a model on a GPU; the same path
+    in a CPU rehearsal), timed until each export is durable; the last one is loaded back with
+    ``from_pretrained``, bitwise."""
     lines = []
     for name, dtype in (("export", torch.bfloat16), ("dump", torch.float32)):
         model, optimizer = _trained(mib, dtype, device)
         tensors = state_tensors(model, optimizer) if name == "dump" else list(model.state_dict().values())
         host = [tensor.detach().cpu().contiguous() for tensor in tensors]
         size = sum(t.numel() * t.element_size() for t in host) / GB
+        config = ac.SaverConfig(
+            experiment_name="gpu", trial_name="t", fileroot=str(work / "exports"), user="gpu", mode="async"
+        )
+        saver = ac.Saver(config, SPEC) if name == "export" else None
         ours: list[float] = []
+        blocked: list[float] = []
         raw: list[float] = []
-        for index in range(rounds + 1):  # the first round warms up, untimed
-            root = work / f"{name}-{index}"
-            _sync(device)
-            start = time.perf_counter()
-            if name == "export":
-                config = ac.SaverConfig(experiment_name="gpu", trial_name="t", fileroot=str(root), user="gpu")
-                ac.Saver(config, SPEC).save(ac.TorchEngine(model), 0, 0, 0, force=True)
-            else:
-                handler = ac.RecoverHandler(_recover_config(root, "dump", "sync"), SPEC)
-                handler.dump(ac.TorchEngine(model, optimizer=optimizer), _step(0), force=True)
-                handler.close()
-            took = time.perf_counter() - start
-            written = _raw_write(host, work / "raw.bin")
-            if index:
-                ours.append(took)
-                raw.append(written)
-            shutil.rmtree(root, ignore_errors=True)
+        try:
+            for index in range(rounds + 1):  # the first round warms up (writer started), untimed
+                _sync(device)
+                start = time.perf_counter()
+                if saver is not None:
+                    written_to = Path(str(saver.save(ac.TorchEngine(model), 0, index, index, force=True)))
+                    returned = time.perf_counter() - start
+                    saver.wait()  # the background commit: raises if the export failed
+                else:
+                    written_to = work / f"dump-{index}"
+                    handler = ac.RecoverHandler(_recover_config(written_to, "dump", "sync"), SPEC)
+                    handler.dump(ac.TorchEngine(model, optimizer=optimizer), _step(0), force=True)
+                    handler.close()
+                    returned = time.perf_counter() - start
+                took = time.perf_counter() - start
+                written = _raw_write(host, work / "raw.bin")
+                if index:
+                    ours.append(took)
+                    blocked.append(returned)
+                    raw.append(written)
+                if name == "export" and index == rounds:
+                    _check_export(model, written_to)
+                shutil.rmtree(written_to, ignore_errors=True)
+        finally:
+            if saver is not None:
+                saver.finalize()
         ratio = statistics.median(r / o for r, o in zip(raw, ours))
-        what = "bf16 HF export (Saver)" if name == "export" else "fp32 + AdamW recovery dump (sync)"
+        what = (
+            "bf16 HF export (async Saver), loaded back bitwise,"
+            if name == "export"
+            else "fp32 + AdamW recovery dump (sync)"
+        )
         lines.append(
             Line(
                 "PASS",
                 name,
-                f"{what} of {size:.2f} GB from the device: {size / statistics.median(ours):.2f} GB/s, "
-                f"{ratio:.2f}x a buffered write + fsync of the same bytes from host memory "
-                f"({size / statistics.median(raw):.2f} GB/s); medians of {rounds} rounds",
+                f"{what} of {size:.2f} GB from the device: {size / statistics.median(ours):.2f} GB/s until durable "
+                f"(the loop blocked {statistics.median(blocked):.3f} s), {ratio:.2f}x a buffered write + fsync of "
+                f"the same bytes from host memory ({size / statistics.median(raw):.2f} GB/s); medians of {rounds} rounds",
             )
         )
         del model, optimizer, host
     return lines
+
+
+def _check_export(model: torch.nn.Module, folder: Path) -> None:
+    """Raises unless ``folder`` loads with ``from_pretrained`` into ``model``'s weights, bitwise."""
+    loaded = type(model).from_pretrained(folder, dtype=torch.bfloat16).state_dict()
+    mine = model.state_dict()
+    if loaded.keys() != mine.keys():
+        raise AssertionError(f"the export {folder} loads other tensors: {sorted(loaded.keys() ^ mine.keys())[:5]}")
+    different = [key for key, tensor in mine.items() if not torch.equal(_local(tensor), loaded[key])]
+    if different:
+        raise AssertionError(f"the export {folder} loads other weights: {different[:5]} differ")
 
 
 def _fill_worker(rank: int, port: int, device: str, work: str, result: str) -> None:

@@ -88,10 +88,11 @@ def run(rank: int, world_size: int, argv: list[str]) -> None:
 
 def main() -> None:
     """Entry point as a script, alone or under torchrun."""
-    if "RANK" in os.environ:
-        torch_dist.init_process_group("gloo")
+    args = parse(None)
+    if "RANK" in os.environ:  # FSDP2 on CUDA tensors needs NCCL's collectives
+        torch_dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
     try:
-        train(parse(None))
+        train(args)
     finally:
         if torch_dist.is_initialized():
             torch_dist.destroy_process_group()

@@ -25,9 +25,12 @@ def _args(fileroot: Path, out: Path, wrap: str, extra: list[str]) -> list[str]:
     return ["--fileroot", str(fileroot), "--out", str(out), "--wrap", wrap, *extra]
 
 
-def run_job(fileroot: Path, out: Path, world_size: int = 1, wrap: str = "none", extra: list[str] = ()) -> list[int]:
-    """Run the job on fresh processes to completion (or to its own --kill-at); returns exit codes."""
-    return run_distributed(recover_job.run, world_size, _args(fileroot, out, wrap, list(extra)))
+def run_job(
+    fileroot: Path, out: Path, world_size: int = 1, wrap: str = "none", extra: list[str] = (), group: bool | None = None
+) -> list[int]:
+    """Run the job on fresh processes to completion (or to its own --kill-at); returns exit codes.
+    ``group``: a process group even for one rank (as torchrun makes), default: for several."""
+    return run_distributed(recover_job.run, world_size, _args(fileroot, out, wrap, list(extra)), group=group)
 
 
 def run_job_torchrun(

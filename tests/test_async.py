@@ -179,6 +179,16 @@ def test_async_fsdp2_dumps_resume_bit_exactly(reference_run_fsdp2, tmp_path):
     assert_same_run(reference_run_fsdp2, out, world_size=2)
 
 
+def test_a_one_rank_fsdp2_job_dumps_async_and_resumes_bit_exactly(tmp_path):
+    # torchrun --nproc-per-node 1 with FSDP2: DTensors on a one-rank group whose store holds
+    # MASTER_PORT; the background writer must not rendezvous there to rebuild their mesh
+    reference, root, out = tmp_path / "reference", tmp_path / "root", tmp_path / "out"
+    run_job(reference, tmp_path / "reference-out", wrap="fsdp2", group=True)
+    assert run_job(root, out, wrap="fsdp2", group=True, extra=["--mode", "async", "--kill-at", "4"]) == [-9]
+    run_job(root, out, wrap="fsdp2", group=True, extra=["--mode", "async"])
+    assert_same_run(tmp_path / "reference-out", out, world_size=1)
+
+
 def test_an_async_dump_writes_the_files_a_sync_dump_writes(tmp_path, tokenizer):
     setup = make_setup()
     train_step(setup, 0)
