@@ -42,6 +42,7 @@ from common import scratch_folder
 from gpu_checks import Line, check_async, check_fill, check_resume, check_throughput, free_port
 
 HERE = Path(__file__).resolve().parent
+RESULTS_BEGIN, RESULTS_END = "<!-- gpu-check results -->", "<!-- end of gpu-check results -->"
 
 
 def _commit() -> str:
@@ -53,19 +54,25 @@ def _commit() -> str:
         return "unknown"
 
 
-def run_checks(device: str, mib: int, rounds: int) -> list[Line]:
-    """Every check in order, each in its own scratch folder; one that raises is a FAIL naming why."""
+def run_checks(device: str, mib: int, rounds: int, only: list[str] | None = None) -> list[Line]:
+    """Every check in order (those named in ``only``, when given), each in its own scratch
+    folder; one that raises is a FAIL naming why."""
     if not torch_dist.is_initialized():
         torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     checks: list[tuple[str, Callable[[Path], Line | list[Line]]]] = [
         ("resume", lambda work: check_resume(device, work)),
         ("resume fsdp2", lambda work: check_resume(device, work, "fsdp2")),
         ("async dump", lambda work: check_async(device, mib, rounds, work)),
-        ("export, dump", lambda work: check_throughput(device, mib, rounds, work)),
+        ("throughput", lambda work: check_throughput(device, mib, rounds, work)),
         ("peer copies", lambda work: check_fill(device, work)),
     ]
+    unknown = set(only or []) - {name for name, _ in checks}
+    if unknown:
+        raise SystemExit(f"gpu-check: no check named {sorted(unknown)}; the checks: {[name for name, _ in checks]}")
     lines: list[Line] = []
     for name, check in checks:
+        if only and name not in only:
+            continue
         work = scratch_folder("gpu-check-")
         try:
             found = check(work)
@@ -91,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         "--rehearse-on-cpu", action="store_true", help="the same checks on CPU tensors (not GPU figures)"
     )
     parser.add_argument("--out", default=None, help="write the lines to this Markdown file (GPU runs only)")
+    parser.add_argument("--only", default=None, help="comma-separated checks to run (default: all)")
     parser.add_argument("--commit", default=None, help="the commit to report (default: git's HEAD, where git is)")
     args = parser.parse_args(argv)
     if not args.rehearse_on_cpu and not torch.cuda.is_available():
@@ -100,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     card = "CPU rehearsal" if device == "cpu" else torch.cuda.get_device_name(0)
     commit = args.commit or _commit()
     print(f"gpu-check on {card}, torch {torch.__version__}, commit {commit}", flush=True)
-    lines = run_checks(device, args.size, args.rounds)
+    lines = run_checks(device, args.size, args.rounds, args.only.split(",") if args.only else None)
     failed = sum(line.verdict == "FAIL" for line in lines)
     summary = f"gpu-check: {sum(line.verdict == 'PASS' for line in lines)} passed, {failed} failed, "
     summary += f"{sum(line.verdict == 'NOT RUN' for line in lines)} not run"
@@ -109,11 +117,21 @@ def main(argv: list[str] | None = None) -> int:
     print(summary, flush=True)
     if args.out and device == "cuda":
         body = "\n".join(f"- `{line}`" for line in lines)
-        Path(args.out).write_text(
-            f"# GPU truth (`make gpu-check`)\n\nRun {datetime.date.today()} on {card}, torch {torch.__version__}, "
-            f"commit {commit}; {args.size} MiB models, {args.rounds} rounds.\n\n{body}\n\n{summary}\n"
-        )
+        run = f"Run {datetime.date.today()} on {card}, torch {torch.__version__}, commit {commit}; "
+        write_results(Path(args.out), f"{run}{args.size} MiB models, {args.rounds} rounds.\n\n{body}\n\n{summary}")
     return 1 if failed else 0
+
+
+def write_results(path: Path, results: str) -> None:
+    """Put ``results`` between the file's RESULTS markers, keeping the text around them (the
+    method, earlier findings); a file without them gets a title, the markers and the results."""
+    text = path.read_text() if path.exists() else ""
+    if RESULTS_BEGIN in text and RESULTS_END in text:
+        before, rest = text.split(RESULTS_BEGIN, 1)
+        after = rest.split(RESULTS_END, 1)[1]
+    else:
+        before, after = (text or "# GPU truth (`make gpu-check`)\n\n"), "\n"
+    path.write_text(f"{before}{RESULTS_BEGIN}\n{results}\n{RESULTS_END}{after}")
 
 
 if __name__ == "__main__":

@@ -38,3 +38,20 @@ def test_the_rehearsal_on_cpu_runs_every_check_and_says_it_is_no_gpu_result(tmp_
     assert "bitwise equal to the run through" in done.stdout
     assert "gpu-check: 6 passed, 0 failed, 0 not run (a rehearsal on CPU: these are not GPU results)" in done.stdout
     assert not (tmp_path / "gpu.md").exists(), "a rehearsal must not write the GPU figures' file"
+
+
+def test_results_replace_the_marked_block_and_keep_the_page_around_it(tmp_path):
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from gpu_check import RESULTS_BEGIN, RESULTS_END, write_results
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    page = tmp_path / "gpu.md"
+    page.write_text(f"# GPU\n\nmethod\n\n{RESULTS_BEGIN}\nthe old run\n{RESULTS_END}\n\nfindings\n")
+    write_results(page, "the new run")
+    assert page.read_text() == f"# GPU\n\nmethod\n\n{RESULTS_BEGIN}\nthe new run\n{RESULTS_END}\n\nfindings\n"
+    fresh = tmp_path / "new.md"
+    write_results(fresh, "first")
+    write_results(fresh, "second")
+    assert fresh.read_text().count(RESULTS_BEGIN) == 1 and "second" in fresh.read_text()
+    assert "first" not in fresh.read_text()

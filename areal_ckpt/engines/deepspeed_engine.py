@@ -114,13 +114,13 @@ class DeepSpeedEngine:
         return specs
 
     def gather_round(self, files: Sequence[Sequence[str]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(name, full CPU tensor)`` for each tensor of ``files[rank]``, in order
+        """Yield ``(name, full tensor)`` for each tensor of ``files[rank]``, in order
         (nothing when ``files`` has no entry for this rank); ``files[i]`` is what rank ``i`` writes.
 
         Collective under ZeRO-3: every rank passes the same ``files`` and exhausts the iterator;
         each step all-gathers one parameter of every file in turn (DeepSpeed's way) and ranks
-        that do not write it drop it at once. Local, and without copies of CPU tensors, under
-        ZeRO 0-2. CheckpointError on every rank for expert-parallel MoE layers, whose experts no
+        that do not write it drop it at once (a CPU copy: DeepSpeed frees the gathered one). Local,
+        and without copies, under ZeRO 0-2 (then on the model's device). CheckpointError on every rank for expert-parallel MoE layers, whose experts no
         rank holds all of (dumps and save_checkpoint store every expert).
         """
         if self._experts:

@@ -80,8 +80,10 @@ def _start_step(names: Sequence[str | None], state: dict[str, torch.Tensor], tag
 def round_of_files(
     files: Sequence[Sequence[str]], state: dict[str, torch.Tensor]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, full CPU tensor)`` for each name of ``files[rank]`` (nothing when there is
-    no such entry), in order, taking ``state``'s tensors by name.
+    """Yield ``(name, full tensor)`` for each name of ``files[rank]`` (nothing when there is
+    no such entry), in order, taking ``state``'s tensors by name. Each stays on its device (a
+    caller copies it once, to where it goes: a pinned arena or a file) and is valid until the
+    next item is taken.
 
     ``files[i]`` lists the tensors rank ``i`` writes. Collective when ``state`` holds DTensors:
     every rank passes the same ``files`` and exhausts the iterator; step ``k`` makes tensor
@@ -101,7 +103,7 @@ def round_of_files(
 def _handed_out(step: _Step) -> Iterator[tuple[str, torch.Tensor]]:
     step.wait()
     if step.name is not None and step.tensor is not None:
-        yield step.name, step.tensor.detach().cpu()
+        yield step.name, step.tensor.detach()
 
 
 def _sharded_by_rows(tensor: DTensor, owner: int) -> bool:

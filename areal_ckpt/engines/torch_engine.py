@@ -108,13 +108,13 @@ class TorchEngine:
         ]
 
     def gather_round(self, files: Sequence[Sequence[str]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(name, full CPU tensor)`` for each tensor of ``files[rank]``, in order
-        (nothing when ``files`` has no entry for this rank); ``files[i]`` is what rank ``i`` writes.
+        """Yield ``(name, full tensor, on the model's device)`` for each tensor of ``files[rank]``,
+        in order (nothing when ``files`` has no entry for this rank); ``files[i]`` is what rank
+        ``i`` writes.
 
         Collective when :attr:`is_sharded`: every rank passes the same ``files`` and exhausts
         the iterator; each step makes one tensor of every file whole on its owner alone (see
-        :mod:`areal_ckpt.engines.gather`). Local otherwise, and then no tensor is copied unless
-        it lives off the CPU.
+        :mod:`areal_ckpt.engines.gather`). Local otherwise, and then no tensor is copied.
         """
         return round_of_files(files, self._export_state())
 

@@ -33,8 +33,9 @@ class TensorSource(Protocol):
     """Full tensors by name, the way shard files are written from them.
 
     ``gather_round(files)`` takes one round of files, ``files[i]`` the tensor names rank ``i``
-    writes, and yields ``(name, full CPU tensor)`` for this rank's entry, in order (nothing when
-    the round has none for it). A sharded source makes each tensor whole on its owner alone, so
+    writes, and yields ``(name, full tensor)`` for this rank's entry, in order (nothing when
+    the round has none for it); a tensor may be on an accelerator (copied to host memory once,
+    where it is written) and is valid until the next one is taken. A sharded source makes each tensor whole on its owner alone, so
     the network carries it once, not once per rank; its steps are collective, so every rank
     passes the same ``files`` and exhausts the iterator.
     """
@@ -118,7 +119,7 @@ def write_rank_shards(
                 records[file_name] = write_safetensors(
                     folder / file_name,
                     [plan.specs[name] for name in plan.files[file_name]],
-                    ((plan.specs[name].name, _to_dtype(tensor, dtype)) for name, tensor in tensors),
+                    ((plan.specs[name].name, _to_dtype(tensor, dtype).cpu()) for name, tensor in tensors),
                     durable=durable,
                     writer=None if open_writer is None else open_writer(file_name),
                 )

@@ -19,6 +19,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from areal_ckpt.errors import CheckpointError
 
 _SHOWN = 5
+_REMEMBERED = 16  # model configs whose loadable names are kept (a run exports one or a few)
+_LOADABLE: dict[tuple[str, str], tuple[frozenset[str], frozenset[str]]] = {}
 
 
 def architecture_of(config: Any) -> str:
@@ -34,13 +36,21 @@ def architecture_of(config: Any) -> str:
 def loadable_names(config: Any, architecture: str) -> tuple[set[str], set[str]] | None:
     """(the names ``from_pretrained`` of ``architecture`` loads for ``config``, the tied ones among
     them that an export may leave out), or None when ``architecture`` is no transformers model
-    class. Local; builds the model on the meta device."""
+    class. Local; builds the model on the meta device once per (architecture, config as JSON):
+    every export of a run asks again, and the build costs tens of milliseconds of the loop."""
     cls = getattr(transformers, architecture, None)
     if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
         return None
-    with torch.device("meta"):
-        model = cls._from_config(config)
-    return set(model.state_dict()), set(getattr(model, "all_tied_weights_keys", None) or {})
+    key = (architecture, config.to_json_string(use_diff=False))
+    if key not in _LOADABLE:
+        with torch.device("meta"):
+            model = cls._from_config(config)
+        if len(_LOADABLE) >= _REMEMBERED:
+            _LOADABLE.clear()
+        tied = getattr(model, "all_tied_weights_keys", None) or {}
+        _LOADABLE[key] = (frozenset(model.state_dict()), frozenset(tied))
+    names, tied_names = _LOADABLE[key]
+    return set(names), set(tied_names)
 
 
 def check_loadable(config: Any, architecture: str, names: Iterable[str], where: str) -> None:
