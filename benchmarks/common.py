@@ -29,8 +29,10 @@ def scratch_folder(prefix: str) -> Path:
 
 
 def model_of_size(mib: int, dtype: torch.dtype) -> Qwen2ForCausalLM:
-    """A Qwen2 whose fp32 state is about ``mib`` MiB (hidden 1024, vocab 8192, as many layers as fit)."""
-    hidden, inter, vocab = 1024, 2816, 8192
+    """A Qwen2 whose fp32 state is about ``mib`` MiB (hidden 1024, vocab 8192, as many layers as
+    fit); below 96 MiB, whose embeddings alone would pass it, hidden 256 and vocab 2048 (a quick
+    rehearsal's model)."""
+    hidden, inter, vocab = (1024, 2816, 8192) if mib >= 96 else (256, 704, 2048)
     per_layer = (4 * hidden * hidden // 2 + 3 * hidden * inter + 4 * hidden) * 4  # GQA halves k/v
     layers = max(1, round((mib * 2**20 - 2 * vocab * hidden * 4) / per_layer))
     config = Qwen2Config(
