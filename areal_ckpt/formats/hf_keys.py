@@ -43,14 +43,17 @@ def loadable_names(config: Any, architecture: str) -> tuple[set[str], set[str]] 
         return None
     key = (architecture, config.to_json_string(use_diff=False))
     if key not in _LOADABLE:
-        with torch.device("meta"):
-            model = cls._from_config(config)
         if len(_LOADABLE) >= _REMEMBERED:
             _LOADABLE.clear()
-        tied = getattr(model, "all_tied_weights_keys", None) or {}
-        _LOADABLE[key] = (frozenset(model.state_dict()), frozenset(tied))
-    names, tied_names = _LOADABLE[key]
-    return set(names), set(tied_names)
+        _LOADABLE[key] = _built_names(cls, config)
+    names, tied = _LOADABLE[key]
+    return set(names), set(tied)
+
+
+def _built_names(cls: type[Any], config: Any) -> tuple[frozenset[str], frozenset[str]]:
+    with torch.device("meta"):
+        model = cls._from_config(config)
+    return frozenset(model.state_dict()), frozenset(getattr(model, "all_tied_weights_keys", None) or {})
 
 
 def check_loadable(config: Any, architecture: str, names: Iterable[str], where: str) -> None:
