@@ -119,9 +119,10 @@ class DeepSpeedEngine:
 
         Collective under ZeRO-3: every rank passes the same ``files`` and exhausts the iterator;
         each step all-gathers one parameter of every file in turn (DeepSpeed's way) and ranks
-        that do not write it drop it at once (a CPU copy: DeepSpeed frees the gathered one). Local,
-        and without copies, under ZeRO 0-2 (then on the model's device). CheckpointError on every rank for expert-parallel MoE layers, whose experts no
-        rank holds all of (dumps and save_checkpoint store every expert).
+        that do not write it drop it at once (a CPU copy: DeepSpeed frees the gathered one).
+        Local, and without copies, under ZeRO 0-2 (then on the model's device). CheckpointError
+        on every rank for expert-parallel MoE layers, whose experts no rank holds all of (dumps
+        and save_checkpoint store every expert).
         """
         if self._experts:
             raise CheckpointError(

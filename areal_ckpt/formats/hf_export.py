@@ -35,9 +35,9 @@ class TensorSource(Protocol):
     ``gather_round(files)`` takes one round of files, ``files[i]`` the tensor names rank ``i``
     writes, and yields ``(name, full tensor)`` for this rank's entry, in order (nothing when
     the round has none for it); a tensor may be on an accelerator (copied to host memory once,
-    where it is written) and is valid until the next one is taken. A sharded source makes each tensor whole on its owner alone, so
-    the network carries it once, not once per rank; its steps are collective, so every rank
-    passes the same ``files`` and exhausts the iterator.
+    where it is written) and is valid until the next one is taken. A sharded source makes each
+    tensor whole on its owner alone, so the network carries it once, not once per rank; its
+    steps are collective, so every rank passes the same ``files`` and exhausts the iterator.
     """
 
     def gather_round(self, files: Sequence[Sequence[str]]) -> Iterator[tuple[str, torch.Tensor]]: ...

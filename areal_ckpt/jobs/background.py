@@ -306,10 +306,9 @@ def _serve(
     package_logger = logging.getLogger("areal_ckpt")
     package_logger.addHandler(handler)
     package_logger.setLevel(log_level)
-    # Always a group of its own: a DTensor's mesh needs a default group, and without one torch
-    # would rendezvous on the job's MASTER_ADDR/MASTER_PORT (taken: EADDRINUSE) for a 1-rank job
-    store = _writers_store(meeting, rank, world) if world > 1 else torch.distributed.HashStore()
-    torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    if world > 1:
+        store = _writers_store(meeting, rank, world)
+        torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world)
     buffer: torch.Tensor | None = None
     staged = StagedTensors()
     while True:

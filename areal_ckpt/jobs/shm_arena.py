@@ -227,5 +227,9 @@ class StagedTensors:
     def _mesh(self, ranks: list[Any]) -> DeviceMesh:
         key = repr(ranks)
         if key not in self._meshes:
+            if not torch.distributed.is_initialized():
+                # a one-rank job's writer has no group, and a mesh needs one: a group of its own
+                # (in memory), never torch's rendezvous on the job's MASTER_PORT (EADDRINUSE)
+                torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
             self._meshes[key] = DeviceMesh("cpu", ranks)
         return self._meshes[key]
