@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 import threading
@@ -231,7 +232,10 @@ def test_two_nodes_whose_uploads_never_went_through_resume_bit_exact_from_their_
     server, out, local = own_object_server, tmp_path / "out", tmp_path / "local"
     root = f"{server.scheme}://tiered-nodes/root"
     server.make_bucket("tiered-nodes")
-    tiered = ["--local-dir", str(local), "--environment", json.dumps(server.environment())]
+    # the jobs' processes come from a fork server older than this test's environment: the server's
+    # variables and the short request timeout the fixture sets here go with them
+    environment = {**server.environment(), "AREAL_CKPT_STORAGE_TIMEOUT": os.environ["AREAL_CKPT_STORAGE_TIMEOUT"]}
+    tiered = ["--local-dir", str(local), "--environment", json.dumps(environment)]
     held = tmp_path / "held"
     held.mkdir()
 
