@@ -5,12 +5,15 @@ Every other figure and test runs on CPU. This script runs, on the first CUDA dev
 - `resume`: a training job (tests/recover_job.py, dropout drawing from the CUDA generator,
   deterministic kernels, async dumps staged from the GPU) killed by SIGKILL after a dump and
   restarted ends bitwise equal to the same job run through, every loss equal;
+- `resume fsdp2`: the same with the model sharded by FSDP2 in a one-rank group (NCCL on CUDA);
 - `async dump`: the seconds our async dump blocks the loop, against one device-to-host copy of
   the same state into pinned memory and against `dcp.async_save` (process checkpointer, its
-  pinned shared-memory `DefaultStager` reused; blocking until its staging completed), then the
-  dump loaded into a fresh model and compared bitwise;
-- `export`, `dump`: a bf16 HF export and an fp32 + AdamW recovery dump of GPU tensors, in GB/s,
-  against writing the same bytes from host memory to one file (buffered) and fsyncing it;
+  pinned shared-memory `DefaultStager`, reused where torch allows; blocking until its staging
+  completed), then the dump loaded into a fresh model and compared bitwise;
+- `throughput` (lines `export`, `dump`): a bf16 HF export through an async Saver, timed until
+  durable and the last one loaded back with `from_pretrained` bitwise, and an fp32 + AdamW
+  recovery dump, of GPU tensors, in GB/s, against writing the same bytes from host memory to
+  one file (buffered) and fsyncing it;
 - `peer copies over NCCL`: two processes as two nodes (FSDP2, a tiered trial with
   `local_replicas: 1`), node 1's local tier deleted, the restart assembled from node 0's
   copies over NCCL and compared bitwise. NCCL refuses two ranks on one GPU: on a machine with
@@ -20,8 +23,8 @@ Each check prints `PASS`, `FAIL` or `NOT RUN`, what ran and its figures. Exit st
 check failed, 1 when one did, 2 without a CUDA device (nothing is checked; never a silent
 pass). `--rehearse-on-cpu` runs the same checks on CPU tensors and gloo, to test this script
 where there is no GPU (the suite does: tests/test_gpu_check.py); its figures are not GPU figures
-and it says so. `--out` writes the lines, the date, the card and the commit to a Markdown file
-(GPU runs only).
+and it says so. `--out` puts the lines, the date, the card and the commit between the result
+markers of a Markdown file, keeping the rest (GPU runs only); `--only` runs the named checks.
 
     python benchmarks/gpu_check.py --out docs/benchmarks-gpu.md
 """
