@@ -218,13 +218,18 @@ def send_bytes(data: torch.Tensor, dst: int) -> None:
 
 
 @_collective
-def receive_bytes(length: int, src: int) -> torch.Tensor:
-    """Pairwise: the ``length`` bytes rank ``src`` sends with :func:`send_bytes`, as a fresh
-    uint8 CPU tensor; blocking."""
-    buffer = torch.empty(length, dtype=torch.uint8, device=_flag_device())
-    _count(0, length)
-    torch_dist.recv(buffer, src=src)
-    return buffer.cpu()
+def receive_bytes(into: torch.Tensor, src: int) -> None:
+    """Pairwise: fill ``into`` (a contiguous uint8 CPU tensor, which a caller may reuse from
+    message to message) with the bytes rank ``src`` sends with :func:`send_bytes`; blocking.
+    Through the accelerator when the backend needs it (NCCL)."""
+    device = _flag_device()
+    _count(0, into.numel())
+    if device.type == "cpu":
+        torch_dist.recv(into, src=src)
+        return
+    arrived = torch.empty(into.numel(), dtype=torch.uint8, device=device)
+    torch_dist.recv(arrived, src=src)
+    into.copy_(arrived)
 
 
 @_collective

@@ -138,6 +138,11 @@ class ChecksummedWriter:
                 start_writeback(self._fd, self._handed_to_disk, self._size - self._handed_to_disk)
                 self._handed_to_disk = self._size
 
+    def wait_checksummed(self) -> None:
+        """Block until every byte written so far is checksummed; the buffers they came from may
+        change after it returns."""
+        self._crc.value()
+
     def close(self) -> FileRecord:
         """fsync (when durable) and close the file; returns its record."""
         try:

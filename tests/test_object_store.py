@@ -5,6 +5,7 @@ winner, ranged and whole reads, listings, deletion, and errors that name the URL
 from __future__ import annotations
 
 import os
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -178,6 +179,10 @@ def test_a_server_that_stops_answering_is_an_error_after_bounded_logged_waits(
         store_of(url).check_access()
     retries = [r for r in caplog.records if r.levelname == "WARNING" and r.name.startswith("areal_ckpt.storage")]
     assert len(retries) >= 2  # every wait before another try was logged
+    if scheme == "s3":  # each attempt is logged as "N of M", botocore making exactly M
+        counted = [re.search(r"attempt (\d+) of (\d+) failed", record.getMessage()) for record in retries]
+        numbers = [(int(found[1]), int(found[2])) for found in counted if found]
+        assert [number for number, _ in numbers] == list(range(1, numbers[0][1] + 1))
 
 
 def test_a_timeout_that_is_not_a_positive_number_is_a_config_error_naming_the_variable(monkeypatch):

@@ -140,11 +140,19 @@ def test_uploads_wait_out_a_stopped_server_and_a_restart_without_it_resumes_loca
     fresh = make_setup(seed=1)
     with caplog.at_level(logging.WARNING):
         loader = ac.RecoverHandler(config, SPEC)
+        waits = len(storage_warnings(caplog))  # the start's access check waited out the client's retries
+        assert waits >= 1
         assert loader.load(fresh.engine).last_step_info.global_step == 3
+    assert len(storage_warnings(caplog)) == waits  # the load took the start's answer: no second wait
     assert f"cannot reach {bucket}/" in caplog.text and "resuming from the local tier" in caplog.text
     assert_same_weights(setup.model, fresh.model)
     server.start()
     loader.close()
+
+
+def storage_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    """The waits on a store logged so far (each client logs every failed attempt)."""
+    return [record for record in caplog.records if record.name.startswith("areal_ckpt.storage")]
 
 
 def test_a_dump_whose_requests_are_retried_leaves_the_loops_python_random_stream_alone(own_object_server, tmp_path):

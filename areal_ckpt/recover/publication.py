@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
 
@@ -225,17 +225,21 @@ class PublishedInBackground:
     behind: PersistentGenerations
     copies: int = 0
     upload_every: int = 1
+    unanswered: list[str] = field(default_factory=list, compare=False)  # why ``behind`` did not answer :meth:`start`
 
     def start(self, store: RecoverStore) -> None:
         """Every rank claims its local tier for ``behind``; rank 0 checks ``behind`` answers,
-        and when it does not the dumps go on committing locally (logged)."""
+        and when it does not the dumps go on committing locally (logged), and the load that
+        follows does not ask it again (:meth:`restore`)."""
         agree.on_every_rank(
             lambda: store.claim_local_tier(self.behind.where()), "RecoverHandler: cannot use the local tier"
         )
+        self.unanswered.clear()
         try:
             agree.decided_by_rank0(self.behind.check_access, f"RecoverHandler: cannot use {self.behind.where()}")
         except CheckpointError as error:
             logger.warning("%s; dumps commit to the local tier %s until it answers", error, store.trial)
+            self.unanswered.append(str(error))
 
     def before_dump(self, run: str, loaded: list[str], first: bool) -> None:
         """The job's first dump only: the owner check, going on (logged) when ``behind`` does
@@ -252,8 +256,11 @@ class PublishedInBackground:
         return Uploads(store, self.behind, run, retries, self.copies, self.upload_every)
 
     def restore(self, store: RecoverStore, restore: Callable[[bool], T | None]) -> tuple[T | None, TierChoice | None]:
-        """The tier choice (:func:`~areal_ckpt.recover.tiers.restore_from_tiers`)."""
-        return restore_from_tiers(store, self.behind, restore)
+        """The tier choice (:func:`~areal_ckpt.recover.tiers.restore_from_tiers`); the first
+        after a :meth:`start` that found ``behind`` silent takes that as its answer (asking
+        again would wait out the storage client's retries twice before resuming locally)."""
+        unanswered = self.unanswered.pop() if self.unanswered else None
+        return restore_from_tiers(store, self.behind, restore, unanswered)
 
     def source(self, local: bool) -> PersistentGenerations | None:
         """None when resuming from the local tier, else ``behind``."""

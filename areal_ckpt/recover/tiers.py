@@ -61,10 +61,12 @@ class TierChoice:
     partial: bool = False  # set once loaded: some node holds only what its ranks read of it
 
 
-def choose_tier(store: RecoverStore, behind: PersistentGenerations) -> TierChoice:
+def choose_tier(store: RecoverStore, behind: PersistentGenerations, unanswered: str | None = None) -> TierChoice:
     """Decide where the tiered trial ``store`` (persisting ``behind``) resumes from (see the
     module docstring). Collective: the lowest rank of each node reads its node's local tier,
-    rank 0 also the persistent tier, and decides. Raises CheckpointError on every rank when
+    rank 0 also the persistent tier (unless ``unanswered`` says why it did not answer a moment
+    ago: then it is not asked again, which would wait out the storage client's retries a second
+    time), and decides. Raises CheckpointError on every rank when
     neither tier can serve every rank although a checkpoint exists, or the trial holds AReaL's
     folders. Nothing is deleted here (the load removes debris once the choice is made); a local
     tier whose commit record is broken counts as empty, with a warning naming the cause."""
@@ -86,16 +88,20 @@ def choose_tier(store: RecoverStore, behind: PersistentGenerations) -> TierChoic
     return agree.gathered_then_decided(
         own_local,
         lambda held: _decide(
-            store, behind, {rank: holdings for rank, holdings in enumerate(held) if holdings is not None}
+            store, behind, {rank: holdings for rank, holdings in enumerate(held) if holdings is not None}, unanswered
         ),
         f"{store.root}: cannot choose a tier to resume from",
     )
 
 
 def restore_from_tiers(
-    store: RecoverStore, behind: PersistentGenerations, restore: Callable[[bool], T | None]
+    store: RecoverStore,
+    behind: PersistentGenerations,
+    restore: Callable[[bool], T | None],
+    unanswered: str | None = None,
 ) -> tuple[T | None, TierChoice]:
-    """Resume the tiered trial ``store`` (persisting ``behind``): :func:`choose_tier`, then
+    """Resume the tiered trial ``store`` (persisting ``behind``): :func:`choose_tier` (told
+    ``unanswered``), then
     ``restore(local)`` (a collective load from the local tiers, once the chosen generation was
     assembled on them, or from the persistent tier, returning None when there is nothing to
     load). Each node first receives only what its ranks read; when assembling or loading fails
@@ -103,7 +109,7 @@ def restore_from_tiers(
     too (a file damaged, a copy that fails its check) and the persistent tier holds a
     generation, every rank loads that one instead, with a warning naming the failure.
     Collective; returns what ``restore`` returned and the choice it followed."""
-    choice = choose_tier(store, behind)
+    choice = choose_tier(store, behind, unanswered)
     if not choice.local:
         return restore(False), choice
     failure: CheckpointError | None = None
@@ -138,14 +144,20 @@ def restore_from_tiers(
     return restore(False), dataclasses.replace(choice, local=False)
 
 
-def _decide(store: RecoverStore, behind: PersistentGenerations, held: dict[int, dict[str, Holding]]) -> TierChoice:
+def _decide(
+    store: RecoverStore, behind: PersistentGenerations, held: dict[int, dict[str, Holding]], unanswered: str | None
+) -> TierChoice:
     """Rank 0: the decision, from what each node's local tier holds (``held``, by the node's
-    lowest rank)."""
+    lowest rank) and the persistent tier's newest (not asked when ``unanswered``)."""
     found = assemblies(held)
     whole = next((entry for entry in found if entry.whole), None)
-    try:
-        newest = behind.newest()
-    except CheckpointError as error:
+    newest, error = None, unanswered
+    if error is None:
+        try:
+            newest = behind.newest()
+        except CheckpointError as failure:
+            error = str(failure)
+    if error is not None:
         if whole is not None:
             logger.warning(
                 "cannot reach %s (%s): resuming from the local tier's %s; it is uploaded once it answers",

@@ -5,7 +5,8 @@ holds them; peer copies).
 A transfer sends one file, whole, from rank ``source`` to rank ``target`` in
 :data:`TRANSFER_CHUNK` messages (:func:`~areal_ckpt.dist.send_bytes`: through the GPU under
 NCCL). The sender reads the next message from disk while one crosses; the receiver writes one
-while the next arrives, into a new file beside its place that takes its name only once its size
+while the next arrives (each side into the other of two buffers it reuses for all its
+transfers: a fresh buffer per message halves the rate of gloo on loopback), into a new file beside its place that takes its name only once its size
 and CRC-32 match what the transfer says (never through a link), durably: a crash at any instant
 leaves whole files. Which files go where is the caller's plan; every function here is local to
 the pair of ranks a transfer names.
@@ -66,12 +67,14 @@ def run_transfers(folder: Path, transfers: list[Transfer]) -> int:
     failure once all are done; returns the bytes received."""
     received = 0
     failure: BaseException | None = None
+    largest = max((move.size for move in transfers), default=0)
+    buffers = [torch.empty(min(TRANSFER_CHUNK, largest), dtype=torch.uint8) for _ in range(2)]
     for move in transfers:
         try:
             if move.source == dist.rank():
-                _send(folder, move)
+                _send(folder, move, buffers)
             else:
-                _receive(folder, move)
+                _receive(folder, move, buffers)
                 received += move.size
         except (OSError, CheckpointError) as error:
             failure = failure or error
@@ -80,18 +83,22 @@ def run_transfers(folder: Path, transfers: list[Transfer]) -> int:
     return received
 
 
-def _send(folder: Path, move: Transfer) -> None:
+def _pieces(size: int) -> list[tuple[int, int]]:
+    """(offset, length) of each message of a ``size``-byte file."""
+    return [(offset, min(TRANSFER_CHUNK, size - offset)) for offset in range(0, size, TRANSFER_CHUNK)]
+
+
+def _send(folder: Path, move: Transfer, buffers: list[torch.Tensor]) -> None:
     """Send ``move``'s file in :data:`TRANSFER_CHUNK` messages, the next one read from disk (on
-    a helper thread, into the other of two reused buffers) while this one is sent; after a read
-    error the rest goes as zeros (the receiver's check refuses it) and the error is raised at
-    the end."""
+    a helper thread, into the other of the two ``buffers``) while this one is sent; after a
+    read error the rest goes as zeros (the receiver's check refuses it) and the error is raised
+    at the end."""
     failure: OSError | None = None
     try:
         source: BinaryIO | None = open_regular_file(folder / move.name)
     except OSError as error:
         source, failure = None, error
-    pieces = [(offset, min(TRANSFER_CHUNK, move.size - offset)) for offset in range(0, move.size, TRANSFER_CHUNK)]
-    buffers = [torch.empty(min(TRANSFER_CHUNK, move.size), dtype=torch.uint8) for _ in range(min(2, len(pieces)))]
+    pieces = _pieces(move.size)
 
     def read(index: int, broken: bool) -> OSError | None:
         piece = buffers[index % 2][: pieces[index][1]]
@@ -130,11 +137,12 @@ def _send(folder: Path, move: Transfer) -> None:
         raise CheckpointError(f"{folder / move.name}: cannot send it to rank {move.target}: {failure}")
 
 
-def _receive(folder: Path, move: Transfer) -> None:
+def _receive(folder: Path, move: Transfer, buffers: list[torch.Tensor]) -> None:
     """Receive ``move``'s file into a new file beside its place, each message written (on a
-    helper thread) while the next one arrives, then give it its name (never through a link)
-    once its size and CRC-32 match the manifest; durable. After a write error the rest is
-    received and dropped, and the error is raised at the end."""
+    helper thread, from one of the two ``buffers``) while the next one arrives in the other,
+    then give it its name (never through a link) once its size and CRC-32 match the manifest;
+    durable. After a write error the rest is received and dropped, and the error is raised at
+    the end."""
     path = folder / move.name
     link = link_on_path(path, folder)
     temporary = path.with_name(f".{path.name}.{secrets.token_hex(4)}.part")
@@ -152,13 +160,15 @@ def _receive(folder: Path, move: Transfer) -> None:
         try:
             assert writer is not None
             writer.write(chunk.numpy().data)
+            writer.wait_checksummed()  # its buffer is received into again next but one message
             return None
         except OSError as error:
             return error
 
     written: Future[OSError | None] | None = None
-    for offset in range(0, move.size, TRANSFER_CHUNK):
-        chunk = dist.receive_bytes(min(TRANSFER_CHUNK, move.size - offset), move.source)
+    for index, (_, length) in enumerate(_pieces(move.size)):
+        chunk = buffers[index % 2][:length]
+        dist.receive_bytes(chunk, move.source)
         if written is not None:
             failure = failure or written.result()
         written = helper_threads("transfer-write", 1).submit(write, chunk) if writer and failure is None else None

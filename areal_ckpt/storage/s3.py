@@ -50,7 +50,7 @@ class S3Store:
         settings = botocore.config.Config(
             connect_timeout=10,
             read_timeout=request_timeout(),
-            retries={"mode": "standard", "max_attempts": _ATTEMPTS},
+            retries={"mode": "standard", "total_max_attempts": _ATTEMPTS},
             max_pool_connections=2 * PART_WORKERS,
         )
         self._client = session.client("s3", region_name=region, config=settings)
