@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import resource
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -318,3 +319,36 @@ def test_the_superseded_dump_is_deleted_off_the_callers_thread_after_the_commit(
     assert committed_then == newest.name  # the newer dump was committed before anything was deleted
     store = trial_dir(fileroot) / ".recover"
     assert sorted(p.name for p in store.iterdir() if p.name.startswith((".trash", "gen-"))) == [newest.name]
+
+
+def test_the_debris_a_load_finds_is_deleted_on_the_deletion_thread_while_it_loads_and_gone_when_it_returns(
+    fileroot, monkeypatch
+):
+    from areal_ckpt.recover import tidy
+
+    setup = make_setup()
+    handler = ac.RecoverHandler(recover_config(fileroot), SPEC)
+    train_step(setup, 1)
+    handler.dump(setup.engine, step_info(1), force=True)
+    handler.close()
+    newest = committed_generation(fileroot)
+    older = newest.parent / "gen-00000000-0123abcd"  # what a crash between a commit and its tidy leaves
+    shutil.copytree(newest, older)
+    swept: list[tuple[list[str], str]] = []  # (hidden generations seen, thread)
+    real_sweep = tidy._sweep_trash
+
+    def recording_sweep(root: Path) -> None:
+        swept.append((sorted(p.name for p in root.iterdir()), threading.current_thread().name))
+        real_sweep(root)
+
+    monkeypatch.setattr(tidy, "_sweep_trash", recording_sweep)
+    fresh = make_setup(seed=1)
+    loader = ac.RecoverHandler(recover_config(fileroot), SPEC)
+    assert loader.load(fresh.engine).last_step_info.global_step == 1
+    assert any(f".trash-{older.name}" in names and thread.startswith("areal_ckpt-trash") for names, thread in swept), (
+        swept
+    )
+    store = newest.parent  # gone once the load returned, without close
+    assert sorted(p.name for p in store.iterdir() if p.name.startswith((".trash", "gen-"))) == [newest.name]
+    assert torch.equal(fresh.model.lm_head.weight, setup.model.lm_head.weight)
+    loader.close()

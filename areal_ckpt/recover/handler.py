@@ -322,7 +322,10 @@ class RecoverHandler:
             return found, manifest, info
 
         with python_random_kept():  # a request retried meanwhile draws from it; restored below when loaded
-            restored, choice = self.publication.restore(self.store, restore)
+            try:
+                restored, choice = self.publication.restore(self.store, restore)
+            finally:
+                wait_for_deletions()  # the debris rank 0 hid before loading, deleted while the engines loaded
         if restored is None:
             return None
         found, manifest, info = restored
@@ -346,7 +349,7 @@ class RecoverHandler:
                 self._fingerprints[name] = engines[name].fingerprint()
             if any(file.startswith(f"{frozen_part(name)}/") for file in manifest["files"]):
                 self._fingerprints[frozen_part(name)] = part_fingerprint(engines[name])  # as loaded: linked next
-        self._tidied = True  # find_committed removed the debris
+        self._tidied = True  # find_committed removed the debris (waited for above)
         self.last_step_info = info.last_step_info
         if info.rng_state is not None:
             restore_rng_state(info.rng_state)

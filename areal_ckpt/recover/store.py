@@ -42,7 +42,7 @@ from areal_ckpt.paths import (
 )
 from areal_ckpt.publish import check_files, hide_folder, read_manifest, switch_symlink, write_manifest
 from areal_ckpt.recover.foreign import refuse_foreign_layout
-from areal_ckpt.recover.tidy import remove_trash, sweep_trash_later, wait_for_deletions
+from areal_ckpt.recover.tidy import sweep_trash_later, wait_for_deletions
 from areal_ckpt.storage.retention import Committed, KeepNewest, doomed_by
 
 logger = logging.getLogger(__name__)
@@ -331,17 +331,20 @@ class RecoverStore:
                 )
         return [name for name in names if name not in complete or name in doomed]
 
-    def remove_debris(self, keep: str | None) -> list[str]:
-        """Delete the generations ``keep`` supersedes (see :meth:`_superseded`), hidden ones and
-        stray pointer links; returns the generations deleted. Rank 0 only, while no rank writes
-        (this process's own deletions are waited for)."""
+    def remove_debris(self, keep: str | None, wait: bool = True) -> list[str]:
+        """Remove the generations ``keep`` supersedes (see :meth:`_superseded`) and stray
+        pointer links; returns the generations removed. Each is hidden at once (one durable
+        rename); it and the hidden ones earlier commits left are deleted on this process's
+        deletion thread, before this returns with ``wait``, else while the caller goes on
+        (a load reads meanwhile; :func:`~areal_ckpt.recover.tidy.wait_for_deletions` waits for
+        it; a crash leaves them hidden for the next call). Rank 0 only, while no rank writes
+        (this process's own deletions are waited for first)."""
         wait_for_deletions()
         if not self.root.is_dir() or self.root.is_symlink():
             return []
         removed = self._superseded(keep)
         for name in removed:
-            shutil.rmtree(self.path(name))
-        remove_trash(self.root)
+            hide_folder(self.path(name), self.root / f"{RECOVER_TRASH_PREFIX}{name}")
         for entry in self.root.iterdir():
             if entry.name.startswith(f".{RECOVER_CURRENT}.") and entry.is_symlink():
                 entry.unlink()
@@ -349,8 +352,10 @@ class RecoverStore:
                 pending = entry.name[len(PENDING_PREFIX) :]
                 if pending == keep or not (self.root / pending).is_dir():  # committed after all, or removed
                     entry.unlink()
-        if removed:
-            fsync_dir(self.root)
+        fsync_dir(self.root)
+        sweep_trash_later(self.root)
+        if wait:
+            wait_for_deletions()
         return removed
 
     def discard(self, generation: str) -> None:
@@ -359,12 +364,13 @@ class RecoverStore:
 
 
 def find_committed(store: RecoverStore) -> str | None:
-    """Rank 0 at start: the committed generation (None if none) after deleting the debris of
-    interrupted dumps. Local. Raises CheckpointError, deleting nothing, when the commit record
-    is broken or the trial holds AReaL's own recovery folders."""
+    """Rank 0 at start: the committed generation (None if none) once the debris of interrupted
+    dumps is hidden; it is deleted while the load reads (:meth:`RecoverStore.remove_debris`,
+    which the load waits for before it returns). Local. Raises CheckpointError, deleting
+    nothing, when the commit record is broken or the trial holds AReaL's own recovery folders."""
     refuse_foreign_layout(store.trial)
     committed = store.committed()
-    removed = store.remove_debris(keep=committed)
+    removed = store.remove_debris(keep=committed, wait=False)
     if removed:
         logger.warning(
             "removed recovery generations older than the committed %s or never committed: %s", committed, removed
