@@ -179,8 +179,9 @@ def test_a_server_that_stops_answering_is_an_error_after_bounded_logged_waits(
         store_of(url).check_access()
     retries = [r for r in caplog.records if r.levelname == "WARNING" and r.name.startswith("areal_ckpt.storage")]
     assert len(retries) >= 2  # every wait before another try was logged
-    if scheme == "s3":  # each attempt is logged as "N of M", botocore making exactly M
-        counted = [re.search(r"attempt (\d+) of (\d+) failed", record.getMessage()) for record in retries]
+    counting = {"s3": r"attempt (\d+) of (\d+) failed", "az": r"try (\d+) of (\d+) more"}.get(scheme)
+    if counting is not None:  # each try is logged as "N of M", and the client makes exactly the M it says
+        counted = [re.search(counting, record.getMessage()) for record in retries]
         numbers = [(int(found[1]), int(found[2])) for found in counted if found]
         assert [number for number, _ in numbers] == list(range(1, numbers[0][1] + 1))
 

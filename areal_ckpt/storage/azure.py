@@ -67,7 +67,15 @@ def _settings() -> dict[str, Any]:
     return {
         "connection_timeout": 10,
         "read_timeout": timeout,
-        "retry_policy": _LoggedRetry(scale, initial_backoff=1, increment_base=2, retry_total=_RETRIES),
+        "retry_policy": _LoggedRetry(  # each kind of failure gets them all (the SDK's default: 3 each)
+            scale,
+            initial_backoff=1,
+            increment_base=2,
+            retry_total=_RETRIES,
+            retry_connect=_RETRIES,
+            retry_read=_RETRIES,
+            retry_status=_RETRIES,
+        ),
     }
 
 
