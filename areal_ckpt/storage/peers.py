@@ -6,9 +6,9 @@ A transfer sends one file, whole, from rank ``source`` to rank ``target`` in
 :data:`TRANSFER_CHUNK` messages (:func:`~areal_ckpt.dist.send_bytes`: through the GPU under
 NCCL). The sender reads the next message from disk while one crosses; the receiver writes one
 while the next arrives (each side into the other of two buffers it reuses for all its
-transfers: a fresh buffer per message halves the rate of gloo on loopback), into a new file beside its place that takes its name only once its size
-and CRC-32 match what the transfer says (never through a link), durably: a crash at any instant
-leaves whole files. Which files go where is the caller's plan; every function here is local to
+transfers: a fresh buffer per message halves the rate of gloo on loopback), into a new file
+beside its place that takes its name only once its size and CRC-32 match what the transfer says
+(never through a link), durably: a crash at any instant leaves whole files. Which files go where is the caller's plan; every function here is local to
 the pair of ranks a transfer names.
 """
 
