@@ -86,6 +86,12 @@ class ObjectURL:
         """The URL of a prefix below this one."""
         return ObjectURL(self.scheme, self.bucket, self.key(*parts))
 
+    def parent(self) -> tuple[ObjectURL, str]:
+        """The URL of the prefix one level up and the last part of this one (empty at the
+        bucket's root)."""
+        parent_key, _, name = self.key().rpartition("/")
+        return ObjectURL(self.scheme, self.bucket, parent_key), name
+
     def __str__(self) -> str:
         return self.url_of(self.prefix)
 

@@ -26,8 +26,7 @@ def committed_export(url: str) -> ObjectURL:
     newest = CommitLog(store, where).newest()
     if newest is not None:
         return where.child(newest.folder)
-    parent_key, _, folder = where.key().rpartition("/")
-    parent = ObjectURL(where.scheme, where.bucket, parent_key)
+    parent, folder = where.parent()
     if folder and folder in CommitLog(store, parent).committed_folders():
         return where
     raise CheckpointError(f"{url}: no committed export there (no commit record of {parent} names it)")

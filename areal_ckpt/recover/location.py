@@ -15,6 +15,8 @@ the :class:`~areal_ckpt.recover.publication.Publication` this returns.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from areal_ckpt.config import RecoverConfig
 from areal_ckpt.paths import default_user, trial_root
 from areal_ckpt.recover.persistent import PersistentGenerations
@@ -22,16 +24,17 @@ from areal_ckpt.recover.publication import KeptLocally, Publication, PublishedIn
 from areal_ckpt.recover.remote import ObjectGenerations
 from areal_ckpt.recover.shared_folder import FolderGenerations
 from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.storage.backends import locate
 from areal_ckpt.storage.folders import staging_root
-from areal_ckpt.urls import parse_object_url, url_scheme
 
 
 def persistent_generations(fileroot: str, user: str, experiment: str, trial: str) -> PersistentGenerations:
     """Where the trial ``user/experiment/trial`` under ``fileroot`` persists: a prefix on the
     object store the URL names, or a trial folder. Pure (nothing is contacted)."""
-    if url_scheme(fileroot) is None:
+    where = locate(fileroot, "fileroot")
+    if isinstance(where, Path):
         return FolderGenerations(trial_root(fileroot, user, experiment, trial))
-    return ObjectGenerations(parse_object_url(fileroot, "fileroot").child("checkpoints", user, experiment, trial))
+    return ObjectGenerations(where.child("checkpoints", user, experiment, trial))
 
 
 def trial_location(config: RecoverConfig) -> tuple[RecoverStore, Publication]:
@@ -44,9 +47,10 @@ def trial_location(config: RecoverConfig) -> tuple[RecoverStore, Publication]:
         behind = persistent_generations(config.fileroot, *names)
         publication = PublishedInBackground(behind, config.local_replicas, config.upload_every)
         return RecoverStore(trial_root(config.local_dir, *names), links_previous_data=False), publication
-    if url_scheme(config.fileroot) is None:
+    where = locate(config.fileroot, "fileroot")
+    if isinstance(where, Path):
         return RecoverStore(trial_root(config.fileroot, *names)), KeptLocally()
-    remote = parse_object_url(config.fileroot, "fileroot").child("checkpoints", *names)
+    remote = where.child("checkpoints", *names)
     staging = RecoverStore(staging_root(config.staging_dir, remote), links_previous_data=False)
     return staging, PublishedInDump(ObjectGenerations(remote))
 

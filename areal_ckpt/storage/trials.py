@@ -9,13 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from areal_ckpt.config import local_path
 from areal_ckpt.fsio import make_dirs
-from areal_ckpt.storage.backends import store_of
+from areal_ckpt.storage.backends import locate, store_of
 from areal_ckpt.storage.commits import CommitLog
 from areal_ckpt.storage.folders import staging_root
 from areal_ckpt.storage.series import CheckpointSeries, FolderSeries, ObjectSeries
-from areal_ckpt.urls import ObjectURL, parse_object_url, url_scheme
+from areal_ckpt.urls import ObjectURL
 
 
 class ExportTrial(Protocol):
@@ -96,7 +95,8 @@ def export_trial(fileroot: str, levels: tuple[str, ...], staging_dir: str | None
     folder, or a prefix of an object store (any registered scheme) staged under
     ``staging_dir``. The one place an export trial's kind is decided; ConfigError naming
     ``fileroot`` when it is a malformed URL. Pure."""
-    if url_scheme(fileroot) is None:
-        return FolderTrial(local_path(fileroot, "fileroot").joinpath(*levels))
-    root = parse_object_url(fileroot, "fileroot").child(*levels)
+    where = locate(fileroot, "fileroot")
+    if isinstance(where, Path):
+        return FolderTrial(where.joinpath(*levels))
+    root = where.child(*levels)
     return ObjectTrial(root, staging_root(staging_dir, root))

@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-from areal_ckpt.config import local_path
 from areal_ckpt.errors import CheckpointError
+from areal_ckpt.storage.backends import locate
 from areal_ckpt.tags.contract import TagLocation
 from areal_ckpt.tags.folder import FolderTags
 from areal_ckpt.tags.objects import ObjectTags
-from areal_ckpt.urls import parse_object_url, url_scheme
 
 
 def tag_location(value: str | os.PathLike[str], what: str) -> TagLocation:
     """``value`` as a save_dir: a prefix on the object store its URL names, or a folder.
     CheckpointError naming ``what`` for a malformed URL or one of an unsupported scheme. Pure."""
     try:
-        if url_scheme(str(value)) is None:
-            return FolderTags(local_path(value, what))
-        return ObjectTags(parse_object_url(str(value), what))
+        where = locate(value, what)
+        return FolderTags(where) if isinstance(where, Path) else ObjectTags(where)
     except ValueError as error:
         raise CheckpointError(f"{what}: {error}" if what not in str(error) else str(error)) from None

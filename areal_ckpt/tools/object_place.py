@@ -78,8 +78,7 @@ def committed_under(value: str) -> list[RemoteCheckpoint]:
         for checkpoint in _committed_in_log(url.child(parent) if parent else url, listing)
     ]
     if not found and url.key():  # the URL may be one committed folder
-        parent_key, _, folder = url.key().rpartition("/")
-        parent = ObjectURL(url.scheme, url.bucket, parent_key)
+        parent, folder = url.parent()
         found = [c for c in _committed_in_log(parent, listing) if c.record.folder == folder]
     if not found:
         raise CheckpointError(f"{url}: no committed checkpoint there (no commit record under it or naming it)")
@@ -202,7 +201,7 @@ def commit_output(folder: Path, value: str) -> str:
     and commit it in its parent's log (as the Saver commits an export: ``download_export``
     and ``from_pretrained`` after it read it). Returns the committed URL. Blocking."""
     url = parse_object_url(value, "output URL")
-    parent_key, _, name = url.key().rpartition("/")
+    parent, name = url.parent()
     if not name:
         raise CheckpointError(f"{value}: name a prefix inside the bucket to write to (s3://bucket/prefix/name)")
     store = store_of(url)
@@ -210,7 +209,7 @@ def commit_output(folder: Path, value: str) -> str:
         raise CheckpointError(f"{url}: already holds objects; choose a new output prefix")
     local = folder.rename(folder.with_name(name)) if folder.name != name else folder
     header = read_manifest(local, MANIFEST_NAME)
-    series = ObjectSeries(ObjectURL(url.scheme, url.bucket, parent_key))
+    series = ObjectSeries(parent)
     reserved = series.reserve(local.name)
     try:
         series.commit(local, reserved, local, set(), {"name": header.get("name"), "step": header.get("step")})

@@ -17,10 +17,10 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.recover.repoint import repoint_newest_verified
 from areal_ckpt.recover.store import RecoverStore, resolve_recovery
+from areal_ckpt.storage.backends import locate
 from areal_ckpt.tools.inspection import describe, list_trial, verify_each
 from areal_ckpt.tools.object_place import ObjectPlace
 from areal_ckpt.tools.place_contract import CheckpointPlace, Progress, Repointed
-from areal_ckpt.urls import parse_object_url, url_scheme
 
 
 class FolderPlace:
@@ -87,6 +87,5 @@ class FolderPlace:
 def place_of(value: str, what: str) -> CheckpointPlace:
     """The location a command's argument ``what`` names: an object store prefix for a URL
     (ConfigError naming it when malformed), else a folder. Pure."""
-    if url_scheme(value) is None:
-        return FolderPlace(Path(value))
-    return ObjectPlace(parse_object_url(value, what))
+    where = locate(value, what)
+    return FolderPlace(where) if isinstance(where, Path) else ObjectPlace(where)
