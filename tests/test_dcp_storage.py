@@ -1,5 +1,6 @@
 """The raw DCP reader: tensors stored back to back are read in runs, one read per run; a cold
-file is read around the page cache (O_DIRECT), a warm one through it."""
+file is read around the page cache (O_DIRECT), a warm one through it, and a file read around
+the cache is brought into it in the background once the load has finished."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats import dcp_metadata, dcp_storage, range_read
+from areal_ckpt.formats import cache_fill, dcp_metadata, dcp_storage, range_read
 from areal_ckpt.formats.dcp_io import load_tensors
 from areal_ckpt.formats.dcp_save import save_tensors
 
@@ -132,6 +133,97 @@ def test_a_file_read_again_right_after_a_load_goes_through_the_cache_and_a_probe
         assert range_read._resident_fraction(fd, 0, path.stat().st_size) == 1.0
     finally:
         os.close(fd)
+
+
+def _cached_fraction(path: Path) -> float:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fraction = range_read._resident_fraction(fd, 0, path.stat().st_size)
+    finally:
+        os.close(fd)
+    assert fraction is not None
+    return fraction
+
+
+def _evicted(path: Path) -> None:
+    """Evict ``path`` until the kernel reports none of its pages cached (it drops pages on a
+    best-effort basis: asked again until it did)."""
+    for _ in range(20):
+        _evict(path)
+        if _cached_fraction(path) == 0.0:
+            return
+    pytest.fail(f"{path}: the kernel kept its pages cached through 20 evictions")
+
+
+def test_a_cold_load_leaves_its_files_cached_once_the_background_fill_is_done_so_a_reload_reads_through_the_cache(
+    tmp_path: Path, monkeypatch
+):
+    chosen = _record_readers(monkeypatch)
+    state = _big_state()
+    records = save_tensors(state, tmp_path)
+    (file_name,) = records
+    _evicted(tmp_path / file_name)
+    load_tensors(_empty_like(state), tmp_path, expected=records)
+    cache_fill.wait_for_fills()
+    assert _cached_fraction(tmp_path / file_name) == 1.0
+    again = _empty_like(state)
+    load_tensors(again, tmp_path, expected=records)
+    assert chosen == [range_read.DirectRanges, range_read.BufferedRanges]
+    for name, tensor in state.items():
+        assert torch.equal(again[name], tensor), name
+
+
+def test_the_fill_waits_while_a_read_around_the_cache_is_open_in_the_process(tmp_path: Path, monkeypatch):
+    state = _big_state()
+    (tmp_path / "loaded").mkdir()
+    (tmp_path / "open").mkdir()
+    records = save_tensors(state, tmp_path / "loaded")
+    save_tensors(state, tmp_path / "open")
+    (file_name,) = records
+    loaded, still_open = tmp_path / "loaded" / file_name, tmp_path / "open" / file_name
+    _evicted(still_open)
+    reader = range_read.open_ranges(still_open, [(0, 4096)])
+    try:
+        assert isinstance(reader, range_read.DirectRanges)
+        monkeypatch.setattr(range_read, "_is_cached", lambda fd, spans: False)  # the load reads around the cache
+        _evicted(loaded)
+        load_tensors(_empty_like(state), tmp_path / "loaded", expected=records)
+        assert cache_fill.fill_waiting().wait(timeout=60)  # a guard against a hang, not a race: set as it waits
+        assert _cached_fraction(loaded) == 0.0
+    finally:
+        reader.close()
+    cache_fill.wait_for_fills()
+    assert _cached_fraction(loaded) == 1.0
+
+
+def test_files_above_the_nodes_share_of_available_memory_are_not_brought_into_the_cache(
+    tmp_path: Path, monkeypatch, caplog
+):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(1 << 40))  # so many ranks on the node that each may fill ~nothing
+    state = _big_state()
+    records = save_tensors(state, tmp_path)
+    (file_name,) = records
+    _evicted(tmp_path / file_name)
+    with caplog.at_level("INFO", logger=cache_fill.__name__):
+        load_tensors(_empty_like(state), tmp_path, expected=records)
+    cache_fill.wait_for_fills()
+    assert "above the share of available memory" in caplog.text
+    assert _cached_fraction(tmp_path / file_name) == 0.0
+
+
+def test_a_load_that_fails_brings_nothing_into_the_cache(tmp_path: Path):
+    state = _big_state()
+    records = save_tensors(state, tmp_path)
+    (file_name,) = records
+    path = tmp_path / file_name
+    data = bytearray(path.read_bytes())
+    data[len(data) - 5] ^= 1
+    path.write_bytes(bytes(data))
+    _evicted(path)
+    with pytest.raises(CheckpointError, match=f"{file_name}: checksum mismatch"):
+        load_tensors(_empty_like(state), tmp_path, expected=records)
+    cache_fill.wait_for_fills()
+    assert _cached_fraction(path) == 0.0
 
 
 def _mapping_of(address: int) -> dict[str, str]:

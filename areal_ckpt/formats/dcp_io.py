@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
+from areal_ckpt.formats import cache_fill
 from areal_ckpt.formats.dcp_metadata import read_metadata_json, tensor_entries
 from areal_ckpt.formats.dcp_storage import RawStorageReader
 from areal_ckpt.fsio import FileRecord
@@ -62,7 +63,9 @@ def load_tensors(
     (so it is parsed once per load): this rank's slice of it when ``whole`` is given, which
     reads all of it for a load the slice does not cover (:func:`~areal_ckpt.formats.dcp_slices.rank_metadata`).
     ``fetch`` is called with each data file's path before it is read (see
-    :class:`~areal_ckpt.formats.dcp_storage.RawStorageReader`).
+    :class:`~areal_ckpt.formats.dcp_storage.RawStorageReader`). Files read around the page
+    cache are brought into it in the background once every rank has read
+    (:mod:`~areal_ckpt.formats.cache_fill`).
     """
     metadata = read_metadata_json(folder) if metadata is None else metadata
     stored = tensor_index(metadata)
@@ -81,12 +84,17 @@ def load_tensors(
                 f"{folder}: {name}: checkpoint has {dtype} {list(shape)}, model has {tensor.dtype} "
                 f"{list(tensor.shape)}{CHANGED_MODEL}"
             )
-    agree.on_every_rank(  # every rank learns whether all read their shards, so none goes on alone
-        lambda: _read_planned(
-            template, lambda given: RawStorageReader(folder, expected, given, fetch), metadata, whole
-        ),
-        f"{folder}: reading DCP shards failed",
-    )
+    try:
+        agree.on_every_rank(  # every rank learns whether all read their shards, so none goes on alone
+            lambda: _read_planned(
+                template, lambda given: RawStorageReader(folder, expected, given, fetch), metadata, whole
+            ),
+            f"{folder}: reading DCP shards failed",
+        )
+    except BaseException:
+        cache_fill.forget_noted()
+        raise
+    cache_fill.fill_noted()  # every rank has read: what was read around the page cache goes into it now
 
 
 def _read_planned(

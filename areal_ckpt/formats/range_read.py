@@ -9,8 +9,10 @@ two readers with the same interface:
   buffers (20 MiB), and copied once into the tensors. The buffers sit in one mapping the
   kernel is asked to back with transparent huge pages, so a request lands in physically
   contiguous memory and reaches the disk whole rather than split by scattered 4 KiB pages.
-  Nothing read this way enters the page cache, so a load evicts nothing else from it (the
-  measurements behind these choices: docs/benchmarks.md, "Reading and capturing state").
+  Nothing read this way enters the page cache while the load runs (the measurements behind
+  these choices: docs/benchmarks.md, "Reading and capturing state"); once every rank has
+  loaded, :mod:`areal_ckpt.formats.cache_fill` brings the file into the cache in the
+  background, so a load right after it reads from memory.
 - :class:`BufferedRanges` (otherwise: a warm cache serves it at memory speed): one ``preadv``
   per run straight into the tensors, asking the kernel to read 64 MiB ahead.
 
@@ -32,6 +34,7 @@ from typing import Protocol
 import torch
 
 from areal_ckpt.errors import CheckpointError
+from areal_ckpt.formats import cache_fill
 from areal_ckpt.fsio import RunningCrc, helper_threads
 from areal_ckpt.tensors import tensor_bytes
 
@@ -232,6 +235,7 @@ class DirectRanges:
         self._current: tuple[int, int, int] | None = None  # (offset, slot, bytes) being copied from
         while self._submitted < min(IN_FLIGHT, len(self._blocks)):
             self._submit()
+        cache_fill.direct_read_opened()
 
     def fill(self, buffers: list[torch.Tensor], offset: int) -> None:
         """See :class:`RangeReader`."""
@@ -257,6 +261,7 @@ class DirectRanges:
                 future.exception()
             self._crc.value()
         finally:
+            cache_fill.direct_read_closed(self._path, os.fstat(self._fd).st_size)
             os.close(self._fd)
             self._pending.clear()
             self._slot_tensors.clear()
