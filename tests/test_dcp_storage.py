@@ -211,14 +211,18 @@ def test_files_above_the_nodes_share_of_available_memory_are_not_brought_into_th
     assert _cached_fraction(tmp_path / file_name) == 0.0
 
 
+def _flip_a_byte_near_the_end(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) - 5] ^= 1
+    path.write_bytes(bytes(data))
+
+
 def test_a_load_that_fails_brings_nothing_into_the_cache(tmp_path: Path):
     state = _big_state()
     records = save_tensors(state, tmp_path)
     (file_name,) = records
     path = tmp_path / file_name
-    data = bytearray(path.read_bytes())
-    data[len(data) - 5] ^= 1
-    path.write_bytes(bytes(data))
+    _flip_a_byte_near_the_end(path)
     _evicted(path)
     with pytest.raises(CheckpointError, match=f"{file_name}: checksum mismatch"):
         load_tensors(_empty_like(state), tmp_path, expected=records)
@@ -308,9 +312,7 @@ def test_a_cold_partial_read_skips_blocks_and_still_checks_the_whole_file(tmp_pa
 
 def test_a_cold_damaged_file_is_named(tmp_path: Path, monkeypatch):
     chosen, state, records, path = _saved_in_small_blocks(tmp_path, monkeypatch)
-    data = bytearray(path.read_bytes())
-    data[len(data) - 5] ^= 1
-    path.write_bytes(bytes(data))
+    _flip_a_byte_near_the_end(path)
     _evict(path)
     with pytest.raises(CheckpointError, match=f"{path.name}: checksum mismatch"):
         load_tensors(_empty_like(state), tmp_path, expected=records)
