@@ -155,9 +155,14 @@ def _evicted(path: Path) -> None:
     pytest.fail(f"{path}: the kernel kept its pages cached through 20 evictions")
 
 
+@pytest.mark.parametrize("local_world_size", [None, "2", "two"])  # torchrun's variable, or a stray value
 def test_a_cold_load_leaves_its_files_cached_once_the_background_fill_is_done_so_a_reload_reads_through_the_cache(
-    tmp_path: Path, monkeypatch
+    tmp_path: Path, monkeypatch, local_world_size: str | None
 ):
+    if local_world_size is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world_size)
     chosen = _record_readers(monkeypatch)
     state = _big_state()
     records = save_tensors(state, tmp_path)

@@ -76,14 +76,18 @@ def direct_read_closed(path: Path, size: int) -> None:
 def fill_budget() -> int | None:
     """The bytes one process may bring into the page cache: a quarter of the memory the kernel
     reports available (``MemAvailable``) shared by the node's ranks (``LOCAL_WORLD_SIZE``, as
-    torchrun sets it; 1 without it); None where the kernel does not say."""
+    torchrun sets it; 1 without it or when it is not a number); None where the kernel does not
+    say."""
     try:
         with open("/proc/meminfo", encoding="ascii") as meminfo:
             fields = dict(line.split(":", 1) for line in meminfo)
         available = int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return None
-    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    try:
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks = 1
     return available // (_SHARE_OF_AVAILABLE * ranks)
 
 
