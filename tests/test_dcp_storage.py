@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from recover_fixtures import SPEC, committed_generation, dump_once, make_setup, recover_config
 
+import areal_ckpt as ac
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats import cache_fill, dcp_metadata, dcp_storage, range_read
 from areal_ckpt.formats.dcp_io import load_tensors
@@ -168,11 +170,11 @@ def test_a_cold_load_leaves_its_files_cached_once_the_background_fill_is_done_so
     records = save_tensors(state, tmp_path)
     (file_name,) = records
     _evicted(tmp_path / file_name)
-    load_tensors(_empty_like(state), tmp_path, expected=records)
+    load_tensors(_empty_like(state), tmp_path, expected=records, fill_page_cache=True)
     cache_fill.wait_for_fills()
     assert _cached_fraction(tmp_path / file_name) == 1.0
     again = _empty_like(state)
-    load_tensors(again, tmp_path, expected=records)
+    load_tensors(again, tmp_path, expected=records, fill_page_cache=True)
     assert chosen == [range_read.DirectRanges, range_read.BufferedRanges]
     for name, tensor in state.items():
         assert torch.equal(again[name], tensor), name
@@ -192,7 +194,7 @@ def test_the_fill_waits_while_a_read_around_the_cache_is_open_in_the_process(tmp
         assert isinstance(reader, range_read.DirectRanges)
         monkeypatch.setattr(range_read, "_is_cached", lambda fd, spans: False)  # the load reads around the cache
         _evicted(loaded)
-        load_tensors(_empty_like(state), tmp_path / "loaded", expected=records)
+        load_tensors(_empty_like(state), tmp_path / "loaded", expected=records, fill_page_cache=True)
         assert cache_fill.fill_waiting().wait(timeout=60)  # a guard against a hang, not a race: set as it waits
         assert _cached_fraction(loaded) == 0.0
     finally:
@@ -210,9 +212,34 @@ def test_files_above_the_nodes_share_of_available_memory_are_not_brought_into_th
     (file_name,) = records
     _evicted(tmp_path / file_name)
     with caplog.at_level("INFO", logger=cache_fill.__name__):
-        load_tensors(_empty_like(state), tmp_path, expected=records)
+        load_tensors(_empty_like(state), tmp_path, expected=records, fill_page_cache=True)
     cache_fill.wait_for_fills()
     assert "above the share of available memory" in caplog.text
+    assert _cached_fraction(tmp_path / file_name) == 0.0
+
+
+def test_a_restart_fills_the_cache_with_the_data_files_it_read_around_it(fileroot: Path):
+    setup = dump_once(fileroot)
+    data_files = sorted(committed_generation(fileroot).rglob("*.distcp"))
+    assert data_files
+    for path in data_files:
+        _evicted(path)
+    fresh = make_setup(seed=1)
+    loader = ac.RecoverHandler(recover_config(fileroot), SPEC)
+    assert loader.load(fresh.engine) is not None
+    cache_fill.wait_for_fills()
+    assert [_cached_fraction(path) for path in data_files] == [1.0] * len(data_files)
+    assert torch.equal(fresh.model.lm_head.weight, setup.model.lm_head.weight)
+    loader.close()
+
+
+def test_a_load_not_asked_to_fill_the_cache_leaves_it_as_it_read_it(tmp_path: Path):
+    state = _big_state()
+    records = save_tensors(state, tmp_path)
+    (file_name,) = records
+    _evicted(tmp_path / file_name)
+    load_tensors(_empty_like(state), tmp_path, expected=records)  # an export reading a recovery checkpoint
+    cache_fill.wait_for_fills()
     assert _cached_fraction(tmp_path / file_name) == 0.0
 
 
@@ -230,7 +257,7 @@ def test_a_load_that_fails_brings_nothing_into_the_cache(tmp_path: Path):
     _flip_a_byte_near_the_end(path)
     _evicted(path)
     with pytest.raises(CheckpointError, match=f"{file_name}: checksum mismatch"):
-        load_tensors(_empty_like(state), tmp_path, expected=records)
+        load_tensors(_empty_like(state), tmp_path, expected=records, fill_page_cache=True)
     cache_fill.wait_for_fills()
     assert _cached_fraction(path) == 0.0
 

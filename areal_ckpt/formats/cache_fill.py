@@ -2,11 +2,13 @@
 
 A cold load reads its data files with ``O_DIRECT`` (:mod:`areal_ckpt.formats.range_read`):
 faster than through the page cache, and nothing it reads stays cached, so a job that
-crash-loops would read the same checkpoint from the disk on every restart. Once a load has
-finished on every rank, the files this process read around the cache are brought into it by
-one background thread with ``sendfile`` to ``/dev/null``: the kernel reads them ahead into the
-cache and nothing is copied to this process (about 0.03 s of CPU per GB measured here), so the
-next load finds them cached and reads them at memory speed.
+crash-loops would read the same checkpoint from the disk on every restart. Once a restart's
+load has finished on every rank (``load_tensors(..., fill_page_cache=True)``), the files this
+process read around the cache are brought into it by one background thread with ``sendfile``
+to ``/dev/null``: the kernel reads them ahead into the cache and nothing is copied to this
+process (about 0.03 s of CPU per GB measured here), so the next load finds them cached and
+reads them at memory speed. The thread is a daemon: a process
+that exits does not wait for it.
 
 Reads come first: the fill waits while this process has a read around the cache open. It is
 skipped when the files exceed a share of the memory the kernel reports available
@@ -20,12 +22,10 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
-from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from areal_ckpt.fsio import helper_threads
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,8 @@ class _ProcessState:
     open_reads: int = 0
     changed: threading.Condition = field(default_factory=threading.Condition)
     waiting: threading.Event = field(default_factory=threading.Event)  # set while a fill waits for reads
-    fills: list[Future[None]] = field(default_factory=list)
+    fills: queue.Queue[list[Path]] = field(default_factory=queue.Queue)
+    worker: threading.Thread | None = None
 
 
 _state = _ProcessState(os.getpid())
@@ -106,7 +107,10 @@ def fill_noted() -> None:
             len(noted), total / 1e9, "an unknown memory budget" if budget is None else "the share of available memory",
         )  # fmt: skip
         return
-    state.fills.append(helper_threads("cache-fill", 1).submit(_fill, state, sorted(noted)))
+    state.fills.put(sorted(noted))
+    if state.worker is None:
+        state.worker = threading.Thread(target=_work, args=(state,), name="areal_ckpt-cache-fill", daemon=True)
+        state.worker.start()
 
 
 def forget_noted() -> None:
@@ -118,14 +122,22 @@ def forget_noted() -> None:
 
 def wait_for_fills() -> None:
     """Block until every fill started in this process has finished (benchmarks and tests)."""
-    state = _current()
-    wait(state.fills)
-    state.fills.clear()
+    _current().fills.join()
 
 
 def fill_waiting() -> threading.Event:
     """Set while a fill of this process waits for a read around the cache to close."""
     return _current().waiting
+
+
+def _work(state: _ProcessState) -> None:
+    """The fill thread: the fills :func:`fill_noted` started, one after the other."""
+    while True:
+        paths = state.fills.get()
+        try:
+            _fill(state, paths)
+        finally:
+            state.fills.task_done()
 
 
 def _fill(state: _ProcessState, paths: list[Path]) -> None:

@@ -49,6 +49,7 @@ def load_tensors(
     metadata: Metadata | None = None,
     fetch: Callable[[Path], None] | None = None,
     whole: Callable[[], Metadata] | None = None,
+    fill_page_cache: bool = False,
 ) -> None:
     """Fill ``template`` (flat name -> Tensor / DTensor, in place) from ``folder``; blocking.
 
@@ -63,8 +64,9 @@ def load_tensors(
     (so it is parsed once per load): this rank's slice of it when ``whole`` is given, which
     reads all of it for a load the slice does not cover (:func:`~areal_ckpt.formats.dcp_slices.rank_metadata`).
     ``fetch`` is called with each data file's path before it is read (see
-    :class:`~areal_ckpt.formats.dcp_storage.RawStorageReader`). Files read around the page
-    cache are brought into it in the background once every rank has read
+    :class:`~areal_ckpt.formats.dcp_storage.RawStorageReader`). With ``fill_page_cache`` (a
+    restart's load, which the next restart may repeat) the files read around the page cache
+    are brought into it in the background once every rank has read
     (:mod:`~areal_ckpt.formats.cache_fill`).
     """
     metadata = read_metadata_json(folder) if metadata is None else metadata
@@ -94,7 +96,10 @@ def load_tensors(
     except BaseException:
         cache_fill.forget_noted()
         raise
-    cache_fill.fill_noted()  # every rank has read: what was read around the page cache goes into it now
+    if fill_page_cache:
+        cache_fill.fill_noted()  # every rank has read: what was read around the page cache goes into it now
+    else:
+        cache_fill.forget_noted()
 
 
 def _read_planned(

@@ -10,9 +10,9 @@ two readers with the same interface:
   kernel is asked to back with transparent huge pages, so a request lands in physically
   contiguous memory and reaches the disk whole rather than split by scattered 4 KiB pages.
   Nothing read this way enters the page cache while the load runs (the measurements behind
-  these choices: docs/benchmarks.md, "Reading and capturing state"); once every rank has
-  loaded, :mod:`areal_ckpt.formats.cache_fill` brings the file into the cache in the
-  background, so a load right after it reads from memory.
+  these choices: docs/benchmarks.md, "Reading and capturing state"); after a restart's load,
+  :mod:`areal_ckpt.formats.cache_fill` brings the file into the cache in the background, so a
+  load right after it reads from memory.
 - :class:`BufferedRanges` (otherwise: a warm cache serves it at memory speed): one ``preadv``
   per run straight into the tensors, asking the kernel to read 64 MiB ahead.
 

@@ -205,6 +205,8 @@ def load_engine(
     :func:`verify_checkpoint`, checking the data files' CRC-32 as they are read. ``strict``
     False loads the model tensors both sides have and logs the others. ``fetch`` brings a
     data file into a local copy before it is read (:class:`~areal_ckpt.storage.folders.OnDemandFiles`).
+    Files read around the page cache are brought into it in the background afterwards, so a
+    restart that loads them again reads memory (:mod:`~areal_ckpt.formats.cache_fill`).
     Collective (DCP; FSDP2 / DDP / DeepSpeed state-dict helpers)."""
     try:
         engine_state = safe_json.loads((folder / ENGINE_STATE_FILE).read_bytes(), str(folder / ENGINE_STATE_FILE))
@@ -267,6 +269,7 @@ def load_engine(
             metadata=frozen_metadata,
             fetch=fetch,
             whole=frozen_whole,
+            fill_page_cache=True,
         )
     load_tensors(
         template,
@@ -276,6 +279,7 @@ def load_engine(
         metadata=metadata,
         fetch=fetch,
         whole=whole,
+        fill_page_cache=True,
     )
     if frozen is not None:
         template.update(frozen_template)
