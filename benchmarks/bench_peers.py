@@ -305,7 +305,7 @@ READING = """### Reading the peer rows
   background thread brings the files it read that way into the cache (sendfile to /dev/null:
   the kernel reads, nothing is copied to the process), within a quarter of the memory the
   kernel reports available; so the load after it is served from memory, as `dcp.load`'s
-  second load is. The fill takes about as long as a cold read of the same files (the row
+  second load is. The fill takes about as long as a cold read of the same files (the line
   below the table); here that is well within the seconds a restarted process takes to start."""
 
 
