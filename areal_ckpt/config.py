@@ -9,13 +9,12 @@ import os
 import re
 import signal
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Annotated, Any, Literal, Self, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from areal_ckpt.errors import ConfigError
-from areal_ckpt.urls import parse_object_url, url_scheme
+from areal_ckpt.urls import local_path, locate
 
 PositiveInt = Annotated[int, Field(gt=0, strict=True)]
 StrictBool = Annotated[bool, Field(strict=True)]
@@ -134,28 +133,13 @@ class _TimerBlock(BaseModel):
             raise ValueError("fileroot must not be empty")
         if "\x00" in value:
             raise ValueError("fileroot must not contain a NUL character")
-        if url_scheme(value) is not None:
-            parse_object_url(value, "fileroot")  # object storage, or a ValueError naming the scheme
+        locate(value, "fileroot")  # a folder or object storage, or a ValueError naming the scheme
         if len(value.encode()) > MAX_ROOT_BYTES:
             raise ValueError(
                 f"fileroot is {len(value.encode())} bytes long; at most {MAX_ROOT_BYTES} leave room for "
                 "the folders below it"
             )
         return value
-
-
-def local_path(value: str | os.PathLike[str], what: str) -> Path:
-    """``value`` as a local path; ValueError naming ``what`` and the scheme when it is a URL
-    (``s3://bucket/prefix``, ``gs://``...) where only a local path is supported: taken as a
-    path it would become a local folder named ``s3:``. Pure."""
-    scheme = url_scheme(str(value))
-    if scheme is not None:
-        raise ValueError(
-            f"{what} {str(value)!r} is a {scheme}:// URL: object storage is not supported here yet (a "
-            f"fileroot is: docs/storage.md), and as a path it would become a local folder named '{scheme}:'. Use a path on a "
-            "local or shared POSIX filesystem"
-        )
-    return Path(value)
 
 
 SAVER_MODES = ("auto", "sync", "async")

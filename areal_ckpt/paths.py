@@ -8,9 +8,9 @@ import re
 import tempfile
 from pathlib import Path
 
-from areal_ckpt.config import check_path_component, local_path
+from areal_ckpt.config import check_path_component
 from areal_ckpt.errors import ConfigError
-from areal_ckpt.urls import ObjectURL
+from areal_ckpt.urls import ObjectURL, local_path
 
 #: Prefix of an export being written; never loaded, removed by the next Saver.
 EXPORT_STAGING_PREFIX = ".export-staging."

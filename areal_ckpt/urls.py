@@ -1,5 +1,9 @@
 """URLs of object storage (``s3://``, ``gs://``, ``az://``) where a path could go; pure, no I/O.
 
+:func:`locate` is the one place a configured location (a fileroot, a save_dir, a command's
+argument) is told to be a local or shared folder or a prefix of an object store; the YAML's
+validation and every storage factory ask it, and map its answer to their own implementation.
+
 A value that starts with ``scheme://`` is never taken for a local path: a supported scheme
 becomes an :class:`ObjectURL`, any other is refused naming it (taken as a path, ``s3://b/p``
 would silently become a local folder named ``s3:``). A value that almost is a URL of a known
@@ -8,8 +12,10 @@ scheme (``s3:/b/p``, ``s3:b/p``, `` s3://b/p``) is refused too, for the same rea
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from areal_ckpt.errors import ConfigError
 
@@ -116,3 +122,28 @@ def parse_object_url(value: str, what: str) -> ObjectURL:
     if any(part in ("", ".", "..") for part in parts):
         raise ConfigError(f"{what} {value!r}: the key prefix has an empty, '.' or '..' part")
     return ObjectURL(scheme.lower(), bucket, "/".join(parts))
+
+
+def local_path(value: str | os.PathLike[str], what: str) -> Path:
+    """``value`` as a local path; ValueError naming ``what`` and the scheme when it is a URL
+    (``s3://bucket/prefix``, ``gs://``...) where only a local path is supported: taken as a
+    path it would become a local folder named ``s3:``. Pure."""
+    scheme = url_scheme(str(value))
+    if scheme is not None:
+        raise ValueError(
+            f"{what} {str(value)!r} is a {scheme}:// URL: object storage is not supported here yet (a "
+            f"fileroot is: docs/storage.md), and as a path it would become a local folder named '{scheme}:'. Use a path on a "
+            "local or shared POSIX filesystem"
+        )
+    return Path(value)
+
+
+def locate(value: str | os.PathLike[str], what: str) -> Path | ObjectURL:
+    """Where ``value`` (a fileroot, save_dir, command argument: ``what``) points: a prefix of
+    the object store its URL names (any registered scheme), else a local or shared folder.
+    ConfigError (a ValueError) naming ``what`` for a malformed URL or an unsupported scheme.
+    Pure: contacts nothing."""
+    text = str(value)
+    if url_scheme(text) is None:
+        return local_path(value, what)
+    return parse_object_url(text, what)

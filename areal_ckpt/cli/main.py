@@ -13,8 +13,9 @@ import sys
 from collections.abc import Sequence
 
 from areal_ckpt.cli import commands as cli_commands
-from areal_ckpt.config import EXPORT_DTYPE_NAMES, LORA_EXPORTS, local_path
+from areal_ckpt.config import EXPORT_DTYPE_NAMES, LORA_EXPORTS
 from areal_ckpt.errors import CheckpointError, ConfigError
+from areal_ckpt.urls import local_path
 
 
 def _add_output_options(command: argparse.ArgumentParser) -> None:

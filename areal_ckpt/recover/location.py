@@ -24,8 +24,8 @@ from areal_ckpt.recover.publication import KeptLocally, Publication, PublishedIn
 from areal_ckpt.recover.remote import ObjectGenerations
 from areal_ckpt.recover.shared_folder import FolderGenerations
 from areal_ckpt.recover.store import RecoverStore
-from areal_ckpt.storage.backends import locate
 from areal_ckpt.storage.folders import staging_root
+from areal_ckpt.urls import locate
 
 
 def persistent_generations(fileroot: str, user: str, experiment: str, trial: str) -> PersistentGenerations:

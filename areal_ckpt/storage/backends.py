@@ -2,8 +2,8 @@
 
 Each backend names the module and class of its :class:`~areal_ckpt.storage.objects.ObjectStore`
 (imported on first use, so a job on S3 never imports the other clouds' SDKs) and the standard
-variables that choose its endpoint and credentials. :func:`locate` is the one place a
-configured location is told to be a folder or a prefix of an object store; :func:`store_of` is
+variables that choose its endpoint and credentials (whether a location is a folder or an
+object store's prefix is :func:`areal_ckpt.urls.locate`'s to say); :func:`store_of` is
 the one factory of stores every caller uses; :func:`register_backend` adds a scheme (a test-only backend, another cloud) without
 touching any caller (docs/storage.md, "Adding a backend").
 """
@@ -15,11 +15,9 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
-from areal_ckpt.config import local_path
 from areal_ckpt.storage.objects import TIMEOUT_VARIABLE, ObjectStore
-from areal_ckpt.urls import OBJECT_SCHEMES, ObjectURL, SchemeRules, parse_object_url, url_scheme
+from areal_ckpt.urls import OBJECT_SCHEMES, ObjectURL, SchemeRules
 
 
 @dataclass(frozen=True)
@@ -77,14 +75,3 @@ def store_of(url: ObjectURL) -> ObjectStore:
     if key not in _stores:
         _stores[key] = backend.make(ObjectURL(url.scheme, url.bucket, ""))
     return _stores[key]
-
-
-def locate(value: str | os.PathLike[str], what: str) -> Path | ObjectURL:
-    """Where ``value`` (a fileroot, save_dir, command argument: ``what``) points: a prefix of
-    the object store its URL names (any registered scheme), else a local or shared folder.
-    ConfigError (a ValueError) naming ``what`` for a malformed URL or an unsupported scheme.
-    Pure: contacts nothing."""
-    text = str(value)
-    if url_scheme(text) is None:
-        return local_path(value, what)
-    return parse_object_url(text, what)

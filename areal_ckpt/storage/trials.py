@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Protocol
 
 from areal_ckpt.fsio import make_dirs
-from areal_ckpt.storage.backends import locate, store_of
+from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import CommitLog
 from areal_ckpt.storage.folders import staging_root
 from areal_ckpt.storage.series import CheckpointSeries, FolderSeries, ObjectSeries
-from areal_ckpt.urls import ObjectURL
+from areal_ckpt.urls import ObjectURL, locate
 
 
 class ExportTrial(Protocol):

@@ -6,10 +6,10 @@ import os
 from pathlib import Path
 
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.storage.backends import locate
 from areal_ckpt.tags.contract import TagLocation
 from areal_ckpt.tags.folder import FolderTags
 from areal_ckpt.tags.objects import ObjectTags
+from areal_ckpt.urls import locate
 
 
 def tag_location(value: str | os.PathLike[str], what: str) -> TagLocation:

@@ -36,7 +36,7 @@ from areal_ckpt.storage.series import ObjectSeries
 from areal_ckpt.tags.objects import find_tag
 from areal_ckpt.tools.inspection import describe
 from areal_ckpt.tools.place_contract import Repointed
-from areal_ckpt.urls import ObjectURL, parse_object_url
+from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +59,10 @@ class RemoteCheckpoint:
         return RECOVER_MANIFEST if self.kind == "recover" else MANIFEST_NAME
 
 
-def committed_under(value: str) -> list[RemoteCheckpoint]:
-    """The committed checkpoints the URL ``value`` names: a trial's (every model's exports and
+def committed_under(url: ObjectURL) -> list[RemoteCheckpoint]:
+    """The committed checkpoints ``url`` names: a trial's (every model's exports and
     the recovery checkpoint), a model's exports (its prefix), or the one committed folder it
     is. One listing plus one read per commit record. CheckpointError when there is none."""
-    url = parse_object_url(value, "checkpoint URL")
     store = store_of(url)
     base = url.key() + "/" if url.key() else ""
     listing = store.list_prefix(base)
@@ -105,20 +104,22 @@ def _committed_in_log(parent: ObjectURL, listing: list[ObjectInfo]) -> list[Remo
     return found
 
 
-def verify_remote(value: str, progress: Callable[[Iterable[str]], Iterable[str]] = iter) -> list[tuple[str, list[str]]]:
-    """(checkpoint URL, problems) for every committed checkpoint ``value`` names, each object
+def verify_remote(
+    url: ObjectURL, progress: Callable[[Iterable[str]], Iterable[str]] = iter
+) -> list[tuple[str, list[str]]]:
+    """(checkpoint URL, problems) for every committed checkpoint ``url`` names, each object
     checked by size and CRC-32 where it lies (ranged reads, no local copy). Read-only."""
     return [
         (str(c.url), check_remote_folder(store_of(c.url), c.url, c.manifest_name, progress))
-        for c in committed_under(value)
+        for c in committed_under(url)
     ]
 
 
-def list_remote(value: str) -> list[dict[str, Any]]:
-    """Every committed export and recovery checkpoint under the URL ``value``, newest first,
+def list_remote(url: ObjectURL) -> list[dict[str, Any]]:
+    """Every committed export and recovery checkpoint under ``url``, newest first,
     in the entries ``areal-ckpt list`` prints for a local trial. Read-only."""
     entries = []
-    for checkpoint in committed_under(value):
+    for checkpoint in committed_under(url):
         entry: dict[str, Any] = {
             "kind": checkpoint.kind,
             "name": checkpoint.name,
@@ -158,13 +159,13 @@ def _remote_json(folder: ObjectURL, name: str) -> dict[str, Any]:
     return value
 
 
-def fetch_checkpoint(value: str, scratch: Path) -> tuple[Path, str]:
-    """Download the one checkpoint the URL ``value`` names into the empty local folder
+def fetch_checkpoint(url: ObjectURL, scratch: Path) -> tuple[Path, str]:
+    """Download the one checkpoint ``url`` names into the empty local folder
     ``scratch``: a trial's recovery checkpoint (as a local trial: ``scratch`` itself), or an
     export (the model's newest, or the committed folder named). Returns the local path to
     read and the checkpoint's URL. Blocking; each file is checked against the manifest when
     it is read. A ``save_checkpoint`` folder gives its ``latest`` tag (else its newest)."""
-    found = committed_under(value)
+    found = committed_under(url)
     recoveries = [c for c in found if c.kind == "recover"]
     if recoveries:
         checkpoint = max(recoveries, key=lambda c: c.record.sequence)
@@ -177,17 +178,16 @@ def fetch_checkpoint(value: str, scratch: Path) -> tuple[Path, str]:
         found = [c for c in tags if c.record.body.get("latest")] or tags
     names = {c.name for c in found if c.kind == "export"}
     if len(names) > 1:
-        raise CheckpointError(f"{value}: holds exports of models {sorted(names)}; name one: {value}/NAME")
+        raise CheckpointError(f"{url}: holds exports of models {sorted(names)}; name one: {url}/NAME")
     checkpoint = max(found, key=lambda c: c.record.sequence)
     folder = scratch / checkpoint.url.key().rsplit("/", 1)[-1]
     fetch_folder(ObjectSource(checkpoint.url), folder, MANIFEST_NAME)
     return folder, str(checkpoint.url)
 
 
-def fetch_tag_into(value: str, tag: str | None, scratch: Path) -> Path:
-    """Download the ``save_checkpoint`` tag ``tag`` (None: ``latest``) of the save_dir URL
-    ``value`` into ``scratch/{its folder}`` and return that folder. Blocking."""
-    root = parse_object_url(value, "save_dir URL")
+def fetch_tag_into(root: ObjectURL, tag: str | None, scratch: Path) -> Path:
+    """Download the ``save_checkpoint`` tag ``tag`` (None: ``latest``) of the save_dir
+    ``root`` into ``scratch/{its folder}`` and return that folder. Blocking."""
     found = find_tag(root, tag)
     if found is None:
         raise CheckpointError(f"{root}: no tag saved with save_latest; name one with --tag")
@@ -196,14 +196,13 @@ def fetch_tag_into(value: str, tag: str | None, scratch: Path) -> Path:
     return scratch / folder
 
 
-def commit_output(folder: Path, value: str) -> str:
-    """Upload the local export ``folder`` to the URL ``value``, which must hold nothing yet,
+def commit_output(folder: Path, url: ObjectURL) -> str:
+    """Upload the local export ``folder`` to ``url``, which must hold nothing yet,
     and commit it in its parent's log (as the Saver commits an export: ``download_export``
     and ``from_pretrained`` after it read it). Returns the committed URL. Blocking."""
-    url = parse_object_url(value, "output URL")
     parent, name = url.parent()
     if not name:
-        raise CheckpointError(f"{value}: name a prefix inside the bucket to write to (s3://bucket/prefix/name)")
+        raise CheckpointError(f"{url}: name a prefix inside the bucket to write to (s3://bucket/prefix/name)")
     store = store_of(url)
     if store.list_prefix(url.key() + "/"):
         raise CheckpointError(f"{url}: already holds objects; choose a new output prefix")
@@ -219,13 +218,13 @@ def commit_output(folder: Path, value: str) -> str:
     return series.location(reserved, local)
 
 
-def repoint_remote(value: str) -> tuple[str, dict[str, list[str]], bool]:
+def repoint_remote(trial: ObjectURL) -> tuple[str, dict[str, list[str]], bool]:
     """``recover-pointer`` on object storage: when the newest commit record of the trial
-    ``value`` names a recovery generation that is missing or damaged, commit (a new record,
+    ``trial`` names a recovery generation that is missing or damaged, commit (a new record,
     create-only) the newest generation under ``.recover/`` whose every object matches its
     manifest. Returns the generation, the generations skipped with their problems, and
     whether a record was written. Run it while no job writes the trial. Blocking."""
-    generations = ObjectGenerations(parse_object_url(value, "trial URL"))
+    generations = ObjectGenerations(trial)
     generations.check_access()
     store, root = store_of(generations.root), generations.root
     skipped: dict[str, list[str]] = {}
@@ -268,32 +267,32 @@ class ObjectPlace:
 
     def describe(self, scratch: Path) -> dict[str, Any]:
         """The facts of a downloaded copy, with the checkpoint's URL as its path."""
-        local, url = fetch_checkpoint(str(self.url), scratch)
+        local, url = fetch_checkpoint(self.url, scratch)
         return {**describe(local), "path": url}
 
     def verify(self, progress: Callable[[Iterable[str]], Iterable[str]] = iter) -> list[tuple[str, list[str]]]:
         """:func:`verify_remote`."""
-        return verify_remote(str(self.url), progress)
+        return verify_remote(self.url, progress)
 
     def list(self) -> list[dict[str, Any]]:
         """:func:`list_remote`."""
-        return list_remote(str(self.url))
+        return list_remote(self.url)
 
     def readable(self, scratch: Path) -> Path:
         """A checked copy in ``scratch`` (:func:`fetch_checkpoint`)."""
-        return fetch_checkpoint(str(self.url), scratch)[0]
+        return fetch_checkpoint(self.url, scratch)[0]
 
     def newest_recovery(self) -> str | None:
         """The generation the trial's newest recovery commit record names now."""
         try:
-            recoveries = [c for c in committed_under(str(self.url)) if c.kind == "recover"]
+            recoveries = [c for c in committed_under(self.url) if c.kind == "recover"]
         except CheckpointError:
             return None
         return max(recoveries, key=lambda c: c.record.sequence).record.folder if recoveries else None
 
     def readable_tag(self, tag: str | None, scratch: Path) -> tuple[Path, str | None]:
         """A checked copy of the tag in ``scratch`` (:func:`fetch_tag_into`), and its folder's name."""
-        fetched = fetch_tag_into(str(self.url), tag, scratch)
+        fetched = fetch_tag_into(self.url, tag, scratch)
         return fetched.parent, fetched.name
 
     def output(self, scratch: Path) -> Path:
@@ -302,9 +301,9 @@ class ObjectPlace:
 
     def commit_output(self, folder: Path) -> str:
         """:func:`commit_output` to this URL."""
-        return commit_output(folder, str(self.url))
+        return commit_output(folder, self.url)
 
     def repoint(self) -> Repointed:
         """:func:`repoint_remote`."""
-        generation, skipped, committed = repoint_remote(str(self.url))
+        generation, skipped, committed = repoint_remote(self.url)
         return Repointed(generation, skipped, committed, str(self.url))

@@ -17,10 +17,10 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.recover.repoint import repoint_newest_verified
 from areal_ckpt.recover.store import RecoverStore, resolve_recovery
-from areal_ckpt.storage.backends import locate
 from areal_ckpt.tools.inspection import describe, list_trial, verify_each
 from areal_ckpt.tools.object_place import ObjectPlace
 from areal_ckpt.tools.place_contract import CheckpointPlace, Progress, Repointed
+from areal_ckpt.urls import locate
 
 
 class FolderPlace:
