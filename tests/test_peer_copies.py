@@ -118,6 +118,30 @@ def test_copies_sit_on_the_ring_and_a_lost_node_is_assembled_from_them(tmp_path)
     run_distributed(_ring_case, 3, str(tmp_path))
 
 
+def _two_ranks_per_node_case(rank: int, world_size: int, root: str) -> None:
+    peers.TRANSFER_CHUNK = 4096
+    store = RecoverStore(Path(root) / f"node{rank // 2}" / "trial")  # ranks 0-1 on node 0, 2-3 on node 1
+    generation = _dump(store, 5, world_size)
+    assert peer_copies.node_ranks(store) == [[0, 1], [2, 3]]
+    received = dist.all_gather_objects(peer_copies.replicate(store, generation, copies=1))
+    assert all(count > 0 for count in received), received  # every rank of a node moves its share
+    folder = store.path(generation)
+    assert all((folder / name).read_bytes() == data for name, data in _everything(world_size, 5).items())
+    theirs = _everything(world_size, 5).keys() - {*_contents(2 * (rank // 2), 5), *_contents(2 * (rank // 2) + 1, 5)}
+    own_manifest = {RECOVER_MANIFEST} if rank >= 2 else set()
+    assert set(nodes.copies_of(store, generation)) == theirs | own_manifest  # one record per node, none lost
+
+    _lose_disk(store, 2)  # node 1, both of its ranks
+    filled = dist.all_gather_objects(nodes.fill_from_peers(store, generation).received)
+    assert filled[2] > 0 and filled[3] > 0, filled  # node 1's ranks both receive, not its lowest alone
+    assert all((folder / name).read_bytes() == data for name, data in _everything(world_size, 5).items())
+
+
+@pytest.mark.dist
+def test_the_ranks_of_a_node_share_its_transfers(tmp_path):
+    run_distributed(_two_ranks_per_node_case, 4, str(tmp_path))
+
+
 def _uncommitted_case(rank: int, world_size: int, root: str) -> None:
     store = RecoverStore(Path(root) / f"node{rank}" / "trial")
     committed = _dump(store, 3, world_size)

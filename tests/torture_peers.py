@@ -1,5 +1,6 @@
-"""`make torture`'s peer-copy rows (``peers-kill-{ranks}``): a tiered job on 2 or 4 ranks, each
-rank its own simulated node (its own ``local_dir`` folder) in front of a shared folder, with
+"""`make torture`'s peer-copy rows (``peers-kill-{ranks}``, ``peers-kill-4-on-2-nodes``): a tiered
+job on 2 or 4 ranks, each rank its own simulated node (its own ``local_dir`` folder), or 4 ranks
+sharing 2 nodes two by two, in front of a shared folder, with
 ``local_replicas`` 1 and ``upload_every`` 4, dumping forever (step s sets every weight to s);
 SIGKILLed at a random instant once the copies of a first commit are complete, then up to one
 node's local tier (chosen at random, or none) deleted before the restart on the same nodes. A
@@ -31,23 +32,24 @@ COPIES = 1
 UPLOAD_EVERY = 4
 
 
-def _config(work: str, trial: str, rank: int) -> ac.RecoverConfig:
+def _config(work: str, trial: str, node: int) -> ac.RecoverConfig:
     return ac.RecoverConfig(
         experiment_name="exp",
         trial_name=trial,
         fileroot=f"{work}/shared",
         user="tester",
         mode="sync",
-        local_dir=f"{work}/{trial}-local/node{rank}",
+        local_dir=f"{work}/{trial}-local/node{node}",
         local_replicas=COPIES,
         upload_every=UPLOAD_EVERY,
     )
 
 
-def peer_job(rank: int, world: int, work: str, trial: str) -> None:
-    """Step s sets every weight to s (each rank its own share of the model), then dumps, forever."""
+def peer_job(rank: int, world: int, work: str, trial: str, per_node: int) -> None:
+    """Step s sets every weight to s (each rank its own share of the model), then dumps, forever;
+    ``per_node`` ranks share each node."""
     setup = make_setup(**BIG)
-    handler = ac.RecoverHandler(_config(work, trial, rank), SPEC)
+    handler = ac.RecoverHandler(_config(work, trial, rank // per_node), SPEC)
     for step in range(10**6):
         with torch.no_grad():
             for parameter in setup.model.parameters():
@@ -55,10 +57,10 @@ def peer_job(rank: int, world: int, work: str, trial: str) -> None:
         handler.dump(setup.engine, step_info(step), force=True)
 
 
-def resume_peers(rank: int, world: int, work: str, trial: str, report: str) -> None:
+def resume_peers(rank: int, world: int, work: str, trial: str, per_node: int, report: str) -> None:
     """Resume on the same nodes; write the step named and whether every weight equals it."""
     setup = make_setup(seed=1, **BIG)
-    handler = ac.RecoverHandler(_config(work, trial, rank), SPEC)
+    handler = ac.RecoverHandler(_config(work, trial, rank // per_node), SPEC)
     try:
         info = handler.load(setup.engine)
         step = None if info is None else float(info.last_step_info.global_step)
@@ -75,13 +77,13 @@ def _shared_step(work: Path, trial: str) -> int | None:
     return generation_step(os.readlink(pointer)) if pointer.is_symlink() else None
 
 
-def _replicated_step(work: Path, trial: str, world: int) -> int | None:
+def _replicated_step(work: Path, trial: str, nodes: int) -> int | None:
     """The test's own oracle, read off the disks: the newest step whose generation (by any
     node's manifest) has every file, the manifest too, on ``COPIES`` + 1 nodes (all of them
     when fewer) at the manifest's size; None when none is."""
-    stores = [work / f"{trial}-local/node{node}/checkpoints/tester/exp/{trial}/.recover" for node in range(world)]
+    stores = [work / f"{trial}-local/node{node}/checkpoints/tester/exp/{trial}/.recover" for node in range(nodes)]
     names = {folder.name for store in stores if store.is_dir() for folder in store.glob("gen-*") if folder.is_dir()}
-    wanted = min(COPIES + 1, world)
+    wanted = min(COPIES + 1, nodes)
     best = None
     for name in names:
         manifests = []
@@ -105,21 +107,23 @@ def _replicated_step(work: Path, trial: str, world: int) -> int | None:
 
 
 def scenario_peers(trials: int, rng: random.Random, work: Path, select: str | None = None) -> list:
-    """Rows ``peers-kill-2`` and ``peers-kill-4`` (those whose id contains ``select``)."""
+    """Rows ``peers-kill-2``, ``peers-kill-4`` and ``peers-kill-4-on-2-nodes`` (those whose id
+    contains ``select``)."""
     from torture import Row
 
     rows = []
-    for world in (2, 4):
-        row = Row(f"peers-kill-{world}")
+    for world, per_node in ((2, 1), (4, 1), (4, 2)):
+        nodes = world // per_node
+        row = Row(f"peers-kill-{world}" + (f"-on-{nodes}-nodes" if per_node > 1 else ""))
         if select is not None and select not in row.scenario:
             continue
         from_nodes = from_shared = lost_tiers = 0
         for index in range(trials):
-            trial = f"peers{world}-{index}"
-            processes = start_processes(peer_job, world, str(work), trial)
+            trial = f"peers{world}x{per_node}-{index}"
+            processes = start_processes(peer_job, world, str(work), trial, per_node)
             try:
                 deadline = time.monotonic() + 120  # from the first generation whose copies are complete on
-                while _replicated_step(work, trial, world) is None and time.monotonic() < deadline:
+                while _replicated_step(work, trial, nodes) is None and time.monotonic() < deadline:
                     time.sleep(0.05)
                 time.sleep(rng.uniform(0.0, 3.0))
                 for process in processes:
@@ -127,14 +131,14 @@ def scenario_peers(trials: int, rng: random.Random, work: Path, select: str | No
             finally:
                 for process in processes:
                     process.join(30)
-            bound = _replicated_step(work, trial, world)  # no resume may be older, whichever tier is lost
-            gone = rng.sample(range(world), rng.randint(0, COPIES))
+            bound = _replicated_step(work, trial, nodes)  # no resume may be older, whichever tier is lost
+            gone = rng.sample(range(nodes), rng.randint(0, COPIES))
             for node in gone:
                 shutil.rmtree(work / f"{trial}-local/node{node}", ignore_errors=True)
             lost_tiers += len(gone)
             shared = _shared_step(work, trial)
             report = str(work / f"{trial}-rank")
-            run_distributed(resume_peers, world, str(work), trial, report)
+            run_distributed(resume_peers, world, str(work), trial, per_node, report)
             found = [json.loads(Path(f"{report}{rank}.json").read_text()) for rank in range(world)]
             steps = {entry["step"] for entry in found}
             if None in steps or len(steps) != 1:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from areal_ckpt import agree, dist
-from areal_ckpt.errors import CheckpointError
+from areal_ckpt.errors import CheckpointError, CollectiveError
 from areal_ckpt.formats.dcp_slices import data_files_read_by
 from areal_ckpt.fsio import (
     FileRecord,
@@ -121,8 +121,9 @@ def _fill(
 ) -> int:
     """One pass of :func:`fill_from_peers` over the files of ``kind``: each node's lowest rank
     (``leader``) lists its node's folder, every rank says which it reads (``wanted``: None,
-    every one), rank 0 plans, and each node receives what it lacks of what its ranks read;
-    returns the bytes this rank received."""
+    every one), rank 0 plans, and each node receives what it lacks of what its ranks read (a
+    file by the lowest of its ranks that reads it, else by its ranks in turn, :func:`spread`;
+    sent by the holding node's ranks in turn); returns the bytes this rank received."""
     folder = store.path(generation)
     what = f"{folder}: copying the files of other nodes"
     leading = leader == dist.rank()
@@ -132,6 +133,7 @@ def _fill(
         listed = read_manifest(folder, RECOVER_MANIFEST)["files"]
         files = {name: FileRecord(entry["size"], entry["crc32"]) for name, entry in listed.items() if kind(name)}
         holders = {rank: listing for rank, (_, listing, _) in enumerate(asked) if listing is not None}
+        members = node_members([node for node, _, _ in asked])
         reads: dict[int, set[str] | None] = {}  # by node: what its ranks read (None: every file)
         for node, _, names in asked:
             if node not in reads or reads[node] is not None:
@@ -139,34 +141,79 @@ def _fill(
         everything = [(RECOVER_MANIFEST, manifest)] if kind(RECOVER_MANIFEST) else []
         transfers: list[Transfer] = []
         for index, (name, record) in enumerate([*everything, *sorted(files.items())]):
-            needing = [rank for rank in holders if reads[rank] is None or name in (reads[rank] or ())]
+            needing = [node for node in holders if reads[node] is None or name in (reads[node] or ())]
             if name == RECOVER_MANIFEST:
                 sources = [0]
-                targets = [rank for rank in needing if name not in holders[rank]]
+                targets = [node for node in needing if name not in holders[node]]
             else:
-                sources = [rank for rank, listing in holders.items() if listing.get(name) == record.size]
-                targets = [rank for rank in needing if holders[rank].get(name) != record.size]
+                sources = [node for node, listing in holders.items() if listing.get(name) == record.size]
+                targets = [node for node in needing if holders[node].get(name) != record.size]
             if targets and not sources:
                 raise CheckpointError(f"{folder / name}: no node holds this file of {generation}")
             for offset, target in enumerate(targets):  # the senders take turns
                 source = sources[(index + offset) % len(sources)]
-                transfers.append(Transfer(name, record.size, record.crc32, source, target))
+                readers = [rank for rank in members[target] if name in (asked[rank][2] or ())]
+                receiver = readers[0] if readers else spread(members[target], index)
+                sender = 0 if name == RECOVER_MANIFEST else spread(members[source], index)
+                transfers.append(Transfer(name, record.size, record.crc32, sender, receiver))
         return [[move for move in transfers if rank in (move.source, move.target)] for rank in range(len(asked))]
 
     mine = agree.gathered_then_dealt(lambda: (leader, listing_of(folder) if leading else None, wanted()), plan, what)
-    received = agree.on_every_rank(lambda: receive_copies(store, generation, mine), what)
+    received = receive_copies(store, generation, mine, leader)
     if received:
         logger.info("%s: received %d bytes from other nodes", folder, received)
     return received
 
 
-def receive_copies(store: RecoverStore, generation: str, transfers: list[Transfer]) -> int:
-    """This rank's share of ``transfers`` of ``generation`` (:func:`run_transfers`), then the
-    files it received noted as copies (:func:`note_copies`); returns the bytes received."""
-    received = run_transfers(store.path(generation), transfers)
-    names = [move.name for move in transfers if move.target == dist.rank()]
-    if names:
-        note_copies(store, generation, names)
+def node_members(leaders: list[int]) -> dict[int, list[int]]:
+    """Every node's ranks, in order, by its lowest rank; ``leaders``: each rank's node's lowest
+    rank, by rank. Pure."""
+    members: dict[int, list[int]] = {}
+    for rank, leader in enumerate(leaders):
+        members.setdefault(leader, []).append(rank)
+    return members
+
+
+def spread(ranks: list[int], index: int) -> int:
+    """The rank of a node's ``ranks`` that moves the ``index``-th file of a plan: the files of a
+    node are sent and received by all its ranks in turn, not funnelled through one. Pure."""
+    return ranks[index % len(ranks)]
+
+
+def receive_copies(store: RecoverStore, generation: str, transfers: list[Transfer], leader: int) -> int:
+    """Collective: every rank runs its share of ``transfers`` of ``generation``
+    (:func:`run_transfers`), then the lowest rank of each node (``leader``: this rank's node's)
+    records the files its node's ranks received as copies (:func:`note_copies`). Returns the
+    bytes this rank received. Raises CheckpointError on every rank, naming the ranks and the
+    file, when a transfer failed on any (the files received whole are kept; those of a rank
+    whose own transfers all succeeded are recorded)."""
+    what = f"{store.path(generation)}: copying the files of other nodes"
+    names: list[str] = []
+
+    def run() -> int:
+        got = run_transfers(store.path(generation), transfers)
+        names.extend(move.name for move in transfers if move.target == dist.rank())
+        return got  # a rank whose own transfers all succeeded records them, whatever the others did
+
+    failure: CheckpointError | None = None
+    try:
+        received = agree.on_every_rank(run, what)
+    except CollectiveError:
+        raise  # no rank can be asked what it received
+    except CheckpointError as error:  # raised alike on every rank
+        failure, received = error, 0
+
+    def by_node(every: list[tuple[int, list[str]]]) -> list[list[str]]:
+        noted: list[list[str]] = [[] for _ in every]
+        for node, received_names in every:
+            noted[node].extend(received_names)
+        return noted
+
+    noted = agree.gathered_then_dealt(lambda: (leader, names), by_node, what)
+    if noted:
+        note_copies(store, generation, noted)
+    if failure is not None:
+        raise failure
     return received
 
 

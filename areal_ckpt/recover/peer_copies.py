@@ -5,7 +5,8 @@ of a committed generation (the manifest and small files rank 0's node wrote, eac
 ranks' data files) ends up on K+1 nodes (at most all of them). The nodes, ordered by their
 lowest rank (node 0 holds rank 0), form a ring; a file held by one node only is copied to the K
 nodes after it on the ring, so a node's copies never sit on that node. The copies travel over
-the job's process group (the uploaders', :mod:`areal_ckpt.recover.upload`) after the local
+the job's process group (the uploaders', :mod:`areal_ckpt.recover.upload`), sent and received by all
+the ranks of each node in turn rather than through one (:func:`~areal_ckpt.recover.nodes.spread`), after the local
 commit, in the background, each written beside its place and given its name only once its size
 and CRC-32 match the manifest (:func:`~areal_ckpt.storage.peers.run_transfers`): a crash at any
 instant leaves whole files only. The local tiers keep the previous generation until the copies
@@ -29,31 +30,41 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import FileRecord, record_of
 from areal_ckpt.paths import RECOVER_CURRENT, RECOVER_MANIFEST, generation_step
 from areal_ckpt.publish import read_manifest, switch_symlink
-from areal_ckpt.recover.nodes import fill_from_peers, first_ranks, node_of, receive_copies
+from areal_ckpt.recover.nodes import fill_from_peers, first_ranks, node_members, node_of, receive_copies, spread
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.storage.peers import Transfer, listing_of
 
 logger = logging.getLogger(__name__)
 
 
-def node_leaders(store: RecoverStore) -> list[int]:
-    """Every node's lowest rank, in ring order (the index of a node in this list is its node
-    index). Collective; the same list on every rank."""
+def node_ranks(store: RecoverStore) -> list[list[int]]:
+    """Every node's ranks, in ring order: nodes ordered by their lowest rank (the index of a
+    node in this list is its node index). Collective; the same list on every rank."""
     nodes = agree.gathered_then_dealt(
         lambda: node_of(store.root), lambda every: [every] * len(every), f"{store.root}: finding the nodes"
     )
-    return sorted(first_ranks(nodes).values())
+    first = first_ranks(nodes)
+    members = node_members([first[node] for node in nodes])
+    return [members[leader] for leader in sorted(members)]
+
+
+def node_leaders(store: RecoverStore) -> list[int]:
+    """Every node's lowest rank, in ring order (:func:`node_ranks`). Collective."""
+    return [ranks[0] for ranks in node_ranks(store)]
 
 
 def replicate(store: RecoverStore, generation: str, copies: int) -> int:
     """Collective, after ``generation`` committed on rank 0's node: every file of it held by
     fewer than ``copies`` + 1 nodes is sent, whole and checked, to the nodes after the lowest
-    node holding it on the ring until that many hold it. Returns the bytes this rank received.
+    node holding it on the ring until that many hold it, the files of a node sent and received
+    by its ranks in turn (:func:`~areal_ckpt.recover.nodes.spread`). Returns the bytes this rank
+    received.
     Blocking; durable on return. Raises CheckpointError on every rank naming the file and ranks
     when a transfer failed (the files received whole are kept) or no node holds a file."""
     folder = store.path(generation)
     what = f"{folder}: copying to other nodes"
-    leaders = node_leaders(store)
+    nodes = node_ranks(store)
+    leaders = [ranks[0] for ranks in nodes]
     if len(leaders) < 2 or copies < 1:
         return 0
     wanted = min(copies, len(leaders) - 1) + 1
@@ -63,7 +74,7 @@ def replicate(store: RecoverStore, generation: str, copies: int) -> int:
         records = [(RECOVER_MANIFEST, record_of(folder / RECOVER_MANIFEST))]
         records += [(name, FileRecord(entry["size"], entry["crc32"])) for name, entry in sorted(files.items())]
         transfers: list[Transfer] = []
-        for name, record in records:
+        for index, (name, record) in enumerate(records):
             holders = [node for node, leader in enumerate(leaders) if (listings[leader] or {}).get(name) == record.size]
             if not holders:
                 raise CheckpointError(f"{folder / name}: no node holds this file of {generation}")
@@ -73,13 +84,14 @@ def replicate(store: RecoverStore, generation: str, copies: int) -> int:
                     break
                 node = (origin + hop) % len(leaders)
                 if node not in holders:
-                    transfers.append(Transfer(name, record.size, record.crc32, leaders[origin], leaders[node]))
+                    sender, receiver = spread(nodes[origin], index), spread(nodes[node], index)
+                    transfers.append(Transfer(name, record.size, record.crc32, sender, receiver))
                     holders.append(node)
         return [[move for move in transfers if rank in (move.source, move.target)] for rank in range(len(listings))]
 
     leading = dist.rank() in leaders
     mine = agree.gathered_then_dealt(lambda: listing_of(folder) if leading else None, plan, what)
-    received = agree.on_every_rank(lambda: receive_copies(store, generation, mine), what)
+    received = receive_copies(store, generation, mine, next(ranks[0] for ranks in nodes if dist.rank() in ranks))
     if received:
         logger.info("%s: received %d bytes of other nodes' files (local_replicas=%d)", folder, received, copies)
     return received
@@ -202,7 +214,7 @@ def assemble(store: RecoverStore, generation: str, manifest_from: int, every_fil
             return [[move] if rank in (0, manifest_from) else [] for rank in range(len(records))]
 
         moves = agree.gathered_then_dealt(manifest_record, plan, what)
-        agree.on_every_rank(lambda: receive_copies(store, generation, moves), what)
+        receive_copies(store, generation, moves, next(ranks[0] for ranks in node_ranks(store) if dist.rank() in ranks))
         agree.decided_by_rank0(lambda: read_manifest(folder, RECOVER_MANIFEST) and None, what)
     partial = not dist.all_true(not fill_from_peers(store, generation, every_file).elsewhere)
 
