@@ -5,8 +5,9 @@ of a committed generation (the manifest and small files rank 0's node wrote, eac
 ranks' data files) ends up on K+1 nodes (at most all of them). The nodes, ordered by their
 lowest rank (node 0 holds rank 0), form a ring; a file held by one node only is copied to the K
 nodes after it on the ring, so a node's copies never sit on that node. The copies travel over
-the job's process group (the uploaders', :mod:`areal_ckpt.recover.upload`), sent and received by all
-the ranks of each node in turn rather than through one (:func:`~areal_ckpt.recover.nodes.spread`), after the local
+the job's process group (the uploaders', :mod:`areal_ckpt.recover.upload`), sent and received
+by all the ranks of each node in turn rather than through one
+(:func:`~areal_ckpt.recover.nodes.spread`), after the local
 commit, in the background, each written beside its place and given its name only once its size
 and CRC-32 match the manifest (:func:`~areal_ckpt.storage.peers.run_transfers`): a crash at any
 instant leaves whole files only. The local tiers keep the previous generation until the copies
@@ -58,8 +59,7 @@ def replicate(store: RecoverStore, generation: str, copies: int) -> int:
     fewer than ``copies`` + 1 nodes is sent, whole and checked, to the nodes after the lowest
     node holding it on the ring until that many hold it, the files of a node sent and received
     by its ranks in turn (:func:`~areal_ckpt.recover.nodes.spread`). Returns the bytes this rank
-    received.
-    Blocking; durable on return. Raises CheckpointError on every rank naming the file and ranks
+    received. Blocking; durable on return. Raises CheckpointError on every rank naming the file and ranks
     when a transfer failed (the files received whole are kept) or no node holds a file."""
     folder = store.path(generation)
     what = f"{folder}: copying to other nodes"
