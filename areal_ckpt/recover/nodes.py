@@ -102,13 +102,18 @@ def fill_from_peers(store: RecoverStore, generation: str, every_file: bool = Fal
         return data_files_read_by(folder, files["files"], dist.rank())
 
     received += _fill(store, generation, leader, lambda name: name.endswith(DATA_SUFFIX), read_here)
+    return Filled(received, held_elsewhere(store, generation))
+
+
+def held_elsewhere(store: RecoverStore, generation: str) -> frozenset[str]:
+    """The data files of ``generation`` (its manifest's) that this node's local tier does not
+    hold at their size: after :func:`fill_from_peers`, those no rank of the node reads. Local,
+    read-only."""
+    folder = store.path(generation)
     files = read_manifest(folder, RECOVER_MANIFEST)["files"]
     held = listing_of(folder)
-    return Filled(
-        received,
-        frozenset(
-            name for name, entry in files.items() if name.endswith(DATA_SUFFIX) and held.get(name) != entry["size"]
-        ),
+    return frozenset(
+        name for name, entry in files.items() if name.endswith(DATA_SUFFIX) and held.get(name) != entry["size"]
     )
 
 

@@ -33,7 +33,7 @@ from areal_ckpt.paths import (
 )
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.location import trial_location
-from areal_ckpt.recover.nodes import fill_from_peers
+from areal_ckpt.recover.nodes import held_elsewhere
 from areal_ckpt.recover.persistent import PersistentGenerations, fetch_newest
 from areal_ckpt.recover.store import RecoverStore, find_committed
 from areal_ckpt.schedule import TriggerSchedule
@@ -61,8 +61,9 @@ def open_committed(
     :meth:`~areal_ckpt.recover.publication.Publication.source`) the generation's small files
     come down to the node's local copy first and its data files only as a rank reads them (each
     rank the files its share needs); without, the local copy is read as it is, and with
-    ``local`` (a tiered trial resuming from its local tier, :mod:`areal_ckpt.recover.tiers`)
-    once each node received the files only other nodes hold (:mod:`areal_ckpt.recover.nodes`).
+    ``local`` (a tiered trial resuming from its local tier, :mod:`areal_ckpt.recover.tiers`,
+    called once the generation was assembled there: each node holds what its ranks read, and
+    the data files it lacks are not looked for, :func:`~areal_ckpt.recover.nodes.held_elsewhere`).
     Collective: rank 0 finds it (removing debris), every rank verifies its share and reads its
     info. Raises CheckpointError on every rank when the
     commit record is broken, the trial holds AReaL's folders, a file is damaged, ``models``
@@ -76,8 +77,8 @@ def open_committed(
         return None
     folder = store.path(found)
     elsewhere: frozenset[str] = frozenset()
-    if local:  # on several nodes, each node's copy lacks the other nodes' files until now
-        elsewhere = fill_from_peers(store, found).elsewhere
+    if local:  # assembled: each node holds what its ranks read, the other nodes the rest
+        elsewhere = held_elsewhere(store, found)
     manifest = verify_checkpoint(folder, data_on_demand=source is not None, elsewhere=elsewhere)
     fetch = None if source is None else OnDemandFiles(source.files_of(found), folder, manifest["files"]).ensure
     check_models(folder, manifest["models"], models)
