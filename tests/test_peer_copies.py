@@ -379,8 +379,8 @@ def _messages(name: str, level: int) -> Iterator[list[str]]:
         logger.setLevel(old_level)
 
 
-def _received(messages: list[str]) -> int:
-    return sum(int(found) for found in re.findall(r"received (\d+) bytes from other nodes", " ".join(messages)))
+def _received(messages: list[str], how: str = "from other nodes") -> int:
+    return sum(int(found) for found in re.findall(rf"received (\d+) bytes {how}", " ".join(messages)))
 
 
 def _slices_case(rank: int, world_size: int, root: str) -> None:
@@ -421,21 +421,24 @@ def _slices_case(rank: int, world_size: int, root: str) -> None:
         shutil.rmtree(f"{root}/shared")
     lose_node1()
 
-    # the same sharding: node 1 receives the data file its rank reads, not node 0's, and after the
-    # load the background copy brings node 0's back (every file on two nodes again)
+    # the same sharding: node 1 receives the data file its rank reads, not node 0's, straight into
+    # its rank's load (its tier gets the small files), and after the load the background copy
+    # brings both back (every file on two nodes again)
     fresh, fresh_optimizer = _sharded_model(sharded=True)
     with torch.no_grad():
         for parameter in fresh.parameters():
             parameter.add_(1)
     loader = ac.RecoverHandler(config(), spec)
-    with _messages("areal_ckpt.recover.nodes", logging.INFO) as sent:
+    with _messages("areal_ckpt", logging.INFO) as sent:
         info = loader.load(ac.TorchEngine(fresh, optimizer=fresh_optimizer))
     assert info is not None and info.last_step_info.global_step == 3
     assert all(torch.equal(saved[name], value) for name, value in _full_state(fresh).items())
+    into_load = _received(sent, r"from rank \d+ straight into the load")
     if rank == 1:
-        assert sizes["__1_0.distcp"] < _received(sent) < sizes["__1_0.distcp"] + sizes["__0_0.distcp"]
+        assert into_load == sizes["__1_0.distcp"]
+        assert 0 < _received(sent) < sizes["__0_0.distcp"]  # the small files only
     else:
-        assert _received(sent) == 0
+        assert (into_load, _received(sent)) == (0, 0)
     loader.close()  # waits for the copies
     assert node1_data_files() == {"__0_0.distcp", "__1_0.distcp"}
     lose_node1()

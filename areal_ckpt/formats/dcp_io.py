@@ -12,6 +12,7 @@ One 4-byte collective remains: every rank learns whether any rank failed.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,7 +28,10 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats import cache_fill
 from areal_ckpt.formats.dcp_metadata import read_metadata_json, tensor_entries
 from areal_ckpt.formats.dcp_storage import RawStorageReader
+from areal_ckpt.formats.range_read import PeerFiles
 from areal_ckpt.fsio import FileRecord
+
+logger = logging.getLogger(__name__)
 
 #: The way out of a checkpoint that does not fit the model it is loaded into.
 CHANGED_MODEL = (
@@ -50,6 +54,7 @@ def load_tensors(
     fetch: Callable[[Path], None] | None = None,
     whole: Callable[[], Metadata] | None = None,
     fill_page_cache: bool = False,
+    peers: PeerFiles | None = None,
 ) -> None:
     """Fill ``template`` (flat name -> Tensor / DTensor, in place) from ``folder``; blocking.
 
@@ -67,7 +72,9 @@ def load_tensors(
     :class:`~areal_ckpt.formats.dcp_storage.RawStorageReader`). With ``fill_page_cache`` (a
     restart's load, which the next restart may repeat) the files read around the page cache
     are brought into it in the background once every rank has read
-    (:mod:`~areal_ckpt.formats.cache_fill`).
+    (:mod:`~areal_ckpt.formats.cache_fill`). ``peers`` sends and receives this rank's share of
+    the data files other ranks read as they arrive (see ``RawStorageReader``); those of a read
+    that fails before reaching them run all the same, so no peer waits.
     """
     metadata = read_metadata_json(folder) if metadata is None else metadata
     stored = tensor_index(metadata)
@@ -86,13 +93,22 @@ def load_tensors(
                 f"{folder}: {name}: checkpoint has {dtype} {list(shape)}, model has {tensor.dtype} "
                 f"{list(tensor.shape)}{CHANGED_MODEL}"
             )
+
+    def read() -> None:
+        try:
+            _read_planned(
+                template, lambda given: RawStorageReader(folder, expected, given, fetch, peers), metadata, whole
+            )
+        except Exception:
+            if peers is not None:  # the peers wait for this rank's transfers of the folder
+                try:
+                    peers.exchange(folder, (), lambda name, source: None)
+                except Exception as error:  # the failure that stopped the read is the one to report
+                    logger.warning("%s: a transfer after the failed read failed too: %s", folder, error)
+            raise
+
     try:
-        agree.on_every_rank(  # every rank learns whether all read their shards, so none goes on alone
-            lambda: _read_planned(
-                template, lambda given: RawStorageReader(folder, expected, given, fetch), metadata, whole
-            ),
-            f"{folder}: reading DCP shards failed",
-        )
+        agree.on_every_rank(read, f"{folder}: reading DCP shards failed")  # every rank learns whether all read
     except BaseException:
         cache_fill.forget_noted()
         raise

@@ -51,7 +51,7 @@ from areal_ckpt.formats.dcp_metadata import (
     tensor_entry,
 )
 from areal_ckpt.formats.dcp_slices import INDEX_JSON, chunks_file_for, chunks_to_json, index_to_json
-from areal_ckpt.formats.range_read import RangeReader, open_ranges
+from areal_ckpt.formats.range_read import PeerFiles, RangeReader, open_ranges
 from areal_ckpt.formats.torch_record import frame_for
 from areal_ckpt.fsio import ChecksummedWriter, FileRecord, FileWriter, record_of, write_file_durably
 from areal_ckpt.tensors import tensor_bytes
@@ -182,7 +182,9 @@ class RawStorageReader(StorageReader):
     pass afterwards. Without ``expected`` nothing is checked (the caller verified already).
     ``metadata``, when given, is the folder's metadata already read by the caller.
     ``fetch``, when given, is called with a data file's path before it is opened (a local copy
-    of a checkpoint on object storage brings the file down then).
+    of a checkpoint on object storage brings the file down then). ``peers``, when given, sends
+    and receives data files of the folder first (a restart from the local tiers): a file
+    received is read as it arrives, never from disk, and checked the same way.
     """
 
     def __init__(
@@ -191,10 +193,12 @@ class RawStorageReader(StorageReader):
         expected: dict[str, FileRecord] | None = None,
         metadata: Metadata | None = None,
         fetch: Callable[[Path], None] | None = None,
+        peers: PeerFiles | None = None,
     ) -> None:
         super().__init__()
         self.folder = Path(folder)
         self.fetch = fetch
+        self.peers = peers
         self.expected = expected
         self._given = metadata
         self._metadata: Metadata | None = None
@@ -232,25 +236,41 @@ class RawStorageReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Fill this rank's destination tensors file by file, in file order; blocking."""
+        """Fill this rank's destination tensors file by file, in file order, the files other
+        ranks send first (``peers``); blocking."""
         per_file: dict[str, list[tuple[_StorageInfo, ReadItem]]] = {}
         for item in plan.items:
             info = self._loaded.storage_data[item.storage_index]
             per_file.setdefault(info.relative_path, []).append((info, item))
-        for file_name, items in per_file.items():
+        for items in per_file.values():
             items.sort(key=lambda pair: pair[0].offset)
+        if self.peers is not None:
+            self.peers.exchange(
+                self.folder,
+                set(per_file),
+                lambda name, source: self._read_file(name, per_file.pop(name), planner, source),
+            )
+        for file_name, items in per_file.items():
             self._read_file(file_name, items, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _read_file(self, file_name: str, items: list[tuple[_StorageInfo, ReadItem]], planner: LoadPlanner) -> None:
+    def _read_file(
+        self,
+        file_name: str,
+        items: list[tuple[_StorageInfo, ReadItem]],
+        planner: LoadPlanner,
+        received: RangeReader | None = None,
+    ) -> None:
+        """Fill the tensors of ``items`` from ``file_name`` (from ``received`` when it arrives
+        from another rank), then check its CRC-32."""
         path = self.folder / file_name
-        if self.fetch is not None:
+        if received is None and self.fetch is not None:
             self.fetch(path)
         expected = None if self.expected is None else self.expected.get(file_name)
         segments = _segments(items, None if expected is None else expected.size)
-        source = open_ranges(path, [(offset, length) for offset, length, _ in segments])
+        source = received or open_ranges(path, [(offset, length) for offset, length, _ in segments])
         try:
             for run in _adjacent_runs(segments, path):
                 destinations = [
@@ -298,7 +318,8 @@ class RawStorageReader(StorageReader):
         expected = self.expected.get(file_name)
         if expected is None:
             raise CheckpointError(f"{path}: not listed in the checkpoint's manifest")
-        actual = source.checksum() if source.covered == expected.size else record_of(path).crc32
+        running = source.checksum()  # a file received from another rank is then covered whole
+        actual = running if source.covered == expected.size else record_of(path).crc32
         if actual != expected.crc32:
             raise CheckpointError(f"{path}: checksum mismatch (file corrupted)")
 

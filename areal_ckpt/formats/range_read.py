@@ -27,6 +27,7 @@ import ctypes
 import logging
 import mmap
 import os
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Protocol
@@ -62,6 +63,16 @@ class RangeReader(Protocol):
 
     def close(self) -> None:
         """Release the file and any buffers; waits for reads in flight."""
+
+
+class PeerFiles(Protocol):
+    """Data files a load receives from other ranks as it reads them instead of reading them
+    from disk (:class:`areal_ckpt.storage.peer_reads.PeerReads`)."""
+
+    def exchange(self, folder: Path, reads: Collection[str], read: Callable[[str, RangeReader], None]) -> None:
+        """This rank's transfers of the data files in ``folder``, in their agreed order: each
+        received file named in ``reads`` is handed to ``read`` as a reader of its bytes in file
+        order; every transfer runs to its end; raises CheckpointError naming the file."""
 
 
 def open_ranges(path: Path, spans: list[tuple[int, int]]) -> RangeReader:

@@ -18,6 +18,7 @@ from areal_ckpt.config import RecoverConfig
 from areal_ckpt.engines.accept import HFAssets, check_engines, engines_by_name, named_engines
 from areal_ckpt.engines.contract import EnginesLike, RolloutEngine, WeightUpdateMeta
 from areal_ckpt.errors import CheckpointError, CollectiveError
+from areal_ckpt.formats.range_read import PeerFiles
 from areal_ckpt.jobs.lifecycle import SaveLifecycle, resolve_async
 from areal_ckpt.paths import default_user, recover_info_link, trial_root
 from areal_ckpt.recover.dump_runs import DumpRuns, stopped
@@ -301,7 +302,7 @@ class RecoverHandler:
         engines = engines_by_name(engine, "RecoverHandler.load")
         policy = "drop_rank_state" if drop_rank_state else self.config.on_world_size_change
 
-        def restore(local: bool) -> tuple[str, dict[str, Any], RecoverInfo] | None:
+        def restore(local: bool, peers: PeerFiles | None) -> tuple[str, dict[str, Any], RecoverInfo] | None:
             opened = open_committed(
                 self.store, self.publication.source(local), sorted(engines), policy, dataloader, local=local
             )
@@ -312,7 +313,12 @@ class RecoverHandler:
             def load_engines() -> None:
                 for name in sorted(engines):
                     load_engine(
-                        engines[name], self.store.path(found) / name, manifest, self.config.no_load_optim, fetch=fetch
+                        engines[name],
+                        self.store.path(found) / name,
+                        manifest,
+                        self.config.no_load_optim,
+                        fetch=fetch,
+                        peers=peers,
                     )
 
             if rollout is None:

@@ -38,6 +38,7 @@ from areal_ckpt.fsio import (
 from areal_ckpt.paths import DATA_SUFFIX, RECOVER_MANIFEST
 from areal_ckpt.publish import read_manifest
 from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.storage.peer_reads import PeerReads
 from areal_ckpt.storage.peers import Transfer, listing_of, run_transfers
 
 logger = logging.getLogger(__name__)
@@ -64,15 +65,17 @@ def first_ranks(nodes: list[str]) -> dict[str, int]:
 
 @dataclass(frozen=True)
 class Filled:
-    """What :func:`fill_from_peers` did on this rank: the bytes it received, and the data files
-    its node does not hold whole because no rank of it reads them (they are checked where
-    read; a torn copy of one stays until a load needs it)."""
+    """What :func:`fill_from_peers` did on this rank: the bytes it received, the data files its
+    node does not hold whole (no rank of it reads them, or the one that does receives them
+    into its load; they are checked where read; a torn copy of one stays until a load needs
+    it), and this rank's share of the transfers that go into the load."""
 
     received: int
     elsewhere: frozenset[str]
+    into_load: PeerReads | None = None
 
 
-def fill_from_peers(store: RecoverStore, generation: str, every_file: bool = False) -> Filled:
+def fill_from_peers(store: RecoverStore, generation: str, every_file: bool = False, into_load: bool = False) -> Filled:
     """Collective, before a load of ``generation`` (rank 0's committed one) from the local
     tiers, whose folder every node holds: each node receives, whole, the files of it that it
     lacks (or holds at another size) from a node that holds it, each checked against the
@@ -80,9 +83,12 @@ def fill_from_peers(store: RecoverStore, generation: str, every_file: bool = Fal
     files (rank 0's manifest among them, when a node has none), then the data files its ranks
     read (:func:`~areal_ckpt.formats.dcp_slices.data_files_read_by`: at the saved world size a
     rank's own shards and the tensors stored whole; every one at another world size, or with
-    ``every_file``). Nothing is sent on one node. Blocking; durable on return. Raises
-    CheckpointError on every rank, naming the file and the ranks, when no node holds a file a
-    node needs or a transfer failed (files received whole are kept)."""
+    ``every_file``). With ``into_load``, a data file exactly one rank of the node reads is not
+    written there: it is sent while that rank's load reads it (the returned ``into_load``, which the load runs and
+    :meth:`~areal_ckpt.storage.peer_reads.PeerReads.settle` ends; the node's tier gets it back
+    from the background copies). Nothing is sent on one node. Blocking; the files written are
+    durable on return. Raises CheckpointError on every rank, naming the file and the ranks, when
+    no node holds a file a node needs or a transfer failed (files received whole are kept)."""
     folder = store.path(generation)
     what = f"{folder}: copying the files of other nodes"
 
@@ -93,7 +99,7 @@ def fill_from_peers(store: RecoverStore, generation: str, every_file: bool = Fal
     several, leader = agree.gathered_then_dealt(lambda: node_of(store.root), roles, what)
     if not several:
         return Filled(0, frozenset())
-    received = _fill(store, generation, leader, lambda name: not name.endswith(DATA_SUFFIX), lambda: None)
+    received, _ = _fill(store, generation, leader, lambda name: not name.endswith(DATA_SUFFIX), lambda: None, False)
 
     def read_here() -> set[str] | None:
         files = read_manifest(folder, RECOVER_MANIFEST)
@@ -101,8 +107,8 @@ def fill_from_peers(store: RecoverStore, generation: str, every_file: bool = Fal
             return None
         return data_files_read_by(folder, files["files"], dist.rank())
 
-    received += _fill(store, generation, leader, lambda name: name.endswith(DATA_SUFFIX), read_here)
-    return Filled(received, held_elsewhere(store, generation))
+    written, streamed = _fill(store, generation, leader, lambda name: name.endswith(DATA_SUFFIX), read_here, into_load)
+    return Filled(received + written, held_elsewhere(store, generation), PeerReads(folder, streamed))
 
 
 def held_elsewhere(store: RecoverStore, generation: str) -> frozenset[str]:
@@ -123,12 +129,14 @@ def _fill(
     leader: int,
     kind: Callable[[str], bool],
     wanted: Callable[[], set[str] | None],
-) -> int:
+    into_load: bool,
+) -> tuple[int, list[Transfer]]:
     """One pass of :func:`fill_from_peers` over the files of ``kind``: each node's lowest rank
     (``leader``) lists its node's folder, every rank says which it reads (``wanted``: None,
     every one), rank 0 plans, and each node receives what it lacks of what its ranks read (a
-    file by the lowest of its ranks that reads it, else by its ranks in turn, :func:`spread`;
-    sent by the holding node's ranks in turn); returns the bytes this rank received."""
+    file by the lowest of its ranks that reads it, into its load when it is the only one
+    and ``into_load``, else by its ranks in turn, :func:`spread`; sent by the holding node's ranks in turn);
+    returns the bytes this rank received, and its share of the transfers into the load."""
     folder = store.path(generation)
     what = f"{folder}: copying the files of other nodes"
     leading = leader == dist.rank()
@@ -160,14 +168,15 @@ def _fill(
                 readers = [rank for rank in members[target] if name in (asked[rank][2] or ())]
                 receiver = readers[0] if readers else spread(members[target], index)
                 sender = 0 if name == RECOVER_MANIFEST else spread(members[source], index)
-                transfers.append(Transfer(name, record.size, record.crc32, sender, receiver))
+                streamed = into_load and len(readers) == 1
+                transfers.append(Transfer(name, record.size, record.crc32, sender, receiver, streamed))
         return [[move for move in transfers if rank in (move.source, move.target)] for rank in range(len(asked))]
 
     mine = agree.gathered_then_dealt(lambda: (leader, listing_of(folder) if leading else None, wanted()), plan, what)
-    received = receive_copies(store, generation, mine, leader)
+    received = receive_copies(store, generation, [move for move in mine if not move.into_load], leader)
     if received:
         logger.info("%s: received %d bytes from other nodes", folder, received)
-    return received
+    return received, [move for move in mine if move.into_load]
 
 
 def node_members(leaders: list[int]) -> dict[int, list[int]]:

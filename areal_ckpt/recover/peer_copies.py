@@ -33,6 +33,7 @@ from areal_ckpt.paths import RECOVER_CURRENT, RECOVER_MANIFEST, generation_step
 from areal_ckpt.publish import read_manifest, switch_symlink
 from areal_ckpt.recover.nodes import fill_from_peers, first_ranks, node_members, node_of, receive_copies, spread
 from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.storage.peer_reads import PeerReads
 from areal_ckpt.storage.peers import Transfer, listing_of
 
 logger = logging.getLogger(__name__)
@@ -189,15 +190,18 @@ def assemblies(held: dict[int, dict[str, Holding]]) -> list[Assembly]:
     return sorted(found.values(), key=lambda entry: (generation_step(entry.generation), entry.generation), reverse=True)
 
 
-def assemble(store: RecoverStore, generation: str, manifest_from: int, every_file: bool = False) -> bool:
+def assemble(
+    store: RecoverStore, generation: str, manifest_from: int, every_file: bool = False, into_load: bool = False
+) -> tuple[bool, PeerReads | None]:
     """Collective, before a load from the local tiers: make ``generation`` whole on every node
     and committed on rank 0's node. Rank 0 first receives its manifest from ``manifest_from``
     when its node lacks it, then every node receives what it lacks of what its ranks read (of
-    every file with ``every_file``; :func:`~areal_ckpt.recover.nodes.fill_from_peers`, each file
+    every file with ``every_file``; with ``into_load`` a data file one rank of a node reads
+    goes into its load instead; :func:`~areal_ckpt.recover.nodes.fill_from_peers`, each file
     checked against the manifest), then rank 0 points ``current`` at it (durable). Returns
-    whether some node was left without files no rank of it reads (the same on every rank).
-    Raises CheckpointError on every rank naming the file when a copy fails its check; nothing
-    is committed then."""
+    whether some node was left without data files of it (the same on every rank), and this
+    rank's share of the transfers the load runs. Raises CheckpointError on every rank naming
+    the file when a copy fails its check; nothing is committed then."""
     folder = store.path(generation)
     what = f"{folder}: assembling it from the nodes' local tiers"
     if manifest_from != 0:
@@ -216,7 +220,8 @@ def assemble(store: RecoverStore, generation: str, manifest_from: int, every_fil
         moves = agree.gathered_then_dealt(manifest_record, plan, what)
         receive_copies(store, generation, moves, next(ranks[0] for ranks in node_ranks(store) if dist.rank() in ranks))
         agree.decided_by_rank0(lambda: read_manifest(folder, RECOVER_MANIFEST) and None, what)
-    partial = not dist.all_true(not fill_from_peers(store, generation, every_file).elsewhere)
+    filled = fill_from_peers(store, generation, every_file, into_load)
+    partial = not dist.all_true(not filled.elsewhere)
 
     def point() -> None:
         pointer = store.root / RECOVER_CURRENT
@@ -224,4 +229,4 @@ def assemble(store: RecoverStore, generation: str, manifest_from: int, every_fil
             switch_symlink(pointer, generation)
 
     agree.decided_by_rank0(point, what)
-    return partial
+    return partial, filled.into_load

@@ -30,6 +30,7 @@ from typing import Protocol, TypeVar
 
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError, TransientError
+from areal_ckpt.formats.range_read import PeerFiles
 from areal_ckpt.fsio import FileWriter
 from areal_ckpt.paths import RECOVER_MANIFEST
 from areal_ckpt.publish import read_manifest
@@ -79,9 +80,12 @@ class Publication(Protocol):
         """The background uploads of a handler that dumps, or None when dumps publish nothing
         later. Collective (every rank makes its own)."""
 
-    def restore(self, store: RecoverStore, restore: Callable[[bool], T | None]) -> tuple[T | None, TierChoice | None]:
-        """Run ``restore(local)`` (a collective load of the committed generation: ``local`` from
-        the local store as it is, else from where the trial persists) against the right
+    def restore(
+        self, store: RecoverStore, restore: Callable[[bool, PeerFiles | None], T | None]
+    ) -> tuple[T | None, TierChoice | None]:
+        """Run ``restore(local, peers)`` (a collective load of the committed generation: ``local``
+        from the local store as it is, else from where the trial persists; ``peers``: the data
+        files other ranks send into it, :mod:`~areal_ckpt.recover.tiers`) against the right
         location; returns its result and the tier choice it followed (None: no choice to make).
         Collective."""
 
@@ -124,9 +128,11 @@ class KeptLocally:
         """None: nothing to upload."""
         return None
 
-    def restore(self, store: RecoverStore, restore: Callable[[bool], T | None]) -> tuple[T | None, TierChoice | None]:
-        """``restore(False)``: the local store is where the trial is."""
-        return restore(False), None
+    def restore(
+        self, store: RecoverStore, restore: Callable[[bool, PeerFiles | None], T | None]
+    ) -> tuple[T | None, TierChoice | None]:
+        """``restore(False, None)``: the local store is where the trial is."""
+        return restore(False, None), None
 
     def source(self, local: bool) -> PersistentGenerations | None:
         """None: the local store holds what counts."""
@@ -178,9 +184,11 @@ class PublishedInDump:
         """None: each dump publishes before it returns."""
         return None
 
-    def restore(self, store: RecoverStore, restore: Callable[[bool], T | None]) -> tuple[T | None, TierChoice | None]:
-        """``restore(False)``: the newest commit behind counts."""
-        return restore(False), None
+    def restore(
+        self, store: RecoverStore, restore: Callable[[bool, PeerFiles | None], T | None]
+    ) -> tuple[T | None, TierChoice | None]:
+        """``restore(False, None)``: the newest commit behind counts."""
+        return restore(False, None), None
 
     def source(self, local: bool) -> PersistentGenerations | None:
         """``behind``."""
@@ -255,7 +263,9 @@ class PublishedInBackground:
         """The uploads (and peer copies) of the local commits."""
         return Uploads(store, self.behind, run, retries, self.copies, self.upload_every)
 
-    def restore(self, store: RecoverStore, restore: Callable[[bool], T | None]) -> tuple[T | None, TierChoice | None]:
+    def restore(
+        self, store: RecoverStore, restore: Callable[[bool, PeerFiles | None], T | None]
+    ) -> tuple[T | None, TierChoice | None]:
         """The tier choice (:func:`~areal_ckpt.recover.tiers.restore_from_tiers`); the first
         after a :meth:`start` that found ``behind`` silent takes that as its answer (asking
         again would wait out the storage client's retries twice before resuming locally)."""

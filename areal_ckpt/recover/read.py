@@ -17,6 +17,7 @@ from areal_ckpt.engines.contract import LoadTarget
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import load_tensors, tensor_index
 from areal_ckpt.formats.dcp_slices import rank_metadata, read_when_needed
+from areal_ckpt.formats.range_read import PeerFiles
 from areal_ckpt.fsio import FileRecord
 from areal_ckpt.paths import (
     DATA_SUFFIX,
@@ -199,13 +200,16 @@ def load_engine(
     strict: bool = True,
     load_counters: bool = True,
     fetch: Callable[[Path], None] | None = None,
+    peers: PeerFiles | None = None,
 ) -> None:
     """Load one model's weights (and optimizer unless ``no_load_optim`` or not saved; LR
     scheduler when ``load_scheduler``; an engine's step counters when ``load_counters``) from
     its folder of a checkpoint checked by
     :func:`verify_checkpoint`, checking the data files' CRC-32 as they are read. ``strict``
     False loads the model tensors both sides have and logs the others. ``fetch`` brings a
-    data file into a local copy before it is read (:class:`~areal_ckpt.storage.folders.OnDemandFiles`).
+    data file into a local copy before it is read (:class:`~areal_ckpt.storage.folders.OnDemandFiles`);
+    ``peers`` sends and receives the data files a restart from the local tiers reads as they
+    arrive (:class:`~areal_ckpt.storage.peer_reads.PeerReads`).
     Files read around the page cache are brought into it in the background afterwards, so a
     restart that loads them again reads memory (:mod:`~areal_ckpt.formats.cache_fill`).
     Collective (DCP; FSDP2 / DDP / DeepSpeed state-dict helpers)."""
@@ -271,6 +275,7 @@ def load_engine(
             fetch=fetch,
             whole=frozen_whole,
             fill_page_cache=True,
+            peers=peers,
         )
     load_tensors(
         template,
@@ -281,6 +286,7 @@ def load_engine(
         fetch=fetch,
         whole=whole,
         fill_page_cache=True,
+        peers=peers,
     )
     if frozen is not None:
         template.update(frozen_template)

@@ -33,11 +33,13 @@ from typing import TypeVar
 
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
+from areal_ckpt.formats.range_read import PeerFiles
 from areal_ckpt.paths import generation_step
 from areal_ckpt.recover.foreign import refuse_foreign_layout
 from areal_ckpt.recover.peer_copies import Assembly, Holding, assemble, assemblies, holdings_of, node_leaders
 from areal_ckpt.recover.persistent import PersistentGenerations
 from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.storage.peer_reads import PeerReads
 
 logger = logging.getLogger(__name__)
 
@@ -97,32 +99,40 @@ def choose_tier(store: RecoverStore, behind: PersistentGenerations, unanswered: 
 def restore_from_tiers(
     store: RecoverStore,
     behind: PersistentGenerations,
-    restore: Callable[[bool], T | None],
+    restore: Callable[[bool, PeerFiles | None], T | None],
     unanswered: str | None = None,
 ) -> tuple[T | None, TierChoice]:
     """Resume the tiered trial ``store`` (persisting ``behind``): :func:`choose_tier` (told
     ``unanswered``), then
-    ``restore(local)`` (a collective load from the local tiers, once the chosen generation was
+    ``restore(local, peers)`` (a collective load from the local tiers, once the chosen generation was
     assembled on them, or from the persistent tier, returning None when there is nothing to
-    load). Each node first receives only what its ranks read; when assembling or loading fails
+    load). Each node first receives only what its ranks read, a data file only one of its ranks
+    reads straight into that rank's load (``peers``, whose transfers the load did not reach
+    run once it ends); when assembling or loading fails
     on a rank, every node receives every file it lacks and the load runs again; when that fails
     too (a file damaged, a copy that fails its check) and the persistent tier holds a
     generation, every rank loads that one instead, with a warning naming the failure.
     Collective; returns what ``restore`` returned and the choice it followed."""
     choice = choose_tier(store, behind, unanswered)
     if not choice.local:
-        return restore(False), choice
+        return restore(False, None), choice
     failure: CheckpointError | None = None
     restored: T | None = None
     partial = False
     for every_file in (False, True):  # a load sharded otherwise than the dump reads beyond its slice
         failure = None
+        peers: PeerReads | None = None
         try:
             assert choice.generation is not None
-            partial = assemble(store, choice.generation, choice.manifest_from, every_file)
-            restored = restore(True)
+            partial, peers = assemble(store, choice.generation, choice.manifest_from, every_file, not every_file)
+            restored = restore(True, peers)
         except CheckpointError as error:
             failure = error
+        try:
+            if peers is not None:
+                peers.settle()  # the transfers of a model not loaded, or of a load that failed first
+        except CheckpointError as error:
+            failure = failure or error
         if dist.all_true(failure is None):
             return restored, dataclasses.replace(choice, partial=partial)
         if not partial:
@@ -141,7 +151,7 @@ def restore_from_tiers(
         failure or "on another rank",
         choice.remote_newest,
     )
-    return restore(False), dataclasses.replace(choice, local=False)
+    return restore(False, None), dataclasses.replace(choice, local=False)
 
 
 def _decide(

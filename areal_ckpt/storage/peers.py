@@ -41,13 +41,15 @@ TRANSFER_CHUNK = 64 << 20
 @dist.exchanged
 @dataclass(frozen=True)
 class Transfer:
-    """One file of a generation sent whole from rank ``source`` to rank ``target``."""
+    """One file of a generation sent whole from rank ``source`` to rank ``target``: into a file
+    there, or, ``into_load``, into the load that reads it (:mod:`areal_ckpt.storage.peer_reads`)."""
 
     name: str
     size: int
     crc32: int
     source: int
     target: int
+    into_load: bool = False
 
 
 def listing_of(folder: Path) -> dict[str, int]:
@@ -72,7 +74,7 @@ def run_transfers(folder: Path, transfers: list[Transfer]) -> int:
     for move in transfers:
         try:
             if move.source == dist.rank():
-                _send(folder, move, buffers)
+                send_file(folder, move, buffers)
             else:
                 _receive(folder, move, buffers)
                 received += move.size
@@ -83,25 +85,26 @@ def run_transfers(folder: Path, transfers: list[Transfer]) -> int:
     return received
 
 
-def _pieces(size: int) -> list[tuple[int, int]]:
+def pieces(size: int) -> list[tuple[int, int]]:
     """(offset, length) of each message of a ``size``-byte file."""
     return [(offset, min(TRANSFER_CHUNK, size - offset)) for offset in range(0, size, TRANSFER_CHUNK)]
 
 
-def _send(folder: Path, move: Transfer, buffers: list[torch.Tensor]) -> None:
+def send_file(folder: Path, move: Transfer, buffers: list[torch.Tensor]) -> None:
     """Send ``move``'s file in :data:`TRANSFER_CHUNK` messages, the next one read from disk (on
     a helper thread, into the other of the two ``buffers``) while this one is sent; after a
     read error the rest goes as zeros (the receiver's check refuses it) and the error is raised
-    at the end."""
+    at the end. The receiver takes it whole into a file (:func:`run_transfers`) or straight into
+    a load (:mod:`areal_ckpt.storage.peer_reads`)."""
     failure: OSError | None = None
     try:
         source: BinaryIO | None = open_regular_file(folder / move.name)
     except OSError as error:
         source, failure = None, error
-    pieces = _pieces(move.size)
+    parts = pieces(move.size)
 
     def read(index: int, broken: bool) -> OSError | None:
-        piece = buffers[index % 2][: pieces[index][1]]
+        piece = buffers[index % 2][: parts[index][1]]
         if source is None or broken:
             piece.zero_()
             return None
@@ -109,7 +112,7 @@ def _send(folder: Path, move: Transfer, buffers: list[torch.Tensor]) -> None:
             view = piece.numpy().data.cast("B")
             got = 0
             while got < len(view):
-                count = os.preadv(source.fileno(), [view[got:]], pieces[index][0] + got)
+                count = os.preadv(source.fileno(), [view[got:]], parts[index][0] + got)
                 if not count:
                     break
                 got += count
@@ -120,12 +123,12 @@ def _send(folder: Path, move: Transfer, buffers: list[torch.Tensor]) -> None:
             return error
 
     reader = helper_threads("transfer-read", 1)
-    pending = reader.submit(read, 0, False) if pieces else None
+    pending = reader.submit(read, 0, False) if parts else None
     try:
-        for index, (_, length) in enumerate(pieces):
+        for index, (_, length) in enumerate(parts):
             assert pending is not None
             failure = failure or pending.result()
-            if index + 1 < len(pieces):
+            if index + 1 < len(parts):
                 pending = reader.submit(read, index + 1, failure is not None)
             dist.send_bytes(buffers[index % 2][:length], move.target)
     finally:
@@ -166,7 +169,7 @@ def _receive(folder: Path, move: Transfer, buffers: list[torch.Tensor]) -> None:
             return error
 
     written: Future[OSError | None] | None = None
-    for index, (_, length) in enumerate(_pieces(move.size)):
+    for index, (_, length) in enumerate(pieces(move.size)):
         chunk = buffers[index % 2][:length]
         dist.receive_bytes(chunk, move.source)
         if written is not None:
