@@ -45,24 +45,22 @@ PAUSE_SECONDS = 2.0  # between measurements
 
 READING = """Reading the rows. The copies run in the background uploaders after `dump` returns, so the
 loop pays nothing for them (the ratio moves around 1 with the machine's noise). A restart after
-node 1 lost its local tier sends node 1 what its ranks read (the small files and the data files
-their slices name: here its own shards, half the checkpoint), over gloo on loopback, each 64 MiB
-message read from node 0's disk while the one before crosses and written durably on node 1
-while the next arrives, each side reusing two buffers (a fresh buffer per message halved gloo's
-rate on loopback: 1.4 GB/s against 2.8-4.4). Timed inside single restarts (0.45 GB received): the
-transfer 0.34-1.04 s, the load from the page cache 0.39-0.61 s; deleting the older generation took
-0.18 s before the load began and now runs beside it (hidden in 3 ms). What bounds the receive
-here is filling new page-cache pages: timed message by message, each 64 MiB took 0.14-0.28 s to
-write, with fsync or without, while the next one crossed in 0.03-0.08 s; on this VM a buffered
-write of 0.45 GB runs 0.2-2.7 GB/s from one run to the next, an O_DIRECT one 1.5-2.1 GB/s.
-Receiving around the cache (O_DIRECT writes, and O_DIRECT reads on the sender) was tried: each
-write then took 0.02-0.10 s, but the load and the sender read the files cold instead, and three
-rounds gave 1.59x (1.32-1.97) against 1.73x (1.70-1.73) for the code as it is, the same day: not
-kept. The step that would remove the cost is loading straight from the received bytes and
-writing the node's tier after the load. The bucket (SeaweedFS) reads the same disk over
-loopback, and a load from it keeps what it downloads as an unsynced cache copy. On a cluster the bucket is the slowest tier and the
-copies cross NCCL or RDMA to each node's own disk: the ratio there is the interconnect and the
-node's disk against the bucket's download speed per node.
+node 1 lost its local tier sends node 1 its small files, written into its tier, and the data
+file its rank reads (its own shards, half the checkpoint), which crosses gloo on loopback while
+that rank's load reads it: each 64 MiB message read from node 0's disk while the one before
+crosses, received into one of two reused buffers and copied from there into the tensors it
+fills, the file's CRC-32 computed as it arrives; node 1's tier gets the file back from the
+background copies once the load returned (untimed here, waited for before the next trial).
+Until 2026-11-29 the restart wrote that file durably on node 1 first and the load read it back:
+timed message by message, each 64 MiB took 0.14-0.28 s to write, with fsync or without, while
+the next one crossed in 0.03-0.08 s (filling new page-cache pages is slow on this VM: a buffered
+write of 0.45 GB runs 0.2-2.7 GB/s from one run to the next), so the ratio stayed at 1.6-1.9x
+(1.92x (1.43-2.10) on the day of the change, 3 rounds, right before it); writing around the
+cache (O_DIRECT) only moved the cost to the cold reads that followed (1.59x against 1.73x the
+same day). The bucket (SeaweedFS) reads the same disk over loopback, and a load from it keeps
+what it downloads as an unsynced cache copy. On a cluster the bucket is the slowest tier and
+the copies cross NCCL or RDMA: the ratio there is the interconnect against the bucket's download
+speed per node.
 """
 
 

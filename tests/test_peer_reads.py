@@ -99,3 +99,60 @@ def _damaged_case(rank: int, world_size: int, root: str) -> None:
 @pytest.mark.dist
 def test_a_received_file_that_is_not_the_manifests_is_refused_naming_its_sender(tmp_path):
     run_distributed(_damaged_case, 2, str(tmp_path))
+
+
+def _load_case(rank: int, world_size: int, root: str) -> None:
+    import dataclasses
+    import shutil
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from areal_ckpt import dist
+    from areal_ckpt.formats.dcp_io import load_tensors
+    from areal_ckpt.formats.dcp_metadata import read_metadata_json
+    from areal_ckpt.formats.dcp_save import save_tensors
+
+    peers.TRANSFER_CHUNK = 4096
+    saved = Path(root) / "saved"
+    saved.mkdir(exist_ok=True)
+    state = {f"r{rank}": torch.arange(3000, dtype=torch.float32) + 1000 * rank}
+    records = save_tensors(state, saved)  # rank r's tensor in __r_0.distcp
+    dist.barrier()
+    folder = Path(root) / f"node{rank}" / "gen" / "model"
+    shutil.copytree(saved, folder, ignore=shutil.ignore_patterns("__1_0.distcp") if rank == 1 else None)
+    lost = saved / "__1_0.distcp"
+    size, crc = dist.all_gather_objects((lost.stat().st_size, crc32(lost.read_bytes())) if rank == 1 else None)[1]
+    move = Transfer(f"model/{lost.name}", size, crc, 0, 1, True)
+
+    # rank 1 reads its data file as rank 0 sends it, and nothing is written on its node
+    template = {f"r{rank}": torch.zeros(3000)}
+    load_tensors(template, folder, optional_prefixes=("r",), expected=records, peers=PeerReads(folder.parent, [move]))
+    assert torch.equal(template[f"r{rank}"], state[f"r{rank}"])
+    assert not (Path(root) / "node1" / "gen" / "model" / lost.name).exists()
+
+    # rank 1's read fails before it reaches its transfer: it still takes part, and both ranks
+    # raise the same error instead of waiting for each other
+    metadata = read_metadata_json(folder)
+    if rank == 1:  # a slice that leaves its tensor uncovered, and the whole metadata unreadable
+        entries = dict(metadata.state_dict_metadata)
+        entries["r1"] = dataclasses.replace(entries["r1"], chunks=[])
+        metadata = dataclasses.replace(metadata, state_dict_metadata=entries)
+
+    def whole() -> Metadata:
+        raise CheckpointError("the whole metadata does not read")
+
+    with pytest.raises(CheckpointError, match=r"rank 1: .*the whole metadata does not read"):
+        load_tensors(
+            {f"r{rank}": torch.zeros(3000)},
+            folder,
+            optional_prefixes=("r",),
+            expected=records,
+            metadata=metadata,
+            whole=whole,
+            peers=PeerReads(folder.parent, [move]),
+        )
+
+
+@pytest.mark.dist
+def test_a_rank_whose_read_fails_before_its_transfers_still_runs_them_and_both_raise(tmp_path):
+    run_distributed(_load_case, 2, str(tmp_path))

@@ -3,21 +3,22 @@
 When a node of a tiered trial lacks a data file that exactly one of its ranks reads, the
 restart's fill (:func:`~areal_ckpt.recover.nodes.fill_from_peers`) does not write it into the
 node's local tier: the file crosses the process group while that rank's load runs, each
-message copied straight into the tensors it fills (:class:`ReceivedFile`, the
-:class:`~areal_ckpt.formats.range_read.RangeReader` interface), so the restart neither fills
+message copied from one of two reused buffers into the tensors it fills (:class:`ReceivedFile`,
+the :class:`~areal_ckpt.formats.range_read.RangeReader` interface), so the restart neither fills
 new page-cache pages with it nor reads it back (what bounded a restart from the copies here,
-docs/benchmarks-peer-copies.md). The wire is that of :mod:`areal_ckpt.storage.peers`: the
-sender runs the same :func:`~areal_ckpt.storage.peers.send_file`, so either side may take
-part in a transfer as a plain send or as a drained receive and the other side stays in step.
+docs/benchmarks-peer-copies.md). The sender runs :func:`~areal_ckpt.storage.peers.send_file`,
+as for a transfer into a file.
 
 Each rank runs its share of these transfers in the plan's order, folder by folder, as the load
 reaches them (:meth:`PeerReads.exchange`, from the DCP reader); the ones a load never reached
 (a model not loaded, a load that failed before reading) run when it ends
-(:meth:`PeerReads.settle`), received and dropped. A received file is checked against its size
-and CRC-32 as it arrives; the reader refuses the load when it does not match, so the tensors
-it filled are never used. Nothing here writes a file: the node's tier gets the file back from
-the background copies after the load (:meth:`~areal_ckpt.recover.upload.Uploads.resumed`).
-Pairwise between the ranks each transfer names; blocking.
+(:meth:`PeerReads.settle`), received and dropped. A received file is checked against the
+transfer's size and CRC-32 (the manifest's) once its last message arrived
+(:meth:`ReceivedFile.checksum`, which the reader calls before the load completes): a mismatch
+fails the load, so the tensors it filled are never used. Nothing here writes a file; with peer
+copies, the background copies bring the file back to the node's tier after the load
+(:meth:`~areal_ckpt.recover.upload.Uploads.resumed`). Pairwise between the ranks each transfer
+names; blocking.
 """
 
 from __future__ import annotations
