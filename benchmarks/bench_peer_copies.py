@@ -54,10 +54,11 @@ background copies once the load returned (untimed here, waited for before the ne
 Until 2026-11-29 the restart wrote that file durably on node 1 first and the load read it back:
 timed message by message, each 64 MiB took 0.14-0.28 s to write, with fsync or without, while
 the next one crossed in 0.03-0.08 s (filling new page-cache pages is slow on this VM: a buffered
-write of 0.45 GB runs 0.2-2.7 GB/s from one run to the next), so the ratio stayed at 1.6-1.9x
-(1.92x (1.43-2.10) on the day of the change, 3 rounds, right before it); writing around the
-cache (O_DIRECT) only moved the cost to the cold reads that followed (1.59x against 1.73x the
-same day). The bucket (SeaweedFS) reads the same disk over loopback, and a load from it keeps
+write of 0.45 GB runs 0.2-2.7 GB/s from one run to the next), so the ratio stayed at 1.4-1.9x:
+the code right before the change, run 5 rounds right after the table's run, read restart 1.42x
+(1.02-1.81) and blocked 0.99x (0.68-1.20); the dump did not change, so the blocked row's move
+between the two runs is this VM's spread. Writing around the cache (O_DIRECT) only moved the
+cost to the cold reads that followed (1.59x against 1.73x the same day). The bucket (SeaweedFS) reads the same disk over loopback, and a load from it keeps
 what it downloads as an unsynced cache copy. On a cluster the bucket is the slowest tier and
 the copies cross NCCL or RDMA: the ratio there is the interconnect against the bucket's download
 speed per node.

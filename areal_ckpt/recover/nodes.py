@@ -8,7 +8,9 @@ that node drops its other generations but those uploads still need
 (:func:`~areal_ckpt.recover.tidy.drop_later`). Before a load from the local tiers, each node
 receives the files it lacks that its ranks read (rank 0's manifest among them), whole, from a
 node that holds them, over the job's process group (:func:`fill_from_peers`), each checked
-against the manifest's size and CRC-32; every rank then loads as from a local trial.
+against the manifest's size and CRC-32; every rank then loads as from a local trial, except
+that a data file only one rank of the node reads arrives while that rank's load reads it
+instead of being written first (:mod:`areal_ckpt.storage.peer_reads`).
 
 Ranks share a node when their local tier is the same folder (host name, device and inode), so
 the rule needs no launcher variables and holds for several nodes simulated on one machine.
@@ -84,11 +86,12 @@ def fill_from_peers(store: RecoverStore, generation: str, every_file: bool = Fal
     read (:func:`~areal_ckpt.formats.dcp_slices.data_files_read_by`: at the saved world size a
     rank's own shards and the tensors stored whole; every one at another world size, or with
     ``every_file``). With ``into_load``, a data file exactly one rank of the node reads is not
-    written there: it is sent while that rank's load reads it (the returned ``into_load``, which the load runs and
-    :meth:`~areal_ckpt.storage.peer_reads.PeerReads.settle` ends; the node's tier gets it back
-    from the background copies). Nothing is sent on one node. Blocking; the files written are
-    durable on return. Raises CheckpointError on every rank, naming the file and the ranks, when
-    no node holds a file a node needs or a transfer failed (files received whole are kept)."""
+    written there: it is sent while that rank's load reads it (the returned ``into_load``,
+    which the load runs and :meth:`~areal_ckpt.storage.peer_reads.PeerReads.settle` ends; with
+    peer copies the node's tier gets it back from the background copies). Nothing is sent on
+    one node. Blocking; the files written are durable on return. Raises CheckpointError on
+    every rank, naming the file and the ranks, when no node holds a file a node needs or a
+    transfer failed (files received whole are kept)."""
     folder = store.path(generation)
     what = f"{folder}: copying the files of other nodes"
 
@@ -134,9 +137,10 @@ def _fill(
     """One pass of :func:`fill_from_peers` over the files of ``kind``: each node's lowest rank
     (``leader``) lists its node's folder, every rank says which it reads (``wanted``: None,
     every one), rank 0 plans, and each node receives what it lacks of what its ranks read (a
-    file by the lowest of its ranks that reads it, into its load when it is the only one
-    and ``into_load``, else by its ranks in turn, :func:`spread`; sent by the holding node's ranks in turn);
-    returns the bytes this rank received, and its share of the transfers into the load."""
+    file by the lowest of its ranks that reads it, into its load when it is the only one and
+    ``into_load``, else by its ranks in turn, :func:`spread`; sent by the holding node's ranks
+    in turn); returns the bytes this rank received, and its share of the transfers into the
+    load."""
     folder = store.path(generation)
     what = f"{folder}: copying the files of other nodes"
     leading = leader == dist.rank()

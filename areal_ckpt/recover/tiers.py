@@ -51,7 +51,8 @@ T = TypeVar("T")
 class TierChoice:
     """Where a tiered trial resumes from: ``local`` (``generation``, assembled from the nodes'
     local tiers, its manifest from rank ``manifest_from``'s node; ``partial`` once loaded when
-    a node received only what its ranks read) or the persistent tier; ``remote_newest`` is the
+    a node lacks data files of it: those no rank of it read, and those that went straight into
+    its ranks' loads) or the persistent tier; ``remote_newest`` is the
     persistent tier's newest generation (None: none, or it could not be reached, ``reachable``
     False)."""
 
@@ -60,7 +61,7 @@ class TierChoice:
     reachable: bool
     generation: str | None = None
     manifest_from: int = 0
-    partial: bool = False  # set once loaded: some node holds only what its ranks read of it
+    partial: bool = False  # set once loaded: some node lacks data files of it
 
 
 def choose_tier(store: RecoverStore, behind: PersistentGenerations, unanswered: str | None = None) -> TierChoice:
