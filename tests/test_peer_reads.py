@@ -40,7 +40,7 @@ def _setup(rank: int, root: str, damaged: str | None = None) -> tuple[Path, Peer
 def _arrive_case(rank: int, world_size: int, root: str) -> None:
     generation, reads = _setup(rank, root)
     if rank == 0:
-        reads.exchange(generation / "model", (), lambda name, source: None)
+        reads.exchange(generation / "model", (), lambda name, source: None)()  # sent beside this rank's reads
         reads.settle()
         assert reads.received == 0
         return
@@ -58,7 +58,7 @@ def _arrive_case(rank: int, world_size: int, root: str) -> None:
         source.checksum()
 
     with pytest.raises(CheckpointError, match=r"refused by the reader"):
-        reads.exchange(generation / "model", {"__0_0.distcp", "__1_0.distcp"}, read)
+        reads.exchange(generation / "model", {"__0_0.distcp", "__1_0.distcp"}, read)  # receives run at once
     assert got == {"__1_0.distcp": FILES["model/__1_0.distcp"][1000:6000]}  # the next transfer ran all the same
     reads.settle()  # no load reached "other": received and dropped, so rank 0 finishes
     assert reads.received == sum(len(data) for data in FILES.values())
@@ -73,8 +73,8 @@ def test_a_load_reads_files_as_they_arrive_and_every_transfer_runs_to_its_end(tm
 def _damaged_case(rank: int, world_size: int, root: str) -> None:
     generation, reads = _setup(rank, root, damaged="model/__1_0.distcp")
     if rank == 0:
-        reads.exchange(generation / "model", (), lambda name, source: None)
-        reads.exchange(generation / "other", (), lambda name, source: None)
+        reads.exchange(generation / "model", (), lambda name, source: None)()
+        reads.exchange(generation / "other", (), lambda name, source: None)()
         return
     filled: list[torch.Tensor] = []
 
@@ -88,7 +88,7 @@ def _damaged_case(rank: int, world_size: int, root: str) -> None:
 
     with pytest.raises(CheckpointError, match=r"model/__1_0\.distcp: received from rank 0 with CRC-32 .* not used"):
         reads.exchange(generation / "model", {"__0_0.distcp", "__1_0.distcp"}, reader("model"))
-    reads.exchange(generation / "other", {"__0_0.distcp"}, reader("other"))  # a later folder's transfer arrives
+    reads.exchange(generation / "other", {"__0_0.distcp"}, reader("other"))()  # a later folder's arrives too
     assert [tensor.numpy().tobytes() for tensor in filled] == [
         FILES["model/__0_0.distcp"],
         b"\x00" + FILES["model/__1_0.distcp"][1:],

@@ -102,7 +102,7 @@ def load_tensors(
         except Exception:
             if peers is not None:  # the peers wait for this rank's transfers of the folder
                 try:
-                    peers.exchange(folder, (), lambda name, source: None)
+                    peers.exchange(folder, (), lambda name, source: None)()
                 except Exception as error:  # the failure that stopped the read is the one to report
                     logger.warning("%s: a transfer after the failed read failed too: %s", folder, error)
             raise

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import logging
 import os
 import pickle
 from collections.abc import Callable, Iterator
@@ -55,6 +56,8 @@ from areal_ckpt.formats.range_read import PeerFiles, RangeReader, open_ranges
 from areal_ckpt.formats.torch_record import frame_for
 from areal_ckpt.fsio import ChecksummedWriter, FileRecord, FileWriter, record_of, write_file_durably
 from areal_ckpt.tensors import tensor_bytes
+
+logger = logging.getLogger(__name__)
 
 _RUN_BYTES = 64 << 20  # one read fills tensors stored back to back up to this size
 _RUN_ITEMS = 512  # and at most this many buffers (the kernel takes up to IOV_MAX = 1024)
@@ -244,14 +247,25 @@ class RawStorageReader(StorageReader):
             per_file.setdefault(info.relative_path, []).append((info, item))
         for items in per_file.values():
             items.sort(key=lambda pair: pair[0].offset)
-        if self.peers is not None:
-            self.peers.exchange(
+        sent = (  # receives now, into the reads; sends maybe beside the reads below
+            _nothing_sent
+            if self.peers is None
+            else self.peers.exchange(
                 self.folder,
                 set(per_file),
                 lambda name, source: self._read_file(name, per_file.pop(name), planner, source),
             )
-        for file_name, items in per_file.items():
-            self._read_file(file_name, items, planner)
+        )
+        try:
+            for file_name, items in per_file.items():
+                self._read_file(file_name, items, planner)
+        except Exception:
+            try:
+                sent()  # the receivers wait for these sends all the same
+            except Exception as error:  # the failure of this rank's own read is the one to report
+                logger.warning("%s: a file sent to another rank failed too: %s", self.folder, error)
+            raise
+        sent()
         done: Future[None] = Future()
         done.set_result(None)
         return done
@@ -327,6 +341,10 @@ class RawStorageReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Any folder path."""
         return True
+
+
+def _nothing_sent() -> None:
+    """What a read without peers waits for: nothing."""
 
 
 def _as_tensor(data: torch.Tensor | io.BytesIO) -> torch.Tensor:

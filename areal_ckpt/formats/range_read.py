@@ -69,10 +69,13 @@ class PeerFiles(Protocol):
     """Data files a load receives from other ranks as it reads them instead of reading them
     from disk (:class:`areal_ckpt.storage.peer_reads.PeerReads`)."""
 
-    def exchange(self, folder: Path, reads: Collection[str], read: Callable[[str, RangeReader], None]) -> None:
-        """This rank's transfers of the data files in ``folder``, in their agreed order: each
-        received file named in ``reads`` is handed to ``read`` as a reader of its bytes in file
-        order; every transfer runs to its end; raises CheckpointError naming the file."""
+    def exchange(
+        self, folder: Path, reads: Collection[str], read: Callable[[str, RangeReader], None]
+    ) -> Callable[[], None]:
+        """Start this rank's transfers of the data files in ``folder``, in their agreed order:
+        each received file named in ``reads`` is handed to ``read`` as a reader of its bytes in
+        file order; returns what waits for every transfer to end, which raises CheckpointError
+        naming the file when one failed."""
 
 
 def open_ranges(path: Path, spans: list[tuple[int, int]]) -> RangeReader:

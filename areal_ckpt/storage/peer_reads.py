@@ -31,7 +31,7 @@ import torch
 
 from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.fsio import RunningCrc
+from areal_ckpt.fsio import RunningCrc, helper_threads
 from areal_ckpt.storage import peers
 from areal_ckpt.storage.peers import Transfer, pieces, send_file
 from areal_ckpt.tensors import tensor_bytes
@@ -118,16 +118,31 @@ class PeerReads:
         self._buffers = [torch.empty(min(peers.TRANSFER_CHUNK, largest), dtype=torch.uint8) for _ in range(2)]
         self.received = 0
 
-    def exchange(self, folder: Path, reads: Collection[str], read: Callable[[str, ReceivedFile], None]) -> None:
-        """This rank's transfers of the data files directly in ``folder``, in the plan's order:
-        each file it sends is sent; each it receives is handed to ``read`` (its name in
-        ``folder``, a :class:`ReceivedFile`) when the name is in ``reads``, else received and
-        dropped. Every transfer runs to its end even after a failure (its peer stays in step);
-        raises the first failure once all are done (CheckpointError naming the file)."""
+    def exchange(
+        self, folder: Path, reads: Collection[str], read: Callable[[str, ReceivedFile], None]
+    ) -> Callable[[], None]:
+        """Start this rank's transfers of the data files directly in ``folder``, in the plan's
+        order: each file it receives is handed to ``read`` (its name in ``folder``, a
+        :class:`ReceivedFile`) when the name is in ``reads``, else received and dropped; each it
+        sends is sent. Returns what waits for them all. A rank that only sends in ``folder``
+        sends on a helper thread, so its own reads overlap its sends (the plan's order holds
+        for sends and receives apart, which keeps every pair in step); one that also receives
+        runs them all before returning. Every transfer runs to its end even after a failure
+        (its peer waits for it); the first failure is raised once all are done, by the returned
+        wait (CheckpointError naming the file)."""
         mine = [move for move in self._pending if (self._generation / move.name).parent == folder]
         self._pending = [move for move in self._pending if move not in mine]
+        if mine and all(move.source == dist.rank() for move in mine):
+            sending = helper_threads("peer-send", 1).submit(self._run_all, mine, reads, read)
+            return lambda: sending.result()
+        self._run_all(mine, reads, read)
+        return lambda: None
+
+    def _run_all(
+        self, moves: list[Transfer], reads: Collection[str], read: Callable[[str, ReceivedFile], None]
+    ) -> None:
         failure: Exception | None = None
-        for move in mine:
+        for move in moves:
             try:
                 self._run(move, reads, read)
             except Exception as error:  # kept for after the rest, which the peers wait for
@@ -139,15 +154,8 @@ class PeerReads:
         """The transfers no load reached (its model not loaded, or the load failed before
         reading): sent, or received and dropped, in the plan's order. Raises the first failure
         once all are done."""
-        failure: CheckpointError | None = None
-        for move in self._pending:
-            try:
-                self._run(move, (), lambda name, source: None)
-            except CheckpointError as error:
-                failure = failure or error
-        self._pending = []
-        if failure is not None:
-            raise failure
+        pending, self._pending = self._pending, []
+        self._run_all(pending, (), lambda name, source: None)
 
     def _run(self, move: Transfer, reads: Collection[str], read: Callable[[str, ReceivedFile], None]) -> None:
         path = self._generation / move.name
