@@ -49,19 +49,21 @@ node 1 lost its local tier sends node 1 its small files, written into its tier, 
 file its rank reads (its own shards, half the checkpoint), which crosses gloo on loopback while
 that rank's load reads it: each 64 MiB message read from node 0's disk while the one before
 crosses, received into one of two reused buffers and copied from there into the tensors it
-fills, the file's CRC-32 computed as it arrives; node 1's tier gets the file back from the
-background copies once the load returned (untimed here, waited for before the next trial).
-Until 2026-11-29 the restart wrote that file durably on node 1 first and the load read it back:
-timed message by message, each 64 MiB took 0.14-0.28 s to write, with fsync or without, while
-the next one crossed in 0.03-0.08 s (filling new page-cache pages is slow on this VM: a buffered
-write of 0.45 GB runs 0.2-2.7 GB/s from one run to the next), so the ratio stayed at 1.4-1.9x:
-the code right before the change, run 5 rounds right after the table's run, read restart 1.42x
-(1.02-1.81) and blocked 0.99x (0.68-1.20); the dump did not change, so the blocked row's move
-between the two runs is this VM's spread. Writing around the cache (O_DIRECT) only moved the
-cost to the cold reads that followed (1.59x against 1.73x the same day). The bucket (SeaweedFS) reads the same disk over loopback, and a load from it keeps
-what it downloads as an unsynced cache copy. On a cluster the bucket is the slowest tier and
-the copies cross NCCL or RDMA: the ratio there is the interconnect against the bucket's download
-speed per node.
+fills, the file's CRC-32 computed as it arrives, while node 0's rank sends it from a helper
+thread beside its own load; node 1's tier gets the file back from the background copies once
+the load returned (untimed here, waited for before the next trial). Until 2026-11-29 the
+restart wrote that file durably on node 1 first and the load read it back: timed message by
+message, each 64 MiB took 0.14-0.28 s to write, with fsync or without, while the next one
+crossed in 0.03-0.08 s (filling new page-cache pages is slow on this VM: a buffered write of
+0.45 GB runs 0.2-2.7 GB/s from one run to the next), so the ratio stayed at 1.4-1.9x (the
+code before the change, 5 rounds the same day: 1.42x (1.02-1.81)); writing around the cache
+(O_DIRECT) only moved the cost to the cold reads that followed. Reading the file as it arrives,
+node 0 sending it before loading its own: 3.37x (2.86-4.37) in 5 rounds, 2.74x (1.14-5.07) in
+9 (node 0's send and its load one after the other on the restart's critical path); with the
+send beside the load, the table's run. The bucket (SeaweedFS) reads the same disk over
+loopback, and a load from it keeps what it downloads as an unsynced cache copy. On a cluster
+the bucket is the slowest tier and the copies cross NCCL or RDMA: the ratio there is the
+interconnect against the bucket's download speed per node.
 """
 
 
