@@ -52,9 +52,8 @@ class TierChoice:
     """Where a tiered trial resumes from: ``local`` (``generation``, assembled from the nodes'
     local tiers, its manifest from rank ``manifest_from``'s node; ``partial`` once loaded when
     a node lacks data files of it: those no rank of it read, and those that went straight into
-    its ranks' loads) or the persistent tier; ``remote_newest`` is the
-    persistent tier's newest generation (None: none, or it could not be reached, ``reachable``
-    False)."""
+    its ranks' loads) or the persistent tier; ``remote_newest`` is the persistent tier's newest
+    generation (None: none, or it could not be reached, ``reachable`` False)."""
 
     local: bool
     remote_newest: str | None
@@ -104,16 +103,15 @@ def restore_from_tiers(
     unanswered: str | None = None,
 ) -> tuple[T | None, TierChoice]:
     """Resume the tiered trial ``store`` (persisting ``behind``): :func:`choose_tier` (told
-    ``unanswered``), then
-    ``restore(local, peers)`` (a collective load from the local tiers, once the chosen generation was
-    assembled on them, or from the persistent tier, returning None when there is nothing to
-    load). Each node first receives only what its ranks read, a data file only one of its ranks
-    reads straight into that rank's load (``peers``, whose transfers the load did not reach
-    run once it ends); when assembling or loading fails
-    on a rank, every node receives every file it lacks and the load runs again; when that fails
-    too (a file damaged, a copy that fails its check) and the persistent tier holds a
-    generation, every rank loads that one instead, with a warning naming the failure.
-    Collective; returns what ``restore`` returned and the choice it followed."""
+    ``unanswered``), then ``restore(local, peers)`` (a collective load from the local tiers,
+    once the chosen generation was assembled on them, or from the persistent tier, returning
+    None when there is nothing to load). Each node first receives only what its ranks read, a
+    data file only one of its ranks reads straight into that rank's load (``peers``; the
+    transfers the load did not reach run once it ends); when assembling or loading fails on a
+    rank, every node receives every file it lacks and the load runs again; when that fails too
+    (a file damaged, a copy that fails its check) and the persistent tier holds a generation,
+    every rank loads that one instead, with a warning naming the failure. Collective; returns
+    what ``restore`` returned and the choice it followed."""
     choice = choose_tier(store, behind, unanswered)
     if not choice.local:
         return restore(False, None), choice

@@ -152,7 +152,8 @@ class Uploads:
     def resumed(self, generation: str, remote_newest: str | None, local: bool, partial: bool = False) -> None:
         """After the job resumed from ``generation`` (assembled from the local tiers when
         ``local``; ``remote_newest``: the persistent tier's newest then; ``partial``: a node
-        lacks data files of it, those its ranks did not read or read as they arrived): both count as loaded for the owner check; a
+        lacks data files of it, those its ranks did not read or read as they arrived): both
+        count as loaded for the owner check; a
         local generation is kept as the one whose copies are complete, and one the persistent
         tier lacks is offered for upload at once when every commit is uploaded (``upload_every``
         1), its copies made first, each file sent by a node that holds it; a partial one is
