@@ -13,7 +13,7 @@ from recover_fixtures import SPEC, committed_generation, dump_once, make_setup, 
 
 import areal_ckpt as ac
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats import cache_fill, dcp_metadata, dcp_storage, range_read
+from areal_ckpt.formats import cache_fill, dcp_metadata, dcp_reader, range_read
 from areal_ckpt.formats.dcp_io import load_tensors
 from areal_ckpt.formats.dcp_save import save_tensors
 
@@ -39,8 +39,8 @@ def _empty_like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("run_bytes, run_items", [(64 << 20, 512), (200, 2), (1, 1)])
 def test_runs_of_any_size_fill_every_tensor_exactly(tmp_path: Path, monkeypatch, run_bytes: int, run_items: int):
-    monkeypatch.setattr(dcp_storage, "_RUN_BYTES", run_bytes)
-    monkeypatch.setattr(dcp_storage, "_RUN_ITEMS", run_items)
+    monkeypatch.setattr(dcp_reader, "_RUN_BYTES", run_bytes)
+    monkeypatch.setattr(dcp_reader, "_RUN_ITEMS", run_items)
     state = _state()
     records = save_tensors(state, tmp_path)
     template = _empty_like(state)
@@ -93,7 +93,7 @@ def _record_readers(monkeypatch) -> list[type]:
         chosen.append(type(reader))
         return reader
 
-    monkeypatch.setattr(dcp_storage, "open_ranges", recording)
+    monkeypatch.setattr(dcp_reader, "open_ranges", recording)
     return chosen
 
 
@@ -294,7 +294,7 @@ def test_cold_read_buffers_start_on_a_huge_page_and_are_offered_to_huge_pages():
 def test_cold_reads_in_blocks_fill_every_tensor_exactly(tmp_path: Path, monkeypatch, block: int, in_flight: int):
     monkeypatch.setattr(range_read, "BLOCK", block)
     monkeypatch.setattr(range_read, "IN_FLIGHT", in_flight)
-    monkeypatch.setattr(dcp_storage, "_RUN_ITEMS", 3)  # runs end inside blocks too
+    monkeypatch.setattr(dcp_reader, "_RUN_ITEMS", 3)  # runs end inside blocks too
     _cold_after_evict(monkeypatch)
     chosen = _record_readers(monkeypatch)
     state = _big_state()

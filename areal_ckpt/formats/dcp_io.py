@@ -1,7 +1,7 @@
 """Load flat tensor dicts from torch.distributed.checkpoint (DCP) folders; DCP's errors.
 
 DCP plans (which stored chunks fill which tensors, resharding included); the bytes come through
-our own storage layer (:mod:`areal_ckpt.formats.dcp_storage`), which reads JSON metadata and raw
+our own storage layer (:mod:`areal_ckpt.formats.dcp_storage`, read by :mod:`areal_ckpt.formats.dcp_reader`), which reads JSON metadata and raw
 byte offsets, so we never unpickle. Saving is :mod:`areal_ckpt.formats.dcp_save`.
 
 Loads run DCP's load protocol with its default planner on each rank alone: a load's global
@@ -27,7 +27,7 @@ from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats import cache_fill
 from areal_ckpt.formats.dcp_metadata import read_metadata_json, tensor_entries
-from areal_ckpt.formats.dcp_storage import RawStorageReader
+from areal_ckpt.formats.dcp_reader import RawStorageReader
 from areal_ckpt.formats.range_read import PeerFiles
 from areal_ckpt.fsio import FileRecord
 
@@ -69,7 +69,7 @@ def load_tensors(
     (so it is parsed once per load): this rank's slice of it when ``whole`` is given, which
     reads all of it for a load the slice does not cover (:func:`~areal_ckpt.formats.dcp_slices.rank_metadata`).
     ``fetch`` is called with each data file's path before it is read (see
-    :class:`~areal_ckpt.formats.dcp_storage.RawStorageReader`). With ``fill_page_cache`` (a
+    :class:`~areal_ckpt.formats.dcp_reader.RawStorageReader`). With ``fill_page_cache`` (a
     restart's load, which the next restart may repeat) the files read around the page cache
     are brought into it in the background once every rank has read
     (:mod:`~areal_ckpt.formats.cache_fill`). ``peers`` sends and receives this rank's share of

@@ -105,7 +105,7 @@ def rank_metadata(
     From ``folder``'s index and ``rank``'s chunk file when the folder has an index: the second
     item then reads ``dcp_metadata.json`` for a load the slice does not cover. Otherwise (a
     folder written before the index existed) the whole metadata and None. ``fetch`` is called
-    with each file's path before it is read (see :class:`~areal_ckpt.formats.dcp_storage.RawStorageReader`).
+    with each file's path before it is read (see :class:`~areal_ckpt.formats.dcp_reader.RawStorageReader`).
     Raises CheckpointError naming a malformed file; the checks of
     :func:`~areal_ckpt.formats.dcp_metadata.metadata_from_json` hold for the slice but
     completeness, which the load checks for what it reads (a slice that does not fill a
