@@ -63,8 +63,9 @@ def open_committed(
     come down to the node's local copy first and its data files only as a rank reads them (each
     rank the files its share needs); without, the local copy is read as it is, and with
     ``local`` (a tiered trial resuming from its local tier, :mod:`areal_ckpt.recover.tiers`,
-    called once the generation was assembled there: each node holds what its ranks read, and
-    the data files it lacks are not looked for, :func:`~areal_ckpt.recover.nodes.held_elsewhere`).
+    called once the generation was assembled there: each node holds what its ranks read but
+    the files that arrive into their loads, and the data files it lacks are not looked for,
+    :func:`~areal_ckpt.recover.nodes.held_elsewhere`).
     Collective: rank 0 finds it (removing debris), every rank verifies its share and reads its
     info. Raises CheckpointError on every rank when the
     commit record is broken, the trial holds AReaL's folders, a file is damaged, ``models``
@@ -78,7 +79,7 @@ def open_committed(
         return None
     folder = store.path(found)
     elsewhere: frozenset[str] = frozenset()
-    if local:  # assembled: each node holds what its ranks read, the other nodes the rest
+    if local:  # assembled: each node holds what its ranks read (or receives into their loads)
         elsewhere = held_elsewhere(store, found)
     manifest = verify_checkpoint(folder, data_on_demand=source is not None, elsewhere=elsewhere)
     fetch = None if source is None else OnDemandFiles(source.files_of(found), folder, manifest["files"]).ensure
