@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import stat
@@ -375,3 +376,19 @@ def read_json_file(path: Path, what: str, missing: str = "missing") -> tuple[byt
         raise CheckpointError(f"{path}: {what} unreadable: {error}") from None
     except RecursionError:
         raise CheckpointError(f"{path}: {what} unreadable: nested too deeply") from None
+
+
+class ExclusiveLock:
+    """An exclusive ``flock`` on ``path`` (created, never through a link) for the ``with``
+    block; blocking, local. For processes of one node taking turns at one local folder."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = -1
+
+    def __enter__(self) -> None:
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)

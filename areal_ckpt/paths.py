@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import getpass
+import hashlib
 import os
 import re
 import tempfile
@@ -62,12 +63,16 @@ def default_staging_base() -> Path:
     return Path(tempfile.gettempdir()) / f"areal_ckpt-staging-{os.getuid()}"
 
 
-def staging_trial_root(staging_dir: str | None, url: ObjectURL) -> Path:
-    """The local folder where a trial on object storage (``url``: its ``{...}/{trial}`` prefix)
-    is staged before upload: ``{staging_dir}/{bucket}/{key prefix}``, ``staging_dir`` defaulting
-    to :func:`default_staging_base`."""
+def staging_trial_root(staging_dir: str | None, url: ObjectURL, endpoint: str) -> Path:
+    """The local folder where a trial on object storage (``url``: its ``{...}/{trial}`` prefix,
+    on the store reached at ``endpoint``) is staged and cached:
+    ``{staging_dir}/{scheme}/{endpoint name}/{bucket}/{key prefix}``, ``staging_dir`` defaulting
+    to :func:`default_staging_base`; the endpoint's name is its readable part and a digest of
+    it, so two stores holding one bucket name never share a folder."""
     base = local_path(staging_dir, "staging_dir") if staging_dir else default_staging_base()
-    return base / url.bucket / url.prefix
+    readable = re.sub(r"[^A-Za-z0-9.-]+", "_", endpoint.split("://", 1)[-1]).strip("_")[:64] or "default"
+    digest = hashlib.sha256(endpoint.encode()).hexdigest()[:8]
+    return base / url.scheme / f"{readable}-{digest}" / url.bucket / url.prefix
 
 
 def check_model_name(name: str) -> str:

@@ -27,6 +27,7 @@ class FolderStore:
     def __init__(self, url: ObjectURL) -> None:
         self.url = url
         self.root = Path(os.environ[ROOT_VARIABLE]) / url.bucket
+        self.endpoint = f"file://{self.root.parent}"
 
     def _path(self, key: str) -> Path:
         return self.root / key

@@ -25,6 +25,7 @@ from areal_ckpt.fsio import FileWriter
 from areal_ckpt.paths import RECOVER_CURRENT, RECOVER_MANIFEST
 from areal_ckpt.publish import switch_symlink
 from areal_ckpt.storage.folders import FileSource, fetch_shared
+from areal_ckpt.storage.mirrors import Identity
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,10 @@ class PersistentGenerations(Protocol):
 
     def where(self, generation: str | None = None) -> str:
         """The trial's location, or that of its ``generation``, for messages (a URL or a path)."""
+
+    def identity(self) -> Identity:
+        """The full identity of the trial's location (what a local tier of it records). Pure
+        but for making the store's client."""
 
     def check_access(self) -> None:
         """CheckpointError naming the location and the cause unless it can be used."""

@@ -42,6 +42,7 @@ from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.tidy import delete_later
 from areal_ckpt.recover.tiers import TierChoice, restore_from_tiers
 from areal_ckpt.recover.upload import Uploads
+from areal_ckpt.storage.mirrors import set_aside_contents
 
 logger = logging.getLogger(__name__)
 
@@ -171,8 +172,18 @@ class PublishedInDump:
     behind: PersistentGenerations
 
     def start(self, store: RecoverStore) -> None:
-        """Rank 0 checks ``behind`` answers (CheckpointError naming it on every rank else)."""
-        agree.decided_by_rank0(self.behind.check_access, f"RecoverHandler: cannot use {self.behind.where()}")
+        """Rank 0 checks ``behind`` answers (CheckpointError naming it on every rank else); when
+        it holds no commit, every node's cache sets aside what it still holds (:meth:`restore`)."""
+
+        def empty() -> bool:
+            self.behind.check_access()
+            try:
+                return self.behind.newest() is None
+            except CheckpointError:  # a broken commit record: the load or the dump refuses it, naming it
+                return False
+
+        if agree.decided_by_rank0(empty, f"RecoverHandler: cannot use {self.behind.where()}"):
+            self._forget(store)
 
     def before_dump(self, run: str, loaded: list[str], first: bool) -> None:
         """Every dump: the owner check; the first also removes earlier jobs' debris behind."""
@@ -187,8 +198,21 @@ class PublishedInDump:
     def restore(
         self, store: RecoverStore, restore: Callable[[bool, PeerFiles | None], T | None]
     ) -> tuple[T | None, TierChoice | None]:
-        """``restore(False, None)``: the newest commit behind counts."""
-        return restore(False, None), None
+        """``restore(False, None)``: the newest commit behind counts. When there is none, the
+        trial starts fresh whatever the node's cache still holds: that is set aside (renamed,
+        never read or deleted), so the first dump does not take it for a commit."""
+        restored = restore(False, None)
+        if restored is None:
+            self._forget(store)
+        return restored, None
+
+    def _forget(self, store: RecoverStore) -> None:
+        """Every rank: its node's cache of ``behind`` sets aside the generations it holds
+        (:func:`~areal_ckpt.storage.mirrors.set_aside_contents`). Collective."""
+        why = f"{self.behind.where()} holds no committed recovery checkpoint: the trial starts fresh"
+        agree.on_every_rank(
+            lambda: set_aside_contents(store.root, why), f"{store.root}: cannot set the stale cache aside"
+        )
 
     def source(self, local: bool) -> PersistentGenerations | None:
         """``behind``."""
@@ -239,8 +263,10 @@ class PublishedInBackground:
         """Every rank claims its local tier for ``behind``; rank 0 checks ``behind`` answers,
         and when it does not the dumps go on committing locally (logged), and the load that
         follows does not ask it again (:meth:`restore`)."""
+        identity = self.behind.identity()
+        agree.require_same(str(identity), "RecoverHandler: the ranks name different persistent tiers")
         agree.on_every_rank(
-            lambda: store.claim_local_tier(self.behind.where()), "RecoverHandler: cannot use the local tier"
+            lambda: store.claim_local_tier(identity, self.behind.where()), "RecoverHandler: cannot use the local tier"
         )
         self.unanswered.clear()
         try:

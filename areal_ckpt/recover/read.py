@@ -59,7 +59,8 @@ def open_committed(
     """The committed generation of ``store``, its verified manifest, this rank's recover info
     and what brings a data file down before it is read (None on a local trial), or None when
     there is none. With a ``source`` (where the trial persists, when its newest commit counts:
-    :meth:`~areal_ckpt.recover.publication.Publication.source`) the generation's small files
+    :meth:`~areal_ckpt.recover.publication.Publication.source`) that commit is the one, None
+    when it holds none (whatever the local copy holds); the generation's small files
     come down to the node's local copy first and its data files only as a rank reads them (each
     rank the files its share needs); without, the local copy is read as it is, and with
     ``local`` (a tiered trial resuming from its local tier, :mod:`areal_ckpt.recover.tiers`,
@@ -72,8 +73,8 @@ def open_committed(
     names one it does not hold (:func:`check_models`), the three records of its step disagree,
     or a component cannot be restored (``dataloader``: the one the load restores); nothing is
     loaded then."""
-    if source is not None:  # where the trial persists holds what counts: its newest commit, into the local copy
-        fetch_newest(source, store.root, deferred=read_when_needed)
+    if source is not None and fetch_newest(source, store.root, deferred=read_when_needed) is None:
+        return None  # where the trial persists decides: no commit there is a fresh start, whatever the node holds
     found = agree.decided_by_rank0(lambda: find_committed(store), "RecoverHandler.load")
     if found is None:
         return None

@@ -26,6 +26,7 @@ from areal_ckpt.publish import read_manifest
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import CommitLog, CommitRecord, remove_debris, upload_folder_files
 from areal_ckpt.storage.folders import FileSource, ObjectSource, check_local_copy
+from areal_ckpt.storage.mirrors import Identity, identity_of
 from areal_ckpt.storage.retention import KeepNewest
 from areal_ckpt.storage.series import ObjectSeries, retain
 from areal_ckpt.urls import ObjectURL
@@ -45,6 +46,10 @@ class ObjectGenerations:
     def where(self, generation: str | None = None) -> str:
         """The URL of the trial's generations, or of ``generation``."""
         return str(self.root if generation is None else self.root.child(generation))
+
+    def identity(self) -> Identity:
+        """The trial prefix's scheme, endpoint, bucket and prefix."""
+        return identity_of(self.trial)
 
     def check_access(self) -> None:
         """CheckpointError naming the endpoint, bucket and cause unless the bucket answers."""

@@ -25,6 +25,7 @@ from areal_ckpt.publish import read_manifest
 from areal_ckpt.recover.foreign import refuse_foreign_layout
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.storage.folders import FileSource, FolderSource
+from areal_ckpt.storage.mirrors import Identity, identity_of
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,10 @@ class FolderGenerations:
     def where(self, generation: str | None = None) -> str:
         """The path of the trial's generations, or of ``generation``."""
         return str(self.store.root if generation is None else self.store.path(generation))
+
+    def identity(self) -> Identity:
+        """The shared trial folder's absolute path."""
+        return identity_of(self.trial)
 
     def check_access(self) -> None:
         """CheckpointError naming the folder unless the trial's store is absent or a real

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_ckpt.errors import CheckpointError, TransientError
-from areal_ckpt.fsio import FileRecord, fsync_dir, make_dirs, read_regular_file, write_file_durably
+from areal_ckpt.fsio import FileRecord, fsync_dir, make_dirs, write_file_durably
 from areal_ckpt.paths import (
     RECOVER_CURRENT,
     RECOVER_INFO,
@@ -43,6 +43,7 @@ from areal_ckpt.paths import (
 from areal_ckpt.publish import check_files, hide_folder, read_manifest, switch_symlink, write_manifest
 from areal_ckpt.recover.foreign import refuse_foreign_layout
 from areal_ckpt.recover.tidy import sweep_trash_later, wait_for_deletions
+from areal_ckpt.storage.mirrors import Identity, claim_tier
 from areal_ckpt.storage.retention import Committed, KeepNewest, doomed_by
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,8 @@ logger = logging.getLogger(__name__)
 #: made durable before its manifest and removed after the switch (see :meth:`RecoverStore.commit`).
 PENDING_PREFIX = ".pending-"
 
-#: In a tiered trial's local tier, the persistent tier it belongs to (see :meth:`RecoverStore.claim_local_tier`).
+#: In a tiered trial's local tier, the persistent tier it belonged to as an older version recorded
+#: it (read once by :meth:`RecoverStore.claim_local_tier`, which records the full identity now).
 PERSISTS_AT = ".persists-at"
 
 #: Model folders found to be links, already named in a warning by this process.
@@ -71,35 +73,19 @@ class RecoverStore:
         #: ranks'. Set by :func:`~areal_ckpt.recover.location.trial_location`.
         self.links_previous_data = links_previous_data
 
-    def claim_local_tier(self, persists_at: str) -> None:
+    def claim_local_tier(self, persists_at: Identity, legacy: str) -> None:
         """A tiered trial's local tier, every rank: CheckpointError naming both locations when it
-        belongs to another persistent tier than ``persists_at`` (the same ``local_dir`` under two
-        fileroots with the same trial names), else record ``persists_at`` in it if it is not yet
-        (create-only: ranks sharing the tier agree without a lock). Local; durable on return."""
+        mirrors another location than ``persists_at`` (the same ``local_dir`` and trial names
+        under another fileroot or endpoint), else record ``persists_at`` in it
+        (:func:`~areal_ckpt.storage.mirrors.claim_tier`; ``legacy``: the text an older version
+        recorded in ``.recover/.persists-at``, accepted once), and make its store folder. Local;
+        durable on return."""
         self.check_root()
-        wanted = f"{persists_at}\n".encode()
-        record = self.root / PERSISTS_AT
+        claim_tier(self.trial, persists_at, (self.root / PERSISTS_AT, legacy))
         try:
-            make_dirs(self.root)
-            if not record.is_file() or record.is_symlink():
-                staged = self.root / f".{PERSISTS_AT}.{secrets.token_hex(4)}"
-                write_file_durably(staged, wanted)
-                try:
-                    os.link(staged, record)  # create-only: a record already there (another rank's) is read below
-                except FileExistsError:
-                    pass
-                finally:
-                    staged.unlink()
-                fsync_dir(self.root)
-            held = read_regular_file(record, limit=4096) if not record.is_symlink() else b"(a link)"
+            make_dirs(self.root)  # the store, where the ranks of a node learn they share it
         except OSError as error:
-            raise CheckpointError(f"{record}: cannot record the local tier's persistent tier: {error}") from None
-        if held != wanted:
-            raise CheckpointError(
-                f"{self.trial}: this local tier belongs to {held.decode(errors='replace').strip()}, not to "
-                f"{persists_at} (the same local_dir and trial names under another fileroot); nothing was "
-                "read or deleted: give this job another local_dir, or move that trial folder away"
-            )
+            raise CheckpointError(f"{self.root}: cannot create the local tier's store: {error}") from None
 
     def committed(self) -> str | None:
         """Name of the committed generation, None when the trial has none.

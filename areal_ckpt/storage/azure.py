@@ -110,12 +110,18 @@ class AzureStore:
         self.url = url
         self._container: ContainerClient | None = None
         self.endpoint = "(no account configured)"
+        self._service: BlobServiceClient | None = None
+        try:  # the account's endpoint is part of what a local copy of this container records
+            self._service = _service()
+            self.endpoint = self._service.url.rstrip("/")
+        except (CheckpointError, ValueError):  # said by the first request, naming the variables to set
+            pass
 
     def container(self) -> ContainerClient:
         """The SDK's container client, made on first use from the standard variables."""
         if self._container is None:
             try:
-                service = _service()
+                service = self._service or _service()
             except CheckpointError as error:
                 raise CheckpointError(f"cannot reach {self.url}: {error}") from None
             self.endpoint = service.url.rstrip("/")

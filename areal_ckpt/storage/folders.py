@@ -7,9 +7,7 @@ functions go by it.
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
 import tempfile
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -19,12 +17,13 @@ from typing import Protocol
 
 from areal_ckpt import fsio
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.paths import DATA_SUFFIX, default_staging_base, staging_trial_root
+from areal_ckpt.paths import DATA_SUFFIX, default_staging_base
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import (
     upload_folder_files,
 )
+from areal_ckpt.storage.mirrors import bind_cache, cache_folder, identity_of
 from areal_ckpt.storage.objects import ObjectStore
 from areal_ckpt.urls import ObjectURL
 
@@ -103,12 +102,16 @@ class FolderSource:
 
 
 def staging_root(staging_dir: str | None, url: ObjectURL) -> Path:
-    """:func:`~areal_ckpt.paths.staging_trial_root`, the default base first made private
-    (:func:`~areal_ckpt.fsio.private_folder`: 0700, ours, no link; CheckpointError naming it
-    otherwise). Creates at most that one folder."""
+    """The local cache of the object trial ``url`` (:func:`~areal_ckpt.storage.mirrors.cache_folder`),
+    bound to it (:func:`~areal_ckpt.storage.mirrors.bind_cache`: one that mirrors anything else
+    is set aside), the default base first made private (:func:`~areal_ckpt.fsio.private_folder`:
+    0700, ours, no link; CheckpointError naming it otherwise). Local; creates the cache's
+    folders and its record."""
     if not staging_dir:
         fsio.private_folder(default_staging_base())
-    return staging_trial_root(staging_dir, url)
+    folder = cache_folder(staging_dir, url)
+    bind_cache(folder, identity_of(url))
+    return folder
 
 
 def upload_rest(store: ObjectStore, folder: Path, target: ObjectURL, manifest_name: str, uploaded: set[str]) -> None:
@@ -164,7 +167,7 @@ def fetch_shared(
     the copy. Blocking; local to the caller."""
     name = source.name
     copies.mkdir(parents=True, exist_ok=True)
-    with _Locked(copies / _FETCH_LOCK):
+    with fsio.ExclusiveLock(copies / _FETCH_LOCK):
         folder, marker = copies / name, copies / f"{_FETCHED_PREFIX}{token}"
         if not marker.is_file():
             fetched = fetch_folder(source, folder, manifest_name, deferred)
@@ -195,7 +198,7 @@ class OnDemandFiles:
         name = path.relative_to(self.folder).as_posix()
         if name in self._ready or name not in self.files:
             return
-        with _Locked(self.folder.parent / _FETCH_LOCK):
+        with fsio.ExclusiveLock(self.folder.parent / _FETCH_LOCK):
             problems = check_files(self.folder, self.files, [name])
             if problems:
                 if path.exists():
@@ -309,19 +312,3 @@ def object_crc32(store: ObjectStore, key: str, size: int) -> int:
             for piece in pieces:
                 crc = fsio.crc32(piece, crc)
     return crc
-
-
-class _Locked:
-    """An exclusive ``flock`` on ``path`` (created, never through a link) for the ``with``
-    block; blocking."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.fd = -1
-
-    def __enter__(self) -> None:
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc: object) -> None:
-        os.close(self.fd)

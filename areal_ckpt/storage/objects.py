@@ -86,6 +86,9 @@ class ObjectStore(Protocol):
     KeyboardInterrupt and SystemExit pass through untouched."""
 
     url: ObjectURL
+    #: Where the store is reached (a URL; the account's for Azure): part of the identity a
+    #: local copy of one of its prefixes records (:mod:`areal_ckpt.storage.mirrors`).
+    endpoint: str
 
     def check_access(self) -> None:
         """Raise CheckpointError naming the endpoint and bucket when the bucket cannot be
