@@ -142,3 +142,45 @@ def test_a_launcher_started_under_nohup_keeps_ignoring_sighup(tmp_path, fileroot
             os.kill(_pid(pid_file), signal.SIGKILL)
     assert launcher.returncode == 128 + signal.SIGTERM, stderr
     assert "interrupted, not relaunching" in stderr and not _running(_pid(pid_file))
+
+
+@pytest.mark.parametrize("under", ["python", "torchrun"])
+def test_a_preemption_signal_to_the_launcher_reaches_the_job_which_dumps_and_the_launcher_exits_128_plus_n(
+    tmp_path, under
+):
+    """SLURM's `--signal=B:USR1@120` signals the launcher: SIGUSR1 (which the launcher used to die
+    of) is forwarded, every rank dumps the step it is in, and the launcher exits 138 (torchrun
+    itself dies of SIGUSR1 or exits 1: the launcher's status says preemption all the same)."""
+    from recovery_runs import HERE
+    from test_preemption import TRIAL, steps_run
+
+    from areal_ckpt.paths import generation_step
+
+    fileroot, out = tmp_path / "root", tmp_path / "out"
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        f"experiment_name: exp\ntrial_name: bitexact\nfileroot: {fileroot}\nuser: tester\n"
+        "recover:\n  mode: async\n  retries: 3\n  preemption_signals: [SIGUSR1]\n"
+    )
+    job = [str(HERE / "recover_job.py"), "--fileroot", str(fileroot), "--out", str(out), "--mode", "async"]
+    job += ["--preemption-signals", "SIGUSR1", "--freq-steps", "100", "--step-seconds", "0.3"]
+    if under == "torchrun":
+        from distributed import free_port
+
+        job = ["-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+               f"--master-port={free_port()}", *job, "--wrap", "ddp"]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE)}
+    launcher = _launcher(config, sys.executable, *job, env=env)
+    try:
+        _wait_for(lambda: (out / "losses-rank0.jsonl").exists() and len(steps_run(out)) >= 2, launcher)
+        launcher.send_signal(signal.SIGUSR1)
+        _, stderr = launcher.communicate(timeout=DEADLINE)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGUSR1, stderr[-3000:]
+    assert (fileroot / TRIAL / ".recover/current").is_symlink(), stderr[-3000:]
+    dumped = generation_step((fileroot / TRIAL / ".recover/current").readlink().name)
+    assert steps_run(out) == list(range(dumped + 1)), stderr[-3000:]  # the step it was in, dumped
+    assert "preempted by SIGUSR1 (the job exited with" in stderr and "exiting with 138" in stderr
+    assert "relaunch" not in stderr.split("preempted by")[-1]

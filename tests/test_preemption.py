@@ -140,3 +140,30 @@ def test_sigterm_to_torchruns_process_group_dumps_the_step_every_rank_is_in(refe
     assert run_job_torchrun(fileroot, out, 2, "fsdp2", NO_PERIODIC_DUMPS) == 0
     assert steps_run(out, 0) == steps_run(out, 1) == list(range(8))  # every step exactly once
     assert_same_run(reference_run_fsdp2, out, world_size=2)
+
+
+@pytest.mark.parametrize("tier", [False, True], ids=["async", "async-tiered"])
+def test_sigterm_to_an_async_jobs_process_group_spares_its_writer_and_dumps_the_step(reference_run, tmp_path, tier):
+    """SLURM, Kubernetes and `kill -TERM -PGID` signal the whole group: the background writer
+    (and a tiered trial's uploader) must not die of it, so the preemption dump completes."""
+    fileroot, out = tmp_path / "root", tmp_path / "out"
+    tiered = ["--local-dir", str(tmp_path / "local")] if tier else []
+    command = [
+        sys.executable, str(HERE / "recover_job.py"), "--fileroot", str(fileroot), "--out", str(out),
+        "--mode", "async", "--freq-steps", "2", "--preemption-signals", "SIGTERM", "--step-seconds", "0.3", *tiered,
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE)}
+    job = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (out / "losses-rank0.jsonl").exists() or len(steps_run(out)) < 3:  # an async dump was made
+        assert job.poll() is None and time.monotonic() < deadline, "the job never trained"
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGTERM)
+    _, stderr = job.communicate(timeout=300)
+    assert job.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    trial = (tmp_path / "local/node0" if tier else fileroot) / TRIAL
+    dumped = generation_step((trial / ".recover/current").readlink().name)
+    assert steps_run(out) == list(range(dumped + 1)), stderr[-3000:]  # the step it was in, dumped
+    run_job(fileroot, out, extra=["--freq-steps", "2", *tiered])
+    assert steps_run(out) == list(range(16))  # every step exactly once
+    assert_same_run(reference_run, out, world_size=1)

@@ -11,7 +11,8 @@ A writer runs at a lower CPU priority (niceness +10) with one torch thread: wher
 cores with the training loop, the loop wins them, and the write stretches instead.
 
 A writer never outlives its training process: it asks the kernel to SIGKILL it when its parent
-dies, ignores Ctrl-C (its parent decides), and holds the trial lock's descriptor, so a restarted
+dies, leaves the job's process group and ignores Ctrl-C (a signal to the job is its parent's
+to act on: a preemption dump needs the writer alive), and holds the trial lock's descriptor, so a restarted
 job cannot start while an orphaned write is still running. A kill at any instant therefore has
 the same effect as in a synchronous save: the previous checkpoint stays committed, and the
 half-written one is debris that the next start removes.
@@ -36,6 +37,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -49,6 +51,9 @@ from areal_ckpt.lock import held_lock_descriptor
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+#: The signals a job receives as a whole (a preemption, a terminal): blocked in a writer from its
+#: creation until it has left the job's process group, then any that came meanwhile dropped.
+_JOB_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2})
 _WRITER_NICENESS = 10  # added to the training process's niceness
 _STORE_TIMEOUT = timedelta(minutes=10)
 _LIVENESS_POLL_SECONDS = 0.5
@@ -137,7 +142,7 @@ class BackgroundWriter:
             name=f"areal_ckpt-writer-{self.label}-rank{dist.rank()}",
             daemon=True,
         )
-        with _without_main_module():
+        with _without_main_module(), _job_signals_held():
             self._process.start()
         child_end.close()
         self._conn = parent_end
@@ -229,6 +234,19 @@ class BackgroundWriter:
 
 
 @contextlib.contextmanager
+def _job_signals_held() -> Iterator[None]:
+    """Block :data:`_JOB_SIGNALS` in the calling thread for the block: a child created meanwhile
+    inherits the mask, so a signal to the job's group while the child starts (importing torch
+    takes seconds) waits in it until :func:`_die_with_parent` has taken it out of the group."""
+    resource_tracker.ensure_running()  # started inside the block, it would unblock SIGINT and SIGTERM itself
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _JOB_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+@contextlib.contextmanager
 def _without_main_module() -> Iterator[None]:
     """Start a spawned child without re-running the training script in it.
 
@@ -287,11 +305,21 @@ def _writers_store(meeting: _Meeting, rank: int, world: int) -> Any:
 
 
 def _die_with_parent(parent_pid: int) -> None:
+    """Tie the writer to its parent alone: SIGKILL when the parent dies, and out of the job's
+    process group, so a signal meant for the job (SLURM, Kubernetes and ``kill -TERM -PGID``
+    signal the whole group; a terminal's Ctrl-C its foreground group) reaches the trainer, which
+    decides (a preemption dump, written by this writer), and not the writer in mid-write."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before the request took effect
         os._exit(1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with contextlib.suppress(OSError):  # already a group leader (cannot happen for a spawned child)
+        os.setpgid(0, 0)
+    for number in _JOB_SIGNALS:  # one sent to the job while this started is dropped, not acted on
+        kept = signal.signal(number, signal.SIG_IGN)
+        if number != signal.SIGINT:
+            signal.signal(number, kept)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _JOB_SIGNALS)
 
 
 def _serve(

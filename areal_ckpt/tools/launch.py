@@ -9,10 +9,16 @@ own (``torchrun ...``, ``python train.py ...``). Policy:
 - a failure before the job's first dump (no new recovery checkpoint was committed during the
   attempt) with the same error as the attempt before, which also made no dump: not relaunched,
   since a third try would fail the same way (a bad config, a missing file);
-- Ctrl-C, SIGTERM or SIGHUP (its terminal closed) to the launcher: forwarded to the job's whole
-  process group once (a second one kills the group); no relaunch. A signal the launcher was
-  started ignoring (SIGHUP under ``nohup``, SIGINT in a background job) stays ignored, for it and
-  for the job, as for any program;
+- Ctrl-C, SIGTERM or SIGHUP (its terminal closed), or a signal ``recover.preemption_signals``
+  names (SIGUSR1, as SLURM's ``--signal`` sends it), to the launcher: forwarded to the job's
+  whole process group once (a second one kills the group); no relaunch. torchrun is told to
+  pass the preemption signals on to its workers (:data:`TORCHRUN_SIGNALS_VARIABLE`, unless the
+  environment already sets it): it would die of SIGUSR1 and leave them unsignalled.
+  A preemption signal N makes the launcher exit with 128 + N, whatever the job's main process
+  returned (torchrun exits 1), saying in one line whether a new recovery dump was committed: a
+  relauncher (SLURM's requeue, a Kubernetes restart policy) sees a preemption, not a failure. A
+  signal the launcher was started ignoring (SIGHUP under ``nohup``, SIGINT in a background job)
+  stays ignored, for it and for the job, as for any program;
 - recovery disabled: the job runs once.
 
 Each attempt runs in a process group of its own. It is over when its main process exits: what
@@ -24,7 +30,7 @@ the launcher itself dies (even by SIGKILL), the kernel sends the job's main proc
 then, a wrapper shell may not end what it started.
 
 The launcher exits with the last attempt's status (128 + N for death by signal N, as a shell
-reports it). Each attempt sees ``AREAL_CKPT_LAUNCH_ATTEMPT`` (0 for the first). Messages go
+reports it), or 128 + N after forwarding the preemption signal N. Each attempt sees ``AREAL_CKPT_LAUNCH_ATTEMPT`` (0 for the first). Messages go
 to stderr, prefixed ``areal-ckpt launch:``.
 """
 
@@ -51,10 +57,15 @@ from areal_ckpt.recover.store import RecoverStore
 
 #: Environment variable telling each attempt its number (0 for the first).
 ATTEMPT_VARIABLE = "AREAL_CKPT_LAUNCH_ATTEMPT"
-#: Signals to the launcher that end the job and the launch (forwarded to the job's group).
+#: Signals to the launcher that end the job and the launch (forwarded to the job's group),
+#: besides the configured preemption signals.
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 #: Seconds what an attempt left in its process group gets after SIGTERM, before SIGKILL.
 _GRACE_SECONDS = 10.0
+#: torchrun's variable naming the signals its agent catches and sends on to its workers (they
+#: run in sessions of their own, so a signal to torchrun's group reaches them only so).
+TORCHRUN_SIGNALS_VARIABLE = "PET_SIGNALS_TO_HANDLE"  # its --signals-to-handle
+_TORCHRUN_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torchrun's own default
 _PR_SET_PDEATHSIG = 1
 _prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here: the forked child only calls it
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit|Failure)\b(: .*)?$")
@@ -78,24 +89,33 @@ class Outcome:
 def launch(recover: RecoverConfig, command: Sequence[str], err: IO[str] = sys.stderr) -> int:
     """Run ``command`` until it succeeds or the policy above stops it; returns the exit status.
 
-    Blocking; forwards SIGINT / SIGTERM / SIGHUP to the job's process group while it runs
-    (installs handlers on the main thread and restores them on return).
+    Blocking; forwards SIGINT / SIGTERM / SIGHUP and the configured preemption signals to the
+    job's process group while it runs (installs handlers on the main thread and restores them
+    on return).
     """
     if not command:
         raise ValueError("areal-ckpt launch: no command given after '--'")
     retries = recover.retries if recover.enabled else 0
     store = trial_store(recover)
+    preemption = {int(signal.Signals[name]) for name in recover.preemption_signals} if recover.enabled else set()
+    forwarded = (*_FORWARDED, *sorted(preemption - set(_FORWARDED)))
     previous: Outcome | None = None
     attempt = 0
     while True:
         _say(err, f"attempt {attempt + 1}: {' '.join(command)}")
         before = _committed(store)
-        status, error, interrupted = _run_once(command, attempt, err)
-        outcome = Outcome(status, error, made_progress=_committed(store) != before)
+        status, error, signalled = _run_once(command, attempt, err, forwarded)
+        after = _committed(store)
+        outcome = Outcome(status, error, made_progress=after != before)
+        if signalled in preemption:
+            name = signal.Signals(signalled).name
+            dumped = f"it committed {after}" if outcome.made_progress else "no new recovery dump was committed"
+            _say(err, f"preempted by {name} (the job exited with {status}; {dumped}); exiting with {128 + signalled}")
+            return 128 + signalled
         if status == 0:
             return 0
         why = f"attempt {attempt + 1} failed with exit status {status}" + (f" ({error})" if error else "")
-        if interrupted:
+        if signalled is not None:
             _say(err, f"{why}; interrupted, not relaunching")
             return status
         if not recover.enabled:
@@ -125,10 +145,15 @@ def _committed(store: RecoverStore) -> str | None:
         return f"unreadable: {error}"
 
 
-def _run_once(command: Sequence[str], attempt: int, err: IO[str]) -> tuple[int, str | None, bool]:
-    """Run one attempt in its own process group; returns (status, first exception line,
-    interrupted by a signal to the launcher)."""
+def _run_once(
+    command: Sequence[str], attempt: int, err: IO[str], forwarded: Sequence[int]
+) -> tuple[int, str | None, int | None]:
+    """Run one attempt in its own process group, forwarding ``forwarded`` to it; returns
+    (status, first exception line, the first signal the launcher received, None if none)."""
     env = {**os.environ, ATTEMPT_VARIABLE: str(attempt)}
+    if TORCHRUN_SIGNALS_VARIABLE not in env:
+        names = [signal.Signals(number).name for number in forwarded]
+        env[TORCHRUN_SIGNALS_VARIABLE] = ",".join(dict.fromkeys([*_TORCHRUN_SIGNALS, *names]))
     child = subprocess.Popen(
         list(command),
         env=env,
@@ -147,7 +172,7 @@ def _run_once(command: Sequence[str], attempt: int, err: IO[str]) -> tuple[int, 
         except ProcessLookupError:
             pass
 
-    previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED if signal.getsignal(sig) is not signal.SIG_IGN}
+    previous = {sig: signal.signal(sig, forward) for sig in forwarded if signal.getsignal(sig) is not signal.SIG_IGN}
     first_error: list[str] = []
     reader = threading.Thread(target=_tee, args=(child.stderr, err, first_error), daemon=True)
     reader.start()
@@ -161,7 +186,7 @@ def _run_once(command: Sequence[str], attempt: int, err: IO[str]) -> tuple[int, 
     if reader.is_alive():
         _say(err, "a process outside the job's process group still holds its stderr; no longer waiting for it")
     status = 128 - code if code < 0 else code
-    return status, (first_error[0] if first_error else None), bool(received)
+    return status, (first_error[0] if first_error else None), (received[0] if received else None)
 
 
 def _end_with(launcher: int) -> None:
