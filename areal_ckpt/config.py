@@ -226,6 +226,11 @@ class RecoverConfig(_TimerBlock):
     # --signal, Kubernetes' SIGTERM): docs/recovery.md, "Preemption". Empty: signals keep their
     # usual effect.
     preemption_signals: tuple[str, ...] = ()
+    # Ours, with local_dir: after a preemption dump (committed on the local tier), how many seconds
+    # the newest local commit's upload to fileroot is given before the job exits; one not done by
+    # then (fileroot slow or down) is left to the next run, logged. Keep it inside the grace
+    # period your cluster gives after its signal, less a step and a dump.
+    preemption_upload_seconds: Annotated[float, Field(ge=0, le=3600, allow_inf_nan=False)] = 10.0
 
     @field_validator("preemption_signals")
     @classmethod

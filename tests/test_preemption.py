@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import recover_job
 from distributed import free_port, start_processes
+from object_helpers import keys_under
 from recovery_runs import HERE, assert_same_run, run_job, run_job_torchrun
 
 import areal_ckpt as ac
@@ -165,5 +166,41 @@ def test_sigterm_to_an_async_jobs_process_group_spares_its_writer_and_dumps_the_
     dumped = generation_step((trial / ".recover/current").readlink().name)
     assert steps_run(out) == list(range(dumped + 1)), stderr[-3000:]  # the step it was in, dumped
     run_job(fileroot, out, extra=["--freq-steps", "2", *tiered])
+    assert steps_run(out) == list(range(16))  # every step exactly once
+    assert_same_run(reference_run, out, world_size=1)
+
+
+def test_a_preempted_tiered_job_whose_persistent_tier_is_down_exits_128_plus_n_leaving_the_upload(
+    reference_run, own_s3_server, tmp_path
+):
+    """The local commit is the preemption's promise; the upload to a store that does not answer
+    is given recover.preemption_upload_seconds, then left to the next run (it used to be retried
+    at close for about 110 s, and the job exited 1)."""
+    server = own_s3_server
+    server.make_bucket("preempted")
+    fileroot, out, local = "s3://preempted/root", tmp_path / "out", tmp_path / "local"
+    command = [
+        sys.executable, str(HERE / "recover_job.py"), "--fileroot", fileroot, "--out", str(out),
+        "--local-dir", str(local), "--preemption-signals", "SIGTERM", "--freq-steps", "2", "--step-seconds", "0.3",
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE), "AREAL_CKPT_STORAGE_TIMEOUT": "2"}
+    job = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    uploaded = False
+    deadline = time.monotonic() + 300
+    while not uploaded:  # a first upload went through: the job runs against a live store
+        assert job.poll() is None and time.monotonic() < deadline, "the job never uploaded"
+        uploaded = any("/.recover/.commits/" in key for key in keys_under("s3://preempted", "root/"))
+        time.sleep(0.1)
+    server.kill()
+    os.killpg(job.pid, signal.SIGTERM)
+    _, stderr = job.communicate(timeout=300)
+    assert job.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "is not uploaded within recover.preemption_upload_seconds=10; the local tier keeps it" in stderr
+    trial = local / "node0" / TRIAL
+    dumped = generation_step((trial / ".recover/current").readlink().name)
+    assert steps_run(out) == list(range(dumped + 1))  # the step it was in, committed locally
+    server.start()
+    environment = ["--environment", json.dumps(server.environment())]
+    run_job(fileroot, out, extra=["--freq-steps", "2", "--local-dir", str(local), *environment])
     assert steps_run(out) == list(range(16))  # every step exactly once
     assert_same_run(reference_run, out, world_size=1)

@@ -191,6 +191,30 @@ class BackgroundWriter:
             raise CheckpointError(f"{self.label}: background save failed: {message[1]}")
         return JobOutcome(result=message[1], seconds=message[2])
 
+    def finished_within(self, seconds: float) -> bool:
+        """True once the job in flight has reported back (or nothing is in flight, or the writer
+        died: :meth:`wait` says which), False when it still runs after ``seconds``; local,
+        blocking at most that long."""
+        deadline = time.monotonic() + seconds
+        while self._in_flight and self._process.is_alive():
+            if self._conn.poll(max(0.0, min(_LIVENESS_POLL_SECONDS, deadline - time.monotonic()))):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+        return True
+
+    def abandon(self) -> None:
+        """Kill the writer at once, dropping the job in flight (what it wrote is uncommitted, and
+        removed as debris by a later start); local, idempotent."""
+        if self._process is None:
+            return
+        atexit.unregister(self._drain_at_exit)
+        self._process.kill()
+        self._process.join()
+        self._conn.close()
+        self._process = self._conn = self._sent_buffer = None
+        self._in_flight = False
+
     def stop(self) -> None:
         """Ask the writer to exit and join it; drops the in-flight job; local, idempotent."""
         if self._process is None:

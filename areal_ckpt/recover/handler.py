@@ -106,8 +106,9 @@ class RecoverHandler:
         if self._preemption is not None:
             self._preemption.restore()
         try:
-            if uploads is not None:
-                uploads.finish()
+            if uploads is not None:  # a preempted job exits in time: its upload bounded, the rest left to the next run
+                preempted = self._preemption is not None and self._preemption.preempted
+                uploads.finish(within=self.config.preemption_upload_seconds if preempted else None)
         finally:
             if dist.rank() == 0:
                 remove_trash(self.store.root)
@@ -218,7 +219,7 @@ class RecoverHandler:
             self.last_step_info = step_info
         if self._preemption is None:
             return path
-        return self._preemption.after_dump(path, step_info.global_step, signalled, self.wait, self.close)
+        return self._preemption.after_dump(path, step_info.global_step, signalled, self._jobs.wait, self.close)
 
     @property
     def saving_in_background(self) -> bool:

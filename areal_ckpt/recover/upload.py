@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -224,12 +225,45 @@ class Uploads:
                 "on this node resumes from it and uploads it"
             )
 
-    def finish(self) -> None:
-        """:meth:`drain`, then stop the upload processes, even when it raised. Collective."""
+    def finish(self, within: float | None = None) -> None:
+        """:meth:`drain` (newest), then stop the upload processes, even when it raised. With
+        ``within`` (a preempted job, which must exit in time) the newest local commit's upload
+        is given that many seconds: one not done by then is abandoned and one that failed is
+        not tried again, both left to the next run with a warning, and nothing raises.
+        Collective; blocking."""
         try:
-            self.drain(newest=True)
+            if within is None:
+                self.drain(newest=True)
+            else:
+                self._drain_within(within)
         finally:
             self._writer.close()
+
+    def _drain_within(self, seconds: float) -> None:
+        """:meth:`finish` with a deadline ``seconds`` from now. Collective; blocking."""
+        deadline = time.monotonic() + seconds
+        target, flying = self._newest, self._in_flight
+        published = flying is not None and target is not None and flying == dataclasses.replace(target, publish=True)
+        if target is not None and self._uploaded != target.generation and not published:
+            self._pending, self._parked = dataclasses.replace(target, publish=True), False
+        for _ in range(2):  # the upload in flight, then the newest if it was not that one
+            if self._in_flight is None:
+                if self._pending is None or self._parked:
+                    break
+                self._start(self._pending)
+            if not dist.all_true(self._writer.finished_within(max(0.0, deadline - time.monotonic()))):
+                self._writer.abandon()
+                self._pending, self._in_flight = self._pending or self._in_flight, None
+                break
+            self._collect(blocking=True)
+        if self._pending is not None:
+            logger.warning(
+                "preempted: %s is not uploaded within recover.preemption_upload_seconds=%g; the local tier keeps it "
+                "committed and the next run uploads it; %s",
+                self.store.path(self._pending.generation),
+                seconds,
+                self._lag_text(),
+            )
 
     def _start(self, offer: _Offer) -> None:
         job = UploadJob(
