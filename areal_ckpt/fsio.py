@@ -299,7 +299,8 @@ def _copy_contents(source: int, target: int) -> None:
     try:
         while step := os.copy_file_range(source, target, 1 << 30):
             copied += step
-        return
+        if copied or not os.fstat(source).st_size:
+            return  # else the kernel copied nothing of a file that holds bytes (some file systems): copy by hand
     except OSError as error:
         if copied or error.errno not in _COPY_FALLBACK:  # a real failure, or one after bytes went over
             raise

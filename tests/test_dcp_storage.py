@@ -5,6 +5,7 @@ the cache is brought into it in the background once the load has finished."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -358,3 +359,17 @@ def test_a_cold_truncated_file_is_named(tmp_path: Path, monkeypatch):
     with pytest.raises(CheckpointError, match=f"{path.name}: ends early \\(truncated\\)"):
         load_tensors(_empty_like(state), tmp_path)
     assert chosen == [range_read.DirectRanges]
+
+
+def test_a_fifo_put_in_place_of_a_loaded_file_is_skipped_by_the_fill_not_waited_on(tmp_path: Path, caplog):
+    fifo = tmp_path / "__0_0.distcp"
+    os.mkfifo(fifo)  # in place of a file a load read around the cache; with no writer, a plain open blocks
+    cache_fill.direct_read_opened()
+    cache_fill.direct_read_closed(fifo, 4096)  # as the reader notes the file it read
+    with caplog.at_level("INFO", logger=cache_fill.__name__):
+        cache_fill.fill_noted()
+        waiter = threading.Thread(target=cache_fill.wait_for_fills, daemon=True)
+        waiter.start()
+        waiter.join(timeout=60)  # a guard against a hang, not a race: the fill ends at once
+    assert not waiter.is_alive(), "the fill thread blocked on the FIFO"
+    assert f"not filling the page cache with {fifo}: not a regular file" in caplog.text

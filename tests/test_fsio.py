@@ -79,3 +79,17 @@ def test_a_copy_that_fails_part_way_is_an_error_and_leaves_nothing(tmp_path, mon
     with pytest.raises(OSError, match="Input/output error"):
         copy_durably(tmp_path / "source", tmp_path / "out/copy")
     assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_a_kernel_copy_that_moves_nothing_of_a_file_that_holds_bytes_falls_back_to_the_read_write_loop(
+    tmp_path, monkeypatch
+):
+    data = os.urandom((3 << 20) + 5)
+    (tmp_path / "source").write_bytes(data)
+    (tmp_path / "out").mkdir()
+    monkeypatch.setattr(os, "copy_file_range", lambda source, target, count: 0)  # some file systems answer so
+    record = copy_durably(tmp_path / "source", tmp_path / "out/copy")
+    assert (tmp_path / "out/copy").read_bytes() == data
+    assert (record.size, record.crc32) == (len(data), zlib.crc32(data))
+    (tmp_path / "empty").write_bytes(b"")
+    assert copy_durably(tmp_path / "empty", tmp_path / "out/empty").size == 0  # an empty file stays one

@@ -250,13 +250,23 @@ def test_a_fifo_in_place_of_a_file_is_refused_at_once(tmp_path, in_place_trial, 
     assert not (trial / ".recover").exists()
 
 
-def test_a_device_linked_in_place_of_the_pickle_is_refused(areal_trial, capsys):
+@pytest.mark.parametrize("target", ["/dev/zero", "a copy elsewhere"])
+def test_a_link_in_place_of_the_pickle_is_refused_and_the_file_put_there_imports(areal_trial, capsys, target):
+    """Only folder links were refused: a link to a file (a device, or the user's file) was read through."""
     trial = areal_trial.path
     pickle_path = areal_trial.info / "dataloader_info.pkl"
+    original = pickle_path.read_bytes()
+    elsewhere = trial.parent / "elsewhere.pkl"
+    elsewhere.write_bytes(original)
     pickle_path.unlink()
-    pickle_path.symlink_to("/dev/zero")
+    pickle_path.symlink_to("/dev/zero" if target == "/dev/zero" else elsewhere)
     assert cli_main(["import-areal", str(trial)]) == 2
-    assert f"{pickle_path}: cannot read: not a regular file (a device)" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert f"{pickle_path}: is a link; the import reads AReaL's files only where AReaL writes them" in error
+    assert "put the file itself there" in error and not (trial / ".recover").exists()
+    pickle_path.unlink()
+    pickle_path.write_bytes(original)  # the hint followed
+    assert cli_main(["import-areal", str(trial)]) == 0
 
 
 def _dag(levels: int) -> list:

@@ -186,7 +186,14 @@ def test_a_server_that_stops_answering_is_an_error_after_bounded_logged_waits(
         assert [number for number, _ in numbers] == list(range(1, numbers[0][1] + 1))
 
 
-def test_a_timeout_that_is_not_a_positive_number_is_a_config_error_naming_the_variable(monkeypatch):
-    monkeypatch.setenv("AREAL_CKPT_STORAGE_TIMEOUT", "soon")
-    with pytest.raises(ac.ConfigError, match=r"AREAL_CKPT_STORAGE_TIMEOUT='soon': give the seconds"):
-        store_of(parse_object_url("s3://some-bucket/x", "test"))
+@pytest.mark.parametrize("value", ["soon", "0", "-3", "inf", "1e400", "nan", "1e10"])
+@pytest.mark.parametrize("scheme", ["s3", "gs", "az"])
+def test_a_timeout_that_is_not_a_positive_number_of_at_most_a_day_is_a_config_error_naming_the_variable(
+    monkeypatch, value, scheme
+):
+    # inf and 1e10 used to be taken, then every request failed with "timestamp out of range"
+    monkeypatch.setenv("AREAL_CKPT_STORAGE_TIMEOUT", value)
+    with pytest.raises(ac.ConfigError, match=rf"AREAL_CKPT_STORAGE_TIMEOUT='{value}': give the seconds .* at most"):
+        store_of(parse_object_url(f"{scheme}://some-bucket/x", "test")).check_access()
+    monkeypatch.setenv("AREAL_CKPT_STORAGE_TIMEOUT", "86400")  # the hint's largest value is taken
+    store_of(parse_object_url(f"{scheme}://some-bucket/x", "test"))

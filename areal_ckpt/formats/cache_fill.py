@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -161,9 +162,15 @@ def _fill(state: _ProcessState, paths: list[Path]) -> None:
 
 
 def _fill_file(state: _ProcessState, path: Path, null: int) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    """Send ``path`` to ``null``; what is not a regular file by now (a FIFO put in its place,
+    which would block the thread forever) is skipped, logged; opening never blocks."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        size, offset = os.fstat(fd).st_size, 0
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            logger.info("not filling the page cache with %s: not a regular file", path)
+            return
+        size, offset = status.st_size, 0
         while offset < size:
             with state.changed:
                 while state.open_reads:

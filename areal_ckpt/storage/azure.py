@@ -108,6 +108,7 @@ class AzureStore:
 
     def __init__(self, url: ObjectURL) -> None:
         self.url = url
+        request_timeout()  # a bad value is refused naming its variable, before the account is looked for
         self._container: ContainerClient | None = None
         self.endpoint = "(no account configured)"
         self._service: BlobServiceClient | None = None

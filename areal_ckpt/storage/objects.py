@@ -28,6 +28,7 @@ T = TypeVar("T")
 #: The variable that bounds how long one request waits for a store's answer (seconds).
 TIMEOUT_VARIABLE = "AREAL_CKPT_STORAGE_TIMEOUT"
 _DEFAULT_TIMEOUT = 120.0
+_MOST_TIMEOUT = 86400.0
 
 
 def request_timeout() -> float:
@@ -35,7 +36,7 @@ def request_timeout() -> float:
     (default 120), read when a store is made; every store's client applies it to each read and
     retries a bounded number of times, so a server that stops answering becomes an error after
     a few times this, each retry logged. ConfigError naming the variable for a value that is
-    not a positive number. Pure."""
+    not a positive number of at most a day (inf, NaN and 1e10 included). Pure."""
     value = os.environ.get(TIMEOUT_VARIABLE)
     if value is None or value == "":
         return _DEFAULT_TIMEOUT
@@ -43,8 +44,11 @@ def request_timeout() -> float:
         seconds = float(value)
     except ValueError:
         seconds = -1.0
-    if not seconds > 0:
-        raise ConfigError(f"{TIMEOUT_VARIABLE}={value!r}: give the seconds a request may wait, a positive number")
+    if not 0 < seconds <= _MOST_TIMEOUT:  # also refuses inf and NaN, which the clients' clocks cannot add
+        raise ConfigError(
+            f"{TIMEOUT_VARIABLE}={value!r}: give the seconds a request may wait, a positive number of at most "
+            f"{_MOST_TIMEOUT:.0f} (a day)"
+        )
     return seconds
 
 

@@ -98,8 +98,12 @@ def _read_latest(latest: Path) -> dict[str, Any]:
     version, step, generation, engines = (record[k] for k in ("format_version", "global_step", "generation", "engines"))
     if type(version) is not int or version != LATEST_FORMAT:
         raise CheckpointError(f"{latest}: format_version {version!r}; this import reads format {LATEST_FORMAT}")
-    if type(step) is not int or step < 0:
-        raise CheckpointError(f"{latest}: global_step {step!r} is not a step (a non-negative integer)")
+    if type(step) is not int or not 0 <= step < 1 << 63:
+        shown = repr(step) if len(repr(step)) <= 40 else f"{repr(step)[:40]}... ({len(repr(step))} characters)"
+        raise CheckpointError(
+            f"{latest}: global_step {shown} is not a step (an integer from 0 to 2**63 - 1); nothing was imported: "
+            "restore the LATEST AReaL wrote"
+        )
     if generation != f"generation_step{step:08d}":
         raise CheckpointError(f"{latest}: generation {generation!r} does not match global_step {step}")
     if not isinstance(engines, list) or not engines or not all(isinstance(name, str) for name in engines):
@@ -115,10 +119,15 @@ def _read_latest(latest: Path) -> dict[str, Any]:
 
 
 def _check_folder(folder: Path, latest: Path) -> None:
-    if folder.is_symlink():
-        raise CheckpointError(f"{folder}: is a link; the import reads AReaL's folders only where AReaL writes them")
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: missing (named by {latest}); nothing was imported")
+    try:
+        if folder.is_symlink():
+            raise CheckpointError(f"{folder}: is a link; the import reads AReaL's folders only where AReaL writes them")
+        if not folder.is_dir():
+            raise CheckpointError(f"{folder}: missing (named by {latest}); nothing was imported")
+    except OSError as error:  # a name the file system cannot hold (too long), a folder it cannot read
+        raise CheckpointError(
+            f"{latest}: names {folder.name[:60]!r}, which cannot be looked up ({error.strerror}); nothing was imported"
+        ) from None
 
 
 def _newer_generations(root: Path, published: int) -> list[Path]:

@@ -63,7 +63,14 @@ def _schedule(areal: Any, path: Path) -> dict[str, Any] | None:
 
 def read_recover_info(folder: Path, models: list[str]) -> tuple[StepInfo, dict[str, bytes], int]:
     """AReaL's recover_info: its step, our recover_info files (name -> content) and the number
-    of ranks whose dataloader positions it holds."""
+    of ranks whose dataloader positions it holds. A file there that is a link is refused by
+    name (the import reads AReaL's files only where AReaL writes them)."""
+    for name in (STEP_FILE, *GLOBAL_FILES.values(), DATALOADER_PICKLE):
+        if (folder / name).is_symlink():
+            raise CheckpointError(
+                f"{folder / name}: is a link; the import reads AReaL's files only where AReaL writes them, never "
+                "through a link: put the file itself there (or remove the link), nothing was imported"
+            )
     _, raw_step = read_json_file(folder / STEP_FILE, "AReaL step info")
     try:
         step_info = StepInfo.from_dict(raw_step)
