@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 import queue
+import stat
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
