@@ -60,3 +60,10 @@ def test_ctrl_c_during_dumps_stops_the_job_and_leaves_a_whole_checkpoint(tmp_pat
 def test_operator_faults(tmp_path):
     row = torture.scenario_operator(tmp_path, lambda root, trial: torture._check_recover(root, trial, model={}))
     assert_clean(row, 4)
+
+
+def test_preemption_through_the_process_group_and_the_launcher_at_a_random_step(tmp_path):
+    rows = torture.scenario_preemption(1, random.Random(7), tmp_path)
+    assert [row.scenario for row in rows] == ["preempt-async-group", "preempt-tiered-group", "preempt-launch"]
+    for row in rows:
+        assert_clean(row, 1)

@@ -36,6 +36,7 @@ from torture_objects import scenario_objects  # noqa: E402
 from torture_operator import scenario_ctrl_c, scenario_operator  # noqa: E402
 from torture_peers import scenario_peers  # noqa: E402
 from torture_power import scenario_power_loss  # noqa: E402
+from torture_preemption import scenario_preemption  # noqa: E402
 
 import areal_ckpt as ac  # noqa: E402
 from areal_ckpt.tools.inspection import verify  # noqa: E402
@@ -491,6 +492,7 @@ def run_all(trials: int, seed: int = 0, select: str | None = None) -> list[Row]:
             rows += scenario_power_loss(trials, rng, work)
         rows += scenario_objects(max(2, trials // 10), rng, work, select)
         rows += scenario_peers(max(2, trials // 10), rng, work, select)
+        rows += scenario_preemption(max(2, trials // 10), rng, work, select)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return rows
