@@ -18,16 +18,15 @@ from areal_ckpt.config import RecoverConfig
 from areal_ckpt.engines.accept import HFAssets, check_engines, engines_by_name, named_engines
 from areal_ckpt.engines.contract import EnginesLike, RolloutEngine, WeightUpdateMeta
 from areal_ckpt.errors import CheckpointError, CollectiveError
-from areal_ckpt.formats.range_read import PeerFiles
 from areal_ckpt.jobs.lifecycle import SaveLifecycle, resolve_async
 from areal_ckpt.paths import default_user, recover_info_link, trial_root
 from areal_ckpt.recover.dump_runs import DumpRuns, stopped
 from areal_ckpt.recover.frozen import frozen_part, part_fingerprint
 from areal_ckpt.recover.location import trial_location
-from areal_ckpt.recover.persistent import new_run_token
+from areal_ckpt.recover.persistent import ReadFrom, new_run_token
 from areal_ckpt.recover.preemption import PreemptionSignals
 from areal_ckpt.recover.prepare import PreviousDump, prepare_dump
-from areal_ckpt.recover.read import load_engine, open_committed
+from areal_ckpt.recover.read import OpenedGeneration, load_engine, open_committed
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.rollout_sync import RolloutSync
 from areal_ckpt.recover.tidy import remove_trash, wait_for_deletions
@@ -303,30 +302,27 @@ class RecoverHandler:
         engines = engines_by_name(engine, "RecoverHandler.load")
         policy = "drop_rank_state" if drop_rank_state else self.config.on_world_size_change
 
-        def restore(local: bool, peers: PeerFiles | None) -> tuple[str, dict[str, Any], RecoverInfo] | None:
-            opened = open_committed(
-                self.store, self.publication.source(local), sorted(engines), policy, dataloader, local=local
-            )
+        def restore(read_from: ReadFrom) -> OpenedGeneration | None:
+            opened = open_committed(self.store, read_from, sorted(engines), policy, dataloader)
             if opened is None:
                 return None
-            found, manifest, info, fetch = opened
 
             def load_engines() -> None:
                 for name in sorted(engines):
                     load_engine(
                         engines[name],
-                        self.store.path(found) / name,
-                        manifest,
+                        opened.folder / name,
+                        opened.manifest,
                         self.config.no_load_optim,
-                        fetch=fetch,
-                        peers=peers,
+                        fetch=opened.fetch,
+                        peers=opened.peers,
                     )
 
             if rollout is None:
                 load_engines()
             else:
-                rollout.run(info.last_step_info.global_step + 1, load_engines)
-            return found, manifest, info
+                rollout.run(opened.info.last_step_info.global_step + 1, load_engines)
+            return opened
 
         with python_random_kept():  # a request retried meanwhile draws from it; restored below when loaded
             try:
@@ -335,7 +331,7 @@ class RecoverHandler:
                 wait_for_deletions()  # the debris rank 0 hid before loading, deleted while the engines loaded
         if restored is None:
             return None
-        found, manifest, info = restored
+        found, manifest, info = restored.name, restored.manifest, restored.info
         if self._uploads is not None and choice is not None:
             self._uploads.resumed(found, choice.remote_newest, choice.local, choice.partial)
         restore_components(

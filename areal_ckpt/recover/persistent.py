@@ -17,10 +17,12 @@ import logging
 import os
 import secrets
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from areal_ckpt import agree
+from areal_ckpt.formats.range_read import PeerFiles
 from areal_ckpt.fsio import FileWriter
 from areal_ckpt.paths import RECOVER_CURRENT, RECOVER_MANIFEST
 from areal_ckpt.publish import switch_symlink
@@ -82,6 +84,21 @@ class PersistentGenerations(Protocol):
         """What writes a data file of ``part`` straight here, bypassing the local copy (the
         file is uncommitted until :meth:`publish`), or None when data files are written locally
         and put here by :meth:`publish`."""
+
+
+@dataclass(frozen=True)
+class ReadFrom:
+    """Where a load reads the committed generation from, as the trial's
+    :class:`~areal_ckpt.recover.publication.Publication` decided: with a ``source`` (where the
+    trial persists) its newest commit is the one, brought into the local store, which is then
+    a cache of it; without, the local store as it is. ``assembled``: the local tiers of a
+    tiered trial once the generation was assembled on them (the data files other nodes hold,
+    or send, are not looked for locally); ``peers``: the data files other ranks send straight
+    into this rank's load. Plain data."""
+
+    source: PersistentGenerations | None = None
+    assembled: bool = False
+    peers: PeerFiles | None = None
 
 
 def fetch_newest(

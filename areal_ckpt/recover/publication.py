@@ -30,13 +30,12 @@ from typing import Protocol, TypeVar
 
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError, TransientError
-from areal_ckpt.formats.range_read import PeerFiles
 from areal_ckpt.fsio import FileWriter
 from areal_ckpt.paths import RECOVER_MANIFEST
 from areal_ckpt.publish import read_manifest
 from areal_ckpt.recover.foreign import refuse_foreign_layout
 from areal_ckpt.recover.nodes import node_of
-from areal_ckpt.recover.persistent import PersistentGenerations
+from areal_ckpt.recover.persistent import PersistentGenerations, ReadFrom
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.tidy import delete_later
@@ -82,17 +81,13 @@ class Publication(Protocol):
         later. Collective (every rank makes its own)."""
 
     def restore(
-        self, store: RecoverStore, restore: Callable[[bool, PeerFiles | None], T | None]
+        self, store: RecoverStore, restore: Callable[[ReadFrom], T | None]
     ) -> tuple[T | None, TierChoice | None]:
-        """Run ``restore(local, peers)`` (a collective load of the committed generation: ``local``
-        from the local store as it is, else from where the trial persists; ``peers``: the data
-        files other ranks send into it, :mod:`~areal_ckpt.recover.tiers`) against the right
-        location; returns its result and the tier choice it followed (None: no choice to make).
+        """Run ``restore(read_from)`` (a collective load of the committed generation, read as
+        :class:`~areal_ckpt.recover.persistent.ReadFrom` says: the local store as it is, where
+        the trial persists, or the assembled local tiers, :mod:`~areal_ckpt.recover.tiers`);
+        returns its result and the tier choice it followed (None: no choice to make).
         Collective."""
-
-    def source(self, local: bool) -> PersistentGenerations | None:
-        """Where a load reads the newest commit from (None: the local store holds what
-        counts). ``local``: a tiered trial resuming from its local tier. Pure."""
 
     def has_checkpoint(self, store: RecoverStore) -> bool:
         """True when a committed checkpoint exists wherever this trial keeps them. Local;
@@ -130,14 +125,10 @@ class KeptLocally:
         return None
 
     def restore(
-        self, store: RecoverStore, restore: Callable[[bool, PeerFiles | None], T | None]
+        self, store: RecoverStore, restore: Callable[[ReadFrom], T | None]
     ) -> tuple[T | None, TierChoice | None]:
-        """``restore(False, None)``: the local store is where the trial is."""
-        return restore(False, None), None
-
-    def source(self, local: bool) -> PersistentGenerations | None:
-        """None: the local store holds what counts."""
-        return None
+        """``restore`` of the local store as it is: it is where the trial is."""
+        return restore(ReadFrom()), None
 
     def has_checkpoint(self, store: RecoverStore) -> bool:
         """The store's commit record names a generation whose manifest reads."""
@@ -196,12 +187,12 @@ class PublishedInDump:
         return None
 
     def restore(
-        self, store: RecoverStore, restore: Callable[[bool, PeerFiles | None], T | None]
+        self, store: RecoverStore, restore: Callable[[ReadFrom], T | None]
     ) -> tuple[T | None, TierChoice | None]:
-        """``restore(False, None)``: the newest commit behind counts. When there is none, the
+        """``restore`` from ``behind``: its newest commit counts. When there is none, the
         trial starts fresh whatever the node's cache still holds: that is set aside (renamed,
         never read or deleted), so the first dump does not take it for a commit."""
-        restored = restore(False, None)
+        restored = restore(ReadFrom(self.behind))
         if restored is None:
             self._forget(store)
         return restored, None
@@ -213,10 +204,6 @@ class PublishedInDump:
         agree.on_every_rank(
             lambda: set_aside_contents(store.root, why), f"{store.root}: cannot set the stale cache aside"
         )
-
-    def source(self, local: bool) -> PersistentGenerations | None:
-        """``behind``."""
-        return self.behind
 
     def has_checkpoint(self, store: RecoverStore) -> bool:
         """``behind`` holds a committed generation."""
@@ -290,17 +277,13 @@ class PublishedInBackground:
         return Uploads(store, self.behind, run, retries, self.copies, self.upload_every)
 
     def restore(
-        self, store: RecoverStore, restore: Callable[[bool, PeerFiles | None], T | None]
+        self, store: RecoverStore, restore: Callable[[ReadFrom], T | None]
     ) -> tuple[T | None, TierChoice | None]:
         """The tier choice (:func:`~areal_ckpt.recover.tiers.restore_from_tiers`); the first
         after a :meth:`start` that found ``behind`` silent takes that as its answer (asking
         again would wait out the storage client's retries twice before resuming locally)."""
         unanswered = self.unanswered.pop() if self.unanswered else None
         return restore_from_tiers(store, self.behind, restore, unanswered)
-
-    def source(self, local: bool) -> PersistentGenerations | None:
-        """None when resuming from the local tier, else ``behind``."""
-        return None if local else self.behind
 
     def has_checkpoint(self, store: RecoverStore) -> bool:
         """This node's local tier first (a broken one is left for ``behind``), then ``behind``."""

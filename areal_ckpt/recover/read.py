@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from areal_ckpt.paths import (
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.location import trial_location
 from areal_ckpt.recover.nodes import held_elsewhere
-from areal_ckpt.recover.persistent import PersistentGenerations, fetch_newest
+from areal_ckpt.recover.persistent import ReadFrom, fetch_newest
 from areal_ckpt.recover.store import RecoverStore, find_committed
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state import safe_json
@@ -48,40 +49,50 @@ from areal_ckpt.storage.folders import OnDemandFiles
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class OpenedGeneration:
+    """A committed generation opened for a load: its ``name`` and ``folder`` in the local
+    store, its verified ``manifest``, this rank's recover ``info``, what brings a data file
+    into the local copy before it is read (``fetch``; None when it is all there) and the data
+    files other ranks send into the load (``peers``). Plain data, local to the rank."""
+
+    name: str
+    folder: Path
+    manifest: dict[str, Any]
+    info: RecoverInfo
+    fetch: Callable[[Path], None] | None = None
+    peers: PeerFiles | None = None
+
+
 def open_committed(
     store: RecoverStore,
-    source: PersistentGenerations | None,
+    read_from: ReadFrom,
     models: list[str],
     on_world_size_change: str,
     dataloader: Stateful | None = None,
-    local: bool = False,
-) -> tuple[str, dict[str, Any], RecoverInfo, Callable[[Path], None] | None] | None:
-    """The committed generation of ``store``, its verified manifest, this rank's recover info
-    and what brings a data file down before it is read (None on a local trial), or None when
-    there is none. With a ``source`` (where the trial persists, when its newest commit counts:
-    :meth:`~areal_ckpt.recover.publication.Publication.source`) that commit is the one, None
-    when it holds none (whatever the local copy holds); the generation's small files
-    come down to the node's local copy first and its data files only as a rank reads them (each
-    rank the files its share needs); without, the local copy is read as it is, and with
-    ``local`` (a tiered trial resuming from its local tier, :mod:`areal_ckpt.recover.tiers`,
-    called once the generation was assembled there: each node holds what its ranks read but
-    the files that arrive into their loads, and the data files it lacks are not looked for,
-    :func:`~areal_ckpt.recover.nodes.held_elsewhere`).
+) -> OpenedGeneration | None:
+    """The committed generation of ``store``, read as ``read_from`` says
+    (:class:`~areal_ckpt.recover.persistent.ReadFrom`), or None when there is none. With a
+    source, its newest commit is the one and None when it holds none (whatever the local copy
+    holds); the generation's small files come down to the node's local copy first and its
+    data files only as a rank reads them (each rank the files its share needs). Assembled (a
+    tiered trial resuming from its local tiers): each node holds what its ranks read but the
+    files that arrive into their loads, and the data files it lacks are not looked for
+    (:func:`~areal_ckpt.recover.nodes.held_elsewhere`).
     Collective: rank 0 finds it (removing debris), every rank verifies its share and reads its
     info. Raises CheckpointError on every rank when the
     commit record is broken, the trial holds AReaL's folders, a file is damaged, ``models``
     names one it does not hold (:func:`check_models`), the three records of its step disagree,
     or a component cannot be restored (``dataloader``: the one the load restores); nothing is
     loaded then."""
+    source = read_from.source
     if source is not None and fetch_newest(source, store.root, deferred=read_when_needed) is None:
         return None  # where the trial persists decides: no commit there is a fresh start, whatever the node holds
     found = agree.decided_by_rank0(lambda: find_committed(store), "RecoverHandler.load")
     if found is None:
         return None
     folder = store.path(found)
-    elsewhere: frozenset[str] = frozenset()
-    if local:  # assembled: each node holds what its ranks read (or receives into their loads)
-        elsewhere = held_elsewhere(store, found)
+    elsewhere = held_elsewhere(store, found) if read_from.assembled else frozenset()
     manifest = verify_checkpoint(folder, data_on_demand=source is not None, elsewhere=elsewhere)
     fetch = None if source is None else OnDemandFiles(source.files_of(found), folder, manifest["files"]).ensure
     check_models(folder, manifest["models"], models)
@@ -91,7 +102,7 @@ def open_committed(
     check_one_step(folder, manifest, info)
     check_restorable(info, dataloader)  # before any weight is loaded: a failed load changes nothing
     warn_if_numerics_changed(str(folder), manifest, dist.rank())
-    return found, manifest, info, fetch
+    return OpenedGeneration(found, folder, manifest, info, fetch, read_from.peers)
 
 
 def check_models(folder: Path, held: list[str], given: list[str]) -> None:

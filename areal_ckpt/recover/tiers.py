@@ -33,11 +33,10 @@ from typing import TypeVar
 
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats.range_read import PeerFiles
 from areal_ckpt.paths import generation_step
 from areal_ckpt.recover.foreign import refuse_foreign_layout
 from areal_ckpt.recover.peer_copies import Assembly, Holding, assemble, assemblies, holdings_of, node_leaders
-from areal_ckpt.recover.persistent import PersistentGenerations
+from areal_ckpt.recover.persistent import PersistentGenerations, ReadFrom
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.storage.peer_reads import PeerReads
 
@@ -99,11 +98,11 @@ def choose_tier(store: RecoverStore, behind: PersistentGenerations, unanswered: 
 def restore_from_tiers(
     store: RecoverStore,
     behind: PersistentGenerations,
-    restore: Callable[[bool, PeerFiles | None], T | None],
+    restore: Callable[[ReadFrom], T | None],
     unanswered: str | None = None,
 ) -> tuple[T | None, TierChoice]:
     """Resume the tiered trial ``store`` (persisting ``behind``): :func:`choose_tier` (told
-    ``unanswered``), then ``restore(local, peers)`` (a collective load from the local tiers,
+    ``unanswered``), then ``restore(read_from)`` (a collective load from the local tiers,
     once the chosen generation was assembled on them, or from the persistent tier, returning
     None when there is nothing to load). Each node first receives only what its ranks read, a
     data file only one of its ranks reads straight into that rank's load (``peers``; the
@@ -114,7 +113,7 @@ def restore_from_tiers(
     what ``restore`` returned and the choice it followed."""
     choice = choose_tier(store, behind, unanswered)
     if not choice.local:
-        return restore(False, None), choice
+        return restore(ReadFrom(behind)), choice
     failure: CheckpointError | None = None
     restored: T | None = None
     partial = False
@@ -124,7 +123,7 @@ def restore_from_tiers(
         try:
             assert choice.generation is not None
             partial, peers = assemble(store, choice.generation, choice.manifest_from, every_file, not every_file)
-            restored = restore(True, peers)
+            restored = restore(ReadFrom(assembled=True, peers=peers))
         except CheckpointError as error:
             failure = error
         try:
@@ -150,7 +149,7 @@ def restore_from_tiers(
         failure or "on another rank",
         choice.remote_newest,
     )
-    return restore(False, None), dataclasses.replace(choice, local=False)
+    return restore(ReadFrom(behind)), dataclasses.replace(choice, local=False)
 
 
 def _decide(
