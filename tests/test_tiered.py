@@ -401,3 +401,44 @@ def test_a_local_generation_damaged_while_its_upload_waits_is_never_committed_to
     loader = ac.RecoverHandler(tiered_config(bucket, tmp_path / "fresh-node"), SPEC)
     assert loader.load(fresh.engine).last_step_info.global_step == 0
     loader.close()
+
+
+@pytest.mark.parametrize("races", [1, 3])
+def test_a_load_whose_generation_another_jobs_upload_supersedes_mid_fetch_loads_the_newer_one(
+    persistent_root, tmp_path, monkeypatch, caplog, races
+):
+    """Two jobs on one trial: the first job's next upload deletes the generation the second one
+    is fetching (it failed 2 of 3 times on "dcp_index.json: missing", with no retry). Three
+    times in a row: said so, and the hint (stop the other job) followed."""
+    from areal_ckpt.storage import folders
+
+    running = make_setup()
+    first = ac.RecoverHandler(tiered_config(persistent_root.root, tmp_path / "node-a"), SPEC)
+    train_step(running, 0)
+    first.dump(running.engine, step_info(0), force=True)
+    first.wait()
+    real_ensure = folders.OnDemandFiles.ensure
+    raced: list[int] = []
+
+    def ensure_after_the_first_jobs_next_commit(self, path):  # type: ignore[no-untyped-def]
+        if path.name == "dcp_index.json" and len(raced) < races:  # the load's first file of a generation
+            raced.append(len(raced) + 1)
+            train_step(running, len(raced))
+            first.dump(running.engine, step_info(len(raced)), force=True)
+            first.wait()  # uploaded; the persistent tier keeps only the newest: the one being read is gone
+        return real_ensure(self, path)
+
+    monkeypatch.setattr(folders.OnDemandFiles, "ensure", ensure_after_the_first_jobs_next_commit)
+    fresh = make_setup(seed=1)
+    second = ac.RecoverHandler(tiered_config(persistent_root.root, tmp_path / "node-b"), SPEC)  # a fresh disk
+    if races == 3:
+        with pytest.raises(
+            CheckpointError, match=r"superseded by gen-00000003-\w+ while it was loaded, 3 times .*stop it"
+        ):
+            second.load(fresh.engine)
+        first.close()  # the hint followed: the other job stopped
+    assert second.load(fresh.engine).last_step_info.global_step == races
+    second.close()
+    first.close()
+    assert raced == list(range(1, races + 1)) and "was superseded by gen-00000001-" in caplog.text
+    assert_same_weights(running.model, fresh.model)

@@ -19,9 +19,10 @@ import secrets
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeVar
 
-from areal_ckpt import agree
+from areal_ckpt import agree, dist
+from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.range_read import PeerFiles
 from areal_ckpt.fsio import FileWriter
 from areal_ckpt.paths import RECOVER_CURRENT, RECOVER_MANIFEST
@@ -30,6 +31,8 @@ from areal_ckpt.storage.folders import FileSource, fetch_shared
 from areal_ckpt.storage.mirrors import Identity
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def new_run_token() -> str:
@@ -99,6 +102,36 @@ class ReadFrom:
     source: PersistentGenerations | None = None
     assembled: bool = False
     peers: PeerFiles | None = None
+
+
+#: How many times a load from where a trial persists starts again when another job's commit
+#: superseded (and deleted) the generation it was reading.
+SUPERSEDED_ATTEMPTS = 3
+
+
+def restore_newest(behind: PersistentGenerations, restore: Callable[[ReadFrom], T | None]) -> T | None:
+    """``restore(ReadFrom(behind))``; when it fails and ``behind``'s newest commit changed
+    meanwhile (a running job on the trial committed, and its retention deleted the generation
+    being read), again from the newer one, logged, up to :data:`SUPERSEDED_ATTEMPTS` times, then
+    a CheckpointError saying so; any other failure is raised as it is. Collective (rank 0 reads
+    the newest commit, agreed)."""
+    attempt = 1
+    while True:
+        read = agree.decided_by_rank0(behind.newest, f"{behind.where()}: cannot read the newest commit")
+        try:
+            return restore(ReadFrom(behind))
+        except CheckpointError as error:
+            now = agree.decided_by_rank0(behind.newest, f"{behind.where()}: cannot read the newest commit")
+            if read is None or now == read:
+                raise
+            if attempt == SUPERSEDED_ATTEMPTS:
+                raise CheckpointError(
+                    f"{behind.where(read)} was superseded by {now} while it was loaded, {attempt} times in a row "
+                    "(another job commits to this trial faster than it loads: stop it, or use another trial_name)"
+                ) from error
+            if dist.rank() == 0:
+                logger.warning("%s was superseded by %s while it was loaded (%s); loading %s", read, now, error, now)
+            attempt += 1
 
 
 def fetch_newest(

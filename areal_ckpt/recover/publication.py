@@ -35,7 +35,7 @@ from areal_ckpt.paths import RECOVER_MANIFEST
 from areal_ckpt.publish import read_manifest
 from areal_ckpt.recover.foreign import refuse_foreign_layout
 from areal_ckpt.recover.nodes import node_of
-from areal_ckpt.recover.persistent import PersistentGenerations, ReadFrom
+from areal_ckpt.recover.persistent import PersistentGenerations, ReadFrom, restore_newest
 from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.tidy import delete_later
@@ -192,7 +192,7 @@ class PublishedInDump:
         """``restore`` from ``behind``: its newest commit counts. When there is none, the
         trial starts fresh whatever the node's cache still holds: that is set aside (renamed,
         never read or deleted), so the first dump does not take it for a commit."""
-        restored = restore(ReadFrom(self.behind))
+        restored = restore_newest(self.behind, restore)
         if restored is None:
             self._forget(store)
         return restored, None

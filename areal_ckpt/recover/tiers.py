@@ -36,7 +36,7 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.paths import generation_step
 from areal_ckpt.recover.foreign import refuse_foreign_layout
 from areal_ckpt.recover.peer_copies import Assembly, Holding, assemble, assemblies, holdings_of, node_leaders
-from areal_ckpt.recover.persistent import PersistentGenerations, ReadFrom
+from areal_ckpt.recover.persistent import PersistentGenerations, ReadFrom, restore_newest
 from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.storage.peer_reads import PeerReads
 
@@ -113,7 +113,7 @@ def restore_from_tiers(
     what ``restore`` returned and the choice it followed."""
     choice = choose_tier(store, behind, unanswered)
     if not choice.local:
-        return restore(ReadFrom(behind)), choice
+        return restore_newest(behind, restore), choice
     failure: CheckpointError | None = None
     restored: T | None = None
     partial = False
@@ -149,7 +149,7 @@ def restore_from_tiers(
         failure or "on another rank",
         choice.remote_newest,
     )
-    return restore(ReadFrom(behind)), dataclasses.replace(choice, local=False)
+    return restore_newest(behind, restore), dataclasses.replace(choice, local=False)
 
 
 def _decide(
