@@ -173,3 +173,27 @@ def test_a_local_tier_whose_record_is_garbled_is_refused_and_one_an_older_versio
     (trial / ".recover/.persists-at").write_text(f"{persistent_root.root}/{TRIAL}/.recover\n")
     assert resumed_step(config) == 1
     assert record.read_bytes() == held  # recorded in full from now on
+
+
+def _different_persistent_tiers(rank: int, world_size: int, root: str) -> None:
+    config = ac.RecoverConfig(
+        experiment_name="exp",
+        trial_name="trial",
+        fileroot=f"{root}/shared-{rank}",  # a misconfigured node: another persistent tier
+        user="tester",
+        local_dir=f"{root}/node{rank}",
+        local_replicas=1,
+        mode="on",
+    )
+    with pytest.raises(
+        ac.RankMismatchError, match=r"the ranks name different persistent tiers: \[.*shared-0.*shared-1"
+    ):
+        ac.RecoverHandler(config, SPEC)
+    assert not list(Path(root).glob(f"node{rank}/**/{MIRROR_RECORD}"))  # no tier claimed, no copy moved
+
+
+@pytest.mark.dist
+def test_ranks_that_name_different_persistent_tiers_are_refused_before_a_tier_is_claimed_or_a_copy_moves(tmp_path):
+    from distributed import run_distributed
+
+    run_distributed(_different_persistent_tiers, 2, str(tmp_path))
