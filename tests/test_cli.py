@@ -131,3 +131,35 @@ def test_console_script_and_module_entry_points(trial):
     for command in ([str(script)], [sys.executable, "-m", "areal_ckpt"]):
         done = subprocess.run([*command, "verify", str(root)], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and done.stdout.startswith("OK"), done.stderr
+
+
+@pytest.mark.parametrize("command", ["verify", "list", "inspect", "import-areal", "recover-pointer"])
+@pytest.mark.parametrize("given", ["missing", "a plain file"])
+def test_a_path_that_is_no_folder_is_a_wrong_argument_exit_2_with_a_hint_that_is_not_the_command_again(
+    trial, tmp_path, capsys, command, given
+):
+    # verify used to say "1 of 1 checkpoint(s) damaged" (exit 1); import-areal and recover-pointer
+    # "cannot create the trial lock: File exists"; the hint sent the user back to the same command
+    path = tmp_path / "elsewhere"
+    if given == "a plain file":
+        path.write_text("not a trial")
+    code, stdout, err = run(capsys, command, str(path))
+    assert code == 2 and stdout == ""
+    assert err.splitlines()[0] == f"areal-ckpt {command}: error: {path}: not a folder"
+    assert (
+        err.splitlines()[1].startswith("hint: give an existing folder (a trial,") and command not in err.splitlines()[1]
+    )
+    root, _ = trial
+    if command in ("verify", "list", "inspect"):  # the hint followed: the trial's folder
+        assert run(capsys, command, str(root))[0] == 0
+
+
+def test_list_of_a_trial_areal_wrote_names_the_import(fileroot, capsys):
+    from areal_trials import IN_PLACE, write_areal_trial
+
+    areal = write_areal_trial(trial_dir(fileroot), IN_PLACE, {"default": make_setup()})
+    code, stdout, _ = run(capsys, "list", str(areal.path))
+    assert code == 0 and "but AReaL's own recovery checkpoint (" in stdout
+    assert f"`areal-ckpt import-areal {areal.path}` makes it one a job resumes from" in stdout
+    assert run(capsys, "import-areal", str(areal.path))[0] == 0  # the hint followed
+    assert json.loads(run(capsys, "list", str(areal.path), "--json")[1])[0]["kind"] == "recover"

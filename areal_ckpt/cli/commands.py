@@ -98,6 +98,18 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(json.dumps(entries, indent=1))
         return 0
     if not entries:
+        from areal_ckpt.recover.foreign import foreign_recovery_layout
+        from areal_ckpt.urls import locate
+
+        where = locate(args.trial_root, "trial-root")
+        found = foreign_recovery_layout(where) if isinstance(where, Path) else []
+        if found:
+            print(
+                f"{args.trial_root}: no exports and no recovery checkpoint of areal_ckpt, but AReaL's own recovery "
+                f"checkpoint ({', '.join(path.name for path in found)}): `areal-ckpt import-areal {args.trial_root}` "
+                "makes it one a job resumes from"
+            )
+            return 0
         print(f"{args.trial_root}: no exports and no recovery checkpoint")
         return 0
     rows = [["kind", "model", "global step", "epoch", "size", "created", "path"]]

@@ -145,7 +145,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args))
     except (CheckpointError, ValueError, OSError) as error:
         print(f"areal-ckpt {args.command}: error: {error}", file=sys.stderr)
-        if not isinstance(error, ConfigError) and any(words in str(error) for words in _ABOUT_WHAT_IS_THERE):
+        if str(error).endswith(": not a folder"):  # a wrong path, not a damaged checkpoint
+            print(
+                "hint: give an existing folder (a trial, {fileroot}/checkpoints/{user}/{experiment}/{trial}, or a "
+                "checkpoint in it) or an s3:// / gs:// / az:// URL",
+                file=sys.stderr,
+            )
+        elif not isinstance(error, ConfigError) and any(words in str(error) for words in _ABOUT_WHAT_IS_THERE):
             print(
                 "hint: `areal-ckpt verify PATH` names damaged files; `areal-ckpt list TRIAL` shows what exists",
                 file=sys.stderr,
@@ -157,7 +163,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 #: there): then `verify` and `list` help. An error with a way out of its own (an output that
 #: exists, credentials, a server that does not answer) gets no generic hint.
 _ABOUT_WHAT_IS_THERE = (
-    "not a folder",
     "damaged",
     "checksum",
     "missing",

@@ -90,6 +90,8 @@ def import_areal_trial(trial: Path, config_from: Path | None = None, remove_orig
     before every start.
     """
     trial = Path(trial)
+    if not trial.is_dir():
+        raise CheckpointError(f"{trial}: not a folder")
     acquire_trial_lock(trial)
     try:
         store = RecoverStore(trial)

@@ -36,8 +36,16 @@ class FolderPlace:
         return describe(self.path)
 
     def verify(self, progress: Progress = iter) -> list[tuple[str, list[str]]]:
-        """:func:`~areal_ckpt.tools.inspection.verify_each` of the folder."""
+        """:func:`~areal_ckpt.tools.inspection.verify_each` of the folder; CheckpointError when
+        the path is no folder (a wrong argument, not damage)."""
+        self._check_folder()
         return [(str(path), problems) for path, problems in verify_each(self.path, progress=progress)]
+
+    def _check_folder(self) -> None:
+        """CheckpointError ``{path}: not a folder`` unless the path is one (links followed, as
+        a user's path may be one)."""
+        if not self.path.is_dir():
+            raise CheckpointError(f"{self.path}: not a folder")
 
     def list(self) -> list[dict[str, Any]]:
         """:func:`~areal_ckpt.tools.inspection.list_trial` of the folder."""
@@ -68,7 +76,8 @@ class FolderPlace:
 
     def repoint(self) -> Repointed:
         """Under the trial's lock, :func:`~areal_ckpt.recover.repoint.repoint_newest_verified`
-        unless ``current`` already names a generation."""
+        unless ``current`` already names a generation; CheckpointError when the path is no folder."""
+        self._check_folder()
         store = RecoverStore(self.path)
         try:
             committed = store.committed()
