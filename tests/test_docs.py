@@ -76,3 +76,17 @@ def test_shell_blocks_with_the_cli_run(tmp_path, tokenizer):
 def test_readme_shows_the_two_commands():
     text = (ROOT / "README.md").read_text()
     assert "make demo" in text and "make test" in text
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/quickstart.md"])
+def test_the_loop_resumes_when_run_twice(doc, tmp_path, monkeypatch):
+    """The page says a restarted job resumes by itself: its loop, run twice in one folder (as a
+    user reruns it), is resumed the second time (a temporary folder per run never was)."""
+    monkeypatch.chdir(tmp_path)
+    (code,) = [code for language, code in blocks(ROOT / doc) if language == "python" and "recover.load(" in code]
+    runs = []
+    for _ in range(2):
+        namespace: dict = {"__name__": "doc_loop"}
+        exec(compile(code, f"{doc}:python-block", "exec"), namespace)
+        runs.append(namespace["info"])
+    assert runs[0] is None and runs[1] is not None and runs[1].last_step_info.global_step == 7
