@@ -217,9 +217,9 @@ def test_start_errors_name_the_endpoint_bucket_and_cause(s3_server, s3_bucket, t
     assert "not-the-secret" not in str(denied.value)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
     random.seed(5)  # botocore retried the check, drawing its jitter: the loop's stream is left alone
-    with pytest.raises(ac.CheckpointError, match=r"at http://127.0.0.1:9: the server did not answer"):
+    with pytest.raises(ac.CheckpointError, match=r"at http://127.0.0.1:9: the server refused the connection"):
         s3_saver(s3_bucket + "-down", tmp_path)
-    with pytest.raises(ac.CheckpointError, match=r"at http://127.0.0.1:9: the server did not answer"):
+    with pytest.raises(ac.CheckpointError, match=r"at http://127.0.0.1:9: the server refused the connection"):
         ac.RecoverHandler(s3_config(s3_bucket + "-down", tmp_path / "staging"), SPEC)
     assert random.random() == random.Random(5).random()
 

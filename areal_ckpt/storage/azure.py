@@ -22,7 +22,7 @@ import azure.core.exceptions as azure_errors
 from azure.storage.blob import BlobBlock, BlobServiceClient, ContainerClient, ExponentialRetry
 
 from areal_ckpt.errors import CheckpointError, TransientError
-from areal_ckpt.storage.objects import ObjectInfo, ServerFailingError, patiently, request_timeout
+from areal_ckpt.storage.objects import ObjectInfo, ServerFailingError, no_answer, patiently, request_timeout
 from areal_ckpt.storage.parts import PART_WORKERS, PartWriter, Views
 from areal_ckpt.urls import ObjectURL
 
@@ -246,7 +246,7 @@ class AzureStore:
             ) from None
         except (azure_errors.ServiceRequestError, azure_errors.ServiceResponseError) as error:
             raise TransientError(
-                f"cannot {action} {self._where(key)}: the server did not answer ({error}); the endpoint comes from AZURE_STORAGE_CONNECTION_STRING or AZURE_STORAGE_ACCOUNT_NAME"
+                f"cannot {action} {self._where(key)}: the server {no_answer(error)} ({error}); the endpoint comes from AZURE_STORAGE_CONNECTION_STRING or AZURE_STORAGE_ACCOUNT_NAME"
             ) from None
         except azure_errors.HttpResponseError as error:
             status = error.status_code or 0

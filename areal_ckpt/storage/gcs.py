@@ -28,7 +28,7 @@ from google.cloud import storage
 
 from areal_ckpt.errors import CheckpointError, TransientError
 from areal_ckpt.fsio import FileRecord, RunningCrc
-from areal_ckpt.storage.objects import ObjectInfo, ServerFailingError, patiently, request_timeout
+from areal_ckpt.storage.objects import ObjectInfo, ServerFailingError, no_answer, patiently, request_timeout
 from areal_ckpt.storage.parts import PART_BYTES
 from areal_ckpt.urls import ObjectURL
 
@@ -229,13 +229,13 @@ class GCSStore:
             raise ServerFailingError(f"cannot {action} {where}: the server is busy or failing ({error.code})") from None
         except google_errors.RetryError as error:
             raise TransientError(
-                f"cannot {action} {where}: the server did not answer in time ({error}); the endpoint comes from STORAGE_EMULATOR_HOST (unset: Google Cloud Storage itself)"
+                f"cannot {action} {where}: the server {no_answer(error)} in time ({error}); the endpoint comes from STORAGE_EMULATOR_HOST (unset: Google Cloud Storage itself)"
             ) from None
         except google.auth.exceptions.DefaultCredentialsError:
             raise CheckpointError(f"cannot {action} {where}: no credentials found; {_CREDENTIALS_HINT}") from None
         except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as error:
             raise TransientError(
-                f"cannot {action} {where}: the server did not answer ({error}); the endpoint comes from STORAGE_EMULATOR_HOST (unset: Google Cloud Storage itself)"
+                f"cannot {action} {where}: the server {no_answer(error)} ({error}); the endpoint comes from STORAGE_EMULATOR_HOST (unset: Google Cloud Storage itself)"
             ) from None
         except google_errors.GoogleAPIError as error:
             raise CheckpointError(f"cannot {action} {where}: {error}") from None

@@ -22,7 +22,7 @@ import botocore.config
 import botocore.exceptions
 
 from areal_ckpt.errors import CheckpointError, TransientError
-from areal_ckpt.storage.objects import ObjectInfo, ServerFailingError, patiently, request_timeout
+from areal_ckpt.storage.objects import ObjectInfo, ServerFailingError, no_answer, patiently, request_timeout
 from areal_ckpt.storage.parts import PART_BYTES, PART_WORKERS, PartWriter, Views
 from areal_ckpt.urls import ObjectURL
 
@@ -201,7 +201,7 @@ class S3Store:
             botocore.exceptions.ReadTimeoutError,
         ) as error:
             raise TransientError(
-                f"cannot {action} {where}: the server did not answer ({error}); the endpoint comes from AWS_ENDPOINT_URL (or the profile)"
+                f"cannot {action} {where}: the server {no_answer(error)} ({error}); the endpoint comes from AWS_ENDPOINT_URL (or the profile)"
             ) from None
         except botocore.exceptions.NoCredentialsError:
             raise CheckpointError(
