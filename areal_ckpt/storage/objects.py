@@ -27,13 +27,13 @@ _READ_PATIENCE_SECONDS = 30.0  # a server that answers "failing" (5xx) right aft
 T = TypeVar("T")
 #: The variable that bounds how long one request waits for a store's answer (seconds).
 TIMEOUT_VARIABLE = "AREAL_CKPT_STORAGE_TIMEOUT"
-_DEFAULT_TIMEOUT = 120.0
+_DEFAULT_TIMEOUT = 30.0  # a stalled server costs a blocking dump about two minutes, not eight
 _MOST_TIMEOUT = 86400.0
 
 
 def request_timeout() -> float:
     """How long one request may wait for the server's answer, in seconds: ``$AREAL_CKPT_STORAGE_TIMEOUT``
-    (default 120), read when a store is made; every store's client applies it to each read and
+    (default 30), read when a store is made; every store's client applies it to each read and
     retries a bounded number of times, so a server that stops answering becomes an error after
     a few times this, each retry logged. ConfigError naming the variable for a value that is
     not a positive number of at most a day (inf, NaN and 1e10 included). Pure."""
