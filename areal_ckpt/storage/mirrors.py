@@ -178,18 +178,17 @@ def claim_tier(folder: Path, identity: Identity, legacy: tuple[Path, str] | None
             held = _read_record(folder)
             if held == identity:
                 return
-            if isinstance(held, str) and legacy is not None and _legacy_matches(*legacy):
-                logger.warning(
-                    "%s: recorded as a tier of %s by an older version; recording %s", folder, legacy[1], identity
-                )
-                held = "upgraded"
-            elif isinstance(held, str) and not folder.is_symlink() and not _holds_anything(folder):
-                held = "empty"
-            if held not in ("upgraded", "empty"):
+            upgraded = isinstance(held, str) and legacy is not None and _legacy_matches(*legacy)
+            if isinstance(held, Identity) or folder.is_symlink() or (_holds_anything(folder) and not upgraded):
+                owner = held if isinstance(held, Identity) else f"no known location ({held})"
                 raise CheckpointError(
-                    f"{folder}: this local tier belongs to {held if isinstance(held, Identity) else f'no known location ({held})'}, "
-                    f"not to {identity} (the same local_dir and trial names for another fileroot or endpoint); "
-                    "nothing was read or deleted: give this job another local_dir, or move that trial folder away"
+                    f"{folder}: this local tier belongs to {owner}, not to {identity} (the same local_dir and trial "
+                    "names for another fileroot or endpoint); nothing was read or deleted: give this job another "
+                    "local_dir, or move that trial folder away"
+                )
+            if upgraded and legacy is not None:
+                logger.warning(
+                    "%s: a tier of %s, as an older version recorded it; recording %s", folder, legacy[1], identity
                 )
             _write_record(folder, identity)
     except OSError as error:
