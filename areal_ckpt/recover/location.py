@@ -4,7 +4,7 @@
 ``fileroot`` / ``local_dir``           local store (dumps commit)   behind it (published to), the policy
 =====================================  ===========================  ==========================================
 a folder / unset                       the trial itself             nothing (KeptLocally)
-a URL / unset                          the staging copy             the prefix (PublishedInDump)
+a URL / unset                          the cache (staging copy)     the prefix (PublishedInDump)
 a URL / a folder                       the local tier               the prefix (PublishedInBackground)
 a shared folder / a node-local folder  the local tier               the shared trial (PublishedInBackground)
 =====================================  ===========================  ==========================================
@@ -40,7 +40,9 @@ def persistent_generations(fileroot: str, user: str, experiment: str, trial: str
 def trial_location(config: RecoverConfig) -> tuple[RecoverStore, Publication]:
     """The store a ``recover:`` block's dumps commit to, and the policy by which they reach where
     the trial persists (the table above; ``user`` defaults to the login name). Creates nothing
-    but the default staging folder (private: :func:`~areal_ckpt.storage.folders.staging_root`)."""
+    but, for an object trial without ``local_dir``, the node's cache folder of it with its
+    identity record (one that mirrors anything else set aside first; the default base private:
+    :func:`~areal_ckpt.storage.folders.staging_root`). Contacts no store."""
     user = config.user or default_user()
     names = (user, config.experiment_name, config.trial_name)
     if config.local_dir is not None:
