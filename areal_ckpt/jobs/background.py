@@ -11,9 +11,9 @@ A writer runs at a lower CPU priority (niceness +10) with one torch thread: wher
 cores with the training loop, the loop wins them, and the write stretches instead.
 
 A writer never outlives its training process: it asks the kernel to SIGKILL it when its parent
-dies, leaves the job's process group and ignores Ctrl-C (a signal to the job is its parent's
-to act on: a preemption dump needs the writer alive), and holds the trial lock's descriptor, so a restarted
-job cannot start while an orphaned write is still running. A kill at any instant therefore has
+dies, leaves the job's process group and ignores Ctrl-C (a signal to the job is its parent's to
+act on: a preemption dump needs the writer alive), and holds the trial lock's descriptor, so a
+restarted job cannot start while an orphaned write is still running. A kill at any instant therefore has
 the same effect as in a synchronous save: the previous checkpoint stays committed, and the
 half-written one is debris that the next start removes.
 """

@@ -30,8 +30,9 @@ the launcher itself dies (even by SIGKILL), the kernel sends the job's main proc
 then, a wrapper shell may not end what it started.
 
 The launcher exits with the last attempt's status (128 + N for death by signal N, as a shell
-reports it), or 128 + N after forwarding the preemption signal N. Each attempt sees ``AREAL_CKPT_LAUNCH_ATTEMPT`` (0 for the first). Messages go
-to stderr, prefixed ``areal-ckpt launch:``.
+reports it), or 128 + N after forwarding the preemption signal N. Each attempt sees
+``AREAL_CKPT_LAUNCH_ATTEMPT`` (0 for the first). Messages go to stderr, prefixed
+``areal-ckpt launch:``.
 """
 
 from __future__ import annotations
