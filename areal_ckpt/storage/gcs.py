@@ -229,7 +229,7 @@ class GCSStore:
             raise ServerFailingError(f"cannot {action} {where}: the server is busy or failing ({error.code})") from None
         except google_errors.RetryError as error:
             raise TransientError(
-                f"cannot {action} {where}: the server {no_answer(error)} in time ({error}); the endpoint comes from STORAGE_EMULATOR_HOST (unset: Google Cloud Storage itself)"
+                f"cannot {action} {where}: the server {no_answer(error, 'did not answer in time')} ({error}); the endpoint comes from STORAGE_EMULATOR_HOST (unset: Google Cloud Storage itself)"
             ) from None
         except google.auth.exceptions.DefaultCredentialsError:
             raise CheckpointError(f"cannot {action} {where}: no credentials found; {_CREDENTIALS_HINT}") from None

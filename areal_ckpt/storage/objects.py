@@ -72,10 +72,10 @@ def patiently(read: Callable[[], T]) -> T:
             delay = min(2 * delay, 8.0)
 
 
-def no_answer(error: BaseException) -> str:
+def no_answer(error: BaseException, silent: str = "did not answer") -> str:
     """How a request that got no answer failed, for a message: the server "refused the
     connection" when nothing listens at the endpoint (a wrong endpoint, a server that is down;
-    any error in ``error``'s chain says so), else it "did not answer". Pure."""
+    any error in ``error``'s chain says so), else ``silent``. Pure."""
     seen: BaseException | None = error
     for _ in range(16):  # a chain of causes is short; a loop in one ends here
         if seen is None:
@@ -83,7 +83,7 @@ def no_answer(error: BaseException) -> str:
         if isinstance(seen, ConnectionRefusedError) or "Connection refused" in str(seen):
             return "refused the connection (nothing listens there: a wrong endpoint, or the server is down)"
         seen = seen.__cause__ or seen.__context__
-    return "did not answer"
+    return silent
 
 
 @dataclass(frozen=True)
