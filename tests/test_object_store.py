@@ -132,6 +132,32 @@ def test_missing_credentials_name_the_variables_to_set(monkeypatch, tmp_path):
         store_of(parse_object_url("gs://ckpt/x", "test")).check_access()
 
 
+@pytest.mark.parametrize("scheme", ["s3", "az"])  # fake-gcs-server takes any caller: no key to get wrong
+def test_a_wrong_key_is_access_denied_naming_the_variables_to_check(request, monkeypatch, scheme):
+    """Azure used to say only "StorageErrorCode.AUTHORIZATION_FAILURE"."""
+    import re
+
+    server = request.getfixturevalue({"s3": "s3_server", "az": "azure_server"}[scheme])
+    server.make_bucket("wrong-key")
+    for variable, value in server.environment().items():
+        monkeypatch.setenv(variable, value)
+    if scheme == "s3":
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "not-the-key")
+        named = "AWS"
+    else:
+        wrong = re.sub(r"AccountKey=[^;]+", "AccountKey=" + "A" * 86 + "==", server.environment()[
+            "AZURE_STORAGE_CONNECTION_STRING"])  # fmt: skip
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", wrong)
+        named = "AZURE_STORAGE_CONNECTION_STRING"
+    with pytest.raises(
+        ac.CheckpointError, match=rf"{scheme}://wrong-key/ at \S+: access denied .*check the credentials.*{named}"
+    ):
+        store_of(parse_object_url(f"{scheme}://wrong-key/x", "test")).check_access()
+    for variable, value in server.environment().items():  # the hint followed: the right key
+        monkeypatch.setenv(variable, value)
+    store_of(parse_object_url(f"{scheme}://wrong-key/x", "test")).check_access()
+
+
 @pytest.fixture
 def silent_server():
     """A TCP server on 127.0.0.1 that accepts connections and never answers (a stalled store),

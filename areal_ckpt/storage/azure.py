@@ -254,6 +254,11 @@ class AzureStore:
                 raise ServerFailingError(
                     f"cannot {action} {self._where(key)}: the server is busy or failing ({status})"
                 ) from None
+            if status in (401, 403):  # a wrong account key answers AuthorizationFailure, not an authentication error
+                raise CheckpointError(
+                    f"cannot {action} {self._where(key)}: access denied ({_code(error) or status}); check the "
+                    f"credentials ({_CREDENTIALS_HINT}) and the container's permissions"
+                ) from None
             raise CheckpointError(f"cannot {action} {self._where(key)}: {_code(error) or status}") from None
         except azure_errors.AzureError as error:
             raise TransientError(f"cannot {action} {self._where(key)}: {error}") from None
