@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from object_helpers import _store, keys_under
-from recover_fixtures import SPEC, make_setup, step_info, train_step
+from recover_fixtures import SPEC, Setup, make_setup, step_info, train_step
 from test_object_recover import TRIAL, s3_config
 from test_tiered import assert_same_weights, local_step, tiered_config
 
@@ -22,7 +22,7 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.storage.mirrors import MIRROR_RECORD, SET_ASIDE_PREFIX
 
 
-def dump_steps(config: ac.RecoverConfig, steps: range) -> ac.RecoverHandler:
+def dump_steps(config: ac.RecoverConfig, steps: range) -> Setup:
     """A job on ``config`` that dumps after each of ``steps``; closed; returns its model's setup."""
     setup = make_setup()
     handler = ac.RecoverHandler(config, SPEC)
