@@ -261,7 +261,7 @@ def test_node_local_storage_is_refused_before_anything_is_written_and_the_defaul
         refused, existed = outcomes["True"].rsplit("|", 1)
         assert (
             "checkpoint.use_node_local_storage is set" in refused
-            and "Give an s3:// save_dir" in refused  # followed by the test of two nodes on the bucket
+            and "Give an object store save_dir" in refused  # followed by the test of two nodes on the bucket
             and "or set use_node_local_storage to false" in refused
         )
         assert existed == "False"  # nothing was written

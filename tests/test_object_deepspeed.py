@@ -60,7 +60,7 @@ def test_tags_and_latest_on_the_bucket_load_bit_exact(object_server, object_buck
     assert path == f"{root}/step1" and client_state == {"kl": 0.5} and not older.optimizer.state
     for name, tensor in first.items():
         assert torch.equal(older.model.state_dict()[name], tensor), name
-    with pytest.raises(ac.CheckpointError, match=rf"{root}/nope: no such checkpoint tag \(no commit record in {root}"):
+    with pytest.raises(ac.CheckpointError, match=rf"{root}/nope: no such checkpoint tag \(no commit in {root}"):
         ac.load_checkpoint(older.engine, root, tag="nope")
 
     train_step(setup, 2)  # a tag saved again replaces it: a new prefix, the old one deleted after the commit

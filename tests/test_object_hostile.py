@@ -19,9 +19,9 @@ from test_object_recover import TRIAL, s3_config
 import areal_ckpt as ac
 from areal_ckpt.export.download import download_export
 from areal_ckpt.storage import commits
-from areal_ckpt.storage import series as series_module
+from areal_ckpt.storage import object_location as series_module
 from areal_ckpt.storage.backends import store_of
-from areal_ckpt.storage.series import ObjectSeries
+from areal_ckpt.storage.object_location import ObjectLocation
 from areal_ckpt.urls import parse_object_url
 
 LOG = f"{TRIAL}/.recover/.commits"
@@ -199,7 +199,7 @@ def test_a_default_staging_folder_another_user_owns_is_refused(object_bucket, tm
 def test_two_jobs_exporting_one_trial_never_share_a_folder_and_the_later_commit_is_refused(
     object_bucket, tmp_path, make_model
 ):
-    series = [ObjectSeries(parse_object_url(f"{object_bucket}/race", "t"), writer=w) for w in ("a", "b")]
+    series = [ObjectLocation(parse_object_url(f"{object_bucket}/race", "t"), writer=w) for w in ("a", "b")]
     assert [one.reserve("step1") for one in series] == ["step1", "step1.1"]  # both listed an empty prefix first
     first, second = (s3_saver(object_bucket, tmp_path / job) for job in ("a", "b"))  # two jobs, two staging_dirs
     models = {"a": make_model(seed=1), "b": make_model(seed=2)}

@@ -9,9 +9,8 @@ from pathlib import Path
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.paths import MANIFEST_NAME
-from areal_ckpt.storage.backends import store_of
-from areal_ckpt.storage.commits import CommitLog
-from areal_ckpt.storage.folders import ObjectSource, fetch_folder
+from areal_ckpt.storage.folders import fetch_folder
+from areal_ckpt.storage.object_location import ObjectLocation
 from areal_ckpt.urls import ObjectURL, parse_object_url
 
 logger = logging.getLogger(__name__)
@@ -22,12 +21,11 @@ def committed_export(url: str) -> ObjectURL:
     newest committed export) or one export's (``.../{name}/epoch..globalstep..``, which must be
     committed). CheckpointError naming the URL when no commit record names it. Reads only."""
     where = parse_object_url(url, "export URL")
-    store = store_of(where)
-    newest = CommitLog(store, where).newest()
-    if newest is not None:
-        return where.child(newest.folder)
+    exports = ObjectLocation(where).committed()
+    if exports:
+        return where.child(max(exports, key=lambda export: export.order).name)
     parent, folder = where.parent()
-    if folder and folder in CommitLog(store, parent).committed_folders():
+    if folder and any(export.name == folder for export in ObjectLocation(parent).committed()):
         return where
     raise CheckpointError(f"{url}: no committed export there (no commit record of {parent} names it)")
 
@@ -57,4 +55,5 @@ def download_export(url: str, destination: Path) -> Path:
 
 def _fetch(export: ObjectURL, folder: Path) -> None:
     """Manifest first, then every file it lists, each checked against it (size and CRC-32)."""
-    fetch_folder(ObjectSource(export), folder, MANIFEST_NAME)
+    parent, name = export.parent()
+    fetch_folder(ObjectLocation(parent).files_of(name), folder, MANIFEST_NAME)

@@ -2,7 +2,7 @@
 
 Policy (when to export, which folder, how many to keep) belongs to the callers; this module
 only makes a complete, checksummed, durable checkpoint join its series
-(:class:`~areal_ckpt.storage.series.CheckpointSeries`, wherever it lives): the small files are
+(a :class:`~areal_ckpt.storage.location.Location`, wherever it lives): the small files are
 written to the local staging folder, the shards there or straight to the store as the series
 says, and rank 0 commits. The staging folder is gone once the commit is made.
 """
@@ -40,7 +40,8 @@ from areal_ckpt.fsio import FileRecord, make_dirs
 from areal_ckpt.jobs.shm_arena import ArenaLayout, StagingArena, arena_layout_of_specs
 from areal_ckpt.paths import EXPORT_FORMAT, MANIFEST_NAME, export_staging
 from areal_ckpt.publish import write_manifest
-from areal_ckpt.storage.series import CheckpointSeries, FolderSeries
+from areal_ckpt.storage.folder_location import FolderLocation
+from areal_ckpt.storage.location import Location
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class ExportTarget:
     plan: ExportPlan
     dtype: torch.dtype | None
     header: dict[str, Any]
-    series: CheckpointSeries
+    series: Location
     reserved: str = ""
 
     @property
@@ -78,7 +79,7 @@ class ExportTarget:
     @property
     def location(self) -> str:
         """Where the committed export is: its folder, or its URL on object storage."""
-        return self.series.location(self.reserved, self.final)
+        return self.series.where(self.reserved)
 
 
 class StagedExportSource:
@@ -104,7 +105,7 @@ def write_export(
     processor: Any | None = None,
     assets: str | None = None,
     progress: Callable[[Iterable[int]], Iterable[int]] = iter,
-    series: CheckpointSeries | None = None,
+    series: Location | None = None,
 ) -> ExportResult:
     """Export ``source`` to the folder ``final``, replacing a folder of that name whole.
 
@@ -140,7 +141,7 @@ def begin_export(
     tokenizer: Any | None = None,
     processor: Any | None = None,
     assets: str | None = None,
-    series: CheckpointSeries | None = None,
+    series: Location | None = None,
 ) -> ExportTarget:
     """Plan the export and have rank 0 create the staging folder with the config, index,
     tokenizer, processor and base model assets in it (see :class:`HFFiles`). Collective;
@@ -171,7 +172,7 @@ def begin_export(
             "world_size": dist.world_size(),
             **header,
         },
-        series=FolderSeries(final.parent) if series is None else series,
+        series=FolderLocation(final.parent) if series is None else series,
     )
     reserved = agree.decided_by_rank0(
         lambda: _prepare_staging(target, files),
@@ -264,4 +265,4 @@ def _publish(target: ExportTarget, every: list[dict[str, tuple[int, int]]]) -> N
     records = {file: FileRecord(size, crc) for part in every for file, (size, crc) in part.items()}
     write_manifest(target.staging, MANIFEST_NAME, records, target.header)
     body = {"name": target.final.name, "step": target.header.get("step")}
-    target.series.commit(target.staging, target.reserved, target.final, set(records), body)
+    target.series.commit(target.staging, target.reserved, set(records), body)

@@ -37,8 +37,8 @@ from areal_ckpt.publish import TrashCollector, remove_stale
 from areal_ckpt.schedule import NamedSchedules, TriggerSchedule, warn_if_never_due
 from areal_ckpt.state.rng import python_random_kept
 from areal_ckpt.step import FinetuneSpec
+from areal_ckpt.storage.location import remove_trash, retain
 from areal_ckpt.storage.retention import KeepLast
-from areal_ckpt.storage.series import remove_trash, retain
 from areal_ckpt.storage.trials import export_trial
 from areal_ckpt.tensors import EXPORT_DTYPES
 
@@ -53,7 +53,7 @@ class Saver:
     Creating one takes the trial's lock on rank 0 (see :mod:`areal_ckpt.lock`): a second job on
     the same trial is refused. On object storage, where no lock dies with its holder, an export
     whose commit would follow another job's commit since this Saver started is refused instead
-    (:class:`~areal_ckpt.storage.series.ObjectSeries`).
+    (:class:`~areal_ckpt.storage.object_location.ObjectLocation`).
 
     Each model name (``actor``, ``critic``...) has its own schedule and its own folder under
     ``{fileroot}/checkpoints/{user}/{experiment_name}/{trial_name}/{name}/``. An export is
@@ -287,9 +287,7 @@ def apply_retention(newest: ExportTarget, count: int) -> list[Path]:
         logger.warning("retention: could not remove old exports beside %s: %s", newest.location, error)
         return []
     for entry in doomed:
-        logger.info(
-            "retention (keep_last=%d): removed %s", count, series.location(entry.name, newest.final.parent / entry.name)
-        )
+        logger.info("retention (keep_last=%d): removed %s", count, series.where(entry.name))
     return trash
 
 

@@ -26,9 +26,10 @@ from areal_ckpt.publish import read_manifest
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import CommitLog, CommitRecord, remove_debris, upload_folder_files
 from areal_ckpt.storage.folders import FileSource, ObjectSource, check_local_copy
+from areal_ckpt.storage.location import retain
 from areal_ckpt.storage.mirrors import Identity, identity_of
+from areal_ckpt.storage.object_location import ObjectLocation
 from areal_ckpt.storage.retention import KeepNewest
-from areal_ckpt.storage.series import ObjectSeries, retain
 from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
@@ -110,11 +111,11 @@ class ObjectGenerations:
             return sorted(mine)
 
         def commit(every: list[list[str]]) -> None:
-            series = ObjectSeries(self.root, RECOVER_MANIFEST)
+            series = ObjectLocation(self.root, RECOVER_MANIFEST)
             uploaded = {name for names in every for name in names}
             files = read_manifest(folder, RECOVER_MANIFEST)["files"]
             check_local_copy(folder, files, sorted(set(files) - uploaded))
-            series.commit(folder, folder.name, folder, uploaded, {"run": run, "global_step": step})
+            series.commit(folder, folder.name, uploaded, {"run": run, "global_step": step})
             retain(series, KeepNewest(), folder.name)
 
         agree.gathered_then_decided(upload_mine, commit, f"{target}: upload failed (not committed there)")

@@ -5,7 +5,8 @@
 :mod:`~areal_ckpt.storage.gcs` and :mod:`~areal_ckpt.storage.azure` implement it, chosen once by
 :mod:`~areal_ckpt.storage.backends`; :mod:`~areal_ckpt.storage.commits` commits a folder of
 objects without rename, :mod:`~areal_ckpt.storage.parts` writes one part by part from memory.
-:mod:`~areal_ckpt.storage.series` and :mod:`~areal_ckpt.storage.trials` are the contracts the
+:mod:`~areal_ckpt.storage.location` (a folder or an object prefix: :mod:`~areal_ckpt.storage.folder_location`,
+:mod:`~areal_ckpt.storage.object_location`) and :mod:`~areal_ckpt.storage.trials` are the contracts the
 layers above call, whatever the location (a folder or a prefix);
 :mod:`~areal_ckpt.storage.retention` decides what a series drops; :mod:`~areal_ckpt.storage.folders`
 moves whole checkpoint folders up and down and checks one where it is kept;

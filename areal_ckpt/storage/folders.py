@@ -52,6 +52,16 @@ class FileSource(Protocol):
 
 
 @dataclass(frozen=True)
+class Opened:
+    """A committed checkpoint ready to read on this rank: the local ``folder`` holding its
+    manifest and small files, and where the large files ``folder`` lacks come from as they are
+    read (``source``; None when every file is in ``folder``, read in place)."""
+
+    folder: Path
+    source: FileSource | None
+
+
+@dataclass(frozen=True)
 class ObjectSource:
     """A committed checkpoint's files on object storage, under the prefix ``url``."""
 

@@ -12,7 +12,7 @@ Every consumer's retention is the same question over the same facts, so it is an
 The rules every policy obeys are in :func:`doomed_by`, not in the policies: the checkpoint
 just committed is never doomed, nor anything a policy protects, nor anything committed after
 it (a checkpoint is never deleted unless a newer committed one exists). Pure: nothing here
-touches storage; the series (:mod:`areal_ckpt.storage.series`) or the recovery store removes
+touches storage; the location (:mod:`areal_ckpt.storage.location`) or the recovery store removes
 what this returns.
 """
 

@@ -12,8 +12,10 @@ from typing import Protocol
 from areal_ckpt.fsio import make_dirs
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import CommitLog
+from areal_ckpt.storage.folder_location import FolderLocation
 from areal_ckpt.storage.folders import staging_root
-from areal_ckpt.storage.series import CheckpointSeries, FolderSeries, ObjectSeries
+from areal_ckpt.storage.location import Location
+from areal_ckpt.storage.object_location import ObjectLocation
 from areal_ckpt.urls import ObjectURL, locate
 
 
@@ -24,8 +26,8 @@ class ExportTrial(Protocol):
     def staging(self) -> Path:
         """The local folder the trial's exports are staged in (the trial itself when local)."""
 
-    def series(self, name: str) -> CheckpointSeries:
-        """The series of model folder ``name`` (``default``, ``actor``...). Pure."""
+    def series(self, name: str) -> Location:
+        """The location of model folder ``name`` (``default``, ``actor``...). Pure."""
 
     def where(self, *parts: str) -> str:
         """The path or URL of ``parts`` below the trial. Pure."""
@@ -36,7 +38,7 @@ class ExportTrial(Protocol):
 
     def open(self) -> None:
         """Rank 0 when a Saver starts: the store answers, and each model's series is tidied
-        (:meth:`CheckpointSeries.tidy`). Blocking."""
+        (:meth:`~areal_ckpt.storage.location.Location.tidy`). Blocking."""
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,8 @@ class FolderTrial:
 
     staging: Path
 
-    def series(self, name: str) -> CheckpointSeries:
-        return FolderSeries(self.staging / name)
+    def series(self, name: str) -> Location:
+        return FolderLocation(self.staging / name)
 
     def where(self, *parts: str) -> str:
         return str(self.staging.joinpath(*parts))
@@ -61,15 +63,15 @@ class FolderTrial:
 @dataclass(frozen=True)
 class ObjectTrial:
     """A trial under a prefix of an object store, staged in a local folder. Its series have one
-    writer, this trial (``writer``), from :meth:`open` on: see :class:`ObjectSeries`."""
+    writer, this trial (``writer``), from :meth:`open` on: see :class:`~areal_ckpt.storage.object_location.ObjectLocation`."""
 
     root: ObjectURL
     staging: Path
     writer: str = field(default_factory=lambda: secrets.token_hex(8))
     _since: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
-    def series(self, name: str) -> CheckpointSeries:
-        return ObjectSeries(self.root.child(name), writer=self.writer, since=self._since.get(name, 0))
+    def series(self, name: str) -> Location:
+        return ObjectLocation(self.root.child(name), writer=self.writer, since=self._since.get(name, 0))
 
     def where(self, *parts: str) -> str:
         return str(self.root.child(*parts))

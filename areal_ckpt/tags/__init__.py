@@ -1,3 +1,3 @@
 """DeepSpeed-shaped checkpoints: ``save_checkpoint`` / ``load_checkpoint`` with tags, ``latest``
-and ``client_state`` (:mod:`areal_ckpt.tags.api`), committed in a folder
-(:mod:`areal_ckpt.tags.folder`) or on object storage (:mod:`areal_ckpt.tags.objects`)."""
+and ``client_state`` (:mod:`areal_ckpt.tags.api`), committed to a folder or an object
+store prefix through one location (:mod:`areal_ckpt.tags.save_dir`)."""

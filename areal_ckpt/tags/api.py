@@ -15,7 +15,7 @@ A tag folder is written under a staging name and renamed into place whole; ``lat
 replaced by renaming a new file over it (never rewritten in place), so it always names a
 complete tag. Nothing here takes the trial lock: ``save_dir`` is the caller's. A ``save_dir``
 on object storage (``s3://bucket/prefix``) is committed there by a create-only record instead
-of renames (:mod:`areal_ckpt.tags.objects`).
+of renames (:mod:`areal_ckpt.tags.save_dir`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from areal_ckpt.state import safe_json
 from areal_ckpt.state.numerics import numerics_record, warn_if_numerics_changed
 from areal_ckpt.state.rng import python_random_kept
 from areal_ckpt.storage.folders import OnDemandFiles
-from areal_ckpt.tags.location import tag_location
+from areal_ckpt.tags.save_dir import save_dir_of
 
 logger = logging.getLogger(__name__)
 
@@ -106,11 +106,11 @@ def save_checkpoint(
     not require grad are left out. Durable on return, then ``latest`` names ``tag`` (when
     ``save_latest``). Returns True; on failure raises on every rank, leaving earlier tags and
     ``latest`` as they were. ``save_dir`` may be an ``s3://`` URL (see
-    :mod:`areal_ckpt.tags.objects`): every rank uploads its own files, and the tag is
+    :mod:`areal_ckpt.tags.save_dir`): every rank uploads its own files, and the tag is
     committed by a record rank 0 writes last.
     """
     engine = as_engine(engine, "save_checkpoint")
-    location = tag_location(save_dir, "save_checkpoint: save_dir")
+    location = save_dir_of(save_dir, "save_checkpoint: save_dir")
     location.check_node_local_storage(engine.checkpoint_options().node_local_storage)
     tag = _agreed_tag(engine, tag if tag is not None else _default_tag(engine))
     save = location.begin(tag)
@@ -209,7 +209,7 @@ def load_checkpoint(
     manifest, and loaded from there; the returned path is then the tag's URL.
     """
     engine = as_engine(engine, "load_checkpoint")
-    opened = tag_location(load_dir, "load_checkpoint: load_dir").open(tag)
+    opened = save_dir_of(load_dir, "load_checkpoint: load_dir").open(tag)
     if opened is None:
         return None, None
     folder = opened.folder

@@ -21,10 +21,10 @@ from areal_ckpt.formats.deepspeed_pickles import weights_only_deepspeed_loads
 from areal_ckpt.formats.hf_export import names_of_rank
 from areal_ckpt.formats.hf_keys import architecture_of
 from areal_ckpt.formats.stock_dcp import StockDcpModelSource
-from areal_ckpt.paths import HF_FILES, MANIFEST_NAME, RECOVER_MANIFEST, TAGGED_FORMAT
+from areal_ckpt.paths import HF_FILES, LATEST, MANIFEST_NAME, RECOVER_MANIFEST, TAGGED_FORMAT
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.store import resolve_recovery
-from areal_ckpt.tags.folder import read_latest
+from areal_ckpt.storage.folder_location import FolderLocation
 from areal_ckpt.tensors import TensorSpec
 from areal_ckpt.tools.offline_zero_to_fp32 import ConversionError, committed_folder
 
@@ -175,7 +175,7 @@ def tag_folder(ds_dir: Path, tag: str | None) -> Path:
         committed = committed_folder(ds_dir, tag)  # a save_dir copied from object storage
     except ConversionError as error:
         raise CheckpointError(str(error)) from None
-    tag = committed or tag or read_latest(ds_dir)
+    tag = committed or tag or FolderLocation(ds_dir, pointer=LATEST).pointed()
     if tag is None:
         raise CheckpointError(f"{ds_dir}: no 'latest' file; name the checkpoint with --tag")
     folder = ds_dir / tag

@@ -25,7 +25,7 @@ from areal_ckpt.paths import (
 )
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.store import RecoverStore, resolve_recovery
-from areal_ckpt.tags.folder import read_latest
+from areal_ckpt.storage.folder_location import FolderLocation
 from areal_ckpt.tools.local_tier import describe_tier, held_entries, tier_holdings
 
 _MAX_SAFETENSORS_HEADER = 100 << 20
@@ -68,7 +68,7 @@ def deepspeed_folder(path: Path) -> Path | None:
     """The DeepSpeed checkpoint tag folder ``path`` is or names (through ``latest``), if any:
     ours (``save_checkpoint``) or DeepSpeed's own layout. Read-only."""
     if (path / LATEST).is_file():
-        tag = read_latest(path)
+        tag = FolderLocation(path, pointer=LATEST).pointed()
         return None if tag is None else path / tag
     if (path / MANIFEST_NAME).is_file():
         try:

@@ -31,9 +31,9 @@ from areal_ckpt.recover.remote import ObjectGenerations
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import COMMIT_LOG, CommitLog, CommitRecord
 from areal_ckpt.storage.folders import ObjectSource, check_remote_folder, fetch_folder
+from areal_ckpt.storage.object_location import ObjectLocation
 from areal_ckpt.storage.objects import ObjectInfo
-from areal_ckpt.storage.series import ObjectSeries
-from areal_ckpt.tags.objects import find_tag
+from areal_ckpt.tags.save_dir import SaveDir
 from areal_ckpt.tools.inspection import describe
 from areal_ckpt.tools.place_contract import Repointed
 from areal_ckpt.urls import ObjectURL
@@ -188,11 +188,12 @@ def fetch_checkpoint(url: ObjectURL, scratch: Path) -> tuple[Path, str]:
 def fetch_tag_into(root: ObjectURL, tag: str | None, scratch: Path) -> Path:
     """Download the ``save_checkpoint`` tag ``tag`` (None: ``latest``) of the save_dir
     ``root`` into ``scratch/{its folder}`` and return that folder. Blocking."""
-    found = find_tag(root, tag)
-    if found is None:
+    location = ObjectLocation(root)
+    location.check_access()
+    folder = SaveDir(location).newest(tag)
+    if folder is None:
         raise CheckpointError(f"{root}: no tag saved with save_latest; name one with --tag")
-    folder = found[0]
-    fetch_folder(ObjectSource(root.child(folder)), scratch / folder, MANIFEST_NAME)
+    fetch_folder(location.files_of(folder), scratch / folder, MANIFEST_NAME)
     return scratch / folder
 
 
@@ -208,14 +209,14 @@ def commit_output(folder: Path, url: ObjectURL) -> str:
         raise CheckpointError(f"{url}: already holds objects; choose a new output prefix")
     local = folder.rename(folder.with_name(name)) if folder.name != name else folder
     header = read_manifest(local, MANIFEST_NAME)
-    series = ObjectSeries(parent)
-    reserved = series.reserve(local.name)
+    location = ObjectLocation(parent)
+    reserved = location.reserve(local.name)
     try:
-        series.commit(local, reserved, local, set(), {"name": header.get("name"), "step": header.get("step")})
+        location.commit(local, reserved, set(), {"name": header.get("name"), "step": header.get("step")})
     except BaseException:
-        series.discard(reserved)
+        location.discard(reserved)
         raise
-    return series.location(reserved, local)
+    return location.where(reserved)
 
 
 def repoint_remote(trial: ObjectURL) -> tuple[str, dict[str, list[str]], bool]:

@@ -1,0 +1,159 @@
+"""A :class:`~areal_ckpt.storage.location.Location` in a folder of a POSIX file system (local
+disk, NFS, Lustre): a checkpoint is committed by one rename of its fsync'd staging folder, and a
+pointing commit then renames the pointer file (DeepSpeed's ``latest``) over."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.fsio import FileWriter, fsync_dir, make_dirs, write_file_durably
+from areal_ckpt.paths import EXPORT_STAGING_PREFIX, export_trash
+from areal_ckpt.publish import hide_folder, publish
+from areal_ckpt.storage.folders import FileSource, FolderSource, Opened
+from areal_ckpt.storage.retention import Committed
+
+logger = logging.getLogger(__name__)
+
+
+def _checked_name(name: str, where: str) -> str:
+    """``name`` when it is one safe path part; CheckpointError naming ``where`` otherwise."""
+    if name in ("", ".", "..") or "/" in name or "\\" in name or name.startswith("."):
+        raise CheckpointError(f"{where}: names {name!r}, not a checkpoint of this location")
+    return name
+
+
+@dataclass(frozen=True)
+class FolderLocation:
+    """Checkpoint folders under ``root`` on a POSIX file system. ``pointer``: the file a
+    pointing commit renames over (DeepSpeed's ``latest``: the checkpoint's name and a newline);
+    None when this location has no pointer."""
+
+    root: Path
+    pointer: str | None = None
+    shared_staging: ClassVar[bool] = True
+
+    def where(self, name: str | None = None) -> str:
+        """The folder, or the checkpoint's."""
+        return str(self.root if name is None else self.root / name)
+
+    def check_access(self) -> None:
+        """Nothing to contact: the commit names what stands in its way."""
+
+    def reserve(self, name: str) -> str:
+        """``name``: a folder's commit replaces a same-named one whole."""
+        return name
+
+    def stage(self, name: str, rank: int) -> Path:
+        """``{root}/.export-staging.{name}``, made empty by rank 0 (the root made durable: the
+        commit renames into it)."""
+        staging = self.root / f"{EXPORT_STAGING_PREFIX}{name}"
+        if rank == 0:
+            try:
+                if staging.exists():
+                    shutil.rmtree(staging)
+                make_dirs(self.root)
+                staging.mkdir()
+            except OSError as error:
+                raise CheckpointError(f"{staging}: cannot prepare the staging folder: {error}") from error
+        return staging
+
+    def unstage(self, staging: Path, rank: int) -> None:
+        """Rank 0 removes the shared staging folder (what a failed save wrote is all in it)."""
+        if rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def join_staging(self, staging: Path) -> None:
+        """Nothing: rank 0 made it on the shared file system."""
+
+    def writer_of(self, reserved: str) -> Callable[[str], FileWriter] | None:
+        """None: files go into the staging folder, renamed into place at the commit."""
+        return None
+
+    def put_own(self, staging: Path, reserved: str, names: list[str]) -> None:
+        """Nothing: every file was written in place."""
+
+    def commit(
+        self, staging: Path, reserved: str, uploaded: set[str], body: dict[str, Any], point: bool = False
+    ) -> int:
+        """One rename of ``staging`` to ``{root}/{reserved}`` (fsync'd; an older folder of that
+        name goes to the trash), then (``point``) the pointer file renamed over."""
+        final = self.root / reserved
+        publish(staging, final, export_trash(final))
+        if point and self.pointer is not None:
+            self._replace(self.pointer, f"{reserved}\n".encode())
+        return 0
+
+    def discard(self, reserved: str) -> None:
+        """Nothing was written outside the staging folder."""
+
+    def committed(self, step_of: Callable[[str], int | None] = lambda name: None) -> list[Committed]:
+        """Every real folder (not a link) whose name parses; none when ``root`` is missing."""
+        if not self.root.is_dir():
+            return []
+        return [
+            Committed(path.name, step, 0)
+            for path in self.root.iterdir()
+            if path.is_dir() and not path.is_symlink() and (step := step_of(path.name)) is not None
+        ]
+
+    def named(self, label: str) -> str | None:
+        """``label`` itself when it is a folder here (a save under it replaced the older one)."""
+        folder = self.root / _checked_name(label, str(self.root / label))
+        return label if folder.is_dir() else None
+
+    def pointed(self) -> str | None:
+        """The name the pointer file holds; None without one. CheckpointError naming it when
+        that is no folder here."""
+        if self.pointer is None or not (self.root / self.pointer).is_file():
+            return None
+        path = self.root / self.pointer
+        name = _checked_name(path.read_text(errors="replace").strip(), str(path))
+        if not (self.root / name).is_dir():
+            raise CheckpointError(f"{path}: names {name!r}, but {self.root / name} does not exist")
+        return name
+
+    def files_of(self, name: str) -> FileSource:
+        """The folder's files, read through no link."""
+        return FolderSource(self.root / name)
+
+    def open(self, name: str, token: str, deferred: Callable[[str], bool] = lambda file: False) -> Opened:
+        """The folder itself, read in place."""
+        return Opened(self.root / name, None)
+
+    def place(self, name: str, data: bytes) -> None:
+        """A complete new file renamed over ``{root}/{name}``; durable."""
+        target = self.root / name
+        if not (target.is_file() and not target.is_symlink() and target.read_bytes() == data):
+            self._replace(name, data)
+
+    def _replace(self, name: str, data: bytes) -> None:
+        temporary = self.root / f".{name}.{os.getpid()}"
+        write_file_durably(temporary, data)
+        os.replace(temporary, self.root / name)
+        fsync_dir(self.root)
+
+    def remove(self, doomed: list[Committed]) -> list[Path]:
+        """Each folder renamed to its trash name (vanishes at once); returns the trash folders.
+        Nothing when ``root`` is a link (nothing is deleted through a link), with a warning."""
+        if doomed and self.root.is_symlink():
+            logger.warning("retention: %s is a symbolic link; not deleting old checkpoints through it", self.root)
+            return []
+        hidden = []
+        for entry in doomed:
+            path = self.root / entry.name
+            try:
+                hide_folder(path, export_trash(path))
+                hidden.append(export_trash(path))
+            except OSError as error:
+                logger.warning("retention: could not remove %s: %s", path, error)
+        return hidden
+
+    def tidy(self) -> None:
+        """Nothing: staging and trash folders are removed with the trial's."""
