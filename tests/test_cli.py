@@ -133,7 +133,9 @@ def test_console_script_and_module_entry_points(trial):
         assert done.returncode == 0 and done.stdout.startswith("OK"), done.stderr
 
 
-@pytest.mark.parametrize("command", ["verify", "list", "inspect", "import-areal", "recover-pointer"])
+@pytest.mark.parametrize(
+    "command", ["verify", "list", "inspect", "import-areal", "recover-pointer", "export", "convert-deepspeed"]
+)
 @pytest.mark.parametrize("given", ["missing", "a plain file"])
 def test_a_path_that_is_no_folder_is_a_wrong_argument_exit_2_with_a_hint_that_is_not_the_command_again(
     trial, tmp_path, capsys, command, given
@@ -143,7 +145,8 @@ def test_a_path_that_is_no_folder_is_a_wrong_argument_exit_2_with_a_hint_that_is
     path = tmp_path / "elsewhere"
     if given == "a plain file":
         path.write_text("not a trial")
-    code, stdout, err = run(capsys, command, str(path))
+    outputs = [str(tmp_path / "out")] if command in ("export", "convert-deepspeed") else []
+    code, stdout, err = run(capsys, command, str(path), *outputs)
     assert code == 2 and stdout == ""
     assert err.splitlines()[0] == f"areal-ckpt {command}: error: {path}: not a folder"
     assert (
@@ -152,6 +155,20 @@ def test_a_path_that_is_no_folder_is_a_wrong_argument_exit_2_with_a_hint_that_is
     root, _ = trial
     if command in ("verify", "list", "inspect"):  # the hint followed: the trial's folder
         assert run(capsys, command, str(root))[0] == 0
+
+
+@pytest.mark.parametrize("command", ["verify", "export", "convert-deepspeed"])
+def test_a_wrong_path_is_refused_before_torch_is_imported(tmp_path, command):
+    # bad arguments used to take 3-8 s to be refused: torch and the engines were imported first
+    outputs = [str(tmp_path / "out")] if command != "verify" else []
+    probe = (
+        "import sys; from areal_ckpt.cli.main import main; "
+        f"code = main({[command, str(tmp_path / 'missing'), *outputs]!r}); "
+        "print(code, 'torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["2", "False"], done.stderr
+    assert "not a folder" in done.stderr
 
 
 def test_list_of_a_trial_areal_wrote_names_the_import(fileroot, capsys):

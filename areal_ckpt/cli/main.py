@@ -11,6 +11,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from areal_ckpt.cli import commands as cli_commands
 from areal_ckpt.config import EXPORT_DTYPE_NAMES, LORA_EXPORTS
@@ -121,6 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: The arguments, by command, that name a folder the command reads: a local one must exist.
+_READ_FOLDERS = {
+    "inspect": ("path",),
+    "verify": ("path",),
+    "list": ("trial_root",),
+    "export": ("recover_dir", "config_from"),
+    "convert-deepspeed": ("ds_dir", "config"),
+    "recover-pointer": ("trial",),
+    "import-areal": ("trial", "config_from"),
+}
 #: The arguments of every command that name a file or folder.
 _PATH_ARGUMENTS = ("path", "trial_root", "trial", "recover_dir", "ds_dir", "out_dir", "config_from", "config")
 #: Those that may be an object storage URL instead (docs/storage.md), by command.
@@ -142,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in _PATH_ARGUMENTS:  # a URL is refused where none is read, never taken for a local folder
             if isinstance(getattr(args, name, None), str) and name not in _URL_ARGUMENTS.get(args.command, ()):
                 local_path(getattr(args, name), name.replace("_", "-"))
+        _check_read_folders(args)
         return int(args.run(args))
     except (CheckpointError, ValueError, OSError) as error:
         print(f"areal-ckpt {args.command}: error: {error}", file=sys.stderr)
@@ -157,6 +169,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
         return 2
+
+
+def _check_read_folders(args: argparse.Namespace) -> None:
+    """CheckpointError ``{path}: not a folder`` for a local folder the command reads that is
+    missing or no folder: a wrong argument, refused before the command imports anything heavy
+    (torch, an SDK). A URL is left to the command. Read-only."""
+    for name in _READ_FOLDERS.get(args.command, ()):
+        value = getattr(args, name, None)
+        if isinstance(value, str) and "://" not in value and not Path(value).expanduser().is_dir():
+            raise CheckpointError(f"{Path(value).expanduser()}: not a folder")
 
 
 #: What an error about a checkpoint's own files says (something missing, damaged, not found
