@@ -122,7 +122,11 @@ def test_errors_are_one_line_with_a_hint(tmp_path, capsys):
 def test_help_on_every_command(command, capsys):
     with pytest.raises(SystemExit) as exited:
         main([*command, "--help"])
-    assert exited.value.code == 0 and "usage: areal-ckpt" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert exited.value.code == 0 and "usage: areal-ckpt" in shown
+    assert ":mod:" not in shown and "areal_ckpt.cli" not in shown  # for users, not the module's developers
+    if command in ([], ["inspect"], ["verify"], ["list"]):  # every store is named, not S3's alone
+        assert "gs://" in " ".join(shown.split()) and "az://" in " ".join(shown.split())
 
 
 def test_console_script_and_module_entry_points(trial):

@@ -18,21 +18,34 @@ from areal_ckpt.config import EXPORT_DTYPE_NAMES, LORA_EXPORTS
 from areal_ckpt.errors import CheckpointError, ConfigError
 from areal_ckpt.urls import local_path
 
+_DESCRIPTION = (
+    "Inspect, verify, list and export checkpoints written by areal_ckpt (and AReaL's and DeepSpeed's "
+    "own), in a folder or at an object store URL (s3://, gs://, az://: the SDK's own environment variables "
+    "give the endpoint and credentials). Exit 0: done; 1: a checkpoint is damaged (verify); 2: a wrong "
+    "argument or nothing usable there; launch exits as its job did (128+N when preempted by signal N)."
+)
+
 
 def _add_output_options(command: argparse.ArgumentParser) -> None:
     """The HF output folder and how it is written, shared by the converting commands."""
-    command.add_argument("out_dir", help="new folder to create, or a new s3:// prefix to commit the export to")
+    command.add_argument(
+        "out_dir",
+        help="new folder to create, or a new object store prefix (s3://, gs://, az://) to commit the export to",
+    )
     command.add_argument("--dtype", choices=sorted(EXPORT_DTYPE_NAMES), help="exported floating-point dtype")
     command.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="areal-ckpt", description=__doc__)
+    parser = argparse.ArgumentParser(prog="areal-ckpt", description=_DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
     commands = parser.add_subparsers(dest="command", required=True)
 
     inspect = commands.add_parser("inspect", help="what a checkpoint folder is: kind, step, sizes, dtypes")
-    inspect.add_argument("path", help="a checkpoint folder, or an s3:// URL (that checkpoint is downloaded to read it)")
+    inspect.add_argument(
+        "path",
+        help="a checkpoint folder, or an object store URL (s3://, gs://, az://) (that checkpoint is downloaded to read it)",
+    )
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     inspect.set_defaults(run=cli_commands.cmd_inspect)
 
@@ -41,11 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="check every file of a checkpoint (or of every checkpoint of a trial) "
         "against its manifest; one line each; exit 0 only if all are intact",
     )
-    check.add_argument("path", help="a checkpoint or trial folder, or an s3:// URL (objects are read where they lie)")
+    check.add_argument(
+        "path",
+        help="a checkpoint or trial folder, or an object store URL (s3://, gs://, az://) (objects are read where they lie)",
+    )
     check.set_defaults(run=cli_commands.cmd_verify)
 
     listing = commands.add_parser("list", help="every export and the recovery checkpoint of a trial, newest first")
-    listing.add_argument("trial_root", help="a trial folder, or its s3:// URL")
+    listing.add_argument("trial_root", help="a trial folder, or its object store URL (s3://, gs://, az://)")
     listing.add_argument("--json", action="store_true", help="machine-readable output")
     listing.set_defaults(run=cli_commands.cmd_list)
 
@@ -53,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "recover_dir",
         help="trial folder, recover_info, or {name}/recover_checkpoint; or a stock DCP folder (dcp.save's own format); "
-        "or a trial's s3:// URL",
+        "or a trial's object store URL",
     )
     _add_output_options(export)
     export.add_argument("--name", help="model to export when the checkpoint holds several")
@@ -73,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert = commands.add_parser("convert-deepspeed", help="DeepSpeed ZeRO checkpoint -> HuggingFace folder")
     convert.add_argument(
         "ds_dir",
-        help="folder holding 'latest' and tag folders (ours or DeepSpeed's own), or the s3:// URL save_checkpoint wrote",
+        help="folder holding 'latest' and tag folders (ours or DeepSpeed's own), or the object store URL save_checkpoint wrote",
     )
     _add_output_options(convert)
     convert.add_argument("--tag", help="checkpoint tag (default: what 'latest' names)")
@@ -88,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         "recover-pointer", help="re-point a trial's lost or broken commit record at its newest intact generation"
     )
     pointer.add_argument(
-        "trial", help="the trial folder ({fileroot}/checkpoints/{user}/{experiment}/{trial}), or its s3:// URL"
+        "trial", help="the trial folder ({fileroot}/checkpoints/{user}/{experiment}/{trial}), or its object store URL"
     )
     pointer.set_defaults(run=cli_commands.cmd_recover_pointer)
 
