@@ -110,7 +110,9 @@ class Location(Protocol):
         checkpoint's name (in a folder a name it does not parse is not part of the series)."""
 
     def named(self, label: str) -> str | None:
-        """The newest committed checkpoint saved under ``label`` (a DeepSpeed tag), or None."""
+        """The newest committed checkpoint saved under ``label`` (a DeepSpeed tag), or None. A
+        save under a label reserves the label as its name and records it (``{"tag": label}``):
+        a folder's label is its name, a store's the records' ``tag``."""
 
     def pointed(self) -> str | None:
         """The committed checkpoint the pointer names (DeepSpeed's ``latest``), or None when no

@@ -1,0 +1,105 @@
+"""The location contract's own tests (:class:`areal_ckpt.storage.location.Location`), run unchanged
+against a folder and each object store (SeaweedFS, fake-gcs-server, Azurite on 127.0.0.1): what
+a commit makes visible, what a pointer and a label name, what an unfinished save leaves, what
+retention removes. The consumers (exports, DeepSpeed tags, the command line's outputs) rely on
+exactly these."""
+
+from __future__ import annotations
+
+import secrets
+
+import pytest
+
+from areal_ckpt.errors import CheckpointError
+from areal_ckpt.fsio import write_file_durably
+from areal_ckpt.paths import MANIFEST_NAME
+from areal_ckpt.publish import write_manifest
+from areal_ckpt.storage.location import Location, location_of, retain
+from areal_ckpt.storage.retention import ReplaceSameLabel
+
+
+def _step_of(name: str) -> int | None:
+    """A folder location's series: the names this suite commits."""
+    return 0 if name.startswith("save") else None
+
+
+def _save(location: Location, label: str, payload: bytes, *, point: bool) -> str:
+    """One whole save of ``label`` by a world of one: reserve the label, stage, write a file
+    (through the location's writer when it has one), put, manifest, commit recording the label.
+    Returns the reserved name."""
+    reserved = location.reserve(label)
+    staging = location.stage(label, 0)
+    write = location.writer_of(reserved)
+    if write is None:
+        record = write_file_durably(staging / "data.bin", payload)
+        uploaded: set[str] = set()
+    else:
+        writer = write("data.bin")
+        writer.write(payload)
+        record = writer.close()
+        uploaded = {"data.bin"}
+    note = write_file_durably(staging / "note.txt", label.encode())
+    location.put_own(staging, reserved, ["note.txt"])
+    write_manifest(staging, MANIFEST_NAME, {"data.bin": record, "note.txt": note}, {"label": label})
+    location.commit(staging, reserved, uploaded | {"note.txt"}, {"tag": label}, point=point)
+    location.unstage(staging, 0)
+    return reserved
+
+
+@pytest.fixture
+def location(persistent_root) -> Location:  # type: ignore[no-untyped-def]
+    """A fresh location on each store in turn: a folder, and a prefix of each object store."""
+    return location_of(f"{persistent_root.root}/saves-{secrets.token_hex(3)}", "location", pointer="latest")
+
+
+def test_an_empty_location_has_nothing_committed_no_pointer_and_no_label(location):
+    assert location.committed(_step_of) == []
+    assert location.pointed() is None
+    assert location.named("t1") is None
+
+
+def test_a_commit_is_listed_pointed_at_named_and_read_back_byte_for_byte(location, tmp_path):
+    reserved = _save(location, "save1", b"weights-1" * 1000, point=True)
+    assert [entry.name for entry in location.committed(_step_of)] == [reserved]
+    assert location.pointed() == reserved and location.named("save1") == reserved
+    location.files_of(reserved).get_file("data.bin", tmp_path / "copy.bin")
+    assert (tmp_path / "copy.bin").read_bytes() == b"weights-1" * 1000
+    opened = location.open(reserved, secrets.token_hex(4))
+    assert (opened.folder / MANIFEST_NAME).is_file() and (opened.folder / "note.txt").read_bytes() == b"save1"
+
+
+def test_a_commit_that_does_not_point_leaves_the_pointer_where_it_was(location):
+    first = _save(location, "save1", b"a", point=True)
+    second = _save(location, "save2", b"b", point=False)
+    assert location.pointed() == first and location.named("save2") == second
+    assert sorted(entry.name for entry in location.committed(_step_of)) == sorted([first, second])
+
+
+def test_a_label_saved_again_replaces_its_older_save_and_keeps_the_others(location, tmp_path):
+    kept = _save(location, "save-other", b"o", point=False)
+    _save(location, "save1", b"old", point=False)
+    newest = _save(location, "save1", b"new", point=True)
+    retain(location, ReplaceSameLabel(), newest)
+    names = sorted(entry.name for entry in location.committed(_step_of))
+    assert names == sorted([kept, newest])
+    assert location.named("save1") == newest and location.pointed() == newest
+    location.files_of(newest).get_file("data.bin", tmp_path / "newest.bin")
+    assert (tmp_path / "newest.bin").read_bytes() == b"new"
+
+
+def test_an_unfinished_save_is_never_committed_and_leaves_nothing_once_discarded_and_tidied(location, tmp_path):
+    committed = _save(location, "save1", b"a", point=True)
+    reserved = location.reserve("save2")
+    staging = location.stage("save2", 0)
+    write = location.writer_of(reserved)
+    if write is not None:
+        writer = write("data.bin")
+        writer.write(b"half")
+        writer.close()
+    location.discard(reserved)
+    location.unstage(staging, 0)
+    location.tidy()
+    assert [entry.name for entry in location.committed(_step_of)] == [committed]
+    assert location.pointed() == committed
+    with pytest.raises(CheckpointError, match="data.bin"):  # nothing of it is left to read
+        location.files_of(reserved).get_file("data.bin", tmp_path / "half.bin")
