@@ -25,4 +25,4 @@ class CollectiveError(CheckpointError):
 
 class TransientError(CheckpointError):
     """A failure that trying again may cure (an OS error while writing a new recovery dump);
-    the recovery dump retries it (:mod:`areal_ckpt.recover.retry`) before giving up."""
+    the recovery dump retries it (:mod:`areal_ckpt.jobs.retry`) before giving up."""

@@ -26,7 +26,7 @@ import torch
 from common import machine_description, model_of_size, publish, scratch_folder, size_and_rounds, state_tensors
 
 import areal_ckpt as ac
-from areal_ckpt.recover.store import wait_for_deletions
+from areal_ckpt.generations.store import wait_for_deletions
 
 TOKENS = torch.arange(32).reshape(2, 16)
 

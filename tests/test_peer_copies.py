@@ -18,11 +18,11 @@ from recovery_runs import assert_same_run, losses, run_job
 from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import FileRecord, crc32
+from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.paths import RECOVER_MANIFEST, generation_name, generation_step
 from areal_ckpt.publish import check_files, read_manifest, write_manifest
-from areal_ckpt.recover import nodes, peer_copies
-from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.storage import peers
+from areal_ckpt.tier import nodes, peer_copies
 
 SHARED = "recover_info/step_info.json"
 
@@ -264,8 +264,8 @@ def test_copies_and_upload_cadence_need_a_local_tier(tmp_path, field, value):
 
 
 def _orphans_case(rank: int, world_size: int, root: str) -> None:
-    from areal_ckpt.recover.shared_folder import FolderGenerations
-    from areal_ckpt.recover.tiers import choose_tier
+    from areal_ckpt.persistence.shared_folder import FolderGenerations
+    from areal_ckpt.tier.resume import choose_tier
 
     store = RecoverStore(Path(root) / f"node{rank}" / "trial")
     behind = FolderGenerations(Path(root) / "shared" / "trial")
@@ -446,7 +446,7 @@ def _slices_case(rank: int, world_size: int, root: str) -> None:
     # unsharded (each rank the whole model): beyond its slice, so every file is sent and it loads
     whole, whole_optimizer = _sharded_model(sharded=False)
     loader = ac.RecoverHandler(config(), spec)
-    with _messages("areal_ckpt.recover.tiers", logging.WARNING) as warned:
+    with _messages("areal_ckpt.tier.resume", logging.WARNING) as warned:
         info = loader.load(ac.TorchEngine(whole, optimizer=whole_optimizer))
     assert info is not None and info.last_step_info.global_step == 3  # from the nodes, not a fresh start
     assert all(torch.equal(saved[name], value) for name, value in _full_state(whole).items())
@@ -461,7 +461,7 @@ def test_a_restarted_node_receives_what_its_ranks_read_and_everything_when_they_
 
 
 def _shares_case(rank: int, world_size: int, root: str) -> None:
-    from areal_ckpt.recover.shared_folder import FolderGenerations
+    from areal_ckpt.persistence.shared_folder import FolderGenerations
 
     store = RecoverStore(Path(root) / f"node{rank}" / "trial")
     generation = _dump(store, 5, world_size, models=True)  # node 0 lacks node 1's data file, as after a resume

@@ -295,8 +295,8 @@ def test_stateless_optimizer_keeps_its_param_groups_without_a_hidden_copy(filero
 
 
 def test_the_superseded_dump_is_deleted_off_the_callers_thread_after_the_commit(fileroot, monkeypatch):
-    from areal_ckpt.recover import tidy
-    from areal_ckpt.recover.store import RecoverStore
+    from areal_ckpt.generations import tidy
+    from areal_ckpt.generations.store import RecoverStore
 
     deleted: list[tuple[list[str], str, str | None]] = []  # (generations, thread, committed when deleting)
     real_delete = tidy.delete_rank_files
@@ -324,7 +324,7 @@ def test_the_superseded_dump_is_deleted_off_the_callers_thread_after_the_commit(
 def test_the_debris_a_load_finds_is_deleted_on_the_deletion_thread_while_it_loads_and_gone_when_it_returns(
     fileroot, monkeypatch
 ):
-    from areal_ckpt.recover import tidy
+    from areal_ckpt.generations import tidy
 
     setup = make_setup()
     handler = ac.RecoverHandler(recover_config(fileroot), SPEC)

@@ -127,8 +127,8 @@ def test_a_per_rank_position_is_refused_on_every_rank_for_any_change(tmp_path, o
 
 
 def test_a_rank_deletes_only_its_own_files_and_never_through_a_link(tmp_path):
-    from areal_ckpt.recover.store import RecoverStore
-    from areal_ckpt.recover.tidy import delete_rank_files, remove_trash
+    from areal_ckpt.generations.store import RecoverStore
+    from areal_ckpt.generations.tidy import delete_rank_files, remove_trash
 
     store = RecoverStore(tmp_path / "trial")
     hidden = store.root / ".trash-gen-00000001-0123abcd"

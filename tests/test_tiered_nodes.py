@@ -11,11 +11,11 @@ from distributed import run_distributed
 from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import FileRecord, crc32
+from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.paths import RECOVER_MANIFEST, generation_name
 from areal_ckpt.publish import check_files, read_manifest
-from areal_ckpt.recover import nodes
-from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.storage import peers
+from areal_ckpt.tier import nodes
 
 SHARED = "recover_info/step_info.json"
 

@@ -12,10 +12,10 @@ import torch
 
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CollectiveError
+from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.jobs.background import JobOutcome
 from areal_ckpt.jobs.lifecycle import SaveLifecycle
 from areal_ckpt.jobs.shm_arena import arena_layout_of
-from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.write import DumpJob
 from areal_ckpt.step import StepInfo
 

@@ -1,7 +1,7 @@
 """RecoverHandler: full-state recovery checkpoints, resumed automatically and bit-exactly.
 
 RecoverHandler = schedule (when) + engines (model / optimizer / scheduler state through DCP) +
-state (RNG, dataloader, component states as JSON) + recover.store (atomic generations).
+state (RNG, dataloader, component states as JSON) + generations.store (atomic generations).
 Job-safe for one job per trial; process-safe within it: every rank calls ``dump`` / ``load``.
 """
 
@@ -18,18 +18,18 @@ from areal_ckpt.config import RecoverConfig
 from areal_ckpt.engines.accept import HFAssets, check_engines, engines_by_name, named_engines
 from areal_ckpt.engines.contract import EnginesLike, RolloutEngine, WeightUpdateMeta
 from areal_ckpt.errors import CheckpointError, CollectiveError
+from areal_ckpt.generations.tidy import remove_trash, wait_for_deletions
 from areal_ckpt.jobs.lifecycle import SaveLifecycle, resolve_async
+from areal_ckpt.jobs.retry import retried
 from areal_ckpt.paths import default_user, recover_info_link, trial_root
+from areal_ckpt.persistence.contract import ReadFrom, new_run_token
 from areal_ckpt.recover.dump_runs import DumpRuns, stopped
 from areal_ckpt.recover.frozen import frozen_part, part_fingerprint
 from areal_ckpt.recover.location import trial_location
-from areal_ckpt.recover.persistent import ReadFrom, new_run_token
 from areal_ckpt.recover.preemption import PreemptionSignals
 from areal_ckpt.recover.prepare import PreviousDump, prepare_dump
 from areal_ckpt.recover.read import OpenedGeneration, load_engine, open_committed
-from areal_ckpt.recover.retry import retried
 from areal_ckpt.recover.rollout_sync import RolloutSync
-from areal_ckpt.recover.tidy import remove_trash, wait_for_deletions
 from areal_ckpt.schedule import TriggerSchedule, warn_if_never_due
 from areal_ckpt.state.components import Stateful, capture_components, dataloader_state, restore_components
 from areal_ckpt.state.recover_info import RecoverInfo
@@ -43,7 +43,7 @@ class RecoverHandler:
     """Dumps and restores everything a training job needs to continue as if never stopped.
 
     One committed copy per trial, replaced on each dump by an atomic switch (see
-    :mod:`areal_ckpt.recover.store` and docs/recovery.md for why a kill at any instant leaves
+    :mod:`areal_ckpt.generations.store` and docs/recovery.md for why a kill at any instant leaves
     the previous or the new checkpoint, whole). Creating one (recovery enabled) takes the
     trial's lock on rank 0: a second job on the same trial is refused. Dumps are written in the
     calling process or, asynchronously, by a background writer (see ``dump``).

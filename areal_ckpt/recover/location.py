@@ -18,12 +18,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from areal_ckpt.config import RecoverConfig
+from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.paths import default_user, trial_root
-from areal_ckpt.recover.persistent import PersistentGenerations
+from areal_ckpt.persistence.contract import PersistentGenerations
+from areal_ckpt.persistence.remote import ObjectGenerations
+from areal_ckpt.persistence.shared_folder import FolderGenerations
 from areal_ckpt.recover.publication import KeptLocally, Publication, PublishedInBackground, PublishedInDump
-from areal_ckpt.recover.remote import ObjectGenerations
-from areal_ckpt.recover.shared_folder import FolderGenerations
-from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.storage.folders import staging_root
 from areal_ckpt.urls import locate
 

@@ -22,11 +22,11 @@ from areal_ckpt.engines.contract import Engine
 from areal_ckpt.errors import CollectiveError, RankMismatchError, TransientError
 from areal_ckpt.formats.hf_export import HFFiles
 from areal_ckpt.fsio import FileRecord
+from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.paths import ENGINE_STATE_FILE, MODEL_SEPARATOR, RECOVER_INFO, check_model_name
 from areal_ckpt.recover.frozen import fingerprint as fingerprint_of
 from areal_ckpt.recover.frozen import frozen_names, frozen_part
 from areal_ckpt.recover.publication import Publication
-from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.recover.write import DumpJob, dump_header
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.recover_info import encode_global_info, encode_rank_state

@@ -1,6 +1,6 @@
 """When a trial's local commits reach where the trial persists: a policy, chosen once.
 
-Every recovery dump commits into a local store first (:class:`~areal_ckpt.recover.store.RecoverStore`).
+Every recovery dump commits into a local store first (:class:`~areal_ckpt.generations.store.RecoverStore`).
 What happens next, and where a load looks, is one of three policies; the factory
 (:func:`~areal_ckpt.recover.location.trial_location`) picks it from the ``recover:`` block, and
 the handler, the dump's two halves and the load call it without asking which one they hold:
@@ -12,11 +12,11 @@ the handler, the dump's two halves and the load call it without asking which one
   generation before it returns; a load reads the bucket's newest.
 - :class:`PublishedInBackground` — a tiered trial (``local_dir``): the store is the node-local
   tier; a dump returns once it committed there, an upload process publishes it behind
-  (:mod:`areal_ckpt.recover.upload`); a load resumes from the tier that holds the newest
-  (:mod:`areal_ckpt.recover.tiers`).
+  (:mod:`areal_ckpt.tier.upload`); a load resumes from the tier that holds the newest
+  (:mod:`areal_ckpt.tier.resume`).
 
 Where the trial persists (a bucket, a shared folder) is the storage contract
-:class:`~areal_ckpt.recover.persistent.PersistentGenerations`; this module only says *when*.
+:class:`~areal_ckpt.persistence.contract.PersistentGenerations`; this module only says *when*.
 Implementations are plain, picklable data (a dump job carries one to the background writers).
 """
 
@@ -31,17 +31,17 @@ from typing import Protocol, TypeVar
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError, TransientError
 from areal_ckpt.fsio import FileWriter
+from areal_ckpt.generations.foreign import refuse_foreign_layout
+from areal_ckpt.generations.store import RecoverStore
+from areal_ckpt.generations.tidy import delete_later
+from areal_ckpt.jobs.retry import retried
 from areal_ckpt.paths import RECOVER_MANIFEST
+from areal_ckpt.persistence.contract import PersistentGenerations, ReadFrom, restore_newest
 from areal_ckpt.publish import read_manifest
-from areal_ckpt.recover.foreign import refuse_foreign_layout
-from areal_ckpt.recover.nodes import node_of
-from areal_ckpt.recover.persistent import PersistentGenerations, ReadFrom, restore_newest
-from areal_ckpt.recover.retry import retried
-from areal_ckpt.recover.store import RecoverStore
-from areal_ckpt.recover.tidy import delete_later
-from areal_ckpt.recover.tiers import TierChoice, restore_from_tiers
-from areal_ckpt.recover.upload import Uploads
 from areal_ckpt.storage.mirrors import set_aside_contents
+from areal_ckpt.tier.nodes import node_of
+from areal_ckpt.tier.resume import TierChoice, restore_from_tiers
+from areal_ckpt.tier.upload import Uploads
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +84,8 @@ class Publication(Protocol):
         self, store: RecoverStore, restore: Callable[[ReadFrom], T | None]
     ) -> tuple[T | None, TierChoice | None]:
         """Run ``restore(read_from)`` (a collective load of the committed generation, read as
-        :class:`~areal_ckpt.recover.persistent.ReadFrom` says: the local store as it is, where
-        the trial persists, or the assembled local tiers, :mod:`~areal_ckpt.recover.tiers`);
+        :class:`~areal_ckpt.persistence.contract.ReadFrom` says: the local store as it is, where
+        the trial persists, or the assembled local tiers, :mod:`~areal_ckpt.tier.resume`);
         returns its result and the tier choice it followed (None: no choice to make).
         Collective."""
 
@@ -279,7 +279,7 @@ class PublishedInBackground:
     def restore(
         self, store: RecoverStore, restore: Callable[[ReadFrom], T | None]
     ) -> tuple[T | None, TierChoice | None]:
-        """The tier choice (:func:`~areal_ckpt.recover.tiers.restore_from_tiers`); the first
+        """The tier choice (:func:`~areal_ckpt.tier.resume.restore_from_tiers`); the first
         after a :meth:`start` that found ``behind`` silent takes that as its answer (asking
         again would wait out the storage client's retries twice before resuming locally)."""
         unanswered = self.unanswered.pop() if self.unanswered else None
@@ -299,7 +299,7 @@ class PublishedInBackground:
         return None
 
     def node(self, store: RecoverStore) -> str:
-        """The node whose local tier this rank writes (:func:`~areal_ckpt.recover.nodes.node_of`)."""
+        """The node whose local tier this rank writes (:func:`~areal_ckpt.tier.nodes.node_of`)."""
         return node_of(store.root)
 
     def publish(self, store: RecoverStore, dump: CommittedDump) -> str:

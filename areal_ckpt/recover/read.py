@@ -20,6 +20,7 @@ from areal_ckpt.formats.dcp_io import load_tensors, tensor_index
 from areal_ckpt.formats.dcp_slices import rank_metadata, read_when_needed
 from areal_ckpt.formats.range_read import PeerFiles
 from areal_ckpt.fsio import FileRecord
+from areal_ckpt.generations.store import RecoverStore, find_committed
 from areal_ckpt.paths import (
     DATA_SUFFIX,
     ENGINE_STATE_FILE,
@@ -33,11 +34,9 @@ from areal_ckpt.paths import (
     STEP_FILE,
     generation_step,
 )
+from areal_ckpt.persistence.contract import ReadFrom, fetch_newest
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.location import trial_location
-from areal_ckpt.recover.nodes import held_elsewhere
-from areal_ckpt.recover.persistent import ReadFrom, fetch_newest
-from areal_ckpt.recover.store import RecoverStore, find_committed
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.components import Stateful, check_dataloader_state
@@ -45,6 +44,7 @@ from areal_ckpt.state.numerics import warn_if_numerics_changed
 from areal_ckpt.state.recover_info import RecoverInfo, read_recover_info
 from areal_ckpt.state.rng import check_rng_state
 from areal_ckpt.storage.folders import OnDemandFiles
+from areal_ckpt.tier.nodes import held_elsewhere
 
 logger = logging.getLogger(__name__)
 
@@ -72,13 +72,13 @@ def open_committed(
     dataloader: Stateful | None = None,
 ) -> OpenedGeneration | None:
     """The committed generation of ``store``, read as ``read_from`` says
-    (:class:`~areal_ckpt.recover.persistent.ReadFrom`), or None when there is none. With a
+    (:class:`~areal_ckpt.persistence.contract.ReadFrom`), or None when there is none. With a
     source, its newest commit is the one and None when it holds none (whatever the local copy
     holds); the generation's small files come down to the node's local copy first and its
     data files only as a rank reads them (each rank the files its share needs). Assembled (a
     tiered trial resuming from its local tiers): each node holds what its ranks read but the
     files that arrive into their loads, and the data files it lacks are not looked for
-    (:func:`~areal_ckpt.recover.nodes.held_elsewhere`).
+    (:func:`~areal_ckpt.tier.nodes.held_elsewhere`).
     Collective: rank 0 finds it (removing debris), every rank verifies its share and reads its
     info. Raises CheckpointError on every rank when the
     commit record is broken, the trial holds AReaL's folders, a file is damaged, ``models``

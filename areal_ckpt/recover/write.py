@@ -21,14 +21,14 @@ from areal_ckpt.errors import CheckpointError, CollectiveError, RankMismatchErro
 from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.hf_export import HFFiles
 from areal_ckpt.fsio import FileRecord, write_file_durably
+from areal_ckpt.generations.store import RecoverStore
+from areal_ckpt.generations.tidy import delete_later, drop_later
+from areal_ckpt.jobs.retry import retried
 from areal_ckpt.jobs.shm_arena import ArenaLayout
 from areal_ckpt.paths import DATA_SUFFIX, HF_FILES, MODEL_SEPARATOR, RECOVER_FORMAT, RECOVER_FORMAT_VERSION
-from areal_ckpt.recover.nodes import first_ranks
 from areal_ckpt.recover.publication import CommittedDump, KeptLocally, Publication
-from areal_ckpt.recover.retry import retried
-from areal_ckpt.recover.store import RecoverStore
-from areal_ckpt.recover.tidy import delete_later, drop_later
 from areal_ckpt.state.numerics import numerics_record
+from areal_ckpt.tier.nodes import first_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +57,9 @@ class DumpJob:
     commit in ``trial`` (:mod:`areal_ckpt.recover.publication`): nothing (a local trial); the
     generation published where the trial persists within the dump, in a commit naming the job's
     ``run_token`` (``trial`` is then a staging copy); or, for a tiered trial, another job's upload
-    (:mod:`areal_ckpt.recover.upload`), whose generations ``protected`` names (kept by the
+    (:mod:`areal_ckpt.tier.upload`), whose generations ``protected`` names (kept by the
     commit's tidying; on several nodes rank 0's commit stands for every node's,
-    :mod:`areal_ckpt.recover.nodes`).
+    :mod:`areal_ckpt.tier.nodes`).
     """
 
     trial: Path

@@ -1,7 +1,7 @@
 """Data files a restart's load reads as another rank sends them, never written first.
 
 When a node of a tiered trial lacks a data file that exactly one of its ranks reads, the
-restart's fill (:func:`~areal_ckpt.recover.nodes.fill_from_peers`) does not write it into the
+restart's fill (:func:`~areal_ckpt.tier.nodes.fill_from_peers`) does not write it into the
 node's local tier: the file crosses the process group while that rank's load runs, each
 message copied from one of two reused buffers into the tensors it fills (:class:`ReceivedFile`,
 the :class:`~areal_ckpt.formats.range_read.RangeReader` interface), so the restart neither fills
@@ -17,7 +17,7 @@ transfer's size and CRC-32 (the manifest's) once its last message arrived
 (:meth:`ReceivedFile.checksum`, which the reader calls before the load completes): a mismatch
 fails the load, so the tensors it filled are never used. Nothing here writes a file; with peer
 copies, the background copies bring the file back to the node's tier after the load
-(:meth:`~areal_ckpt.recover.upload.Uploads.resumed`). Pairwise between the ranks each transfer
+(:meth:`~areal_ckpt.tier.upload.Uploads.resumed`). Pairwise between the ranks each transfer
 names; blocking.
 """
 

@@ -21,9 +21,9 @@ from areal_ckpt.formats.deepspeed_pickles import weights_only_deepspeed_loads
 from areal_ckpt.formats.hf_export import names_of_rank
 from areal_ckpt.formats.hf_keys import architecture_of
 from areal_ckpt.formats.stock_dcp import StockDcpModelSource
+from areal_ckpt.generations.store import resolve_recovery
 from areal_ckpt.paths import HF_FILES, LATEST, MANIFEST_NAME, RECOVER_MANIFEST, TAGGED_FORMAT
 from areal_ckpt.publish import check_files, read_manifest
-from areal_ckpt.recover.store import resolve_recovery
 from areal_ckpt.storage.folder_location import FolderLocation
 from areal_ckpt.tensors import TensorSpec
 from areal_ckpt.tools.offline_zero_to_fp32 import ConversionError, committed_folder

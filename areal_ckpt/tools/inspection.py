@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_metadata import read_metadata_json, tensor_entries
 from areal_ckpt.formats.stock_dcp import is_stock_dcp, read_stock_metadata
+from areal_ckpt.generations.store import RecoverStore, resolve_recovery
 from areal_ckpt.paths import (
     FROZEN_PART,
     LATEST,
@@ -24,7 +25,6 @@ from areal_ckpt.paths import (
     recover_pointer,
 )
 from areal_ckpt.publish import check_files, read_manifest
-from areal_ckpt.recover.store import RecoverStore, resolve_recovery
 from areal_ckpt.storage.folder_location import FolderLocation
 from areal_ckpt.tools.local_tier import describe_tier, held_entries, tier_holdings
 

@@ -53,8 +53,8 @@ from typing import IO
 
 from areal_ckpt.config import RecoverConfig
 from areal_ckpt.errors import CheckpointError
+from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.recover.location import trial_store
-from areal_ckpt.recover.store import RecoverStore
 
 #: Environment variable telling each attempt its number (0 for the first).
 ATTEMPT_VARIABLE = "AREAL_CKPT_LAUNCH_ATTEMPT"

@@ -26,8 +26,8 @@ from areal_ckpt.paths import (
     is_generation_name,
     parse_export_leaf,
 )
+from areal_ckpt.persistence.remote import ObjectGenerations
 from areal_ckpt.publish import read_manifest, switch_symlink
-from areal_ckpt.recover.remote import ObjectGenerations
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import COMMIT_LOG, CommitLog, CommitRecord
 from areal_ckpt.storage.folders import ObjectSource, check_remote_folder, fetch_folder

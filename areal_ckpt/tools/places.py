@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from areal_ckpt.errors import CheckpointError
+from areal_ckpt.generations.repoint import repoint_newest_verified
+from areal_ckpt.generations.store import RecoverStore, resolve_recovery
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
-from areal_ckpt.recover.repoint import repoint_newest_verified
-from areal_ckpt.recover.store import RecoverStore, resolve_recovery
 from areal_ckpt.tools.inspection import describe, list_trial, verify_each
 from areal_ckpt.tools.object_place import ObjectPlace
 from areal_ckpt.tools.place_contract import CheckpointPlace, Progress, Repointed
@@ -75,7 +75,7 @@ class FolderPlace:
         return str(folder)
 
     def repoint(self) -> Repointed:
-        """Under the trial's lock, :func:`~areal_ckpt.recover.repoint.repoint_newest_verified`
+        """Under the trial's lock, :func:`~areal_ckpt.generations.repoint.repoint_newest_verified`
         unless ``current`` already names a generation; CheckpointError when the path is no folder."""
         self._check_folder()
         store = RecoverStore(self.path)

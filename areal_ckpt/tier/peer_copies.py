@@ -5,13 +5,13 @@ of a committed generation (the manifest and small files rank 0's node wrote, eac
 ranks' data files) ends up on K+1 nodes (at most all of them). The nodes, ordered by their
 lowest rank (node 0 holds rank 0), form a ring; a file held by one node only is copied to the K
 nodes after it on the ring, so a node's copies never sit on that node. The copies travel over
-the job's process group (the uploaders', :mod:`areal_ckpt.recover.upload`), sent and received
+the job's process group (the uploaders', :mod:`areal_ckpt.tier.upload`), sent and received
 by all the ranks of each node in turn rather than through one
-(:func:`~areal_ckpt.recover.nodes.spread`), after the local
+(:func:`~areal_ckpt.tier.nodes.spread`), after the local
 commit, in the background, each written beside its place and given its name only once its size
 and CRC-32 match the manifest (:func:`~areal_ckpt.storage.peers.run_transfers`): a crash at any
 instant leaves whole files only. The local tiers keep the previous generation until the copies
-of the next one are complete (:attr:`~areal_ckpt.recover.upload.Uploads.protected`).
+of the next one are complete (:attr:`~areal_ckpt.tier.upload.Uploads.protected`).
 
 A restart looks at what every node holds (:func:`holdings_of`) and resumes from the newest
 generation the surviving tiers hold whole (:func:`assemble`): up to K lost local tiers resume
@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import FileRecord, record_of
+from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.paths import RECOVER_CURRENT, RECOVER_MANIFEST, generation_step
 from areal_ckpt.publish import read_manifest, switch_symlink
-from areal_ckpt.recover.nodes import fill_from_peers, first_ranks, node_members, node_of, receive_copies, spread
-from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.storage.peer_reads import PeerReads
 from areal_ckpt.storage.peers import Transfer, listing_of
+from areal_ckpt.tier.nodes import fill_from_peers, first_ranks, node_members, node_of, receive_copies, spread
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def replicate(store: RecoverStore, generation: str, copies: int) -> int:
     """Collective, after ``generation`` committed on rank 0's node: every file of it held by
     fewer than ``copies`` + 1 nodes is sent, whole and checked, to the nodes after the lowest
     node holding it on the ring until that many hold it, the files of a node sent and received
-    by its ranks in turn (:func:`~areal_ckpt.recover.nodes.spread`). Returns the bytes this rank
+    by its ranks in turn (:func:`~areal_ckpt.tier.nodes.spread`). Returns the bytes this rank
     received. Blocking; durable on return. Raises CheckpointError on every rank naming the file and ranks
     when a transfer failed (the files received whole are kept) or no node holds a file."""
     folder = store.path(generation)
@@ -197,7 +197,7 @@ def assemble(
     and committed on rank 0's node. Rank 0 first receives its manifest from ``manifest_from``
     when its node lacks it, then every node receives what it lacks of what its ranks read (of
     every file with ``every_file``; with ``into_load`` a data file one rank of a node reads
-    goes into its load instead; :func:`~areal_ckpt.recover.nodes.fill_from_peers`, each file
+    goes into its load instead; :func:`~areal_ckpt.tier.nodes.fill_from_peers`, each file
     checked against the manifest), then rank 0 points ``current`` at it (durable). Returns
     whether some node was left without data files of it (the same on every rank), and this
     rank's share of the transfers the load runs. Raises CheckpointError on every rank naming

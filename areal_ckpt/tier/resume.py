@@ -1,13 +1,13 @@
 """Which tier a tiered trial resumes from: the nodes' local tiers or where the trial persists.
 
 A tiered trial (``recover.local_dir``) commits each dump locally first and publishes it later
-(:mod:`areal_ckpt.recover.upload`) to where it persists (object storage or a shared folder:
+(:mod:`areal_ckpt.tier.upload`) to where it persists (object storage or a shared folder:
 "the persistent tier" below), so at a restart either tier may hold the newest commit. The
 lowest rank of each node reports what its node's local tier holds; rank 0 also asks the
 persistent tier; all ranks then follow one decision (:func:`choose_tier`):
 
 - the newest generation the local tiers hold whole between them (every file on some node: a
-  node's own files, or the copies other nodes keep of them, :mod:`areal_ckpt.recover.peer_copies`),
+  node's own files, or the copies other nodes keep of them, :mod:`areal_ckpt.tier.peer_copies`),
   when the persistent tier holds that one, an older one or none: resume locally, once each
   node received what it lacks and rank 0's node committed it (as fast as a local trial);
 - the persistent tier holds a newer one, or no local generation is whole (nodes that lost
@@ -17,7 +17,7 @@ persistent tier; all ranks then follow one decision (:func:`choose_tier`):
   whole; else a CheckpointError (never a silent fresh start).
 
 On several nodes rank 0's commit stands for every node: another node's local tier holds the
-folder of each generation with its own ranks' files and any copies (:mod:`areal_ckpt.recover.nodes`).
+folder of each generation with its own ranks' files and any copies (:mod:`areal_ckpt.tier.nodes`).
 
 A local generation that turns out damaged while it is assembled or loads (a copy failing its
 check included) is given up for the persistent tier's newest, named in a warning.
@@ -33,12 +33,12 @@ from typing import TypeVar
 
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
+from areal_ckpt.generations.foreign import refuse_foreign_layout
+from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.paths import generation_step
-from areal_ckpt.recover.foreign import refuse_foreign_layout
-from areal_ckpt.recover.peer_copies import Assembly, Holding, assemble, assemblies, holdings_of, node_leaders
-from areal_ckpt.recover.persistent import PersistentGenerations, ReadFrom, restore_newest
-from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.persistence.contract import PersistentGenerations, ReadFrom, restore_newest
 from areal_ckpt.storage.peer_reads import PeerReads
+from areal_ckpt.tier.peer_copies import Assembly, Holding, assemble, assemblies, holdings_of, node_leaders
 
 logger = logging.getLogger(__name__)
 

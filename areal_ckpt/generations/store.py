@@ -26,6 +26,8 @@ from typing import Any
 
 from areal_ckpt.errors import CheckpointError, TransientError
 from areal_ckpt.fsio import FileRecord, fsync_dir, make_dirs, write_file_durably
+from areal_ckpt.generations.foreign import refuse_foreign_layout
+from areal_ckpt.generations.tidy import sweep_trash_later, wait_for_deletions
 from areal_ckpt.paths import (
     RECOVER_CURRENT,
     RECOVER_INFO,
@@ -41,8 +43,6 @@ from areal_ckpt.paths import (
     recover_store,
 )
 from areal_ckpt.publish import check_files, hide_folder, read_manifest, switch_symlink, write_manifest
-from areal_ckpt.recover.foreign import refuse_foreign_layout
-from areal_ckpt.recover.tidy import sweep_trash_later, wait_for_deletions
 from areal_ckpt.storage.mirrors import Identity, claim_tier
 from areal_ckpt.storage.retention import Committed, KeepNewest, doomed_by
 
@@ -240,7 +240,7 @@ class RecoverStore:
         pending marker, so that a power cut between its manifest and the switch leaves a
         generation known never to have been committed (a fresh start), not one that looks like
         a lost commit record (which is refused, see :meth:`committed`). The hidden folders are deleted by every
-        rank in parallel (:mod:`areal_ckpt.recover.tidy`: each its own files, then rank 0 the rest).
+        rank in parallel (:mod:`areal_ckpt.generations.tidy`: each its own files, then rank 0 the rest).
         The generations ``protected`` names (a tiered trial's uploads in flight or queued) are kept."""
         first = not self.pointer.is_symlink()
         marker = self.root / f"{PENDING_PREFIX}{generation}"
@@ -322,7 +322,7 @@ class RecoverStore:
         pointer links; returns the generations removed. Each is hidden at once (one durable
         rename); it and the hidden ones earlier commits left are deleted on this process's
         deletion thread, before this returns with ``wait``, else while the caller goes on
-        (a load reads meanwhile; :func:`~areal_ckpt.recover.tidy.wait_for_deletions` waits for
+        (a load reads meanwhile; :func:`~areal_ckpt.generations.tidy.wait_for_deletions` waits for
         it; a crash leaves them hidden for the next call). Rank 0 only, while no rank writes
         (this process's own deletions are waited for first)."""
         wait_for_deletions()

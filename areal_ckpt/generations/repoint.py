@@ -9,10 +9,10 @@ from typing import Any
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_metadata import METADATA_JSON
+from areal_ckpt.generations.foreign import refuse_foreign_layout
+from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.paths import RECOVER_INFO, RECOVER_MANIFEST, STEP_FILE, check_model_name, generation_step
 from areal_ckpt.publish import check_files, read_manifest, switch_symlink
-from areal_ckpt.recover.foreign import refuse_foreign_layout
-from areal_ckpt.recover.store import RecoverStore
 
 logger = logging.getLogger(__name__)
 

@@ -4,14 +4,14 @@ persists (object storage, a shared folder) in the background, the newest first.
 With ``recover.local_dir`` a dump ends with its local commit (:mod:`areal_ckpt.recover.write`);
 :class:`Uploads` then hands the generation to one upload process per rank (a background writer,
 :mod:`areal_ckpt.jobs.background`, whose own gloo group runs the commit of
-:meth:`~areal_ckpt.recover.persistent.PersistentGenerations.publish`), and the loop goes on.
+:meth:`~areal_ckpt.persistence.contract.PersistentGenerations.publish`), and the loop goes on.
 
 When uploads fall behind dumps: one upload runs at a time; a generation committed meanwhile
 waits as the *pending* one, and a newer commit replaces it, so the generations in between are
 never uploaded (the persistent tier moves from one committed generation to a newer one, never to a
 mix). With ``recover.upload_every`` N only every N-th commit is due (and the newest at close);
 with ``recover.local_replicas`` K every commit is first copied to K other nodes' local tiers
-(:mod:`areal_ckpt.recover.peer_copies`) by the same background job. The commit's tidying keeps
+(:mod:`areal_ckpt.tier.peer_copies`) by the same background job. The commit's tidying keeps
 the generation in flight, the pending one and the newest whose copies are complete, so a local
 tier holds at most four and no upload or copy is ever cut by its own job. A failed upload
 (after ``write_retries`` tries) is logged with how far object storage lags, and the newest
@@ -32,14 +32,14 @@ import torch
 
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
+from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.jobs.background import BackgroundWriter, JobOutcome
+from areal_ckpt.jobs.retry import retried
 from areal_ckpt.jobs.shm_arena import ArenaLayout
 from areal_ckpt.paths import RECOVER_MANIFEST, generation_step
+from areal_ckpt.persistence.contract import PersistentGenerations
 from areal_ckpt.publish import read_manifest
-from areal_ckpt.recover.peer_copies import replicate, shares_held
-from areal_ckpt.recover.persistent import PersistentGenerations
-from areal_ckpt.recover.retry import retried
-from areal_ckpt.recover.store import RecoverStore
+from areal_ckpt.tier.peer_copies import replicate, shares_held
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class UploadJob:
 
     def run(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Copy the generation to ``copies`` other nodes' local tiers
-        (:func:`~areal_ckpt.recover.peer_copies.replicate`), then, when ``publish``, publish and
+        (:func:`~areal_ckpt.tier.peer_copies.replicate`), then, when ``publish``, publish and
         commit it where the trial persists, retried ``retries`` times. Collective over the
         uploaders' group; blocking; returns where it is, the bytes published and the bytes this
         rank received as copies. Raises CheckpointError on every rank when it failed (nothing

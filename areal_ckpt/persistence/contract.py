@@ -1,12 +1,12 @@
 """Where a trial's recovery generations persist behind the node's own copy of the trial.
 
 A recovery dump is always written and committed into a local store first
-(:class:`~areal_ckpt.recover.store.RecoverStore`: a plain trial, the staging copy of a trial on
+(:class:`~areal_ckpt.generations.store.RecoverStore`: a plain trial, the staging copy of a trial on
 object storage, or the local tier of a tiered trial). When the trial persists elsewhere, the
 committed generation is then *published* there and a restart *fetches* the newest one from
 there. :class:`PersistentGenerations` is that contract; its implementations are
-:class:`~areal_ckpt.recover.remote.ObjectGenerations` (a prefix on any object store: a
-create-only commit record) and :class:`~areal_ckpt.recover.shared_folder.FolderGenerations` (a
+:class:`~areal_ckpt.persistence.remote.ObjectGenerations` (a prefix on any object store: a
+create-only commit record) and :class:`~areal_ckpt.persistence.shared_folder.FolderGenerations` (a
 trial folder on a shared file system: fsync, then the ``current`` link switch). The factory is
 :func:`~areal_ckpt.recover.location.trial_location`; nothing else asks which one it has.
 """

@@ -5,7 +5,7 @@ node's local tier and rank 0 writes the small files there and commits: rank 0's 
 for every node. Another node's local tier holds the folder of each committed generation with its
 own ranks' files only, and no commit record of its own; after each commit the lowest rank of
 that node drops its other generations but those uploads still need
-(:func:`~areal_ckpt.recover.tidy.drop_later`). Before a load from the local tiers, each node
+(:func:`~areal_ckpt.generations.tidy.drop_later`). Before a load from the local tiers, each node
 receives the files it lacks that its ranks read (rank 0's manifest among them), whole, from a
 node that holds them, over the job's process group (:func:`fill_from_peers`), each checked
 against the manifest's size and CRC-32; every rank then loads as from a local trial, except
@@ -37,9 +37,9 @@ from areal_ckpt.fsio import (
     record_of,
     write_file_durably,
 )
+from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.paths import DATA_SUFFIX, RECOVER_MANIFEST
 from areal_ckpt.publish import read_manifest
-from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.storage.peer_reads import PeerReads
 from areal_ckpt.storage.peers import Transfer, listing_of, run_transfers
 

@@ -1,9 +1,9 @@
 """A trial's recovery generations on a shared file system (Lustre, NFS, GPFS) behind a node-local
-tier: the POSIX implementation of :class:`~areal_ckpt.recover.persistent.PersistentGenerations`.
+tier: the POSIX implementation of :class:`~areal_ckpt.persistence.contract.PersistentGenerations`.
 
 With ``fileroot`` a shared folder and ``recover.local_dir`` on each node's own disk (NVMe), a
 dump commits to the local tier, then its files are copied into the shared trial, which is an
-ordinary local trial (:class:`~areal_ckpt.recover.store.RecoverStore`, the same layout and
+ordinary local trial (:class:`~areal_ckpt.generations.store.RecoverStore`, the same layout and
 commit: manifest, fsync, then the ``current`` link switch). So the shared trial can be read as
 it is: by a job without ``local_dir``, by ``areal-ckpt`` commands, by a node whose local disk
 was lost. The job's run token goes into the shared manifest, as into a commit record on object
@@ -20,10 +20,10 @@ from pathlib import Path
 from areal_ckpt import agree
 from areal_ckpt.errors import CheckpointError, TransientError
 from areal_ckpt.fsio import FileRecord, FileWriter, copy_durably, link_on_path, make_dirs
+from areal_ckpt.generations.foreign import refuse_foreign_layout
+from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.paths import RECOVER_MANIFEST
 from areal_ckpt.publish import read_manifest
-from areal_ckpt.recover.foreign import refuse_foreign_layout
-from areal_ckpt.recover.store import RecoverStore
 from areal_ckpt.storage.folders import FileSource, FolderSource
 from areal_ckpt.storage.mirrors import Identity, identity_of
 
