@@ -23,30 +23,30 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import FileWriter
 from areal_ckpt.paths import RECOVER_MANIFEST, RECOVER_STORE, is_generation_name
 from areal_ckpt.publish import read_manifest
-from areal_ckpt.storage.backends import store_of
-from areal_ckpt.storage.commits import CommitLog, CommitRecord, remove_debris, upload_folder_files
-from areal_ckpt.storage.folders import FileSource, ObjectSource, check_local_copy
+from areal_ckpt.storage.folders import FileSource, check_local_copy
 from areal_ckpt.storage.location import retain
 from areal_ckpt.storage.mirrors import Identity, identity_of
 from areal_ckpt.storage.object_location import ObjectLocation
-from areal_ckpt.storage.retention import KeepNewest
+from areal_ckpt.storage.retention import Committed, KeepNewest
 from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
 
 
 class ObjectGenerations:
-    """The commit log of a trial's recovery generations on object storage (``trial``: the
-    trial's prefix). Local to the calling process but :meth:`publish`; blocking; picklable
+    """A trial's recovery generations on object storage (``trial``: the trial's prefix), a thin
+    consumer of the :class:`~areal_ckpt.storage.object_location.ObjectLocation` at
+    ``{trial}/.recover``. Local to the calling process but :meth:`publish`; blocking; picklable
     (the store is made per process)."""
 
     def __init__(self, trial: ObjectURL) -> None:
         self.trial = trial
         self.root = trial.child(RECOVER_STORE)
+        self.location = ObjectLocation(self.root, RECOVER_MANIFEST)
 
     def where(self, generation: str | None = None) -> str:
         """The URL of the trial's generations, or of ``generation``."""
-        return str(self.root if generation is None else self.root.child(generation))
+        return self.location.where(generation)
 
     def identity(self) -> Identity:
         """The trial prefix's scheme, endpoint, bucket and prefix."""
@@ -54,43 +54,34 @@ class ObjectGenerations:
 
     def check_access(self) -> None:
         """CheckpointError naming the endpoint, bucket and cause unless the bucket answers."""
-        store_of(self.root).check_access()
+        self.location.check_access()
 
-    @property
-    def log(self) -> CommitLog:
-        """The commit log under ``{trial}/.recover/``."""
-        return CommitLog(store_of(self.root), self.root)
-
-    def newest_record(self) -> CommitRecord | None:
-        """The newest commit record, checked to name a generation; None when there is none."""
-        record = self.log.newest()
-        if record is not None and not is_generation_name(record.folder):
-            raise CheckpointError(
-                f"{self.root.url_of(self.root.key())}: commit {record.sequence} names {record.folder!r}, "
-                "not a recovery generation"
-            )
-        return record
+    def newest_entry(self) -> Committed | None:
+        """The newest commit, checked to name a generation; None when there is none."""
+        entry = self.location.newest()
+        if entry is not None and not is_generation_name(entry.name):
+            raise CheckpointError(f"{self.root}: commit {entry.order} names {entry.name!r}, not a recovery generation")
+        return entry
 
     def newest(self) -> str | None:
-        """The generation the newest commit record names; None when there is none."""
-        record = self.newest_record()
-        return None if record is None else record.folder
+        """The generation the newest commit names; None when there is none."""
+        entry = self.newest_entry()
+        return None if entry is None else entry.name
 
     def check_owner(self, run: str, loaded: Iterable[str]) -> None:
         """CheckpointError unless the newest commit is none, one this job (``run``) wrote, or
         one of the generations it ``loaded``; nothing is written otherwise."""
-        record = self.newest_record()
-        if record is None or record.body.get("run") == run or record.folder in set(loaded):
+        entry = self.newest_entry()
+        if entry is None or entry.facts.get("run") == run or entry.name in set(loaded):
             return
         raise CheckpointError(
-            f"{self.root.child(record.folder)} is a recovery checkpoint this job has not loaded (committed by "
+            f"{self.root.child(entry.name)} is a recovery checkpoint this job has not loaded (committed by "
             "another job); call RecoverHandler.load() first (or use another trial_name) so it is not overwritten"
         )
 
     def remove_debris(self) -> None:
-        """Delete the objects of generations no commit record names and unfinished uploads."""
-        log = self.log
-        removed = remove_debris(log.store, self.root, log.committed_folders())
+        """Delete the objects of generations no commit names and unfinished uploads."""
+        removed = self.location.tidy()
         if removed:
             logger.warning("removed uncommitted recovery generations from %s: %s", self.root, removed)
 
@@ -101,31 +92,32 @@ class ObjectGenerations:
         :meth:`PersistentGenerations.publish`): each file checked against its record (size,
         CRC-32, no link) before it goes up, then rank 0 commits with a create-only record and
         deletes every older generation (record first). Collective; blocking."""
-        target = self.root.child(folder.name)
-        done = set(written)
+        generation, done = folder.name, set(written)
         own = {name: {"size": size, "crc32": crc} for name, (size, crc) in mine.items() if name not in done}
 
         def upload_mine() -> list[str]:
             check_local_copy(folder, own, sorted(own))
-            upload_folder_files(store_of(target), folder, sorted(own), target)
+            self.location.put_own(folder, generation, sorted(own))
             return sorted(mine)
 
         def commit(every: list[list[str]]) -> None:
-            series = ObjectLocation(self.root, RECOVER_MANIFEST)
             uploaded = {name for names in every for name in names}
             files = read_manifest(folder, RECOVER_MANIFEST)["files"]
             check_local_copy(folder, files, sorted(set(files) - uploaded))
-            series.commit(folder, folder.name, uploaded, {"run": run, "global_step": step})
-            retain(series, KeepNewest(), folder.name)
+            self.location.commit(folder, generation, uploaded, {"run": run, "global_step": step})
+            retain(self.location, KeepNewest(), generation)
 
-        agree.gathered_then_decided(upload_mine, commit, f"{target}: upload failed (not committed there)")
-        logger.info("committed %s", target)
+        agree.gathered_then_decided(
+            upload_mine, commit, f"{self.where(generation)}: upload failed (not committed there)"
+        )
+        logger.info("committed %s", self.where(generation))
 
     def files_of(self, generation: str) -> FileSource:
         """The objects of ``generation``."""
-        return ObjectSource(self.root.child(generation))
+        return self.location.files_of(generation)
 
     def direct_writer(self, generation: str, part: str) -> Callable[[Path], FileWriter]:
         """Writes a data file of ``part`` from memory straight to the generation's prefix."""
-        target = self.root.child(generation, part)
-        return lambda path: store_of(target).open_writer(target.key(path.name))
+        write = self.location.writer_of(generation)
+        assert write is not None  # an object location writes every file from memory
+        return lambda path: write(f"{part}/{path.name}")

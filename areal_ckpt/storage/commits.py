@@ -53,6 +53,8 @@ class CommitRecord:
 
     sequence: int
     body: dict[str, Any]
+    #: When the record was written (unix time, from the listing that found it; None otherwise).
+    modified: float | None = None
 
     @property
     def folder(self) -> str:
@@ -74,7 +76,12 @@ class CommitLog:
         naming it for an object in the log whose name is not a record's (``{n:012d}.json``): no
         reader would see it, so a commit or a retention decided without it could lose or hide a
         checkpoint; nothing is written or deleted then."""
-        found = []
+        return sorted(self._listed())
+
+    def _listed(self) -> dict[int, float]:
+        """The records present: sequence number -> when written (one listing); CheckpointError
+        as in :meth:`sequences`."""
+        found = {}
         for item in self.store.list_prefix(self._prefix):
             match = _RECORD.match(item.key[len(self._prefix) :])
             if match is None:
@@ -83,8 +90,8 @@ class CommitLog:
                     f"{COMMIT_LOG}/NNNNNNNNNNNN.json, twelve digits); nothing was written or deleted: move it out "
                     f"of {self.parent.url_of(self._prefix)}"
                 )
-            found.append(int(match.group(1)))
-        return sorted(found)
+            found[int(match.group(1))] = item.modified
+        return found
 
     def read(self, sequence: int) -> CommitRecord | None:
         """The record ``sequence`` (None when it was deleted meanwhile); CheckpointError naming
@@ -105,8 +112,13 @@ class CommitLog:
         return CommitRecord(sequence, body)
 
     def records(self) -> list[CommitRecord]:
-        """Every record present, oldest first."""
-        return [record for sequence in self.sequences() if (record := self.read(sequence)) is not None]
+        """Every record present, oldest first, each with when it was written (one listing)."""
+        listed = self._listed()
+        return [
+            CommitRecord(record.sequence, record.body, listed[sequence])
+            for sequence in sorted(listed)
+            if (record := self.read(sequence)) is not None
+        ]
 
     def newest(self) -> CommitRecord | None:
         """The record with the highest sequence number, or None when there is none."""

@@ -98,10 +98,14 @@ class FolderLocation:
         if not self.root.is_dir():
             return []
         return [
-            Committed(path.name, step, 0)
+            Committed(path.name, step, 0, when=path.stat().st_mtime)
             for path in self.root.iterdir()
             if path.is_dir() and not path.is_symlink() and (step := step_of(path.name)) is not None
         ]
+
+    def newest(self, step_of: Callable[[str], int | None] = lambda name: None) -> Committed | None:
+        """The committed folder of the highest step, then name (a folder's names commit once)."""
+        return max(self.committed(step_of), key=lambda entry: (entry.step, entry.name), default=None)
 
     def named(self, label: str) -> str | None:
         """``label`` itself when it is a folder here (a save under it replaced the older one)."""
@@ -155,5 +159,6 @@ class FolderLocation:
                 logger.warning("retention: could not remove %s: %s", path, error)
         return hidden
 
-    def tidy(self) -> None:
+    def tidy(self) -> list[str]:
         """Nothing: staging and trash folders are removed with the trial's."""
+        return []

@@ -109,6 +109,10 @@ class Location(Protocol):
         """The committed checkpoints, in no particular order; ``step_of`` reads the step from a
         checkpoint's name (in a folder a name it does not parse is not part of the series)."""
 
+    def newest(self, step_of: Callable[[str], int | None] = lambda name: None) -> Committed | None:
+        """The checkpoint committed last (on a store the highest commit order; in a folder, where
+        a name commits once, the highest step then name), or None when nothing is committed."""
+
     def named(self, label: str) -> str | None:
         """The newest committed checkpoint saved under ``label`` (a DeepSpeed tag), or None. A
         save under a label reserves the label as its name and records it (``{"tag": label}``):
@@ -136,10 +140,10 @@ class Location(Protocol):
         the local trash folders for the caller to delete off the hot path. Failures are
         logged, not raised."""
 
-    def tidy(self) -> None:
+    def tidy(self) -> list[str]:
         """Rank 0 when a job starts on the location: remove what earlier writers left
         uncommitted (objects no record names, unfinished uploads); nothing in a folder (its
-        staging folders are removed with the trial's)."""
+        staging folders are removed with the trial's). Returns the names removed."""
 
 
 def location_of(value: str | os.PathLike[str], what: str, pointer: str | None = None) -> Location:

@@ -17,6 +17,7 @@ from areal_ckpt.paths import EXPORT_STAGING_PREFIX, MANIFEST_NAME
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.commits import (
     CLAIMS,
+    COMMIT_LOG,
     CommitLog,
     CommitRecord,
     claim_fresh_folder,
@@ -28,11 +29,13 @@ from areal_ckpt.storage.folders import (
     FileSource,
     ObjectSource,
     Opened,
+    check_remote_folder,
     check_uploaded,
     fetch_shared,
     staging_root,
     upload_rest,
 )
+from areal_ckpt.storage.objects import ObjectInfo
 from areal_ckpt.storage.retention import Committed
 from areal_ckpt.urls import ObjectURL
 
@@ -160,8 +163,14 @@ class ObjectLocation:
 
     def committed(self, step_of: Callable[[str], int | None] = lambda name: None) -> list[Committed]:
         """What the commit records name: the step from the record's ``step`` (else from its
-        ``name``), the order its sequence number, the label its ``tag``."""
+        ``name``), the order its sequence number, the label its ``tag``, the facts its fields,
+        the time its record's."""
         return [_committed_of(record, step_of) for record in CommitLog(store_of(self.root), self.root).records()]
+
+    def newest(self, step_of: Callable[[str], int | None] = lambda name: None) -> Committed | None:
+        """The newest record's entry (its time unknown); one listing and one read."""
+        record = CommitLog(store_of(self.root), self.root).newest()
+        return None if record is None else _committed_of(record, step_of)
 
     def named(self, label: str) -> str | None:
         """The folder of the newest record whose ``tag`` is ``label``."""
@@ -210,10 +219,66 @@ class ObjectLocation:
             logger.warning("retention: could not remove old checkpoints of %s: %s", self.root, error)
         return []
 
-    def tidy(self) -> None:
-        """Objects no record names and unfinished uploads under the prefix removed."""
+    def tidy(self) -> list[str]:
+        """Objects no record names and unfinished uploads under the prefix removed; returns the
+        folders removed."""
         store = store_of(self.root)
-        remove_debris(store, self.root, CommitLog(store, self.root).committed_folders())
+        return remove_debris(store, self.root, CommitLog(store, self.root).committed_folders())
+
+    def repoint(
+        self,
+        candidate: Callable[[str], bool],
+        order: Callable[[str], int],
+        body: Callable[[str], dict[str, Any]],
+        noun: str = "checkpoint",
+    ) -> tuple[str, dict[str, list[str]], bool]:
+        """An operator's repair (``recover-pointer``), run while no job writes here: every
+        commit record no reader can use is moved out of the log (kept, see
+        :meth:`~areal_ckpt.storage.commits.CommitLog.set_aside`); when the newest commit then
+        names a checkpoint that is missing or fails its manifest, the newest present one
+        (``candidate`` names, highest ``order`` first) whose every object verifies is committed
+        again with a new record (``body``). Returns that checkpoint, the ones skipped with their
+        problems, and whether a record was written; CheckpointError naming them all (each a
+        ``noun``) when none verifies. Blocking; never deletes a checkpoint."""
+        store, log = store_of(self.root), CommitLog(store_of(self.root), self.root)
+        skipped: dict[str, list[str]] = {}
+        for sequence in log.sequences():  # a record no reader can use would stop every later load and tidy
+            try:
+                log.read(sequence)
+            except CheckpointError as error:
+                skipped[f"commit {sequence}"] = [str(error), f"moved out of the log to {log.set_aside(sequence)}"]
+        newest = log.newest()
+        if newest is not None:
+            problems = check_remote_folder(store, self.root.child(newest.folder), self.manifest)
+            if not problems:
+                return newest.folder, skipped, False
+            skipped[newest.folder] = problems
+        base = self.root.key() + "/"
+        present = {item.key[len(base) :].split("/", 1)[0] for item in store.list_prefix(base)}
+        for name in sorted((n for n in present if candidate(n) and n not in skipped), key=order, reverse=True):
+            problems = check_remote_folder(store, self.root.child(name), self.manifest)
+            if problems:
+                skipped[name] = problems
+                continue
+            log.append({**body(name), "folder": name})
+            return name, skipped, True
+        raise CheckpointError(
+            f"{self.root}: no intact {noun} to point at"
+            + "".join(f"; {name}: {'; '.join(problems)}" for name, problems in skipped.items())
+        )
+
+
+def locations_in(url: ObjectURL, listing: list[ObjectInfo]) -> list[ObjectURL]:
+    """The locations at ``url`` or one level below it (a model's exports, a trial's recovery
+    generations, a save_dir) that hold commit records, found in ``listing`` (every object under
+    ``url``), sorted. Pure."""
+    base = url.key() + "/" if url.key() else ""
+    found: set[str] = set()
+    for item in listing:
+        parts = item.key[len(base) :].split("/")
+        if len(parts) in (2, 3) and parts[-2] == COMMIT_LOG:
+            found.add("/".join(parts[:-2]))
+    return [url.child(name) if name else url for name in sorted(found)]
 
 
 def _committed_of(record: CommitRecord, step_of: Callable[[str], int | None]) -> Committed:
@@ -222,5 +287,10 @@ def _committed_of(record: CommitRecord, step_of: Callable[[str], int | None]) ->
     value = step.get("global_step") if isinstance(step, dict) else step_of(str(record.body.get("name", "")))
     label = record.body.get("tag")
     return Committed(
-        record.folder, value if isinstance(value, int) else -1, record.sequence, label if isinstance(label, str) else ""
+        record.folder,
+        value if isinstance(value, int) else -1,
+        record.sequence,
+        label if isinstance(label, str) else "",
+        record.body,
+        record.modified,
     )

@@ -19,9 +19,9 @@ what this returns.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +30,16 @@ logger = logging.getLogger(__name__)
 class Committed:
     """One committed checkpoint: its name where it is kept (a folder, a prefix), the step it
     was taken at (-1 when unknown), its commit order (0 where names commit once, e.g. a
-    folder) and its label (a DeepSpeed tag; empty when it has none)."""
+    folder), its label (a DeepSpeed tag; empty when it has none), and what its commit recorded
+    (``facts``: an object record's fields; empty for a folder) and when (``when``: unix time,
+    None when unknown). Only name, step, order and label decide anything here."""
 
     name: str
     step: int
     order: int
     label: str = ""
+    facts: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    when: float | None = field(default=None, compare=False)
 
     def key(self) -> tuple[int, int, str]:
         """The order retention sorts by: step, then commit order, then name."""

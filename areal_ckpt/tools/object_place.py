@@ -19,20 +19,20 @@ from typing import Any
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.paths import (
     MANIFEST_NAME,
-    RECOVER_CURRENT,
     RECOVER_MANIFEST,
     RECOVER_STORE,
     generation_step,
     is_generation_name,
     parse_export_leaf,
 )
+from areal_ckpt.persistence.contract import fetch_newest
 from areal_ckpt.persistence.remote import ObjectGenerations
-from areal_ckpt.publish import read_manifest, switch_symlink
+from areal_ckpt.publish import read_manifest
 from areal_ckpt.storage.backends import store_of
-from areal_ckpt.storage.commits import COMMIT_LOG, CommitLog, CommitRecord
-from areal_ckpt.storage.folders import ObjectSource, check_remote_folder, fetch_folder
-from areal_ckpt.storage.object_location import ObjectLocation
+from areal_ckpt.storage.folders import check_remote_folder, fetch_folder
+from areal_ckpt.storage.object_location import ObjectLocation, locations_in
 from areal_ckpt.storage.objects import ObjectInfo
+from areal_ckpt.storage.retention import Committed
 from areal_ckpt.tags.save_dir import SaveDir
 from areal_ckpt.tools.inspection import describe
 from areal_ckpt.tools.place_contract import Repointed
@@ -44,63 +44,53 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RemoteCheckpoint:
     """One committed checkpoint on object storage: ``export``, ``recover`` or ``deepspeed``
-    (a ``save_checkpoint`` tag), the model (or the tag) it holds, its folder's URL, its commit record, its size and when it was committed."""
+    (a ``save_checkpoint`` tag), the model (or the tag) it holds, the location it is committed
+    in and its entry there (name, commit order, what its commit recorded, when), its size."""
 
     kind: str
     name: str
-    url: ObjectURL
-    record: CommitRecord
+    location: ObjectLocation
+    entry: Committed
     bytes: int
-    created_unix: float | None
+
+    @property
+    def url(self) -> ObjectURL:
+        """The checkpoint's prefix."""
+        return self.location.root.child(self.entry.name)
 
     @property
     def manifest_name(self) -> str:
         """Where in its folder the manifest lies."""
-        return RECOVER_MANIFEST if self.kind == "recover" else MANIFEST_NAME
+        return self.location.manifest
 
 
 def committed_under(url: ObjectURL) -> list[RemoteCheckpoint]:
     """The committed checkpoints ``url`` names: a trial's (every model's exports and
     the recovery checkpoint), a model's exports (its prefix), or the one committed folder it
     is. One listing plus one read per commit record. CheckpointError when there is none."""
-    store = store_of(url)
-    base = url.key() + "/" if url.key() else ""
-    listing = store.list_prefix(base)
-    logs: set[str] = set()
-    for item in listing:
-        parts = item.key[len(base) :].split("/")
-        if len(parts) in (2, 3) and parts[-2] == COMMIT_LOG:
-            logs.add("/".join(parts[:-2]))
-    found = [
-        checkpoint
-        for parent in sorted(logs)
-        for checkpoint in _committed_in_log(url.child(parent) if parent else url, listing)
-    ]
+    listing = store_of(url).list_prefix(url.key() + "/" if url.key() else "")
+    found = [checkpoint for root in locations_in(url, listing) for checkpoint in _committed_in(root, listing)]
     if not found and url.key():  # the URL may be one committed folder
         parent, folder = url.parent()
-        found = [c for c in _committed_in_log(parent, listing) if c.record.folder == folder]
+        found = [c for c in _committed_in(parent, listing) if c.entry.name == folder]
     if not found:
         raise CheckpointError(f"{url}: no committed checkpoint there (no commit record under it or naming it)")
     return found
 
 
-def _committed_in_log(parent: ObjectURL, listing: list[ObjectInfo]) -> list[RemoteCheckpoint]:
-    """The checkpoints the commit log of ``parent`` names; sizes and times from ``listing``."""
-    kind = "recover" if parent.key().rsplit("/", 1)[-1] == RECOVER_STORE else "export"
-    model = parent.key().rsplit("/", 1)[-1]
-    store = store_of(parent)
-    log = CommitLog(store, parent)
-    sizes = {item.key: item.size for item in listing}
-    times = {item.key: item.modified for item in listing}
+def _committed_in(root: ObjectURL, listing: list[ObjectInfo]) -> list[RemoteCheckpoint]:
+    """The checkpoints committed in the location ``root``; sizes from ``listing``."""
+    last = root.key().rsplit("/", 1)[-1]
+    kind = "recover" if last == RECOVER_STORE else "export"
+    location = ObjectLocation(root, RECOVER_MANIFEST if kind == "recover" else MANIFEST_NAME)
     found = []
-    for record in log.records():
-        folder = parent.child(record.folder)
-        size = sum(s for key, s in sizes.items() if key.startswith(folder.key() + "/"))
-        when = times.get(parent.key(COMMIT_LOG, f"{record.sequence:012d}.json"))
-        if kind == "export" and isinstance(record.body.get("tag"), str):
-            found.append(RemoteCheckpoint("deepspeed", record.body["tag"], folder, record, size, when))
+    for entry in location.committed():
+        base = root.child(entry.name).key() + "/"
+        size = sum(item.size for item in listing if item.key.startswith(base))
+        if kind == "export" and entry.label:
+            found.append(RemoteCheckpoint("deepspeed", entry.label, location, entry, size))
         else:
-            found.append(RemoteCheckpoint(kind, "" if kind == "recover" else model, folder, record, size, when))
+            found.append(RemoteCheckpoint(kind, "" if kind == "recover" else last, location, entry, size))
     return found
 
 
@@ -124,14 +114,14 @@ def list_remote(url: ObjectURL) -> list[dict[str, Any]]:
             "kind": checkpoint.kind,
             "name": checkpoint.name,
             "bytes": checkpoint.bytes,
-            "created_unix": checkpoint.created_unix,
+            "created_unix": checkpoint.entry.when,
             "path": str(checkpoint.url),
         }
         if checkpoint.kind == "deepspeed":
             step: Any = {}
         elif checkpoint.kind == "export":
-            step = checkpoint.record.body.get("step") or {}
-            if not step and (leaf := parse_export_leaf(checkpoint.record.folder.split(".")[0])) is not None:
+            step = checkpoint.entry.facts.get("step") or {}
+            if not step and (leaf := parse_export_leaf(checkpoint.entry.name.split(".")[0])) is not None:
                 step = dict(zip(("epoch", "epoch_step", "global_step"), leaf, strict=True))
         else:
             manifest = _remote_json(checkpoint.url, RECOVER_MANIFEST)
@@ -168,20 +158,20 @@ def fetch_checkpoint(url: ObjectURL, scratch: Path) -> tuple[Path, str]:
     found = committed_under(url)
     recoveries = [c for c in found if c.kind == "recover"]
     if recoveries:
-        checkpoint = max(recoveries, key=lambda c: c.record.sequence)
-        store_root = scratch / RECOVER_STORE
-        fetch_folder(ObjectSource(checkpoint.url), store_root / checkpoint.record.folder, RECOVER_MANIFEST)
-        switch_symlink(store_root / RECOVER_CURRENT, checkpoint.record.folder)
-        return scratch, str(checkpoint.url)
+        trial = max(recoveries, key=lambda c: c.entry.order).location.root.parent()[0]
+        generation = fetch_newest(ObjectGenerations(trial), scratch / RECOVER_STORE)
+        if generation is None:  # its record was removed since the listing
+            raise CheckpointError(f"{trial}: no committed recovery checkpoint there any more")
+        return scratch, ObjectGenerations(trial).where(generation)
     tags = [c for c in found if c.kind == "deepspeed"]
     if tags:
-        found = [c for c in tags if c.record.body.get("latest")] or tags
+        found = [c for c in tags if c.entry.facts.get("latest")] or tags
     names = {c.name for c in found if c.kind == "export"}
     if len(names) > 1:
         raise CheckpointError(f"{url}: holds exports of models {sorted(names)}; name one: {url}/NAME")
-    checkpoint = max(found, key=lambda c: c.record.sequence)
-    folder = scratch / checkpoint.url.key().rsplit("/", 1)[-1]
-    fetch_folder(ObjectSource(checkpoint.url), folder, MANIFEST_NAME)
+    checkpoint = max(found, key=lambda c: c.entry.order)
+    folder = scratch / checkpoint.entry.name
+    fetch_folder(checkpoint.location.files_of(checkpoint.entry.name), folder, MANIFEST_NAME)
     return folder, str(checkpoint.url)
 
 
@@ -223,36 +213,16 @@ def repoint_remote(trial: ObjectURL) -> tuple[str, dict[str, list[str]], bool]:
     """``recover-pointer`` on object storage: when the newest commit record of the trial
     ``trial`` names a recovery generation that is missing or damaged, commit (a new record,
     create-only) the newest generation under ``.recover/`` whose every object matches its
-    manifest. Returns the generation, the generations skipped with their problems, and
-    whether a record was written. Run it while no job writes the trial. Blocking."""
+    manifest (:meth:`~areal_ckpt.storage.object_location.ObjectLocation.repoint`). Returns the
+    generation, the generations skipped with their problems, and whether a record was written.
+    Run it while no job writes the trial. Blocking."""
     generations = ObjectGenerations(trial)
     generations.check_access()
-    store, root = store_of(generations.root), generations.root
-    skipped: dict[str, list[str]] = {}
-    log = generations.log
-    for sequence in log.sequences():  # a record no reader can use would stop every later load and tidy
-        try:
-            log.read(sequence)
-        except CheckpointError as error:
-            skipped[f"commit {sequence}"] = [str(error), f"moved out of the log to {log.set_aside(sequence)}"]
-    newest = generations.newest_record()
-    if newest is not None:
-        problems = check_remote_folder(store, root.child(newest.folder), RECOVER_MANIFEST)
-        if not problems:
-            return newest.folder, skipped, False
-        skipped[newest.folder] = problems
-    base = root.key() + "/"
-    present = {item.key[len(base) :].split("/", 1)[0] for item in store.list_prefix(base)}
-    for name in sorted((n for n in present if is_generation_name(n) and n not in skipped), key=generation_step)[::-1]:
-        problems = check_remote_folder(store, root.child(name), RECOVER_MANIFEST)
-        if problems:
-            skipped[name] = problems
-            continue
-        generations.log.append({"folder": name, "run": "recover-pointer", "global_step": generation_step(name)})
-        return name, skipped, True
-    raise CheckpointError(
-        f"{root}: no intact recovery generation to point at"
-        + "".join(f"; {name}: {'; '.join(problems)}" for name, problems in skipped.items())
+    return generations.location.repoint(
+        is_generation_name,
+        generation_step,
+        lambda name: {"run": "recover-pointer", "global_step": generation_step(name)},
+        "recovery generation",
     )
 
 
@@ -289,7 +259,7 @@ class ObjectPlace:
             recoveries = [c for c in committed_under(self.url) if c.kind == "recover"]
         except CheckpointError:
             return None
-        return max(recoveries, key=lambda c: c.record.sequence).record.folder if recoveries else None
+        return max(recoveries, key=lambda c: c.entry.order).entry.name if recoveries else None
 
     def readable_tag(self, tag: str | None, scratch: Path) -> tuple[Path, str | None]:
         """A checked copy of the tag in ``scratch`` (:func:`fetch_tag_into`), and its folder's name."""
