@@ -12,7 +12,7 @@ from areal_ckpt.formats.dcp_metadata import METADATA_JSON
 from areal_ckpt.generations.foreign import refuse_foreign_layout
 from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.paths import RECOVER_INFO, RECOVER_MANIFEST, STEP_FILE, check_model_name, generation_step
-from areal_ckpt.publish import check_files, read_manifest, switch_symlink
+from areal_ckpt.publish import check_files, read_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def repoint_newest_verified(store: RecoverStore) -> tuple[str, dict[str, list[st
                 generation_step(name),
                 name,
             )
-        switch_symlink(store.pointer, name)
+        store.location.point(name)
         store.ensure_links(manifest["models"])
         return name, skipped
     raise CheckpointError(f"{store.root}: no recovery generation verifies: {skipped or 'there is none'}")

@@ -42,8 +42,10 @@ from areal_ckpt.paths import (
     recover_pointer,
     recover_store,
 )
-from areal_ckpt.publish import check_files, hide_folder, read_manifest, switch_symlink, write_manifest
+from areal_ckpt.publish import check_files, read_manifest, write_manifest
+from areal_ckpt.storage.folder_location import FolderLocation
 from areal_ckpt.storage.mirrors import Identity, claim_tier
+from areal_ckpt.storage.pointers import PointerLink
 from areal_ckpt.storage.retention import Committed, KeepNewest, doomed_by
 
 logger = logging.getLogger(__name__)
@@ -67,6 +69,9 @@ class RecoverStore:
         self.trial = trial
         self.root = recover_store(trial)
         self.pointer = recover_pointer(trial)
+        #: The store as a folder location: generations written in place, committed by switching
+        #: ``current`` (a link), superseded ones hidden as ``.trash-{name}`` while deleted.
+        self.location = FolderLocation(self.root, PointerLink(RECOVER_CURRENT), RECOVER_TRASH_PREFIX)
         #: True when this store holds every data file of its previous generation on every node,
         #: so an unchanged part can be hard-linked from it: a plain local trial. A staging copy
         #: holds none (they go to the bucket from memory), a node's local tier only its own
@@ -97,9 +102,8 @@ class RecoverStore:
         Read-only.
         """
         self.check_root()
-        if not self.pointer.is_symlink():
-            if self.pointer.exists():
-                raise CheckpointError(f"{self.pointer}: expected a symlink to a generation, found a regular entry")
+        target = PointerLink(RECOVER_CURRENT).read(self.root)
+        if target is None:
             complete = [name for name in self.complete_generations() if not self.is_pending(name)]
             if complete:
                 raise CheckpointError(
@@ -108,7 +112,6 @@ class RecoverStore:
                     "point it at the newest one whose files all verify"
                 )
             return None
-        target = os.readlink(self.pointer)
         if not is_generation_name(target):
             raise CheckpointError(f"{self.pointer}: points to {target!r}, which is not a generation of this store")
         if not (self.root / target).is_dir() or (self.root / target).is_symlink():
@@ -249,7 +252,7 @@ class RecoverStore:
             fsync_dir(self.root)
         write_manifest(self.path(generation), RECOVER_MANIFEST, records, header)
         fsync_dir(self.root)  # the generation's own entry, before anything points to it
-        switch_symlink(self.pointer, generation)
+        self.location.point(generation)
         if first:
             marker.unlink(missing_ok=True)
             fsync_dir(self.root)
@@ -259,21 +262,18 @@ class RecoverStore:
         except (OSError, CheckpointError) as error:
             logger.warning("%s: committed %s, but its fixed links were not placed: %s", self.root, generation, error)
         try:
-            hidden = []
-            for name in self._superseded(keep=generation, protected=protected):
-                hide_folder(self.path(name), self.root / f"{RECOVER_TRASH_PREFIX}{name}")
-                hidden.append(f"{RECOVER_TRASH_PREFIX}{name}")
-            return hidden
+            superseded = self._superseded(keep=generation, protected=protected)
         except OSError as error:
             logger.warning("%s: committed %s, but tidying up failed: %s", self.root, generation, error)
             return []
+        return [trash.name for trash in self.location.remove([Committed(name, -1, 0) for name in superseded])]
 
     def ensure_links(self, models: list[str]) -> None:
         """Point ``recover_info`` and each model's ``recover_checkpoint`` at the committed
         generation, replacing an older link atomically. Never through a link: a model folder
         that is a link (the user's, e.g. exports on another disk) gets no ``recover_checkpoint``
         link, with a warning (once per process) naming where the checkpoint is; never over anything but a link
-        (CheckpointError, from :func:`switch_symlink`). Local; durable on return."""
+        (CheckpointError, from :class:`~areal_ckpt.storage.pointers.PointerLink`). Local; durable on return."""
         wanted = {recover_info_link(self.trial): f"{RECOVER_STORE}/{RECOVER_CURRENT}/{RECOVER_INFO}"}
         for model in models:
             wanted[recover_checkpoint_link(self.trial, model)] = f"../{RECOVER_STORE}/{RECOVER_CURRENT}/{model}"
@@ -294,7 +294,7 @@ class RecoverStore:
                 )
                 continue
             make_dirs(link.parent)
-            switch_symlink(link, target)
+            PointerLink(link.name).point(link.parent, target)
 
     def _superseded(self, keep: str | None, protected: tuple[str, ...] = ()) -> list[str]:
         """Generations other than ``keep`` and ``protected`` that are incomplete, or that the
@@ -329,8 +329,7 @@ class RecoverStore:
         if not self.root.is_dir() or self.root.is_symlink():
             return []
         removed = self._superseded(keep)
-        for name in removed:
-            hide_folder(self.path(name), self.root / f"{RECOVER_TRASH_PREFIX}{name}")
+        self.location.remove([Committed(name, -1, 0) for name in removed])
         for entry in self.root.iterdir():
             if entry.name.startswith(f".{RECOVER_CURRENT}.") and entry.is_symlink():
                 entry.unlink()

@@ -16,7 +16,9 @@ from pathlib import Path
 
 from areal_ckpt.formats.dcp_storage import data_file_of
 from areal_ckpt.paths import RECOVER_INFO, RECOVER_TRASH_PREFIX, rank_state_file
-from areal_ckpt.publish import TrashCollector, hide_folder
+from areal_ckpt.publish import TrashCollector
+from areal_ckpt.storage.folder_location import FolderLocation
+from areal_ckpt.storage.retention import Committed
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +53,7 @@ def drop_later(root: Path, generations: list[str]) -> None:
     there on this process's deletion thread: for a local tier that no commit of its own tidies
     (another node's, in a tiered trial), by one rank of that node. Never through a link; a
     generation that cannot be hidden is logged and left for a later call."""
-    for name in generations:
-        try:
-            hide_folder(root / name, root / f"{RECOVER_TRASH_PREFIX}{name}")
-        except OSError as error:
-            logger.warning("could not delete %s: %s (it is removed later)", root / name, error)
+    FolderLocation(root, trash_prefix=RECOVER_TRASH_PREFIX).remove([Committed(name, -1, 0) for name in generations])
     sweep_trash_later(root)
 
 

@@ -14,7 +14,6 @@ trial folder on a shared file system: fsync, then the ``current`` link switch). 
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -26,9 +25,10 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.range_read import PeerFiles
 from areal_ckpt.fsio import FileWriter
 from areal_ckpt.paths import RECOVER_CURRENT, RECOVER_MANIFEST
-from areal_ckpt.publish import switch_symlink
+from areal_ckpt.storage.folder_location import FolderLocation
 from areal_ckpt.storage.folders import FileSource, fetch_shared
 from areal_ckpt.storage.mirrors import Identity
+from areal_ckpt.storage.pointers import PointerLink
 
 logger = logging.getLogger(__name__)
 
@@ -156,9 +156,7 @@ def fetch_newest(
     generation, token = decided
 
     def point_current(folder: Path) -> None:
-        pointer = store_root / RECOVER_CURRENT
-        if not pointer.is_symlink() or os.readlink(pointer) != generation:
-            switch_symlink(pointer, generation)
+        FolderLocation(store_root, PointerLink(RECOVER_CURRENT)).point(generation)
 
     def fetch() -> None:
         fetch_shared(

@@ -1,6 +1,7 @@
 """A :class:`~areal_ckpt.storage.location.Location` in a folder of a POSIX file system (local
 disk, NFS, Lustre): a checkpoint is committed by one rename of its fsync'd staging folder, and a
-pointing commit then renames the pointer file (DeepSpeed's ``latest``) over."""
+pointing commit then switches the location's pointer (:mod:`areal_ckpt.storage.pointers`: a file
+renamed over, DeepSpeed's ``latest``; or a link switched, the recovery store's ``current``)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from typing import Any, ClassVar
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import FileWriter, fsync_dir, make_dirs, write_file_durably
-from areal_ckpt.paths import EXPORT_STAGING_PREFIX, export_trash
+from areal_ckpt.paths import EXPORT_STAGING_PREFIX, EXPORT_TRASH_PREFIX
 from areal_ckpt.publish import hide_folder, publish
 from areal_ckpt.storage.folders import FileSource, FolderSource, Opened
+from areal_ckpt.storage.pointers import Pointer
 from areal_ckpt.storage.retention import Committed
 
 logger = logging.getLogger(__name__)
@@ -31,12 +33,13 @@ def _checked_name(name: str, where: str) -> str:
 
 @dataclass(frozen=True)
 class FolderLocation:
-    """Checkpoint folders under ``root`` on a POSIX file system. ``pointer``: the file a
-    pointing commit renames over (DeepSpeed's ``latest``: the checkpoint's name and a newline);
-    None when this location has no pointer."""
+    """Checkpoint folders under ``root`` on a POSIX file system. ``pointer``: what a pointing
+    commit switches (None when this location has none); ``trash_prefix``: what a removed
+    folder's name is prefixed with while it is deleted."""
 
     root: Path
-    pointer: str | None = None
+    pointer: Pointer | None = None
+    trash_prefix: str = EXPORT_TRASH_PREFIX
     shared_staging: ClassVar[bool] = True
 
     def where(self, name: str | None = None) -> str:
@@ -85,10 +88,18 @@ class FolderLocation:
         """One rename of ``staging`` to ``{root}/{reserved}`` (fsync'd; an older folder of that
         name goes to the trash), then (``point``) the pointer file renamed over."""
         final = self.root / reserved
-        publish(staging, final, export_trash(final))
-        if point and self.pointer is not None:
-            self._replace(self.pointer, f"{reserved}\n".encode())
+        publish(staging, final, self.root / f"{self.trash_prefix}{reserved}")
+        if point:
+            self.point(reserved)
         return 0
+
+    def point(self, name: str) -> None:
+        """Make the pointer name the checkpoint ``name`` (already whole and durable here: a
+        commit's, a repair's, a copy assembled from committed files); atomic and durable.
+        CheckpointError when this location has no pointer."""
+        if self.pointer is None:
+            raise CheckpointError(f"{self.root}: has no pointer to switch")
+        self.pointer.point(self.root, name)
 
     def discard(self, reserved: str) -> None:
         """Nothing was written outside the staging folder."""
@@ -113,12 +124,15 @@ class FolderLocation:
         return label if folder.is_dir() else None
 
     def pointed(self) -> str | None:
-        """The name the pointer file holds; None without one. CheckpointError naming it when
-        that is no folder here."""
-        if self.pointer is None or not (self.root / self.pointer).is_file():
+        """The name the pointer holds; None without one. CheckpointError naming it when that
+        is no folder here."""
+        if self.pointer is None:
             return None
-        path = self.root / self.pointer
-        name = _checked_name(path.read_text(errors="replace").strip(), str(path))
+        found = self.pointer.read(self.root)
+        if found is None:
+            return None
+        path = self.root / self.pointer.name
+        name = _checked_name(found, str(path))
         if not (self.root / name).is_dir():
             raise CheckpointError(f"{path}: names {name!r}, but {self.root / name} does not exist")
         return name
@@ -135,13 +149,10 @@ class FolderLocation:
         """A complete new file renamed over ``{root}/{name}``; durable."""
         target = self.root / name
         if not (target.is_file() and not target.is_symlink() and target.read_bytes() == data):
-            self._replace(name, data)
-
-    def _replace(self, name: str, data: bytes) -> None:
-        temporary = self.root / f".{name}.{os.getpid()}"
-        write_file_durably(temporary, data)
-        os.replace(temporary, self.root / name)
-        fsync_dir(self.root)
+            temporary = self.root / f".{name}.{os.getpid()}"
+            write_file_durably(temporary, data)
+            os.replace(temporary, target)
+            fsync_dir(self.root)
 
     def remove(self, doomed: list[Committed]) -> list[Path]:
         """Each folder renamed to its trash name (vanishes at once); returns the trash folders.
@@ -151,10 +162,10 @@ class FolderLocation:
             return []
         hidden = []
         for entry in doomed:
-            path = self.root / entry.name
+            path, trash = self.root / entry.name, self.root / f"{self.trash_prefix}{entry.name}"
             try:
-                hide_folder(path, export_trash(path))
-                hidden.append(export_trash(path))
+                hide_folder(path, trash)
+                hidden.append(trash)
             except OSError as error:
                 logger.warning("retention: could not remove %s: %s", path, error)
         return hidden

@@ -39,6 +39,7 @@ from areal_ckpt.fsio import FileWriter
 from areal_ckpt.storage.folder_location import FolderLocation
 from areal_ckpt.storage.folders import FileSource, Opened
 from areal_ckpt.storage.object_location import ObjectLocation
+from areal_ckpt.storage.pointers import PointerFile
 from areal_ckpt.storage.retention import Committed, RetentionPolicy, doomed_by
 from areal_ckpt.urls import locate
 
@@ -148,11 +149,14 @@ class Location(Protocol):
 
 def location_of(value: str | os.PathLike[str], what: str, pointer: str | None = None) -> Location:
     """``value`` as a location: a prefix on the object store its URL names, or a folder
-    (``pointer`` as in :class:`FolderLocation`; an object prefix's pointer is its records').
+    (``pointer``: the name of its pointer file, DeepSpeed's ``latest``; an object prefix's
+    pointer is its records').
     The one place a location's kind is decided; ConfigError naming ``what`` for a malformed
     URL or an unsupported scheme. Pure: contacts nothing."""
     where = locate(value, what)
-    return FolderLocation(where, pointer) if isinstance(where, Path) else ObjectLocation(where)
+    if isinstance(where, Path):
+        return FolderLocation(where, None if pointer is None else PointerFile(pointer))
+    return ObjectLocation(where)
 
 
 def retain(

@@ -23,15 +23,14 @@ its commit is never resumed from.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import FileRecord, record_of
 from areal_ckpt.generations.store import RecoverStore
-from areal_ckpt.paths import RECOVER_CURRENT, RECOVER_MANIFEST, generation_step
-from areal_ckpt.publish import read_manifest, switch_symlink
+from areal_ckpt.paths import RECOVER_MANIFEST, generation_step
+from areal_ckpt.publish import read_manifest
 from areal_ckpt.storage.peer_reads import PeerReads
 from areal_ckpt.storage.peers import Transfer, listing_of
 from areal_ckpt.tier.nodes import fill_from_peers, first_ranks, node_members, node_of, receive_copies, spread
@@ -223,10 +222,5 @@ def assemble(
     filled = fill_from_peers(store, generation, every_file, into_load)
     partial = not dist.all_true(not filled.elsewhere)
 
-    def point() -> None:
-        pointer = store.root / RECOVER_CURRENT
-        if not pointer.is_symlink() or os.readlink(pointer) != generation:
-            switch_symlink(pointer, generation)
-
-    agree.decided_by_rank0(point, what)
+    agree.decided_by_rank0(lambda: store.location.point(generation), what)
     return partial, filled.into_load

@@ -25,6 +25,7 @@ from areal_ckpt.generations.store import resolve_recovery
 from areal_ckpt.paths import HF_FILES, LATEST, MANIFEST_NAME, RECOVER_MANIFEST, TAGGED_FORMAT
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.storage.folder_location import FolderLocation
+from areal_ckpt.storage.pointers import PointerFile
 from areal_ckpt.tensors import TensorSpec
 from areal_ckpt.tools.offline_zero_to_fp32 import ConversionError, committed_folder
 
@@ -175,7 +176,7 @@ def tag_folder(ds_dir: Path, tag: str | None) -> Path:
         committed = committed_folder(ds_dir, tag)  # a save_dir copied from object storage
     except ConversionError as error:
         raise CheckpointError(str(error)) from None
-    tag = committed or tag or FolderLocation(ds_dir, pointer=LATEST).pointed()
+    tag = committed or tag or FolderLocation(ds_dir, PointerFile(LATEST)).pointed()
     if tag is None:
         raise CheckpointError(f"{ds_dir}: no 'latest' file; name the checkpoint with --tag")
     folder = ds_dir / tag

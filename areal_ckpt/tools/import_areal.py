@@ -45,7 +45,7 @@ from areal_ckpt.paths import (
     recover_checkpoint_link,
     recover_info_link,
 )
-from areal_ckpt.publish import check_files, read_manifest, switch_symlink, write_manifest
+from areal_ckpt.publish import check_files, read_manifest, write_manifest
 from areal_ckpt.recover.write import dump_header
 from areal_ckpt.state import safe_json
 from areal_ckpt.step import StepInfo
@@ -129,7 +129,7 @@ def import_areal_trial(trial: Path, config_from: Path | None = None, remove_orig
             header = _write(store.path(generation), step_info, files, sources, config_from, world_size)
             write_manifest(store.path(generation), RECOVER_MANIFEST, {}, header)  # checksums every file
             fsync_dir(store.root)
-            switch_symlink(store.pointer, generation)  # the commit
+            store.location.point(generation)  # the commit
         except BaseException:
             store.discard(generation)
             with contextlib.suppress(OSError):
@@ -151,7 +151,7 @@ def _commit_interrupted_import(store: RecoverStore, lost: CheckpointError) -> st
         problems = missing_parts(manifest) or check_files(store.path(name), manifest["files"], manifest["files"])
         if problems:
             raise CheckpointError(f"{store.path(name)}: an interrupted import's generation is damaged: {problems}")
-        switch_symlink(store.pointer, name)
+        store.location.point(name)
         logger.info("%s: committed %s, which an interrupted import had written", store.trial, name)
         return name
     raise lost

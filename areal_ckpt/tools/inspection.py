@@ -26,6 +26,7 @@ from areal_ckpt.paths import (
 )
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.storage.folder_location import FolderLocation
+from areal_ckpt.storage.pointers import PointerFile
 from areal_ckpt.tools.local_tier import describe_tier, held_entries, tier_holdings
 
 _MAX_SAFETENSORS_HEADER = 100 << 20
@@ -68,7 +69,7 @@ def deepspeed_folder(path: Path) -> Path | None:
     """The DeepSpeed checkpoint tag folder ``path`` is or names (through ``latest``), if any:
     ours (``save_checkpoint``) or DeepSpeed's own layout. Read-only."""
     if (path / LATEST).is_file():
-        tag = FolderLocation(path, pointer=LATEST).pointed()
+        tag = FolderLocation(path, PointerFile(LATEST)).pointed()
         return None if tag is None else path / tag
     if (path / MANIFEST_NAME).is_file():
         try:
