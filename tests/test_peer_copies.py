@@ -63,8 +63,7 @@ def _lose_disk(store: RecoverStore, rank: int) -> None:
 
 
 def _assemblies(store: RecoverStore) -> list[peer_copies.Assembly]:
-    committed = store.committed() if dist.rank() == 0 else None
-    held = dist.all_gather_objects(peer_copies.holdings_of(store, committed, on_rank0_node=dist.rank() == 0))
+    held = dist.all_gather_objects(peer_copies.holdings_of(store))
     return peer_copies.assemblies(dict(enumerate(held)))
 
 
@@ -489,3 +488,87 @@ def _shares_case(rank: int, world_size: int, root: str) -> None:
 @pytest.mark.dist
 def test_a_generation_the_nodes_hold_in_parts_is_uploaded_by_the_nodes_that_hold_each_file(tmp_path):
     run_distributed(_shares_case, 2, str(tmp_path))
+
+
+def _swap_nodes(local: Path) -> None:
+    """The attacker's move: the restarted job's ranks land on each other's nodes (rank 0 now runs
+    where rank 1's local tier is, and the other way round)."""
+    (local / "node0").rename(local / "moving")
+    (local / "node1").rename(local / "node0")
+    (local / "moving").rename(local / "node1")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("move", ["rank 0 lands on the node that holds the copies", "a flipped byte in rank 0's file"])
+def test_peer_copies_hold_on_any_placement_and_a_damaged_file_comes_from_an_intact_copy(
+    reference_run_fsdp2, tmp_path, move
+):
+    # rank 0 on the copies' node was refused ("commit record is missing"); a flipped byte in rank
+    # 0's own data file blocked every restart although the other node held an intact copy of it
+    root, out, local = tmp_path / "shared", tmp_path / "out", tmp_path / "local"
+    tiered = ["--local-dir", str(local), "--local-replicas", "1", "--upload-every", "1000"]
+    killed = [*tiered, "--wait-before-kill", "--kill-at", "3"]  # step 3 committed, its copies made
+    assert run_job(root, out, world_size=2, wrap="fsdp2", extra=killed) == [-9, -9]
+    assert _shared_step(root) is None  # the nodes hold it alone
+    if move.startswith("rank 0 lands"):
+        _swap_nodes(local)
+    else:
+        (own,) = (local / "node0").rglob("gen-00000003-*/default/__0_0.distcp")
+        data = bytearray(own.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        own.write_bytes(bytes(data))
+    run_job(root, out, world_size=2, wrap="fsdp2", extra=tiered)
+    assert_same_run(reference_run_fsdp2, out, world_size=2)
+    for rank in range(2):  # resumed after step 3: nothing ran twice
+        assert all(len(values) == 1 for values in losses(out, rank).values()), losses(out, rank)
+
+
+def _interrupted_then_moved_case(rank: int, world_size: int, root: str) -> None:
+    from areal_ckpt.persistence.shared_folder import FolderGenerations
+    from areal_ckpt.tier.resume import choose_tier
+
+    behind = FolderGenerations(Path(root) / "shared" / "trial")
+    here, there = (RecoverStore(Path(root) / f"node{node}" / "trial") for node in (rank, 1 - rank))
+    early = _dump(there, 1, world_size)  # an earlier run had rank 0 on node 1: its own commit there
+    peer_copies.replicate(there, early, copies=1)
+    committed = _dump(here, 3, world_size)  # then on node 0
+    peer_copies.replicate(here, committed, copies=1)
+    interrupted = generation_name(5, "feedbeef")  # step 5's files and manifest written, killed before the switch
+    for name, data in _contents(rank, 5).items():
+        (here.path(interrupted) / name).parent.mkdir(parents=True, exist_ok=True)
+        (here.path(interrupted) / name).write_bytes(data)
+    if rank == 0:
+        records = {name: FileRecord(len(data), crc32(data)) for name, data in _everything(world_size, 5).items()}
+        write_manifest(here.path(interrupted), RECOVER_MANIFEST, records, {"step": {"global_step": 5}})
+    dist.barrier()
+    choice = choose_tier(there, behind)  # the restart: rank 0 on node 1 again
+    assert (choice.local, choice.generation) == (True, committed), choice  # never the one no switch committed
+
+
+@pytest.mark.dist
+def test_a_generation_never_committed_is_never_resumed_wherever_rank_0_lands(tmp_path):
+    # once rank 0 moved to the other node, its old node's manifest of an interrupted dump counted
+    run_distributed(_interrupted_then_moved_case, 2, str(tmp_path))
+
+
+def test_a_newer_commit_the_local_tier_cannot_resume_is_named_in_a_warning(tmp_path, caplog):
+    # one file of the newest commit replaced by a link: the restart resumed the older one without a word
+    from areal_ckpt.persistence.shared_folder import FolderGenerations
+    from areal_ckpt.tier.resume import choose_tier
+
+    store = RecoverStore(tmp_path / "node0" / "trial")
+    older = generation_name(3, "feedbeef")
+    for step, generation in ((3, older), (5, generation_name(5, "feedbeef"))):
+        for name, data in _contents(0, step).items():
+            (store.path(generation) / name).parent.mkdir(parents=True, exist_ok=True)
+            (store.path(generation) / name).write_bytes(data)
+        records = {name: FileRecord(len(data), crc32(data)) for name, data in _contents(0, step).items()}
+        store.commit(generation, records, {"step": {"global_step": step}}, ["default"], protected=(older,))
+    newest = store.path(generation_name(5, "feedbeef")) / "default/__0_0.distcp"
+    newest.unlink()
+    newest.symlink_to(tmp_path / "elsewhere.distcp")
+    with caplog.at_level(logging.WARNING, logger="areal_ckpt.tier.resume"):
+        choice = choose_tier(store, FolderGenerations(tmp_path / "shared" / "trial"))
+    assert (choice.local, choice.generation) == (True, older)
+    (warned,) = [record.getMessage() for record in caplog.records if "is newer than" in record.getMessage()]
+    assert "gen-00000005-feedbeef" in warned and "default/__0_0.distcp" in warned and older in warned

@@ -23,17 +23,26 @@ its commit is never resumed from.
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass
 
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import FileRecord, record_of
 from areal_ckpt.generations.store import RecoverStore
-from areal_ckpt.paths import RECOVER_MANIFEST, generation_step
-from areal_ckpt.publish import read_manifest
+from areal_ckpt.paths import RECOVER_MANIFEST, generation_step, is_generation_name
+from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.storage.peer_reads import PeerReads
 from areal_ckpt.storage.peers import Transfer, listing_of
-from areal_ckpt.tier.nodes import fill_from_peers, first_ranks, node_members, node_of, receive_copies, spread
+from areal_ckpt.tier.nodes import (
+    copies_of,
+    fill_from_peers,
+    first_ranks,
+    node_members,
+    node_of,
+    receive_copies,
+    spread,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -129,19 +138,21 @@ class Holding:
     listing: dict[str, int]
 
 
-def holdings_of(store: RecoverStore, committed: str | None, on_rank0_node: bool) -> dict[str, Holding]:
-    """This node's holdings, by generation. On rank 0's node the manifests of the ``committed``
-    generation and of older ones count (kept for uploads or copies; a dump interrupted before
-    its switch is removed before a newer commit passes it), a newer one does not (it may be
-    such a dump); on other nodes every manifest is a copy made after a commit. A manifest that
-    does not read (damaged) counts as absent. Local, read-only."""
+def holdings_of(store: RecoverStore) -> dict[str, Holding]:
+    """This node's holdings, by generation. A manifest counts only where a commit made it
+    count, whichever node rank 0 runs on now: a copy another node sent (copies are made after
+    a commit; :func:`~areal_ckpt.tier.nodes.copies_of`), or this tier's own manifest of the
+    generation its own ``current`` names or of an older one (kept for uploads or copies); its
+    own manifest of a newer generation does not (a dump interrupted before its switch). A
+    manifest that does not read (damaged) counts as absent. Local, read-only."""
     held: dict[str, Holding] = {}
+    committed = own_committed(store)
     newest = None if committed is None else generation_step(committed)
     for generation in store.generations():
         folder = store.path(generation)
         files: dict[str, tuple[int, int]] | None = None
-        counts = newest is not None and (generation == committed or generation_step(generation) < newest)
-        if not on_rank0_node or counts:
+        own = newest is not None and (generation == committed or generation_step(generation) < newest)
+        if own or RECOVER_MANIFEST in copies_of(store, generation):
             try:
                 listed = read_manifest(folder, RECOVER_MANIFEST)["files"]
                 files = {name: (entry["size"], entry["crc32"]) for name, entry in listed.items()}
@@ -150,6 +161,22 @@ def holdings_of(store: RecoverStore, committed: str | None, on_rank0_node: bool)
                     logger.warning("%s: not used to resume: %s", folder / RECOVER_MANIFEST, error)
         held[generation] = Holding(files, listing_of(folder))
     return held
+
+
+def own_committed(store: RecoverStore) -> str | None:
+    """The generation this tier's own ``current`` names (None without one, or when it is
+    broken: then logged, and none of this tier's own manifests counts). Local, read-only."""
+    try:
+        target = store.location.pointer.read(store.root) if store.location.pointer is not None else None
+    except CheckpointError as error:
+        logger.warning("%s: its own recovery generations are not used to resume: %s", store.root, error)
+        return None
+    if target is not None and not is_generation_name(target):
+        logger.warning(
+            "%s: its own recovery generations are not used to resume: %s names %r", store.root, store.pointer, target
+        )
+        return None
+    return target
 
 
 @dataclass(frozen=True)
@@ -187,6 +214,39 @@ def assemblies(held: dict[int, dict[str, Holding]]) -> list[Assembly]:
             ]
             found[generation] = Assembly(generation, rank, missing)
     return sorted(found.values(), key=lambda entry: (generation_step(entry.generation), entry.generation), reverse=True)
+
+
+#: Beside a file of a local tier's generation that failed its check: ``{name}{DAMAGED}{token}``,
+#: kept for a look (removed with its generation), never read again.
+DAMAGED = ".damaged-"
+
+
+def set_aside_damaged(store: RecoverStore, generation: str) -> int:
+    """Collective, after a load of ``generation`` from the local tiers failed: the lowest rank
+    of each node checks every file its tier holds of it against the manifest (size and CRC-32,
+    all read; a link or other entry in a file's place fails too) and renames each that fails
+    to ``{name}.damaged-{token}``, so the next assembly brings it from a node whose copy is
+    intact. Returns how many files every node set aside together (the same on every rank).
+    Blocking."""
+    folder = store.path(generation)
+    what = f"{folder}: checking the local tiers' files"
+    files = agree.decided_by_rank0(lambda: read_manifest(folder, RECOVER_MANIFEST)["files"], what)
+    leaders = node_leaders(store)
+
+    def own() -> int:
+        if dist.rank() not in leaders:
+            return 0
+        token, moved = secrets.token_hex(4), 0
+        for name in sorted(files):
+            path = folder / name
+            if (path.exists() or path.is_symlink()) and check_files(folder, files, [name]):
+                logger.warning("%s fails its check; set aside, to be brought from another node's copy", path)
+                path.rename(path.with_name(f"{path.name}{DAMAGED}{token}"))
+                moved += 1
+        return moved
+
+    counts = agree.gathered_then_decided(own, lambda every: every, what)
+    return sum(counts)
 
 
 def assemble(

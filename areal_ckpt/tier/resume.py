@@ -38,7 +38,15 @@ from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.paths import generation_step
 from areal_ckpt.persistence.contract import PersistentGenerations, ReadFrom, restore_newest
 from areal_ckpt.storage.peer_reads import PeerReads
-from areal_ckpt.tier.peer_copies import Assembly, Holding, assemble, assemblies, holdings_of, node_leaders
+from areal_ckpt.tier.peer_copies import (
+    Assembly,
+    Holding,
+    assemble,
+    assemblies,
+    holdings_of,
+    node_leaders,
+    set_aside_damaged,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,15 +84,14 @@ def choose_tier(store: RecoverStore, behind: PersistentGenerations, unanswered: 
     def own_local() -> dict[str, Holding] | None:
         if dist.rank() not in leaders:
             return None
-        committed = None
         if dist.rank() == 0:
             try:  # its debris stays until the load: an older generation may be the one to assemble
                 refuse_foreign_layout(store.trial)
-                committed = store.committed()
+                store.check_root()
             except CheckpointError as error:  # the bucket may still hold everything: not a reason to stop
                 logger.warning("the local tier cannot be used (%s); looking at %s", error, behind.where())
                 return {}
-        return holdings_of(store, committed, on_rank0_node=dist.rank() == 0)
+        return holdings_of(store)
 
     return agree.gathered_then_decided(
         own_local,
@@ -112,8 +119,9 @@ def restore_from_tiers(
     every rank loads that one instead, with a warning naming the failure. Collective; returns
     what ``restore`` returned and the choice it followed."""
     choice = choose_tier(store, behind, unanswered)
-    if not choice.local:
+    if not choice.local or choice.generation is None:
         return restore_newest(behind, restore), choice
+    generation = choice.generation
     failure: CheckpointError | None = None
     restored: T | None = None
     partial = False
@@ -121,8 +129,7 @@ def restore_from_tiers(
         failure = None
         peers: PeerReads | None = None
         try:
-            assert choice.generation is not None
-            partial, peers = assemble(store, choice.generation, choice.manifest_from, every_file, not every_file)
+            partial, peers = assemble(store, generation, choice.manifest_from, every_file, not every_file)
             restored = restore(ReadFrom(assembled=True, peers=peers))
         except CheckpointError as error:
             failure = error
@@ -133,15 +140,22 @@ def restore_from_tiers(
             failure = failure or error
         if dist.all_true(failure is None):
             return restored, dataclasses.replace(choice, partial=partial)
-        if not partial:
+        if every_file:
             break
-        if not every_file:
-            logger.warning(
-                "the local tiers' %s did not load with the files each node's ranks read (%s): every node "
-                "receives every file it lacks, and it is loaded again",
-                choice.generation,
-                failure or "on another rank",
-            )
+        try:
+            damaged = set_aside_damaged(store, generation)
+        except CheckpointError as error:  # no manifest to check against: the persistent tier is next
+            logger.warning("%s: the local tiers' files were not checked: %s", store.path(generation), error)
+            damaged = 0
+        if not partial and not damaged:
+            break
+        logger.warning(
+            "the local tiers' %s did not load with the files each node's ranks read (%s)%s: every node receives "
+            "every file it lacks, and it is loaded again",
+            choice.generation,
+            failure or "on another rank",
+            f"; {damaged} file(s) that failed their check set aside" if damaged else "",
+        )
     if choice.remote_newest is None:
         raise failure or CheckpointError(f"{store.root}: another rank could not load the local tier")
     logger.warning(
@@ -180,6 +194,7 @@ def _decide(
             "it answers"
         ) from None
     if whole is not None and (newest is None or generation_step(whole.generation) >= generation_step(newest)):
+        _warn_of_skipped(store, found, whole, held)
         return TierChoice(True, newest, True, whole.generation, whole.manifest_from)
     orphans = sorted({name for holdings in held.values() for name in holdings} - set(held.get(0, {})))
     if newest is None and not found and orphans:  # rank 0's node lost its tier, and every manifest with it
@@ -209,6 +224,22 @@ def _decide(
             _lacking(store, newer, held),
         )
     return TierChoice(False, newest, True)
+
+
+def _warn_of_skipped(
+    store: RecoverStore, found: list[Assembly], chosen: Assembly, held: dict[int, dict[str, Holding]]
+) -> None:
+    """Rank 0: a warning naming each newer committed generation than ``chosen`` that the local
+    tiers cannot resume (a file lost, or replaced by something that is no file), and what it
+    lacks: a resume never skips a commit without a word."""
+    for entry in found:
+        if generation_step(entry.generation) > generation_step(chosen.generation) and not entry.whole:
+            logger.warning(
+                "%s is newer than %s, but %s: resuming from the older one",
+                store.path(entry.generation),
+                chosen.generation,
+                _lacking(store, entry, held),
+            )
 
 
 def _lacking(store: RecoverStore, entry: Assembly, held: dict[int, dict[str, Holding]]) -> str:
