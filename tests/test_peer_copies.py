@@ -190,6 +190,14 @@ def test_nodes_that_lost_their_disks_in_turn_resume_from_the_copies_bit_exact(re
     assert _shared_step(root) == 7  # close uploads the newest whatever upload_every says
 
 
+def _flip_a_byte(tier: Path, pattern: str) -> None:
+    """The one file under the local tier ``tier`` that matches ``pattern``, one bit of it flipped."""
+    (path,) = tier.rglob(pattern)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("damage", ["a flipped byte in the only copy", "both local tiers lost"])
 def test_what_the_nodes_cannot_assemble_whole_resumes_from_the_remote_newest(reference_run_fsdp2, tmp_path, damage):
@@ -202,10 +210,7 @@ def test_what_the_nodes_cannot_assemble_whole_resumes_from_the_remote_newest(ref
     if damage == "both local tiers lost":
         shutil.rmtree(local / "node0")
     else:  # node 0 holds the only copy of rank 1's data file of step 7
-        (copy,) = (local / "node0").rglob("gen-00000007-*/default/__1_0.distcp")
-        data = bytearray(copy.read_bytes())
-        data[len(data) // 2] ^= 0x01
-        copy.write_bytes(bytes(data))
+        _flip_a_byte(local / "node0", "gen-00000007-*/default/__1_0.distcp")
     run_job(root, out, world_size=2, wrap="fsdp2", extra=tiered)
     assert_same_run(reference_run_fsdp2, out, world_size=2)
     for rank in range(2):  # resumed after step 5: steps 6 and 7 ran again, nothing before them
@@ -513,10 +518,7 @@ def test_peer_copies_hold_on_any_placement_and_a_damaged_file_comes_from_an_inta
     if move.startswith("rank 0 lands"):
         _swap_nodes(local)
     else:
-        (own,) = (local / "node0").rglob("gen-00000003-*/default/__0_0.distcp")
-        data = bytearray(own.read_bytes())
-        data[len(data) // 2] ^= 0x01
-        own.write_bytes(bytes(data))
+        _flip_a_byte(local / "node0", "gen-00000003-*/default/__0_0.distcp")
     run_job(root, out, world_size=2, wrap="fsdp2", extra=tiered)
     assert_same_run(reference_run_fsdp2, out, world_size=2)
     for rank in range(2):  # resumed after step 3: nothing ran twice
