@@ -12,8 +12,9 @@ interrupted writer left is never among it), the checkpoint a *label* or the *poi
 
 - :class:`FolderLocation`: a folder on a POSIX file system (local disk, NFS, Lustre). The commit
   is one rename of the fsync'd staging folder over the checkpoint's folder
-  (:func:`areal_ckpt.publish.publish`), then, when the commit points, the pointer file (DeepSpeed's
-  ``latest``) renamed over.
+  (:func:`areal_ckpt.publish.publish`), then, when the commit points, its pointer switched
+  (:mod:`areal_ckpt.storage.pointers`: the file ``latest`` renamed over, or the recovery store's
+  link ``current``).
 - :class:`ObjectLocation`: a prefix on an object store (any scheme of
   :mod:`areal_ckpt.storage.backends`). The commit uploads the rest and the manifest under a
   never-reused prefix, then writes a create-only commit record (:mod:`areal_ckpt.storage.commits`);
