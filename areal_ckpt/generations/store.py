@@ -69,9 +69,11 @@ class RecoverStore:
         self.trial = trial
         self.root = recover_store(trial)
         self.pointer = recover_pointer(trial)
+        #: The commit record: the link ``current``, switched by each commit.
+        self.current = PointerLink(RECOVER_CURRENT)
         #: The store as a folder location: generations written in place, committed by switching
-        #: ``current`` (a link), superseded ones hidden as ``.trash-{name}`` while deleted.
-        self.location = FolderLocation(self.root, PointerLink(RECOVER_CURRENT), RECOVER_TRASH_PREFIX)
+        #: ``current``, superseded ones hidden as ``.trash-{name}`` while deleted.
+        self.location = FolderLocation(self.root, self.current, RECOVER_TRASH_PREFIX)
         #: True when this store holds every data file of its previous generation on every node,
         #: so an unchanged part can be hard-linked from it: a plain local trial. A staging copy
         #: holds none (they go to the bucket from memory), a node's local tier only its own
@@ -102,7 +104,7 @@ class RecoverStore:
         Read-only.
         """
         self.check_root()
-        target = PointerLink(RECOVER_CURRENT).read(self.root)
+        target = self.current.read(self.root)
         if target is None:
             complete = [name for name in self.complete_generations() if not self.is_pending(name)]
             if complete:

@@ -167,7 +167,7 @@ def own_committed(store: RecoverStore) -> str | None:
     """The generation this tier's own ``current`` names (None without one, or when it is
     broken: then logged, and none of this tier's own manifests counts). Local, read-only."""
     try:
-        target = store.location.pointer.read(store.root) if store.location.pointer is not None else None
+        target = store.current.read(store.root)
     except CheckpointError as error:
         logger.warning("%s: its own recovery generations are not used to resume: %s", store.root, error)
         return None
