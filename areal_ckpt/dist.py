@@ -25,6 +25,7 @@ import dataclasses
 import enum
 import functools
 import io
+import logging
 import pickle
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -100,6 +101,12 @@ def is_distributed() -> bool:
 def rank() -> int:
     """This process's rank in the default group (0 without distributed)."""
     return torch_dist.get_rank() if is_distributed() else 0
+
+
+def job_info() -> int:
+    """The level of a line every rank would log alike (a save committed, the data resumed):
+    INFO on rank 0, DEBUG on the others, so a job of N ranks says it once, not N times."""
+    return logging.INFO if rank() == 0 else logging.DEBUG
 
 
 def world_size() -> int:

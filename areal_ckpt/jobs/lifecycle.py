@@ -53,7 +53,7 @@ class SaveLifecycle:
         """Record a synchronous save of ``nbytes`` that blocked the caller ``blocking_seconds``
         and log ``what`` was saved; local."""
         self.last_metrics = saving_metrics(blocking_seconds, nbytes, background=0.0)
-        logger.info("%s (%s)", what, describe_metrics(self.last_metrics))
+        logger.log(dist.job_info(), "%s (%s)", what, describe_metrics(self.last_metrics))
 
     def submit(
         self,
@@ -100,7 +100,7 @@ class SaveLifecycle:
             **saving_metrics(blocked, int(outcome.result.get("bytes", self.last_metrics["bytes"])), outcome.seconds),
         }
         what = on_collected(outcome) if on_collected is not None else str(outcome.result.get("path"))
-        logger.info("%s in the background (%s)", what, describe_metrics(self.last_metrics))
+        logger.log(dist.job_info(), "%s in the background (%s)", what, describe_metrics(self.last_metrics))
 
     def _settle(self, committed_anyway: Callable[[], str | None], failure: CheckpointError | None) -> bool:
         """Collective: agree whether any rank's writer failed; False when none did. If one did,

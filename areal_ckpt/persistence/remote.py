@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from areal_ckpt import agree
+from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import FileWriter
 from areal_ckpt.paths import RECOVER_MANIFEST, RECOVER_STORE, is_generation_name
@@ -110,7 +110,7 @@ class ObjectGenerations:
         agree.gathered_then_decided(
             upload_mine, commit, f"{self.where(generation)}: upload failed (not committed there)"
         )
-        logger.info("committed %s", self.where(generation))
+        logger.log(dist.job_info(), "committed %s", self.where(generation))
 
     def files_of(self, generation: str) -> FileSource:
         """The objects of ``generation``."""

@@ -17,7 +17,7 @@ import shutil
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from areal_ckpt import agree
+from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError, TransientError
 from areal_ckpt.fsio import FileRecord, FileWriter, copy_durably, link_on_path, make_dirs
 from areal_ckpt.generations.foreign import refuse_foreign_layout
@@ -123,7 +123,7 @@ class FolderGenerations:
                 shutil.rmtree(self.store.root / name, ignore_errors=True)
 
         agree.gathered_then_decided(copy_mine, commit, f"{target}: copy failed (not committed there)")
-        logger.info("committed %s", target)
+        logger.log(dist.job_info(), "committed %s", target)
 
     def files_of(self, generation: str) -> FileSource:
         """The files of ``generation`` in the shared trial."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
+from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.state.sampler import ORDER_KEYS, ResumableDistributedSampler, check_position, check_same_order
 
@@ -120,7 +121,8 @@ def _restore_resumable(source: str, dataloader: Any, state: dict[str, Any]) -> N
     if RESHARDED in state:
         position = state[RESHARDED]
         sampler.resume_at(int(position["epoch"]), int(position["start"]))
-        logger.info(
+        logger.log(
+            dist.job_info(),
             "%s: data resumes at sample %d of epoch %d's order, across %d ranks",
             source,
             position["start"],

@@ -227,7 +227,8 @@ def _resharded_dataloader(
             epoch, start = global_position([value[RESUMABLE_POSITION]] * saved_world_size, f"{folder}/rank*.json")
         except ValueError as error:
             raise CheckpointError(str(error)) from None
-        logger.info(
+        logger.log(
+            dist.job_info(),
             "world size changed (%d -> %d): the data resumes at sample %d of epoch %d's order",
             saved_world_size,
             world_size,

@@ -256,7 +256,7 @@ def _load_deepspeed_own(
     agree.on_every_rank(
         lambda: check_pickles(files[dist.rank() :: dist.world_size()]), f"{folder}: not loaded (nothing in it ran)"
     )
-    logger.info("%s: DeepSpeed's own layout, loaded by DeepSpeed with weights-only unpickling", folder)
+    logger.log(dist.job_info(), "%s: DeepSpeed's own layout, loaded by DeepSpeed with weights-only unpickling", folder)
     with weights_only_deepspeed_loads():
         path, client_state = engine.ds_engine.load_checkpoint(
             str(folder.parent),

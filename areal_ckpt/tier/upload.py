@@ -313,12 +313,15 @@ class Uploads:
         self._failures = 0
         if not offer.publish:
             self._record(outcome, published=False)
-            logger.info("copied recovery checkpoint %s to other nodes' local tiers", outcome.result["path"])
+            logger.log(
+                dist.job_info(), "copied recovery checkpoint %s to other nodes' local tiers", outcome.result["path"]
+            )
             return
         self._tidied = True
         self._uploaded = offer.generation
         self._record(outcome)
-        logger.info(
+        logger.log(
+            dist.job_info(),
             "uploaded recovery checkpoint %s (%.3f GB in %.2f s, %.2f GB/s); %s",
             outcome.result["path"],
             self.metrics["upload/bytes"] / 1e9,
