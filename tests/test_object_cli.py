@@ -205,8 +205,8 @@ def test_recover_pointer_repairs_a_garbage_newest_record_keeping_it_aside(object
 
 
 def test_export_reads_again_when_the_job_supersedes_the_generation_it_reads(persistent_root, tmp_path, capsys):
-    import areal_ckpt.persistence.contract as contract
     import areal_ckpt.tools.convert as convert
+    import areal_ckpt.tools.object_place as object_place
 
     setup = make_setup()
     handler = ac.RecoverHandler(s3_config(persistent_root.root, tmp_path / "stage"), SPEC)
@@ -224,7 +224,7 @@ def test_export_reads_again_when_the_job_supersedes_the_generation_it_reads(pers
 
         return reading
 
-    hooked = (convert, "check_files") if persistent_root.kind == "posix" else (contract, "fetch_shared")
+    hooked = (convert, "check_files") if persistent_root.kind == "posix" else (object_place, "fetch_folder")
     real = getattr(*hooked)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(*hooked, the_job_dumps_meanwhile(real))

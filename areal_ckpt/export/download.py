@@ -21,9 +21,9 @@ def committed_export(url: str) -> ObjectURL:
     newest committed export) or one export's (``.../{name}/epoch..globalstep..``, which must be
     committed). CheckpointError naming the URL when no commit record names it. Reads only."""
     where = parse_object_url(url, "export URL")
-    exports = ObjectLocation(where).committed()
-    if exports:
-        return where.child(max(exports, key=lambda export: export.order).name)
+    newest = ObjectLocation(where).newest()
+    if newest is not None:
+        return where.child(newest.name)
     parent, folder = where.parent()
     if folder and any(export.name == folder for export in ObjectLocation(parent).committed()):
         return where

@@ -19,19 +19,21 @@ from typing import Any
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.paths import (
     MANIFEST_NAME,
+    RECOVER_CURRENT,
     RECOVER_MANIFEST,
     RECOVER_STORE,
     generation_step,
     is_generation_name,
     parse_export_leaf,
 )
-from areal_ckpt.persistence.contract import fetch_newest
 from areal_ckpt.persistence.remote import ObjectGenerations
 from areal_ckpt.publish import read_manifest
 from areal_ckpt.storage.backends import store_of
+from areal_ckpt.storage.folder_location import FolderLocation
 from areal_ckpt.storage.folders import check_remote_folder, fetch_folder
 from areal_ckpt.storage.object_location import ObjectLocation, locations_in
 from areal_ckpt.storage.objects import ObjectInfo
+from areal_ckpt.storage.pointers import PointerLink
 from areal_ckpt.storage.retention import Committed
 from areal_ckpt.tags.save_dir import SaveDir
 from areal_ckpt.tools.inspection import describe
@@ -158,11 +160,15 @@ def fetch_checkpoint(url: ObjectURL, scratch: Path) -> tuple[Path, str]:
     found = committed_under(url)
     recoveries = [c for c in found if c.kind == "recover"]
     if recoveries:
-        trial = max(recoveries, key=lambda c: c.entry.order).location.root.parent()[0]
-        generation = fetch_newest(ObjectGenerations(trial), scratch / RECOVER_STORE)
-        if generation is None:  # its record was removed since the listing
-            raise CheckpointError(f"{trial}: no committed recovery checkpoint there any more")
-        return scratch, ObjectGenerations(trial).where(generation)
+        checkpoint = max(recoveries, key=lambda c: c.entry.order)
+        store = FolderLocation(scratch / RECOVER_STORE, PointerLink(RECOVER_CURRENT))
+        fetch_folder(
+            checkpoint.location.files_of(checkpoint.entry.name),
+            Path(store.where(checkpoint.entry.name)),
+            RECOVER_MANIFEST,
+        )
+        store.point(checkpoint.entry.name)  # a local trial holding that one generation
+        return scratch, str(checkpoint.url)
     tags = [c for c in found if c.kind == "deepspeed"]
     if tags:
         found = [c for c in tags if c.entry.facts.get("latest")] or tags
