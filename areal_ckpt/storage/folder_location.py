@@ -6,7 +6,6 @@ renamed over, DeepSpeed's ``latest``; or a link switched, the recovery store's `
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,11 +13,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.fsio import FileWriter, fsync_dir, make_dirs, write_file_durably
+from areal_ckpt.fsio import FileWriter, make_dirs
 from areal_ckpt.paths import EXPORT_STAGING_PREFIX, EXPORT_TRASH_PREFIX
 from areal_ckpt.publish import hide_folder, publish
 from areal_ckpt.storage.folders import FileSource, FolderSource, Opened
-from areal_ckpt.storage.pointers import Pointer
+from areal_ckpt.storage.pointers import Pointer, replace_file
 from areal_ckpt.storage.retention import Committed
 
 logger = logging.getLogger(__name__)
@@ -149,10 +148,7 @@ class FolderLocation:
         """A complete new file renamed over ``{root}/{name}``; durable."""
         target = self.root / name
         if not (target.is_file() and not target.is_symlink() and target.read_bytes() == data):
-            temporary = self.root / f".{name}.{os.getpid()}"
-            write_file_durably(temporary, data)
-            os.replace(temporary, target)
-            fsync_dir(self.root)
+            replace_file(self.root, name, data)
 
     def remove(self, doomed: list[Committed]) -> list[Path]:
         """Each folder renamed to its trash name (vanishes at once); returns the trash folders.

@@ -23,6 +23,15 @@ from areal_ckpt.fsio import fsync_dir, write_file_durably
 from areal_ckpt.publish import switch_symlink
 
 
+def replace_file(root: Path, name: str, data: bytes) -> None:
+    """Make ``{root}/{name}`` hold ``data`` by renaming a complete new file over it (a link
+    there is replaced, never written through); durable on return."""
+    temporary = root / f".{name}.{os.getpid()}"
+    write_file_durably(temporary, data)
+    os.replace(temporary, root / name)
+    fsync_dir(root)
+
+
 class Pointer(Protocol):
     """The pointer of a folder location: ``name`` is its entry in the location's folder."""
 
@@ -55,12 +64,8 @@ class PointerFile:
 
     def point(self, root: Path, checkpoint: str) -> None:
         """A complete new file renamed over it."""
-        if self.read(root) == checkpoint:
-            return
-        temporary = root / f".{self.name}.{os.getpid()}"
-        write_file_durably(temporary, f"{checkpoint}\n".encode())
-        os.replace(temporary, root / self.name)
-        fsync_dir(root)
+        if self.read(root) != checkpoint:
+            replace_file(root, self.name, f"{checkpoint}\n".encode())
 
 
 @dataclass(frozen=True)
