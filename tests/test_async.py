@@ -266,6 +266,46 @@ def test_a_writer_killed_right_after_its_commit_counts_as_committed_and_dumps_go
         assert torch.equal(tensor, resumed.model.state_dict()[name]), name
 
 
+def test_a_loop_held_up_by_a_background_save_says_so_and_goes_on_waiting(fileroot, monkeypatch, caplog):
+    """The next dump (or close) waits for the save in flight; while that save is held up (here
+    until the test lets it go, which it does only once the warning is logged) the wait is
+    logged as a warning naming the writer, and the save then commits as usual."""
+    import logging
+
+    from writer_faults import WaitsForRelease
+
+    from areal_ckpt.jobs import background
+
+    release = fileroot / "release"
+    submit = background.BackgroundWriter.submit
+    monkeypatch.setattr(
+        background.BackgroundWriter, "submit", lambda writer, job: submit(writer, WaitsForRelease(job, str(release)))
+    )
+    monkeypatch.setattr(background, "_BLOCKED_WARNING_SECONDS", 0.2)
+
+    class ReleaseOnWarning(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "has waited" in record.getMessage():
+                release.touch()
+
+    releaser = ReleaseOnWarning(logging.WARNING)
+    logging.getLogger("areal_ckpt.jobs.background").addHandler(releaser)
+    try:
+        setup = make_setup()
+        handler = ac.RecoverHandler(recover_config(fileroot, mode="async"), SPEC)
+        path = handler.dump(setup.engine, step_info(0), force=True)
+        with pytest.raises(FileNotFoundError):  # held up: nothing committed yet
+            committed_generation(fileroot)
+        handler.wait()
+    finally:
+        logging.getLogger("areal_ckpt.jobs.background").removeHandler(releaser)
+    waits = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
+    assert waits and waits[0].startswith("recover: the training loop has waited")
+    assert "still running" in waits[0] and "logs each retry" in waits[0]
+    assert committed_generation(fileroot) == Path(path)
+    handler.close()
+
+
 def writers_meeting_worker(rank: int, world_size: int, root: str, report: str) -> None:
     from torch.distributed.distributed_c10d import _get_default_store
 

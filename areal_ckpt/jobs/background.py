@@ -57,6 +57,9 @@ _JOB_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.S
 _WRITER_NICENESS = 10  # added to the training process's niceness
 _STORE_TIMEOUT = timedelta(minutes=10)
 _LIVENESS_POLL_SECONDS = 0.5
+#: How long the training loop waits on a background save before it says so (then again after
+#: twice as long each time): a save stuck on slow or silent storage never stops the loop unheard.
+_BLOCKED_WARNING_SECONDS = 60.0
 
 
 class BackgroundJob(Protocol):
@@ -171,6 +174,7 @@ class BackgroundWriter:
 
     def wait(self) -> JobOutcome | None:
         """Block until the job in flight has finished; local. None when nothing was in flight.
+        A wait of a minute or more is logged as a warning (again at two, four, ... minutes).
 
         Raises CheckpointError with the writer's error when the job failed or the writer died;
         the writer is then stopped (the next :meth:`submit` starts a new one).
@@ -178,10 +182,22 @@ class BackgroundWriter:
         if not self._in_flight:
             return None
         self._in_flight = False
+        started = time.monotonic()
+        warn_after = _BLOCKED_WARNING_SECONDS
         try:
             while not self._conn.poll(_LIVENESS_POLL_SECONDS):
                 if not self._process.is_alive():
                     raise self._died(f"exit code {self._process.exitcode}")
+                waited = time.monotonic() - started
+                if waited >= warn_after:
+                    logger.warning(
+                        "%s: the training loop has waited %.0f s for the background save in flight, which "
+                        "is still running (its storage slow or not answering: the writer logs each retry); "
+                        "it goes on waiting, and will say so again",
+                        self.label,
+                        waited,
+                    )
+                    warn_after *= 2
             message = self._conn.recv()
         except (EOFError, OSError) as error:
             raise self._died(str(error) or type(error).__name__) from None
