@@ -62,7 +62,8 @@ def test_shell_blocks_with_the_cli_run(tmp_path, tokenizer):
     handler.dump(engines, step_info(0), tokenizer=tokenizer, force=True)
     handler.close()
     env = {name: value for name, value in os.environ.items() if name not in ("USER", "LOGNAME")}
-    env["PATH"] = f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+    azurite = Path(sys.executable).parent.parent / "azurite/node_modules/.bin"  # where `make test` installs it
+    env["PATH"] = f"{Path(sys.executable).parent}:{azurite}:{os.environ['PATH']}"
     shell = [code for doc in DOCS for language, code in blocks(doc) if language == "sh" and "areal-ckpt" in code]
     assert shell
     for code in shell:
