@@ -99,9 +99,10 @@ def test_a_missing_bucket_is_named(object_server, monkeypatch):
 
 
 def test_an_endpoint_where_nothing_listens_is_a_transient_error_saying_the_connection_was_refused(
-    object_server, monkeypatch
+    object_server, monkeypatch, caplog
 ):
-    """It used to read "did not answer in time" (GCS) or "did not answer", as a stalled server does."""
+    """It used to read "did not answer in time" (GCS) or "did not answer", as a stalled server
+    does; so did GCS's warning before each retry."""
     monkeypatch.setenv("AREAL_CKPT_STORAGE_TIMEOUT", "1")  # GCS then retries for 4 s, not 30
     for variable, value in object_server.environment().items():
         monkeypatch.setenv(variable, value.replace(str(object_server.endpoint).rsplit(":", 1)[1], "9"))
@@ -113,6 +114,8 @@ def test_an_endpoint_where_nothing_listens_is_a_transient_error_saying_the_conne
         rf"a wrong endpoint, or the server is down\).*the endpoint comes from {variable[url.scheme]}",
     ):
         store_of(url).check_access()
+    retries = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and r.name.startswith("areal_ckpt")]
+    assert retries and not [message for message in retries if "did not answer" in message]
 
 
 def test_missing_credentials_name_the_variables_to_set(monkeypatch, tmp_path):

@@ -50,7 +50,12 @@ def _retry(request_seconds: float) -> google.api_core.retry.Retry:
     seconds = min(_RETRY_SECONDS, _RETRY_TIMEOUTS * request_seconds)
 
     def log_retry(error: Exception) -> None:
-        logger.warning("Google Cloud Storage did not answer (%s); trying again for up to %.1f s", error, seconds)
+        logger.warning(
+            "Google Cloud Storage %s (%s); trying again for up to %.1f s",
+            no_answer(error, "did not answer in time" if isinstance(error, requests.exceptions.Timeout) else "failed"),
+            error,
+            seconds,
+        )
 
     return google.api_core.retry.Retry(
         predicate=_transient, initial=0.5, maximum=8.0, timeout=seconds, on_error=log_retry
