@@ -97,9 +97,11 @@ class ReadFrom:
     a cache of it; without, the local store as it is. ``assembled``: the local tiers of a
     tiered trial once the generation was assembled on them (the data files other nodes hold,
     or send, are not looked for locally); ``peers``: the data files other ranks send straight
-    into this rank's load. Plain data."""
+    into this rank's load; ``newest``: with a source, its newest commit as read (and agreed) for
+    this load, None when it holds none: the load reads that one, not the newest again. Plain data."""
 
     source: PersistentGenerations | None = None
+    newest: str | None = None
     assembled: bool = False
     peers: PeerFiles | None = None
 
@@ -119,7 +121,7 @@ def restore_newest(behind: PersistentGenerations, restore: Callable[[ReadFrom], 
     while True:
         read = agree.decided_by_rank0(behind.newest, f"{behind.where()}: cannot read the newest commit")
         try:
-            return restore(ReadFrom(behind))
+            return restore(ReadFrom(behind, newest=read))
         except CheckpointError as error:
             now = agree.decided_by_rank0(behind.newest, f"{behind.where()}: cannot read the newest commit")
             if read is None or now == read:
@@ -134,11 +136,14 @@ def restore_newest(behind: PersistentGenerations, restore: Callable[[ReadFrom], 
             attempt += 1
 
 
-def fetch_newest(
-    behind: PersistentGenerations, store_root: Path, deferred: Callable[[str], bool] = lambda name: False
-) -> str | None:
-    """Every rank: bring the newest generation committed ``behind`` into the local store
-    ``store_root`` and point its ``current`` at it; returns its name, None when there is none.
+def fetch_committed(
+    behind: PersistentGenerations,
+    generation: str,
+    store_root: Path,
+    deferred: Callable[[str], bool] = lambda name: False,
+) -> None:
+    """Every rank: bring ``generation``, committed ``behind`` (its newest, as the ranks agreed),
+    into the local store ``store_root`` and point its ``current`` at it.
     A file the copy already holds is kept when its size and CRC-32 match the manifest, else
     fetched again (with a warning naming it: a local copy torn by a crash never makes a load
     fail while the trial's location holds the file intact). Ranks sharing ``store_root`` take
@@ -147,13 +152,7 @@ def fetch_newest(
     ``deferred`` names are left for the reader to bring down
     (:class:`~areal_ckpt.storage.folders.OnDemandFiles`). Collective (the ranks agree on the
     generation and on success)."""
-    decided = agree.decided_by_rank0(
-        lambda: None if (newest := behind.newest()) is None else (newest, secrets.token_hex(4)),
-        f"{behind.where()}: cannot read the newest commit",
-    )
-    if decided is None:
-        return None
-    generation, token = decided
+    token = agree.decided_by_rank0(lambda: secrets.token_hex(4), f"{behind.where()}: cannot start the fetch")
 
     def point_current(folder: Path) -> None:
         FolderLocation(store_root, PointerLink(RECOVER_CURRENT)).point(generation)
@@ -164,4 +163,3 @@ def fetch_newest(
         )
 
     agree.on_every_rank(fetch, f"{behind.where()}: cannot fetch the committed recovery checkpoint")
-    return generation

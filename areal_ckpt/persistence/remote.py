@@ -7,7 +7,7 @@ committed, exactly as on a local filesystem, into the local staging copy of the 
 rank uploads the other files it wrote, and rank 0 the rest, the manifest, and last the commit
 record ``{trial}/.recover/.commits/{n}.json`` naming the generation
 (:mod:`areal_ckpt.storage.commits`). What object storage holds is what a restart loads
-(:func:`~areal_ckpt.persistence.contract.fetch_newest`). Each commit record carries the writing
+(:func:`~areal_ckpt.persistence.contract.fetch_committed`). Each commit record carries the writing
 job's run token, so a job refuses to commit over a generation neither it wrote nor it loaded (a
 second job on the trial) before uploading anything.
 """

@@ -34,7 +34,7 @@ from areal_ckpt.paths import (
     STEP_FILE,
     generation_step,
 )
-from areal_ckpt.persistence.contract import ReadFrom, fetch_newest
+from areal_ckpt.persistence.contract import ReadFrom, fetch_committed
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.location import trial_location
 from areal_ckpt.schedule import TriggerSchedule
@@ -86,8 +86,10 @@ def open_committed(
     or a component cannot be restored (``dataloader``: the one the load restores); nothing is
     loaded then."""
     source = read_from.source
-    if source is not None and fetch_newest(source, store.root, deferred=read_when_needed) is None:
-        return None  # where the trial persists decides: no commit there is a fresh start, whatever the node holds
+    if source is not None:
+        if read_from.newest is None:
+            return None  # where the trial persists decides: no commit there is a fresh start, whatever the node holds
+        fetch_committed(source, read_from.newest, store.root, deferred=read_when_needed)
     found = agree.decided_by_rank0(lambda: find_committed(store), "RecoverHandler.load")
     if found is None:
         return None
