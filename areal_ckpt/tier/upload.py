@@ -204,10 +204,8 @@ class Uploads:
         ``upload_every`` says. Collective; blocking. Raises CheckpointError naming both tiers
         when the generation due (with ``newest``: the newest) is not in the persistent tier in
         the end."""
-        target, flying = self._newest, self._in_flight
-        published = flying is not None and target is not None and flying == dataclasses.replace(target, publish=True)
-        if newest and target is not None and self._uploaded != target.generation and not published:
-            self._pending = dataclasses.replace(target, publish=True)
+        if newest and (offer := self._newest_unpublished()) is not None:
+            self._pending = offer
         if self._in_flight is not None:
             self._collect(blocking=True)
         if self._pending is not None:
@@ -242,10 +240,8 @@ class Uploads:
     def _drain_within(self, seconds: float) -> None:
         """:meth:`finish` with a deadline ``seconds`` from now. Collective; blocking."""
         deadline = time.monotonic() + seconds
-        target, flying = self._newest, self._in_flight
-        published = flying is not None and target is not None and flying == dataclasses.replace(target, publish=True)
-        if target is not None and self._uploaded != target.generation and not published:
-            self._pending, self._parked = dataclasses.replace(target, publish=True), False
+        if (offer := self._newest_unpublished()) is not None:
+            self._pending, self._parked = offer, False
         for _ in range(2):  # the upload in flight, then the newest if it was not that one
             if self._in_flight is None:
                 if self._pending is None or self._parked:
@@ -264,6 +260,15 @@ class Uploads:
                 seconds,
                 self._lag_text(),
             )
+
+    def _newest_unpublished(self) -> _Offer | None:
+        """The newest local commit as an offer to publish, None when there is none, it is
+        uploaded, or its publishing upload is in flight. Local."""
+        target = self._newest
+        if target is None or self._uploaded == target.generation:
+            return None
+        offer = dataclasses.replace(target, publish=True)
+        return None if self._in_flight == offer else offer
 
     def _start(self, offer: _Offer) -> None:
         job = UploadJob(
