@@ -40,7 +40,8 @@ def _lazily(module: str, name: str) -> Callable[[ObjectURL], ObjectStore]:
 
 _BACKENDS: dict[str, Backend] = {
     "s3": Backend(
-        _lazily("areal_ckpt.storage.s3", "S3Store"), ("AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_ACCESS_KEY_ID")
+        _lazily("areal_ckpt.storage.s3", "S3Store"),
+        ("AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"),
     ),
     "gs": Backend(
         _lazily("areal_ckpt.storage.gcs", "GCSStore"), ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS")
