@@ -19,6 +19,21 @@ EXPORT_STAGING_PREFIX = ".export-staging."
 EXPORT_TRASH_PREFIX = ".export-trash."
 #: Manifest written into every committed export.
 MANIFEST_NAME = "areal_ckpt_manifest.json"
+#: Our DCP metadata, as JSON, beside each DCP checkpoint's data files.
+METADATA_JSON = "dcp_metadata.json"
+#: DCP's standard metadata file: a pickle that only stock torch tools read (never we).
+STOCK_METADATA = ".metadata"
+
+
+def is_stock_dcp(folder: Path) -> bool:
+    """True for a folder written by stock DCP (a ``.metadata`` pickle, none of our JSON)."""
+    return (Path(folder) / STOCK_METADATA).is_file() and not (Path(folder) / METADATA_JSON).is_file()
+
+
+def data_file_of(rank: int) -> str:
+    """The name of ``rank``'s DCP data file in a checkpoint folder."""
+    return f"__{rank}_0.distcp"
+
 
 _EXPORT_LEAF = re.compile(r"^epoch(\d+)epochstep(\d+)globalstep(\d+)$")
 

@@ -175,6 +175,20 @@ def test_a_wrong_path_is_refused_before_torch_is_imported(tmp_path, command):
     assert "not a folder" in done.stderr
 
 
+@pytest.mark.parametrize("command", ["list", "verify"])
+def test_list_and_verify_of_a_local_trial_import_neither_torch_nor_transformers(trial, command):
+    # they took 2.3-2.6 s, almost all of it torch's import; now a fraction of a second
+    root, _ = trial
+    probe = (
+        "import sys; from areal_ckpt.cli.main import main; "
+        f"code = main({[command, str(root)]!r}); "
+        "print(code, 'torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split()[-3:] == ["0", "False", "False"], done.stderr
+    assert str(root) in done.stdout  # it did list (or verify) the trial
+
+
 def test_list_of_a_trial_areal_wrote_names_the_import(fileroot, capsys):
     from areal_trials import IN_PLACE, write_areal_trial
 

@@ -21,8 +21,8 @@ from areal_ckpt.fsio import FileRecord, crc32
 from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.paths import RECOVER_MANIFEST, generation_name, generation_step
 from areal_ckpt.publish import check_files, read_manifest, write_manifest
-from areal_ckpt.storage import peers
-from areal_ckpt.tier import nodes, peer_copies
+from areal_ckpt.storage import folders, peers
+from areal_ckpt.tier import copies_record, nodes, peer_copies
 
 SHARED = "recover_info/step_info.json"
 
@@ -72,7 +72,7 @@ def _ring_case(rank: int, world_size: int, root: str) -> None:
     store = RecoverStore(Path(root) / f"node{rank}" / "trial")
     generation = _dump(store, 5, world_size)
     peer_copies.replicate(store, generation, copies=1)
-    held = set(peers.listing_of(store.path(generation)))
+    held = set(folders.listing_of(store.path(generation)))
     before = (rank - 1) % world_size  # the node before this one on the ring
     expected = {*_contents(rank, 5), *_contents(before, 5)} | ({RECOVER_MANIFEST} if rank in (0, 1) else set())
     assert held == expected  # its own files and its predecessor's; node 0's manifest on node 1 too
@@ -128,7 +128,7 @@ def _two_ranks_per_node_case(rank: int, world_size: int, root: str) -> None:
     assert all((folder / name).read_bytes() == data for name, data in _everything(world_size, 5).items())
     theirs = _everything(world_size, 5).keys() - {*_contents(2 * (rank // 2), 5), *_contents(2 * (rank // 2) + 1, 5)}
     own_manifest = {RECOVER_MANIFEST} if rank >= 2 else set()
-    assert set(nodes.copies_of(store, generation)) == theirs | own_manifest  # one record per node, none lost
+    assert set(copies_record.copies_of(store, generation)) == theirs | own_manifest  # one record per node, none lost
 
     _lose_disk(store, 2)  # node 1, both of its ranks
     filled = dist.all_gather_objects(nodes.fill_from_peers(store, generation).received)
@@ -294,7 +294,7 @@ def _one_node_case(rank: int, world_size: int, root: str) -> None:
     generation = _dump(store, 5, world_size)
     assert peer_copies.node_leaders(store) == [0]
     assert peer_copies.replicate(store, generation, copies=1) == 0  # no other node to copy to
-    assert not (store.root / nodes.COPIES_FOLDER).exists()
+    assert not (store.root / copies_record.COPIES_FOLDER).exists()
 
 
 @pytest.mark.dist
@@ -309,7 +309,7 @@ def _hostile_case(rank: int, world_size: int, root: str) -> None:
     (outside / "info").mkdir(parents=True)
     (outside / "copies").mkdir()
     if rank == 1:  # links where the copies would land: the record's folder, a folder of the generation
-        (store.root / nodes.COPIES_FOLDER).symlink_to(outside / "copies")
+        (store.root / copies_record.COPIES_FOLDER).symlink_to(outside / "copies")
         (store.path(generation) / "recover_info").symlink_to(outside / "info")
     dist.barrier()
     with pytest.raises(CheckpointError, match=r"recover_info: a link in the local tier; not writing through it"):
@@ -322,7 +322,7 @@ def _hostile_case(rank: int, world_size: int, root: str) -> None:
     assert not any(outside.rglob("*.json"))
     if rank == 1:
         assert (store.path(generation) / SHARED).read_bytes() == _contents(0, 5)[SHARED]
-    assert nodes.copies_of(store, generation) == ([] if rank == 1 else ["default/__1_0.distcp"])
+    assert copies_record.copies_of(store, generation) == ([] if rank == 1 else ["default/__1_0.distcp"])
 
     _lose_disk(store, 0)  # the only manifest left is node 1's copy, and one byte of it flips
     if rank == 1:

@@ -159,7 +159,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _export_once(args: argparse.Namespace) -> int:
-    from areal_ckpt.formats.stock_dcp import is_stock_dcp
+    from areal_ckpt.paths import is_stock_dcp
     from areal_ckpt.tensors import EXPORT_DTYPES
     from areal_ckpt.tools.convert import export_recovery, export_stock_dcp
 

@@ -25,11 +25,9 @@ from torch.distributed.checkpoint.metadata import (
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import read_json_file, regular_file_size
+from areal_ckpt.paths import METADATA_JSON
 from areal_ckpt.tensors import DTYPES_BY_NAME
 
-METADATA_JSON = "dcp_metadata.json"
-#: DCP's standard metadata file: a pickle that only stock torch tools read (never we).
-STOCK_METADATA = ".metadata"
 #: Where our flat tensor names live in the stored state dict (format 3): ``model.<fqn>`` under
 #: ``dcp.model.<fqn>``, ``optim.<fqn>.<key>`` under ``dcp.optim.state.<fqn>.<key>``, which is
 #: what ``dcp.save({"dcp": {"model": ..., "optim": ...}})`` of ``get_state_dict``'s two dicts

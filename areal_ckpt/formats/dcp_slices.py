@@ -29,8 +29,6 @@ from torch.distributed.checkpoint.planner import WriteItem
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_metadata import (
     KEY_PREFIXES,
-    METADATA_JSON,
-    STOCK_METADATA,
     metadata_from_json,
     read_metadata_json,
     storage_entry,
@@ -38,7 +36,7 @@ from areal_ckpt.formats.dcp_metadata import (
     tensor_json,
 )
 from areal_ckpt.fsio import read_json_file
-from areal_ckpt.paths import DATA_SUFFIX
+from areal_ckpt.paths import DATA_SUFFIX, METADATA_JSON, STOCK_METADATA
 
 INDEX_JSON = "dcp_index.json"
 CHUNKS_SUFFIX = ".chunks.json"

@@ -36,14 +36,11 @@ from torch.futures import Future
 
 from areal_ckpt import dist
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats.dcp_metadata import (
-    METADATA_JSON,
-    STOCK_METADATA,
-    metadata_to_json,
-)
+from areal_ckpt.formats.dcp_metadata import metadata_to_json
 from areal_ckpt.formats.dcp_slices import INDEX_JSON, chunks_file_for, chunks_to_json, index_to_json
 from areal_ckpt.formats.torch_record import frame_for
 from areal_ckpt.fsio import ChecksummedWriter, FileRecord, FileWriter, write_file_durably
+from areal_ckpt.paths import METADATA_JSON, STOCK_METADATA, data_file_of
 from areal_ckpt.tensors import tensor_bytes
 
 
@@ -55,11 +52,6 @@ class Placement:
 
     record: _StorageInfo
     payload: _StorageInfo | None
-
-
-def data_file_of(rank: int) -> str:
-    """The name of ``rank``'s data file."""
-    return f"__{rank}_0.distcp"
 
 
 class RawStorageWriter(StorageWriter):

@@ -32,9 +32,10 @@ from torch.distributed.checkpoint.metadata import (
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import interruption_in
-from areal_ckpt.formats.dcp_metadata import METADATA_JSON, STOCK_METADATA, check_tiling, tensor_entry
+from areal_ckpt.formats.dcp_metadata import check_tiling, tensor_entry
 from areal_ckpt.formats.hf_export import names_of_rank
 from areal_ckpt.fsio import read_regular_file, regular_file_size
+from areal_ckpt.paths import STOCK_METADATA
 from areal_ckpt.state.plain_pickle import REFUSED_PICKLE
 from areal_ckpt.tensors import TORCH_INERT_VALUES, TensorSpec
 
@@ -70,11 +71,6 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module == "torch" and name in TORCH_INERT_VALUES:
             return TORCH_INERT_VALUES[name]
         raise pickle.UnpicklingError(f"refused global {module}.{name}: not part of DCP's metadata")
-
-
-def is_stock_dcp(folder: Path) -> bool:
-    """True for a folder written by stock DCP (a ``.metadata`` pickle, none of our JSON)."""
-    return (Path(folder) / STOCK_METADATA).is_file() and not (Path(folder) / METADATA_JSON).is_file()
 
 
 def read_stock_metadata(folder: Path) -> Metadata:

@@ -8,10 +8,9 @@ import logging
 from typing import Any
 
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats.dcp_metadata import METADATA_JSON
 from areal_ckpt.generations.foreign import refuse_foreign_layout
 from areal_ckpt.generations.store import RecoverStore
-from areal_ckpt.paths import RECOVER_INFO, RECOVER_MANIFEST, STEP_FILE, check_model_name, generation_step
+from areal_ckpt.paths import METADATA_JSON, RECOVER_INFO, RECOVER_MANIFEST, STEP_FILE, check_model_name, generation_step
 from areal_ckpt.publish import check_files, read_manifest
 
 logger = logging.getLogger(__name__)

@@ -14,8 +14,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from areal_ckpt.formats.dcp_storage import data_file_of
-from areal_ckpt.paths import RECOVER_INFO, RECOVER_TRASH_PREFIX, rank_state_file
+from areal_ckpt.paths import RECOVER_INFO, RECOVER_TRASH_PREFIX, data_file_of, rank_state_file
 from areal_ckpt.publish import TrashCollector
 from areal_ckpt.storage.folder_location import FolderLocation
 from areal_ckpt.storage.retention import Committed

@@ -8,6 +8,7 @@ functions go by it.
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -109,6 +110,17 @@ class FolderSource:
             raise CheckpointError(f"{source}: missing") from None
         except OSError as error:
             raise CheckpointError(f"{source}: cannot copy: {error}") from None
+
+
+def listing_of(folder: Path) -> dict[str, int]:
+    """The size of every regular file in ``folder`` by its path there (links not followed); local."""
+    listing: dict[str, int] = {}
+    for top, _, names in os.walk(folder):
+        for name in names:
+            path = Path(top) / name
+            if path.is_file() and not path.is_symlink():
+                listing[path.relative_to(folder).as_posix()] = path.stat().st_size
+    return listing
 
 
 def staging_root(staging_dir: str | None, url: ObjectURL) -> Path:

@@ -52,17 +52,6 @@ class Transfer:
     into_load: bool = False
 
 
-def listing_of(folder: Path) -> dict[str, int]:
-    """The size of every regular file in ``folder`` by its path there (links not followed); local."""
-    listing: dict[str, int] = {}
-    for top, _, names in os.walk(folder):
-        for name in names:
-            path = Path(top) / name
-            if path.is_file() and not path.is_symlink():
-                listing[path.relative_to(folder).as_posix()] = path.stat().st_size
-    return listing
-
-
 def run_transfers(folder: Path, transfers: list[Transfer]) -> int:
     """This rank's share of the transfers, in the global order (so no pair waits on another);
     each one runs to its end even after a failure, keeping its peer in step. Raises the first

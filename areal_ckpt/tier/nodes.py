@@ -18,10 +18,7 @@ the rule needs no launcher variables and holds for several nodes simulated on on
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import secrets
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,22 +29,17 @@ from areal_ckpt.errors import CheckpointError, CollectiveError
 from areal_ckpt.formats.dcp_slices import data_files_read_by
 from areal_ckpt.fsio import (
     FileRecord,
-    fsync_dir,
-    read_regular_file,
     record_of,
-    write_file_durably,
 )
 from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.paths import DATA_SUFFIX, RECOVER_MANIFEST
 from areal_ckpt.publish import read_manifest
+from areal_ckpt.storage.folders import listing_of
 from areal_ckpt.storage.peer_reads import PeerReads
-from areal_ckpt.storage.peers import Transfer, listing_of, run_transfers
+from areal_ckpt.storage.peers import Transfer, run_transfers
+from areal_ckpt.tier.copies_record import note_copies
 
 logger = logging.getLogger(__name__)
-
-#: The folder of a local tier's store that records, per generation, the files it holds as
-#: copies of other nodes' (``{generation}.json``: a sorted JSON list of names).
-COPIES_FOLDER = ".copies"
 
 
 def node_of(folder: Path) -> str:
@@ -233,40 +225,3 @@ def receive_copies(store: RecoverStore, generation: str, transfers: list[Transfe
     if failure is not None:
         raise failure
     return received
-
-
-def note_copies(store: RecoverStore, generation: str, names: list[str]) -> None:
-    """Record that this node's local tier holds ``names`` of ``generation`` as copies of other
-    nodes' files (for ``areal-ckpt list`` / ``inspect``), and drop the records of generations
-    it no longer holds. Never through a link; a failure is logged (the record is a
-    description, not part of the checkpoint)."""
-    folder = store.root / COPIES_FOLDER
-    try:
-        if folder.is_symlink():
-            raise OSError(f"{folder} is a link; not writing through it")
-        folder.mkdir(exist_ok=True)
-        held = set(store.generations())
-        for record in folder.iterdir():
-            if record.suffix == ".json" and record.stem not in held and not record.is_symlink():
-                record.unlink()
-        record = folder / f"{generation}.json"
-        staged = folder / f".{generation}.{secrets.token_hex(4)}"
-        write_file_durably(staged, json.dumps(sorted({*copies_of(store, generation), *names})).encode())
-        os.replace(staged, record)  # replaces a link there, never writes through it
-        fsync_dir(folder)
-    except OSError as error:
-        logger.warning("%s: could not record the copies held of %s: %s", folder, generation, error)
-
-
-def copies_of(store: RecoverStore, generation: str) -> list[str]:
-    """The files of ``generation`` this node's local tier holds as copies of other nodes' (what
-    :func:`note_copies` recorded; empty when nothing is, or the record does not read). Local,
-    read-only."""
-    record = store.root / COPIES_FOLDER / f"{generation}.json"
-    try:
-        if record.is_symlink() or store.root.joinpath(COPIES_FOLDER).is_symlink():
-            return []
-        names = json.loads(read_regular_file(record, limit=16 << 20))
-    except (OSError, ValueError):
-        return []
-    return [name for name in names if isinstance(name, str)] if isinstance(names, list) else []

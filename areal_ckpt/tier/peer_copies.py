@@ -32,10 +32,11 @@ from areal_ckpt.fsio import FileRecord, record_of
 from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.paths import RECOVER_MANIFEST, generation_step, is_generation_name
 from areal_ckpt.publish import check_files, read_manifest
+from areal_ckpt.storage.folders import listing_of
 from areal_ckpt.storage.peer_reads import PeerReads
-from areal_ckpt.storage.peers import Transfer, listing_of
+from areal_ckpt.storage.peers import Transfer
+from areal_ckpt.tier.copies_record import copies_of
 from areal_ckpt.tier.nodes import (
-    copies_of,
     fill_from_peers,
     first_ranks,
     node_members,
@@ -141,7 +142,7 @@ class Holding:
 def holdings_of(store: RecoverStore) -> dict[str, Holding]:
     """This node's holdings, by generation. A manifest counts only where a commit made it
     count, whichever node rank 0 runs on now: a copy another node sent (copies are made after
-    a commit; :func:`~areal_ckpt.tier.nodes.copies_of`), or this tier's own manifest of the
+    a commit; :func:`~areal_ckpt.tier.copies_record.copies_of`), or this tier's own manifest of the
     generation its own ``current`` names or of an older one (kept for uploads or copies); its
     own manifest of a newer generation does not (a dump interrupted before its switch). A
     manifest that does not read (damaged) counts as absent. Local, read-only."""

@@ -8,19 +8,18 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.formats.dcp_metadata import read_metadata_json, tensor_entries
-from areal_ckpt.formats.stock_dcp import is_stock_dcp, read_stock_metadata
+from areal_ckpt.fsio import read_json_file
 from areal_ckpt.generations.store import RecoverStore, resolve_recovery
 from areal_ckpt.paths import (
     FROZEN_PART,
     LATEST,
     MANIFEST_NAME,
+    METADATA_JSON,
     RECOVER_MANIFEST,
     RECOVER_STORE,
     TAGGED_FORMAT,
+    is_stock_dcp,
     parse_export_leaf,
     recover_pointer,
 )
@@ -163,7 +162,9 @@ def _describe_export(path: Path) -> dict[str, Any]:
 
 def _model_facts(folder: Path, manifest: dict[str, Any], model: str) -> dict[str, Any]:
     """Parameters, dtypes, optimizer presence and bytes of one DCP model folder; CheckpointError
-    naming the metadata file when it is damaged or forged."""
+    naming the metadata file when it is damaged or forged. Imports torch (DCP's metadata types)."""
+    from areal_ckpt.formats.dcp_metadata import read_metadata_json, tensor_entries
+
     metadata = read_metadata_json(folder / model)
     parts = [metadata]
     if (folder / model / FROZEN_PART).is_dir():  # parameters that do not train, stored once
@@ -182,9 +183,23 @@ def _model_facts(folder: Path, manifest: dict[str, Any], model: str) -> dict[str
     }
 
 
+def _metadata_reads(folder: Path) -> dict[str, Any]:
+    """Nothing, once ``folder``'s DCP metadata reads as a JSON object; CheckpointError naming it
+    otherwise (a torn or overwritten file; what it claims is checked by ``inspect`` and the load)."""
+    source = folder / METADATA_JSON
+    if not isinstance(read_json_file(source, "DCP metadata")[1], dict):
+        raise CheckpointError(f"{source}: malformed DCP metadata: not a JSON object")
+    return {}
+
+
 def _describe_stock_dcp(path: Path) -> dict[str, Any]:
     """A folder written by stock DCP: its tensors by top-level key, read from ``.metadata``
-    with the allow-listed unpickler (nothing in it runs); no manifest, so completeness is unknown."""
+    with the allow-listed unpickler (nothing in it runs); no manifest, so completeness is unknown.
+    Imports torch (DCP's metadata types)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from areal_ckpt.formats.stock_dcp import read_stock_metadata
+
     metadata = read_stock_metadata(path)
     groups: dict[str, dict[str, Any]] = {}
     for key, entry in metadata.state_dict_metadata.items():
@@ -236,10 +251,16 @@ def _describe_deepspeed(folder: Path) -> dict[str, Any]:
     }
 
 
-def _describe_recovery(path: Path) -> dict[str, Any]:
+def _describe_recovery(path: Path, tensors: bool = True) -> dict[str, Any]:
+    """The committed recovery generation at ``path`` from its manifest; with ``tensors`` each
+    model's parameters, dtypes and optimizer from its DCP metadata (which imports torch), else
+    only each metadata file read as a JSON object. CheckpointError naming the file that does not read."""
     generation, _ = resolve_recovery(path)
     manifest = read_manifest(generation, RECOVER_MANIFEST)
-    models = {model: _model_facts(generation, manifest, model) for model in manifest.get("models", [])}
+    models = {
+        model: _model_facts(generation, manifest, model) if tensors else _metadata_reads(generation / model)
+        for model in manifest.get("models", [])
+    }
     return {
         "kind": "recover",
         "path": str(generation),
@@ -355,7 +376,7 @@ def list_trial(trial: Path) -> list[dict[str, Any]]:
             )
     if recover_pointer(trial).is_symlink():
         try:
-            recovery = _describe_recovery(trial)
+            recovery = _describe_recovery(trial, tensors=False)  # a listing names the models, no more
         except CheckpointError as error:  # shown, not hidden: a damaged checkpoint is news
             recovery = {
                 "models": {},

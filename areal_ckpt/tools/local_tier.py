@@ -3,7 +3,7 @@
 A local tier (``recover.local_dir``) holds generation folders: on rank 0's node the committed
 one (its ``current``) and those kept for uploads or copies in flight; on any node its own
 ranks' files of each generation and, with ``recover.local_replicas``, copies of other nodes'
-files (recorded by :func:`~areal_ckpt.tier.nodes.note_copies`). Read-only; nothing here
+files (recorded by :func:`~areal_ckpt.tier.copies_record.note_copies`). Read-only; nothing here
 follows a link.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.paths import generation_step
-from areal_ckpt.storage.peers import listing_of
-from areal_ckpt.tier.nodes import copies_of
+from areal_ckpt.storage.folders import listing_of
+from areal_ckpt.tier.copies_record import copies_of
 
 
 def tier_holdings(trial: Path) -> list[dict[str, Any]]:

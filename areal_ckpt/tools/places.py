@@ -18,7 +18,6 @@ from areal_ckpt.generations.repoint import repoint_newest_verified
 from areal_ckpt.generations.store import RecoverStore, resolve_recovery
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.tools.inspection import describe, list_trial, verify_each
-from areal_ckpt.tools.object_place import ObjectPlace
 from areal_ckpt.tools.place_contract import CheckpointPlace, Progress, Repointed
 from areal_ckpt.urls import locate
 
@@ -95,6 +94,12 @@ class FolderPlace:
 
 def place_of(value: str, what: str) -> CheckpointPlace:
     """The location a command's argument ``what`` names: an object store prefix for a URL
-    (ConfigError naming it when malformed), else a folder. Pure."""
+    (ConfigError naming it when malformed), else a folder. Pure; the object side (its
+    clients, torch for the downloads) is imported only for a URL, so a folder's ``list``,
+    ``inspect`` and ``verify`` start quickly."""
     where = locate(value, what)
-    return FolderPlace(where) if isinstance(where, Path) else ObjectPlace(where)
+    if isinstance(where, Path):
+        return FolderPlace(where)
+    from areal_ckpt.tools.object_place import ObjectPlace
+
+    return ObjectPlace(where)
