@@ -24,18 +24,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from areal_ckpt.errors import CheckpointError
+from areal_ckpt.formats.dcp_names import KEY_PREFIXES, LARGEST, checked_ints, our_name
 from areal_ckpt.fsio import read_json_file, regular_file_size
 from areal_ckpt.paths import METADATA_JSON
 from areal_ckpt.tensors import DTYPES_BY_NAME
 
-#: Where our flat tensor names live in the stored state dict (format 3): ``model.<fqn>`` under
-#: ``dcp.model.<fqn>``, ``optim.<fqn>.<key>`` under ``dcp.optim.state.<fqn>.<key>``, which is
-#: what ``dcp.save({"dcp": {"model": ..., "optim": ...}})`` of ``get_state_dict``'s two dicts
-#: writes (an AReaL engine's own layout); any other name ``n`` under ``dcp.n``. Format 2 stored
-#: the flat names as they are.
-STORED_PREFIXES = {"model.": "dcp.model.", "optim.": "dcp.optim.state.", "": "dcp."}
-#: The ``key_prefixes`` a metadata file records: stored prefix -> our prefix.
-KEY_PREFIXES = {stored: ours for ours, stored in STORED_PREFIXES.items()}
 _DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 
 
@@ -57,7 +50,7 @@ def tensor_entries(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
 
 def metadata_to_json(metadata: Metadata) -> dict[str, Any]:
     """A JSON rendering of the tensor entries of DCP ``Metadata`` whose names follow
-    :data:`STORED_PREFIXES`; entries that are not tensors (kept for stock readers) are left out."""
+    :data:`~areal_ckpt.formats.dcp_names.STORED_PREFIXES`; entries that are not tensors (kept for stock readers) are left out."""
     tensors = {}
     for fqn, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):
@@ -90,16 +83,6 @@ def storage_entry(index: MetadataIndex, info: _StorageInfo) -> dict[str, Any]:
     }
 
 
-def _our_name(stored: str, prefixes: dict[str, str]) -> str:
-    """The flat name of the stored entry ``stored`` under the file's ``prefixes`` (none: format 2)."""
-    if not prefixes:
-        return stored
-    for prefix, ours in sorted(prefixes.items(), key=lambda pair: -len(pair[0])):  # the longest first
-        if stored.startswith(prefix):
-            return ours + stored[len(prefix) :]
-    raise ValueError(f"entry {stored!r} is under none of the stored prefixes {sorted(prefixes)}")
-
-
 def metadata_from_json(data: dict[str, Any], source: Path, complete: bool = True) -> Metadata:
     """Rebuild DCP ``Metadata`` from :func:`metadata_to_json`; raises CheckpointError naming
     ``source``. ``complete=False`` accepts tensors that only some of their chunks tile (a
@@ -110,13 +93,15 @@ def metadata_from_json(data: dict[str, Any], source: Path, complete: bool = True
             raise ValueError(f"key_prefixes must map strings to strings, got {str(prefixes)[:200]}")
         tensors: dict[str, TensorStorageMetadata] = {}
         for fqn, entry in data["tensors"].items():
-            tensors[_our_name(fqn, prefixes)] = TensorStorageMetadata(
+            tensors[our_name(fqn, prefixes)] = TensorStorageMetadata(
                 properties=TensorProperties(
                     dtype=DTYPES_BY_NAME[entry["dtype"]], requires_grad=bool(entry["requires_grad"])
                 ),
-                size=torch.Size(_ints(entry["size"])),
+                size=torch.Size(checked_ints(entry["size"])),
                 chunks=[
-                    ChunkStorageMetadata(offsets=torch.Size(_ints(c["offsets"])), sizes=torch.Size(_ints(c["sizes"])))
+                    ChunkStorageMetadata(
+                        offsets=torch.Size(checked_ints(c["offsets"])), sizes=torch.Size(checked_ints(c["sizes"]))
+                    )
                     for c in entry["chunks"]
                 ],
             )
@@ -126,10 +111,12 @@ def metadata_from_json(data: dict[str, Any], source: Path, complete: bool = True
                 raise ValueError(f"data file name {item['file']!r} is not a DCP shard in this folder")
             if item["transforms"]:
                 raise ValueError(f"transforms {item['transforms']!r} are not supported")
-            offset = None if item["offset"] is None else torch.Size(_ints(item["offset"]))
-            index = MetadataIndex(fqn=_our_name(item["fqn"], prefixes), offset=offset, index=item["index"])
+            offset = None if item["offset"] is None else torch.Size(checked_ints(item["offset"]))
+            index = MetadataIndex(fqn=our_name(item["fqn"], prefixes), offset=offset, index=item["index"])
             storage[index] = _StorageInfo(
-                relative_path=item["file"], offset=_ints([item["byte_offset"]])[0], length=_ints([item["length"]])[0]
+                relative_path=item["file"],
+                offset=checked_ints([item["byte_offset"]])[0],
+                length=checked_ints([item["length"]])[0],
             )
         _check_consistent(tensors, storage, complete)
         entries: dict[str, TensorStorageMetadata | BytesStorageMetadata] = dict(tensors)
@@ -142,18 +129,6 @@ def metadata_from_json(data: dict[str, Any], source: Path, complete: bool = True
         )
     except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise CheckpointError(f"{source}: malformed DCP metadata: {type(error).__name__}: {error}") from None
-
-
-#: Largest dimension, element count or byte count a checkpoint may claim (2**48: 256 TiB).
-_LARGEST = 1 << 48
-
-
-def _ints(values: Any) -> list[int]:
-    if not isinstance(values, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _LARGEST for v in values
-    ):
-        raise ValueError(f"expected non-negative integers up to 2**48, got {str(values)[:200]}")
-    return values
 
 
 def _numel(sizes: Any) -> int:
@@ -169,7 +144,7 @@ def check_tiling(fqn: str, entry: TensorStorageMetadata, complete: bool = True) 
     not checked when ``complete`` is False: chunks of a slice of the metadata). Pure; a sweep along the axis with the most distinct chunk starts, so the usual row- or
     column-sharded layouts cost O(chunks log chunks)."""
     size = list(entry.size)
-    if _numel(size) > _LARGEST:
+    if _numel(size) > LARGEST:
         raise ValueError(f"{fqn}: shape {size} has more than 2**48 elements")
     covered = 0
     boxes = []

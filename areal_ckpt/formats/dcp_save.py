@@ -61,7 +61,7 @@ def save_tensors(
     """Collective: every rank saves its part of ``tensors`` (flat name -> Tensor / DTensor) into ``folder``.
 
     ``model.<fqn>`` and ``optim.<fqn>.<key>`` are stored as an AReaL engine stores them, any
-    other name ``n`` as ``dcp.n`` (:data:`~areal_ckpt.formats.dcp_metadata.STORED_PREFIXES`).
+    other name ``n`` as ``dcp.n`` (:data:`~areal_ckpt.formats.dcp_names.STORED_PREFIXES`).
     ``param_groups`` (the optimizer's, as ``get_optimizer_state_dict`` gives them; the same on
     every rank) are stored for stock readers only. Each rank writes and fsyncs its own
     ``__{rank}_0.distcp`` (and its chunk file, :mod:`areal_ckpt.formats.dcp_slices`) and returns

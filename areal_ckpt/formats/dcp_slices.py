@@ -28,13 +28,13 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_metadata import (
-    KEY_PREFIXES,
     metadata_from_json,
     read_metadata_json,
     storage_entry,
     tensor_entries,
     tensor_json,
 )
+from areal_ckpt.formats.dcp_names import KEY_PREFIXES
 from areal_ckpt.fsio import read_json_file
 from areal_ckpt.paths import DATA_SUFFIX, METADATA_JSON, STOCK_METADATA
 

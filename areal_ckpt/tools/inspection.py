@@ -9,13 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.fsio import read_json_file
+from areal_ckpt.formats.dcp_names import tensor_summary
 from areal_ckpt.generations.store import RecoverStore, resolve_recovery
 from areal_ckpt.paths import (
     FROZEN_PART,
     LATEST,
     MANIFEST_NAME,
-    METADATA_JSON,
     RECOVER_MANIFEST,
     RECOVER_STORE,
     TAGGED_FORMAT,
@@ -161,35 +160,23 @@ def _describe_export(path: Path) -> dict[str, Any]:
 
 
 def _model_facts(folder: Path, manifest: dict[str, Any], model: str) -> dict[str, Any]:
-    """Parameters, dtypes, optimizer presence and bytes of one DCP model folder; CheckpointError
-    naming the metadata file when it is damaged or forged. Imports torch (DCP's metadata types)."""
-    from areal_ckpt.formats.dcp_metadata import read_metadata_json, tensor_entries
-
-    metadata = read_metadata_json(folder / model)
-    parts = [metadata]
+    """Parameters, dtypes, optimizer presence and bytes of one DCP model folder, from its
+    metadata as JSON (no torch); CheckpointError naming the metadata file when it is damaged."""
+    tensors = tensor_summary(folder / model)
+    parts = [tensors]
     if (folder / model / FROZEN_PART).is_dir():  # parameters that do not train, stored once
-        parts.append(read_metadata_json(folder / model / FROZEN_PART))
+        parts.append(tensor_summary(folder / model / FROZEN_PART))
     dtypes: dict[str, int] = {}
     for part in parts:
-        for name, entry in tensor_entries(part).items():
+        for name, (dtype, count) in part.items():
             if name.startswith("model."):
-                dtype = str(entry.properties.dtype).removeprefix("torch.")
-                dtypes[dtype] = dtypes.get(dtype, 0) + entry.size.numel()
+                dtypes[dtype] = dtypes.get(dtype, 0) + count
     return {
         "parameters": sum(dtypes.values()),
         "dtypes": dtypes,
-        "optimizer": any(k.startswith("optim.") for k in metadata.state_dict_metadata),
+        "optimizer": any(name.startswith("optim.") for name in tensors),
         "bytes": sum(e["size"] for f, e in manifest["files"].items() if f.startswith(f"{model}/")),
     }
-
-
-def _metadata_reads(folder: Path) -> dict[str, Any]:
-    """Nothing, once ``folder``'s DCP metadata reads as a JSON object; CheckpointError naming it
-    otherwise (a torn or overwritten file; what it claims is checked by ``inspect`` and the load)."""
-    source = folder / METADATA_JSON
-    if not isinstance(read_json_file(source, "DCP metadata")[1], dict):
-        raise CheckpointError(f"{source}: malformed DCP metadata: not a JSON object")
-    return {}
 
 
 def _describe_stock_dcp(path: Path) -> dict[str, Any]:
@@ -251,16 +238,10 @@ def _describe_deepspeed(folder: Path) -> dict[str, Any]:
     }
 
 
-def _describe_recovery(path: Path, tensors: bool = True) -> dict[str, Any]:
-    """The committed recovery generation at ``path`` from its manifest; with ``tensors`` each
-    model's parameters, dtypes and optimizer from its DCP metadata (which imports torch), else
-    only each metadata file read as a JSON object. CheckpointError naming the file that does not read."""
+def _describe_recovery(path: Path) -> dict[str, Any]:
     generation, _ = resolve_recovery(path)
     manifest = read_manifest(generation, RECOVER_MANIFEST)
-    models = {
-        model: _model_facts(generation, manifest, model) if tensors else _metadata_reads(generation / model)
-        for model in manifest.get("models", [])
-    }
+    models = {model: _model_facts(generation, manifest, model) for model in manifest.get("models", [])}
     return {
         "kind": "recover",
         "path": str(generation),
@@ -376,7 +357,7 @@ def list_trial(trial: Path) -> list[dict[str, Any]]:
             )
     if recover_pointer(trial).is_symlink():
         try:
-            recovery = _describe_recovery(trial, tensors=False)  # a listing names the models, no more
+            recovery = _describe_recovery(trial)
         except CheckpointError as error:  # shown, not hidden: a damaged checkpoint is news
             recovery = {
                 "models": {},
