@@ -50,7 +50,8 @@ def tensor_entries(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
 
 def metadata_to_json(metadata: Metadata) -> dict[str, Any]:
     """A JSON rendering of the tensor entries of DCP ``Metadata`` whose names follow
-    :data:`~areal_ckpt.formats.dcp_names.STORED_PREFIXES`; entries that are not tensors (kept for stock readers) are left out."""
+    :data:`~areal_ckpt.formats.dcp_names.STORED_PREFIXES`; entries that are not tensors (kept
+    for stock readers) are left out."""
     tensors = {}
     for fqn, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):

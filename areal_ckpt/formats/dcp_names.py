@@ -52,7 +52,9 @@ def tensor_summary(folder: Path) -> dict[str, tuple[str, int]]:
     source = Path(folder) / METADATA_JSON
     _, data = read_json_file(source, "DCP metadata")
     try:
-        prefixes = data.get("key_prefixes", {}) if isinstance(data, dict) else None
+        if not isinstance(data, dict):
+            raise ValueError(f"expected an object, got {type(data).__name__}")
+        prefixes = data.get("key_prefixes", {})
         if not isinstance(prefixes, dict) or not all(isinstance(v, str) for v in prefixes.values()):
             raise ValueError(f"key_prefixes must map strings to strings, got {str(prefixes)[:200]}")
         summary = {}

@@ -151,7 +151,7 @@ def fetch_committed(
     rank 0 draws per load), so each copy is checked and completed once per load. The files
     ``deferred`` names are left for the reader to bring down
     (:class:`~areal_ckpt.storage.folders.OnDemandFiles`). Collective (the ranks agree on the
-    generation and on success)."""
+    load's token and on success)."""
     token = agree.decided_by_rank0(lambda: secrets.token_hex(4), f"{behind.where()}: cannot start the fetch")
 
     def point_current(folder: Path) -> None:

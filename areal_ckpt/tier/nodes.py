@@ -27,10 +27,7 @@ from pathlib import Path
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError, CollectiveError
 from areal_ckpt.formats.dcp_slices import data_files_read_by
-from areal_ckpt.fsio import (
-    FileRecord,
-    record_of,
-)
+from areal_ckpt.fsio import FileRecord, record_of
 from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.paths import DATA_SUFFIX, RECOVER_MANIFEST
 from areal_ckpt.publish import read_manifest
