@@ -1,9 +1,12 @@
 """Every code block in the README and docs/ runs, so the docs cannot rot.
 
 Per document, in order: a YAML block is validated with load_config (and saved as config.yaml
-for the Python blocks after it); Python blocks run in one namespace, in a scratch folder. A
-block fenced ```python notest``` is a fragment shown, not a program (a DeepSpeed loop's lines,
-a backend's registration): it is the one kind not run, and says so where it stands.
+for the Python blocks after it); Python blocks run in one namespace, in a scratch folder; every
+```sh``` block runs in bash (:func:`test_shell_blocks_with_the_cli_run`). A block fenced
+```python notest``` or ```sh notest``` is a fragment shown, not a program (a DeepSpeed loop's
+lines, a backend's registration, a SLURM script, `make test` itself): it is the one kind not
+run, and says so where it stands; every other shell fence is refused
+(:func:`test_every_shell_block_runs_or_says_it_is_a_fragment`).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ def test_shell_blocks_with_the_cli_run(tmp_path, tokenizer):
     env = {name: value for name, value in os.environ.items() if name not in ("USER", "LOGNAME")}
     azurite = Path(sys.executable).parent.parent / "azurite/node_modules/.bin"  # where `make test` installs it
     env["PATH"] = f"{Path(sys.executable).parent}:{azurite}:{os.environ['PATH']}"
-    shell = [code for doc in DOCS for language, code in blocks(doc) if language == "sh" and "areal-ckpt" in code]
+    shell = [code for doc in DOCS for language, code in blocks(doc) if language == "sh"]
     assert shell
     for code in shell:
         done = subprocess.run(
@@ -72,6 +75,18 @@ def test_shell_blocks_with_the_cli_run(tmp_path, tokenizer):
         )
         assert done.returncode == 0, done.stderr
     assert (tmp_path / "exported/config.json").is_file()
+
+
+FENCE = re.compile(r"^```([^\n`]*)\n", re.MULTILINE)
+
+
+def test_every_shell_block_runs_or_says_it_is_a_fragment():
+    """A shell block is either ```sh``` (run by the suite as written) or ```sh notest```; a
+    ```console```, ```bash``` or ```shell``` block would be neither, and could drift unseen."""
+    for doc in DOCS:
+        infos = FENCE.findall(doc.read_text())[::2]  # each block's opening fence, not its closing one
+        shells = [info for info in infos if info.split(" ")[0] in ("sh", "shell", "bash", "console", "zsh")]
+        assert set(shells) <= {"sh", "sh notest"}, (doc.name, shells)
 
 
 def test_readme_shows_the_two_commands():
