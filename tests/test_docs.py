@@ -50,10 +50,18 @@ def test_code_blocks_run(doc, tmp_path, monkeypatch, request):
 
 
 def test_shell_blocks_with_the_cli_run(tmp_path, tokenizer):
-    """README's `areal-ckpt` lines run as written, in the folder `make demo` runs in, against a
-    trial where the demo leaves one (an actor and a frozen ref), with neither USER nor LOGNAME
-    set (as in many containers)."""
+    """Every ```sh``` block runs as written, in the folder `make demo` runs in, against a trial
+    where the demo leaves one (an actor and a frozen ref) and a DeepSpeed save_dir where the
+    pages put one (`runs/ds_ckpt`, ours, and `runs/ds_native`, DeepSpeed's own), with neither
+    USER nor LOGNAME set (as in many containers)."""
+    from distributed import run_distributed
     from recover_fixtures import SPEC, make_setup, step_info
+    from test_deepspeed import deepspeed_checkpoints_worker
+
+    run_distributed(deepspeed_checkpoints_worker, 1, str(tmp_path / "deepspeed"), 2)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "deepspeed/ours").rename(tmp_path / "runs/ds_ckpt")
+    (tmp_path / "deepspeed/native").rename(tmp_path / "runs/ds_native")
 
     setup = make_setup()
     engines = {"actor": setup.engine, "ref": ac.TorchEngine(make_setup(seed=2).model)}
