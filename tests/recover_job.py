@@ -53,7 +53,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--upload-every", type=int, default=1, help="recover.upload_every (with --local-dir)")
     parser.add_argument("--wait-after-dumps", action="store_true", help="RecoverHandler.wait() after every dump")
     parser.add_argument("--wait-before-kill", action="store_true", help="RecoverHandler.wait() before --kill-at")
-    parser.add_argument("--hold-after-load", help="after load: touch {this}/loaded-rank{r}, then wait for {this}/go")
+    parser.add_argument("--hold", help="touch {this}/held-rank{r} at --hold-at, then wait for {this}/go")
+    parser.add_argument("--hold-at", type=int, default=-1, help="-1: after the load; K: after step K's dump")
     parser.add_argument("--environment", default="{}", help="JSON object of environment variables to set first")
     parser.add_argument("--preemption-signals", default="", help="recover.preemption_signals, comma-separated")
     parser.add_argument("--signal-at", type=int, default=-1, help="send --signal to this process during step K")
@@ -84,6 +85,14 @@ class SignalInDump:
 def run(rank: int, world_size: int, argv: list[str]) -> None:
     """Entry point for a process started by tests/distributed.py (group already initialized)."""
     train(parse(argv))
+
+
+def hold(folder: str | None, rank: int) -> None:
+    """With --hold: say this rank is held, then wait until the test says go (no timer races)."""
+    if folder:
+        (Path(folder) / f"held-rank{rank}").touch()
+        while not (Path(folder) / "go").exists():
+            time.sleep(0.01)
 
 
 def main() -> None:
@@ -165,11 +174,8 @@ def train(args: argparse.Namespace) -> None:
     in_dump = SignalInDump(signal.Signals[args.signal]) if args.signal_in_dump_at >= 0 else None
 
     info = recover.load(engine, dataloader=loader)
-    if args.hold_after_load:  # the test acts (e.g. stops the server) between the load and the first step
-        held = Path(args.hold_after_load)
-        (held / f"loaded-rank{rank}").touch()
-        while not (held / "go").exists():
-            time.sleep(0.01)
+    if args.hold_at == -1:  # the test acts (e.g. stops the server) between the load and the first step
+        hold(args.hold, rank)
     start = (
         info.last_step_info.next()
         if info
@@ -216,6 +222,8 @@ def train(args: argparse.Namespace) -> None:
                 losses.close()
                 recover.close()
                 return
+            if global_step == args.hold_at and first_attempt:  # the test acts knowing the job is mid-run
+                hold(args.hold, rank)
             if global_step == args.kill_at and first_attempt:
                 if args.wait_before_kill:
                     recover.wait()

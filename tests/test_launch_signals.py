@@ -156,14 +156,15 @@ def test_a_preemption_signal_to_the_launcher_reaches_the_job_which_dumps_and_the
 
     from areal_ckpt.paths import generation_step
 
-    fileroot, out = tmp_path / "root", tmp_path / "out"
+    fileroot, out, held = tmp_path / "root", tmp_path / "out", tmp_path / "held"
+    held.mkdir()
     config = tmp_path / "job.yaml"
     config.write_text(
         f"experiment_name: exp\ntrial_name: bitexact\nfileroot: {fileroot}\nuser: tester\n"
         "recover:\n  mode: async\n  retries: 3\n  preemption_signals: [SIGUSR1]\n"
     )
     job = [str(HERE / "recover_job.py"), "--fileroot", str(fileroot), "--out", str(out), "--mode", "async"]
-    job += ["--preemption-signals", "SIGUSR1", "--freq-steps", "100", "--step-seconds", "0.3"]
+    job += ["--preemption-signals", "SIGUSR1", "--freq-steps", "100", "--hold", str(held), "--hold-at", "2"]
     if under == "torchrun":
         from distributed import free_port
 
@@ -172,8 +173,10 @@ def test_a_preemption_signal_to_the_launcher_reaches_the_job_which_dumps_and_the
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE)}
     launcher = _launcher(config, sys.executable, *job, env=env)
     try:
-        _wait_for(lambda: (out / "losses-rank0.jsonl").exists() and len(steps_run(out)) >= 2, launcher)
-        launcher.send_signal(signal.SIGUSR1)
+        ranks = 2 if under == "torchrun" else 1
+        _wait_for(lambda: all((held / f"held-rank{rank}").exists() for rank in range(ranks)), launcher)
+        launcher.send_signal(signal.SIGUSR1)  # recorded by every rank while held; step 3 is dumped
+        (held / "go").touch()
         _, stderr = launcher.communicate(timeout=DEADLINE)
     finally:
         if launcher.poll() is None:

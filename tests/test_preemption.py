@@ -41,6 +41,18 @@ def preempted_run(fileroot: Path, out: Path, world_size: int, wrap: str, extra: 
     return [process.exitcode for process in processes]
 
 
+def held_job(command: list[str], held: Path, ranks: int) -> subprocess.Popen:
+    """Start ``command`` (a recover_job with ``--hold held``) in a session of its own; return once
+    every rank is held mid-run, so the test signals a job that is surely still training."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE)}
+    job = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300  # a bound on a job that hangs, not a race with it
+    while not all((held / f"held-rank{rank}").exists() for rank in range(ranks)):
+        assert job.poll() is None and time.monotonic() < deadline, "the job never reached its hold"
+        time.sleep(0.05)
+    return job
+
+
 def committed_step(fileroot: Path) -> int:
     return generation_step((fileroot / TRIAL / ".recover/current").readlink().name)
 
@@ -119,21 +131,18 @@ def test_torchruns_elastic_agent_restarts_the_job_which_resumes_bit_exact(refere
 @pytest.mark.dist
 def test_sigterm_to_torchruns_process_group_dumps_the_step_every_rank_is_in(reference_run_fsdp2, tmp_path):
     """As SLURM and Kubernetes signal a job: its whole process group, torchrun included, at a
-    step the test does not choose; the restart (by the cluster, here the test) resumes after it."""
-    fileroot, out = tmp_path / "root", tmp_path / "out"
+    step mid-run; the restart (by the cluster, here the test) resumes after it."""
+    fileroot, out, held = tmp_path / "root", tmp_path / "out", tmp_path / "held"
+    held.mkdir()
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
         "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(HERE / "recover_job.py"),
         "--fileroot", str(fileroot), "--out", str(out), "--wrap", "fsdp2", "--preemption-signals", "SIGTERM",
-        "--step-seconds", "0.5", *NO_PERIODIC_DUMPS,
+        "--hold", str(held), "--hold-at", "2", *NO_PERIODIC_DUMPS,
     ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE)}
-    job = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not (out / "losses-rank0.jsonl").exists() or not steps_run(out):  # training has begun
-        assert job.poll() is None and time.monotonic() < deadline, "the job never trained"
-        time.sleep(0.05)
+    job = held_job(command, held, ranks=2)
     os.killpg(job.pid, signal.SIGTERM)
+    (held / "go").touch()
     _, stderr = job.communicate(timeout=300)
     assert job.returncode != 0, stderr[-3000:]
     dumped = committed_step(fileroot)
@@ -147,19 +156,17 @@ def test_sigterm_to_torchruns_process_group_dumps_the_step_every_rank_is_in(refe
 def test_sigterm_to_an_async_jobs_process_group_spares_its_writer_and_dumps_the_step(reference_run, tmp_path, tier):
     """SLURM, Kubernetes and `kill -TERM -PGID` signal the whole group: the background writer
     (and a tiered trial's uploader) must not die of it, so the preemption dump completes."""
-    fileroot, out = tmp_path / "root", tmp_path / "out"
+    fileroot, out, held = tmp_path / "root", tmp_path / "out", tmp_path / "held"
+    held.mkdir()
     tiered = ["--local-dir", str(tmp_path / "local")] if tier else []
     command = [
         sys.executable, str(HERE / "recover_job.py"), "--fileroot", str(fileroot), "--out", str(out),
-        "--mode", "async", "--freq-steps", "2", "--preemption-signals", "SIGTERM", "--step-seconds", "0.3", *tiered,
+        "--mode", "async", "--freq-steps", "2", "--preemption-signals", "SIGTERM", *tiered,
+        "--hold", str(held), "--hold-at", "3",  # just after step 3's dump went to the background writer
     ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE)}
-    job = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not (out / "losses-rank0.jsonl").exists() or len(steps_run(out)) < 3:  # an async dump was made
-        assert job.poll() is None and time.monotonic() < deadline, "the job never trained"
-        time.sleep(0.05)
+    job = held_job(command, held, ranks=1)
     os.killpg(job.pid, signal.SIGTERM)
+    (held / "go").touch()
     _, stderr = job.communicate(timeout=300)
     assert job.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     trial = (tmp_path / "local/node0" if tier else fileroot) / TRIAL
@@ -178,21 +185,26 @@ def test_a_preempted_tiered_job_whose_persistent_tier_is_down_exits_128_plus_n_l
     at close for about 110 s, and the job exited 1)."""
     server = own_s3_server
     server.make_bucket("preempted")
-    fileroot, out, local = "s3://preempted/root", tmp_path / "out", tmp_path / "local"
+    fileroot, out, local, held = "s3://preempted/root", tmp_path / "out", tmp_path / "local", tmp_path / "held"
+    held.mkdir()
     command = [
         sys.executable, str(HERE / "recover_job.py"), "--fileroot", fileroot, "--out", str(out),
-        "--local-dir", str(local), "--preemption-signals", "SIGTERM", "--freq-steps", "2", "--step-seconds", "0.3",
+        "--local-dir", str(local), "--preemption-signals", "SIGTERM", "--freq-steps", "2",
+        "--hold", str(held), "--hold-at", "3",
     ]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE), "AREAL_CKPT_STORAGE_TIMEOUT": "2"}
     job = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True)
     uploaded = False
     deadline = time.monotonic() + 300
-    while not uploaded:  # a first upload went through: the job runs against a live store
+    while not uploaded:  # held mid-run after step 3's dump, whose upload went through: a live store
         assert job.poll() is None and time.monotonic() < deadline, "the job never uploaded"
-        uploaded = any("/.recover/.commits/" in key for key in keys_under("s3://preempted", "root/"))
+        uploaded = (held / "held-rank0").exists() and any(
+            "/.recover/.commits/" in key for key in keys_under("s3://preempted", "root/")
+        )
         time.sleep(0.1)
     server.kill()
-    os.killpg(job.pid, signal.SIGTERM)
+    os.killpg(job.pid, signal.SIGTERM)  # recorded while held; the next step's dump is the preemption dump
+    (held / "go").touch()
     _, stderr = job.communicate(timeout=300)
     assert job.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "is not uploaded within recover.preemption_upload_seconds=10; the local tier keeps it" in stderr

@@ -248,14 +248,14 @@ def test_two_nodes_whose_uploads_never_went_through_resume_bit_exact_from_their_
     held.mkdir()
 
     def stop_server_once_loaded() -> None:  # every upload of the first run fails: its dumps stay on the nodes
-        while not all((held / f"loaded-rank{rank}").exists() for rank in range(2)):
+        while not all((held / f"held-rank{rank}").exists() for rank in range(2)):
             time.sleep(0.01)
         server.kill()
         (held / "go").touch()
 
     stopper = threading.Thread(target=stop_server_once_loaded, daemon=True)
     stopper.start()
-    first = [*tiered, "--kill-at", "7", "--hold-after-load", str(held)]
+    first = [*tiered, "--kill-at", "7", "--hold", str(held)]
     assert run_job(root, out, world_size=2, wrap="fsdp2", extra=first) == [-9, -9]
     stopper.join()
     assert local_step(local / "node0", "bitexact") == 7 and local_step(local / "node1", "bitexact") is None
