@@ -41,10 +41,11 @@ def preempted_run(fileroot: Path, out: Path, world_size: int, wrap: str, extra: 
     return [process.exitcode for process in processes]
 
 
-def held_job(command: list[str], held: Path, ranks: int) -> subprocess.Popen:
-    """Start ``command`` (a recover_job with ``--hold held``) in a session of its own; return once
-    every rank is held mid-run, so the test signals a job that is surely still training."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE)}
+def held_job(command: list[str], held: Path, ranks: int, environment: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``command`` (a recover_job with ``--hold held``; ``environment`` added to this one) in
+    a session of its own; return once every rank is held mid-run, so the test signals a job that
+    is surely still training."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE), **(environment or {})}
     job = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300  # a bound on a job that hangs, not a race with it
     while not all((held / f"held-rank{rank}").exists() for rank in range(ranks)):
@@ -192,15 +193,10 @@ def test_a_preempted_tiered_job_whose_persistent_tier_is_down_exits_128_plus_n_l
         "--local-dir", str(local), "--preemption-signals", "SIGTERM", "--freq-steps", "2",
         "--hold", str(held), "--hold-at", "3",
     ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(HERE), "AREAL_CKPT_STORAGE_TIMEOUT": "2"}
-    job = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True)
-    uploaded = False
+    job = held_job(command, held, ranks=1, environment={"AREAL_CKPT_STORAGE_TIMEOUT": "2"})
     deadline = time.monotonic() + 300
-    while not uploaded:  # held mid-run after step 3's dump, whose upload went through: a live store
-        assert job.poll() is None and time.monotonic() < deadline, "the job never uploaded"
-        uploaded = (held / "held-rank0").exists() and any(
-            "/.recover/.commits/" in key for key in keys_under("s3://preempted", "root/")
-        )
+    while not any("/.recover/.commits/" in key for key in keys_under("s3://preempted", "root/")):
+        assert job.poll() is None and time.monotonic() < deadline, "the job never uploaded"  # a live store
         time.sleep(0.1)
     server.kill()
     os.killpg(job.pid, signal.SIGTERM)  # recorded while held; the next step's dump is the preemption dump
