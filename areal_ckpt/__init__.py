@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from areal_ckpt.recover.handler import RecoverHandler
     from areal_ckpt.recover.read import check_if_auto_recover, check_if_recover
     from areal_ckpt.schedule import TriggerSchedule
+    from areal_ckpt.state.frontier import RolloutFrontier
     from areal_ckpt.state.recover_info import RecoverInfo
     from areal_ckpt.state.sampler import ResumableDistributedSampler
     from areal_ckpt.step import FinetuneSpec, StepInfo
@@ -49,6 +50,7 @@ _PUBLIC = {
     "TriggerSchedule": "areal_ckpt.schedule",
     "RecoverInfo": "areal_ckpt.state.recover_info",
     "ResumableDistributedSampler": "areal_ckpt.state.sampler",
+    "RolloutFrontier": "areal_ckpt.state.frontier",
     "FinetuneSpec": "areal_ckpt.step",
     "StepInfo": "areal_ckpt.step",
     "load_checkpoint": "areal_ckpt.tags.api",
@@ -84,6 +86,7 @@ __all__ = [
     "RecoverHandler",
     "RecoverInfo",
     "ResumableDistributedSampler",
+    "RolloutFrontier",
     "Saver",
     "SaverConfig",
     "StepInfo",

@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from areal_ckpt import dist
+from areal_ckpt import agree, dist
 from areal_ckpt.config import RecoverConfig
 from areal_ckpt.engines.accept import HFAssets, check_engines, engines_by_name, named_engines
 from areal_ckpt.engines.contract import EnginesLike, RolloutEngine, WeightUpdateMeta
@@ -32,6 +32,8 @@ from areal_ckpt.recover.read import OpenedGeneration, load_engine, open_committe
 from areal_ckpt.recover.rollout_sync import RolloutSync
 from areal_ckpt.schedule import TriggerSchedule, warn_if_never_due
 from areal_ckpt.state.components import Stateful, capture_components, dataloader_state, restore_components
+from areal_ckpt.state.frontier import RolloutFrontier
+from areal_ckpt.state.frontier_files import encode_frontier
 from areal_ckpt.state.recover_info import RecoverInfo
 from areal_ckpt.state.rng import capture_rng_state, python_random_kept, restore_rng_state
 from areal_ckpt.step import FinetuneSpec, StepInfo
@@ -136,6 +138,7 @@ class RecoverHandler:
         base_model_path: str | None = None,
         *,
         client_state: Mapping[str, Any] | None = None,
+        rollout: RolloutFrontier | None = None,
         force: bool = False,
     ) -> str | None:
         """Write a recovery checkpoint after ``step_info`` when the schedule says so (or ``force``).
@@ -143,7 +146,10 @@ class RecoverHandler:
         AReaL's call, in AReaL's order; the four components are optional here. ``engine`` is
         one engine or ``{model name: engine}`` (see :mod:`areal_ckpt.engines.contract`).
         Collective: every rank calls it after every step, with its own dataloader and
-        ``client_state`` (the loop's own JSON-able state, e.g. a KL coefficient). The model's HF
+        ``client_state`` (the loop's own JSON-able state, e.g. a KL coefficient), and its
+        ``rollout`` frontier if it has one (:class:`~areal_ckpt.state.frontier.RolloutFrontier`:
+        the prompts in flight and the data source's position, snapshotted at one instant and
+        committed with the weights; ConfigError on every rank when one exceeds its bound). The model's HF
         config, ``tokenizer``, ``processor`` and the base model's other files are recorded so
         ``areal-ckpt export`` can make a complete HF folder. Returns None when no dump was due
         (or mode is off), else the generation's path.
@@ -185,6 +191,10 @@ class RecoverHandler:
             "rng": capture_rng_state(),
             "client_state": dict(client_state or {}),
         }
+        own_files = agree.on_every_rank(
+            lambda: {} if rollout is None else encode_frontier(rollout.snapshot(), dist.rank()),
+            "RecoverHandler.dump: the rollout frontier",
+        )
         start = time.perf_counter()
         self._jobs.wait()
         what = f"{self.store.root}: recovery dump at global step {step_info.global_step}"
@@ -202,6 +212,7 @@ class RecoverHandler:
                     rank_state,
                     assets,
                     self._run,
+                    own_files,
                 ),
                 self.config.write_retries,
                 what,
@@ -270,6 +281,7 @@ class RecoverHandler:
         inference_engine_update_from: str = "default",
         colocated_rollout: bool = False,
         *,
+        rollout: RolloutFrontier | None = None,
         drop_rank_state: bool = False,
     ) -> RecoverInfo | None:
         """Restore the committed checkpoint into ``engine`` and the given objects, if there is one.
@@ -288,6 +300,9 @@ class RecoverHandler:
         (``weight_update_meta`` at version ``global_step + 1``) and it is resumed even if that
         failed; both then get that version. ``colocated_rollout`` with an ``awex`` meta first
         has the rollout engine release its memory, and loads the checkpoint only then.
+        With ``rollout`` (the frontier the dumps recorded) its finished trajectories return to
+        its buffer and its queued and generating prompts are handed out again first; it is read
+        and checked against its data source before any weight is loaded.
         RNG streams are restored last, so nothing after ``load`` returns perturbs them.
         On another number of ranks than the dump's, per-rank state is handled as
         ``recover.on_world_size_change`` says; ``drop_rank_state=True`` overrides it with
@@ -296,14 +311,14 @@ class RecoverHandler:
         if not self.enabled:
             return None
         originals = named_engines(engine)
-        rollout = RolloutSync.checked(
+        sync = RolloutSync.checked(
             originals, inference_engine, weight_update_meta, inference_engine_update_from, colocated_rollout
         )
         engines = engines_by_name(engine, "RecoverHandler.load")
         policy = "drop_rank_state" if drop_rank_state else self.config.on_world_size_change
 
         def restore(read_from: ReadFrom) -> OpenedGeneration | None:
-            opened = open_committed(self.store, read_from, sorted(engines), policy, dataloader)
+            opened = open_committed(self.store, read_from, sorted(engines), policy, dataloader, rollout)
             if opened is None:
                 return None
 
@@ -318,10 +333,10 @@ class RecoverHandler:
                         peers=opened.peers,
                     )
 
-            if rollout is None:
+            if sync is None:
                 load_engines()
             else:
-                rollout.run(opened.info.last_step_info.global_step + 1, load_engines)
+                sync.run(opened.info.last_step_info.global_step + 1, load_engines)
             return opened
 
         with python_random_kept():  # a request retried meanwhile draws from it; restored below when loaded
@@ -344,6 +359,8 @@ class RecoverHandler:
             },
             {"saver": saver, "evaluator": evaluator, "stats_logger": stats_logger, "dataloader": dataloader},
         )
+        if rollout is not None and restored.frontier is not None:
+            rollout.restore(restored.frontier)
         if info.checkpoint_info is not None:
             self._schedule.load_state_dict(info.checkpoint_info)
         self._generation = found

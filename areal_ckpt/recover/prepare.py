@@ -9,7 +9,7 @@ the background writers.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,11 +68,13 @@ def prepare_dump(
     rank_state: dict[str, Any],
     assets: dict[str, HFAssets],
     run: str = "",
+    own_files: Mapping[str, bytes] | None = None,
 ) -> tuple[DumpJob, dict[str, torch.Tensor], dict[str, list[int]]]:
     """Create the generation (rank 0, with ``begin``), encode its JSON files, capture the
     tensors; returns the second half's job, the tensors and the frozen models' fingerprints.
     ``run`` names the job in its commits where the trial persists; ``publication`` says when
-    the commit reaches there (:mod:`areal_ckpt.recover.publication`).
+    the commit reaches there (:mod:`areal_ckpt.recover.publication`); ``own_files``: this
+    rank's further small files, by path in the generation (its rollout frontier's).
 
     Collective. Raises RankMismatchError when ranks disagree on the step or the models, the
     refusal ``begin`` raises, or TransientError on every rank (after discarding the
@@ -102,6 +104,7 @@ def prepare_dump(
                     collected.files[f"{RECOVER_INFO}/{file_name}"] = data
             file_name, data = encode_rank_state(rank, rank_state)
             collected.files[f"{RECOVER_INFO}/{file_name}"] = data
+            collected.files.update(own_files or {})
         except (RankMismatchError, CollectiveError):
             raise
         except Exception as error:  # retried, once every rank knows

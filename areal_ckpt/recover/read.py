@@ -40,6 +40,8 @@ from areal_ckpt.recover.location import trial_location
 from areal_ckpt.schedule import TriggerSchedule
 from areal_ckpt.state import safe_json
 from areal_ckpt.state.components import Stateful, check_dataloader_state
+from areal_ckpt.state.frontier import FrontierSnapshot, RolloutFrontier
+from areal_ckpt.state.frontier_files import frontier_to_restore
 from areal_ckpt.state.numerics import warn_if_numerics_changed
 from areal_ckpt.state.recover_info import RecoverInfo, read_recover_info
 from areal_ckpt.state.rng import check_rng_state
@@ -54,7 +56,8 @@ class OpenedGeneration:
     """A committed generation opened for a load: its ``name`` and ``folder`` in the local
     store, its verified ``manifest``, this rank's recover ``info``, what brings a data file
     into the local copy before it is read (``fetch``; None when it is all there) and the data
-    files other ranks send into the load (``peers``). Plain data, local to the rank."""
+    files other ranks send into the load (``peers``), this rank's rollout frontier when the load
+    restores one (``frontier``). Plain data, local to the rank."""
 
     name: str
     folder: Path
@@ -62,6 +65,7 @@ class OpenedGeneration:
     info: RecoverInfo
     fetch: Callable[[Path], None] | None = None
     peers: PeerFiles | None = None
+    frontier: FrontierSnapshot | None = None
 
 
 def open_committed(
@@ -70,6 +74,7 @@ def open_committed(
     models: list[str],
     on_world_size_change: str,
     dataloader: Stateful | None = None,
+    rollout: RolloutFrontier | None = None,
 ) -> OpenedGeneration | None:
     """The committed generation of ``store``, read as ``read_from`` says
     (:class:`~areal_ckpt.persistence.contract.ReadFrom`), or None when there is none. With a
@@ -83,8 +88,8 @@ def open_committed(
     info. Raises CheckpointError on every rank when the
     commit record is broken, the trial holds AReaL's folders, a file is damaged, ``models``
     names one it does not hold (:func:`check_models`), the three records of its step disagree,
-    or a component cannot be restored (``dataloader``: the one the load restores); nothing is
-    loaded then."""
+    or a component cannot be restored (``dataloader``, ``rollout``: the ones the load restores,
+    :func:`~areal_ckpt.state.frontier_files.frontier_to_restore`); nothing is loaded then."""
     source = read_from.source
     if source is not None:
         if read_from.newest is None:
@@ -103,8 +108,9 @@ def open_committed(
     )
     check_one_step(folder, manifest, info)
     check_restorable(info, dataloader)  # before any weight is loaded: a failed load changes nothing
+    frontier = frontier_to_restore(folder, manifest, rollout, on_world_size_change)
     warn_if_numerics_changed(str(folder), manifest, dist.rank())
-    return OpenedGeneration(found, folder, manifest, info, fetch, read_from.peers)
+    return OpenedGeneration(found, folder, manifest, info, fetch, read_from.peers, frontier)
 
 
 def check_models(folder: Path, held: list[str], given: list[str]) -> None:

@@ -1,0 +1,271 @@
+"""The async RL frontier (areal_ckpt.RolloutFrontier): the prompts in flight are committed with
+the weights, so a resumed job neither skips nor repeats a prompt (docs/recovery.md, "The
+rollout frontier")."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import rollout_job
+import torch
+from distributed import run_distributed, start_processes
+from safetensors.torch import load_file
+from torch.utils.data import DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import areal_ckpt as ac
+from areal_ckpt.state.frontier_files import frontier_files
+
+SPEC = ac.FinetuneSpec(total_train_epochs=1, dataset_size=40, train_batch_size=2)
+
+
+def loader(length: int = 10, seed: int = 1) -> StatefulDataLoader:
+    """A shuffled data source whose order is a function of (seed, epoch): the frontier calls
+    set_epoch, so every epoch's order is the same after a resume (docs/recovery.md)."""
+    data = [{"id": index} for index in range(length)]
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=seed)
+    return StatefulDataLoader(data, batch_size=3, sampler=sampler, collate_fn=list)
+
+
+def frontier_of(source: StatefulDataLoader, **options) -> ac.RolloutFrontier:
+    return ac.RolloutFrontier(source, identity=lambda prompt: prompt["id"], **options)
+
+
+def handler(tmp_path: Path) -> ac.RecoverHandler:
+    config = ac.RecoverConfig(experiment_name="e", trial_name="t", fileroot=str(tmp_path), mode="on", user="tester")
+    return ac.RecoverHandler(config, SPEC)
+
+
+def engine() -> ac.TorchEngine:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    return ac.TorchEngine(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def weights(target: ac.TorchEngine) -> dict[str, torch.Tensor]:
+    return {name: value.clone() for name, value in target.module.state_dict().items()}
+
+
+def drawn(frontier: ac.RolloutFrontier, count: int) -> list[str]:
+    return [frontier.next()[0] for _ in range(count)]
+
+
+def dump(tmp_path: Path, frontier: ac.RolloutFrontier | None, target: ac.TorchEngine | None = None, **extra) -> None:
+    recover = handler(tmp_path)
+    try:
+        recover.dump(target or engine(), ac.StepInfo(0, 0, 0, 20), rollout=frontier, force=True, **extra)
+    finally:
+        recover.close()
+
+
+def load(tmp_path: Path, frontier: ac.RolloutFrontier | None, target: ac.TorchEngine | None = None, **extra):
+    recover = handler(tmp_path)
+    try:
+        return recover.load(target or engine(), rollout=frontier, **extra)
+    finally:
+        recover.close()
+
+
+def test_a_resume_issues_the_prompts_in_flight_first_in_draw_order_then_goes_on_as_if_never_stopped(tmp_path):
+    frontier = frontier_of(loader(), epochs=2)
+    keys = drawn(frontier, 5)  # two batches of three drawn: one prompt still queued
+    frontier.set_version(4)
+    frontier.finished(keys[3], {"ids": torch.arange(4), "reward": 0.5})
+    frontier.finished(keys[1], {"ids": torch.arange(2)})
+    frontier.finished(keys[0], {"ids": torch.arange(3)})
+    frontier.consumed([keys[1]])
+    dump(tmp_path, frontier)
+    never_stopped = drawn(frontier, 15)  # the rest of both epochs
+
+    resumed = frontier_of(loader(), epochs=2)
+    assert load(tmp_path, resumed) is not None
+    assert [(key, {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in trajectory.items()})
+            for key, trajectory in resumed.buffered()] == [
+        (keys[3], {"ids": [0, 1, 2, 3], "reward": 0.5}), (keys[0], {"ids": [0, 1, 2]})
+    ]  # fmt: skip
+    assert resumed.counts() == {"queued": 3, "generating": 0, "finished": 2, "consumed": 1}
+    assert resumed.version == 4
+    reissued = drawn(resumed, 3)
+    assert reissued == [keys[2], keys[4], never_stopped[0]]  # keys[2], keys[4] were generating or queued
+    assert [resumed.seed_of(key) for key in reissued] == [frontier.seed_of(key) for key in reissued]
+    assert reissued[2:] + drawn(resumed, 14) == never_stopped
+    with pytest.raises(StopIteration):
+        resumed.next()
+    epochs = [key.split(":")[0] for key in [*keys, *never_stopped]]
+    assert epochs.count("0") == 10 and epochs.count("1") == 10  # every prompt drawn once per epoch
+
+
+def test_a_dump_while_a_rollout_thread_draws_accounts_for_every_prompt_once(tmp_path):
+    """The snapshot and the data source's position are taken at one instant: whatever the thread
+    was doing, the prompts consumed before the dump, those in the frontier and those drawn after
+    the resume are every prompt exactly once."""
+    frontier = frontier_of(loader(length=60), epochs=1)
+    consumed: list[str] = []
+    stop = threading.Event()
+
+    def rollouts() -> None:
+        for key, _ in frontier:
+            frontier.finished(key, {"token": torch.tensor([len(key)])})
+            if stop.is_set():
+                return
+
+    worker = threading.Thread(target=rollouts)
+    worker.start()
+    while len(frontier.buffered()) < 4:
+        time.sleep(0.001)
+    batch = [key for key, _ in frontier.buffered()[:4]]
+    frontier.consumed(batch)
+    consumed += batch
+    dump(tmp_path, frontier)
+    stop.set()
+    worker.join()
+
+    resumed = frontier_of(loader(length=60), epochs=1)
+    load(tmp_path, resumed)
+    after = [key for key, _ in resumed.buffered()] + [key for key, _ in resumed]
+    everything = sorted(consumed + after, key=lambda key: int(key.split(":")[1]))
+    assert everything == [f"0:{index}" for index in range(60)]
+
+
+def test_a_frontier_beyond_its_bound_is_a_config_error_at_the_dump_and_the_previous_checkpoint_stays(tmp_path):
+    frontier = frontier_of(loader(), max_trajectories=1)
+    dump(tmp_path, frontier)  # an empty frontier: within its bound
+    first, second = drawn(frontier, 2)
+    frontier.finished(first, {"ids": torch.arange(3)})
+    frontier.finished(second, {"ids": torch.arange(3)})
+    with pytest.raises(ac.ConfigError, match="2 finished trajectories .* more than max_trajectories=1"):
+        dump(tmp_path, frontier)
+    too_big = frontier_of(loader(), max_bytes=16)
+    key = drawn(too_big, 1)[0]
+    too_big.finished(key, {"ids": torch.arange(3)})  # 24 bytes of int64
+    with pytest.raises(ac.ConfigError, match="hold 24 bytes of tensors, more than max_bytes=16"):
+        dump(tmp_path, too_big)
+    resumed = frontier_of(loader())
+    load(tmp_path, resumed)
+    assert resumed.counts() == {"queued": 0, "generating": 0, "finished": 0, "consumed": 0}
+
+
+@pytest.mark.parametrize(
+    ("field", "other", "saved", "given"),
+    [("length", {"length": 12}, "10", "12"), ("sampler_seed", {"seed": 2}, "1", "2")],
+)
+def test_a_frontier_of_another_data_source_is_refused_naming_the_field_before_any_weight_loads(
+    tmp_path, field, other, saved, given
+):
+    saved_engine = engine()
+    with torch.no_grad():
+        saved_engine.module.weight.add_(1.0)
+    dump(tmp_path, frontier_of(loader()), saved_engine)
+    target = engine()
+    before = weights(target)
+    with pytest.raises(
+        ac.CheckpointError, match=rf"rank0.json: .*another data source: {field} was {saved}, .* {given}"
+    ):
+        load(tmp_path, frontier_of(loader(**other)), target)
+    assert all(torch.equal(before[name], value) for name, value in weights(target).items())
+
+
+def test_a_damaged_trajectory_file_is_refused_naming_it_and_the_engines_stay_untouched(tmp_path):
+    frontier = frontier_of(loader())
+    key = drawn(frontier, 1)[0]
+    frontier.finished(key, {"ids": torch.arange(100)})
+    saved_engine = engine()
+    with torch.no_grad():
+        saved_engine.module.weight.add_(1.0)
+    dump(tmp_path, frontier, saved_engine)
+    (generation,) = (tmp_path / "checkpoints/tester/e/t/.recover").glob("gen-*")
+    tensors = generation / frontier_files(0)[1]
+    data = bytearray(tensors.read_bytes())
+    data[-3] ^= 0xFF
+    tensors.write_bytes(bytes(data))
+    target = engine()
+    before = weights(target)
+    with pytest.raises(ac.CheckpointError, match=rf"damaged: rank 0: {re.escape(str(tensors))}: checksum mismatch"):
+        load(tmp_path, frontier_of(loader()), target)
+    assert all(torch.equal(before[name], value) for name, value in weights(target).items())
+
+
+def test_a_dump_without_a_frontier_is_refused_by_a_load_given_one_and_the_hint_works(tmp_path):
+    source = loader()
+    first = drawn(frontier_of(source), 3)  # the loader's position: one batch yielded
+    dump(tmp_path, None, dataloader=source)
+    with pytest.raises(ac.CheckpointError, match="holds no rollout frontier .* as dataloader= and without rollout="):
+        load(tmp_path, frontier_of(loader()))
+    again = loader()
+    load(tmp_path, None, dataloader=again)  # the hint: the data source's position, no frontier
+    resumed = frontier_of(again)
+    rest = [key for key, _ in resumed]
+    assert len(rest) == 7 and sorted(first + rest) == sorted(f"0:{index}" for index in range(10))
+
+
+def test_misuse_names_the_key_and_the_source():
+    frontier = frontier_of(loader())
+    key = drawn(frontier, 1)[0]
+    with pytest.raises(ValueError, match=r"consumed: \['" + key + r"'\] are not finished"):
+        frontier.consumed([key])
+    with pytest.raises(ValueError, match="'nope' is not in the frontier, not generating"):
+        frontier.finished("nope", {})
+    with pytest.raises(ValueError, match=r"trajectory\[.text.\]: cannot store a builtins.object without pickle"):
+        frontier.finished(key, {"text": object()})
+    with pytest.raises(ac.ConfigError, match="no state_dict / load_state_dict; give it a torchdata StatefulDataLoader"):
+        ac.RolloutFrontier([1, 2, 3])
+
+
+def _run_killed(fileroot: Path, out: Path, world: int, kills: int, seed: int) -> int:
+    """Run the job, SIGKILL every rank once its ledger shows a random number of steps (each time
+    after a further random pause), ``kills`` times, then let it finish; returns the kills made."""
+    chance = random.Random(seed)
+    steps = rollout_job.PROMPTS // world * rollout_job.EPOCHS // rollout_job.BATCH
+    made = 0
+    for _ in range(kills):
+        processes = start_processes(rollout_job.run, world, ["--fileroot", str(fileroot), "--out", str(out),
+                                                              "--generate-seconds", "0.01"])  # fmt: skip
+        ledger = out / "ledger-rank0.jsonl"
+        lines = len(ledger.read_text().splitlines()) if ledger.exists() else 0
+        target = min(lines + chance.randint(1, 3), steps - 2)
+        deadline = time.monotonic() + 240
+        try:
+            while time.monotonic() < deadline and all(p.is_alive() for p in processes):
+                if ledger.exists() and len(ledger.read_text().splitlines()) >= target:
+                    time.sleep(chance.uniform(0, 0.05))  # while generating, dumping or in between
+                    made += 1
+                    break
+                time.sleep(0.005)
+        finally:
+            for process in processes:
+                if process.is_alive():
+                    os.kill(process.pid, signal.SIGKILL)
+                process.join()
+    run_distributed(rollout_job.run, world, ["--fileroot", str(fileroot), "--out", str(out)])
+    return made
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_killed_async_rl_job_trains_every_prompt_once_per_epoch_and_ends_bit_equal(tmp_path, world):
+    """SIGKILLed at random instants (while generating, while dumping, between) and relaunched:
+    every prompt of every epoch is trained on exactly once (none skipped, none repeated), and
+    with seeds derived from each prompt's key the final weights equal an uninterrupted run's."""
+    run_distributed(rollout_job.run, world, ["--fileroot", str(tmp_path / "ref"), "--out", str(tmp_path / "ref-out")])
+    seed = random.randrange(2**32)
+    kills = _run_killed(tmp_path / "killed", tmp_path / "out", world, kills=2 if world == 1 else 1, seed=seed)
+    assert kills >= 1, f"seed {seed}: the job ended before any kill"
+    trained: dict[str, int] = {}
+    for rank in range(world):
+        for line in (tmp_path / "out" / f"ledger-rank{rank}.jsonl").read_text().splitlines():
+            for key in json.loads(line)["keys"]:
+                trained[key] = trained.get(key, 0) + 1
+    expected = {f"{epoch}:{index}" for epoch in range(rollout_job.EPOCHS) for index in range(rollout_job.PROMPTS)}
+    assert set(trained) == expected, f"seed {seed}: skipped {sorted(expected - set(trained))}"
+    assert set(trained.values()) == {1}, f"seed {seed}: repeated {[k for k, n in trained.items() if n > 1]}"
+    for rank in range(world):
+        reference = load_file(tmp_path / "ref-out" / f"final-rank{rank}.safetensors")
+        resumed = load_file(tmp_path / "out" / f"final-rank{rank}.safetensors")
+        assert all(torch.equal(reference[name], resumed[name]) for name in reference), f"seed {seed}"
