@@ -10,7 +10,7 @@ DEMO_STAMP := $(VENV)/.installed-demo
 PYTEST_ARGS ?=
 TORTURE_TRIALS ?= 200
 
-.PHONY: demo test lint torture bench scale gpu-check venv clean distclean
+.PHONY: demo demo-async test lint torture bench scale gpu-check venv clean distclean
 
 venv: $(STAMP)
 
@@ -29,6 +29,11 @@ $(STAMP): $(DEMO_STAMP)
 
 demo: $(DEMO_STAMP)
 	$(BIN)/areal-ckpt launch --config configs/demo.yaml -- $(BIN)/python -m areal_ckpt.demo.train --config configs/demo.yaml
+
+# Asynchronous GRPO: a rollout thread ahead of the trainer, killed at a random instant, resumed
+# with its prompts in flight (the rollout frontier); reports each prompt trained once per epoch.
+demo-async: $(DEMO_STAMP)
+	$(BIN)/areal-ckpt launch --config configs/demo-async.yaml -- $(BIN)/python -m areal_ckpt.demo.async_grpo --config configs/demo-async.yaml
 
 # Debian packages some tests need: fuse3 (the power-loss tests serve a FUSE file system,
 # tests/crashfs.py) and libaio-dev (DeepSpeed's NVMe offload, refused by name in a test)
@@ -72,6 +77,7 @@ bench: $(STAMP)
 	cd benchmarks && ../$(BIN)/python bench_peer_copies.py --out ../docs/benchmarks-peer-copies.md
 	cd benchmarks && ../$(BIN)/python bench_cli.py --out ../docs/benchmarks-cli.md
 	cd benchmarks && ../$(BIN)/python bench_preemption.py --out ../docs/benchmarks-preemption.md
+	cd benchmarks && ../$(BIN)/python bench_frontier.py --out ../docs/benchmarks-frontier.md
 
 # the paths only a GPU takes, once, one line per check (docs/benchmarks-gpu.md); exits 2 without CUDA.
 # Install a CUDA build of torch: `make gpu-check TORCH_SPEC="torch==2.13.0 --index-url <a CUDA index>"`

@@ -68,3 +68,35 @@ def test_demo_training_run_twice_without_the_launcher_finishes_both_times(tmp_pa
     assert "resuming from global step 8 (last dump after step 7" in second
     assert not re.search(r"global +\d+ loss", second), "the second run trained again"
     assert re.search(r"generate\('3\+4='\) -> '3\+4=", second)
+
+
+def test_the_async_demo_killed_at_a_random_instant_trains_every_prompt_once_per_epoch(tmp_path):
+    """`make demo-async`: its first attempt SIGKILLs itself at a random instant, the launcher
+    relaunches it, the rollout frontier resumes with the weights, and the report counts every
+    prompt trained on exactly once in each epoch."""
+    config = str(ROOT / "configs/demo-async.yaml")
+    job = [sys.executable, "-m", "areal_ckpt.demo.async_grpo", "--config", config, f"cluster.fileroot={tmp_path}"]
+    command = [
+        sys.executable,
+        "-m",
+        "areal_ckpt.cli.main",
+        "launch",
+        "--config",
+        config,
+        f"cluster.fileroot={tmp_path}",
+    ]
+    done = subprocess.run(
+        [*command, "--", *job], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    output = done.stdout
+    assert done.returncode == 0, output[-3000:] + done.stderr[-3000:]
+    assert re.search(r"simulating a crash: SIGKILL [0-9.]+ s after step \d+", output)
+    assert "attempt 1 failed with exit status 137; relaunch 1 of recover.retries=3" in done.stderr
+    assert re.search(r"resumed after step \d+: \d+ finished rollouts back in the buffer, \d+ prompts", output)
+    for epoch in (0, 1):
+        assert (
+            f"epoch {epoch}: 32 of 32 prompts trained on once, 0 skipped, 0 repeated: every prompt exactly once"
+            in output
+        )
+    assert (tmp_path / "reports/grpo-async/trial0/report.png").stat().st_size > 10_000

@@ -4,20 +4,15 @@ rollout frontier")."""
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import re
-import signal
 import threading
 import time
 from pathlib import Path
 
 import pytest
-import rollout_job
 import torch
-from distributed import run_distributed, start_processes
-from safetensors.torch import load_file
+import torture_rollout
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -219,53 +214,14 @@ def test_misuse_names_the_key_and_the_source():
         ac.RolloutFrontier([1, 2, 3])
 
 
-def _run_killed(fileroot: Path, out: Path, world: int, kills: int, seed: int) -> int:
-    """Run the job, SIGKILL every rank once its ledger shows a random number of steps (each time
-    after a further random pause), ``kills`` times, then let it finish; returns the kills made."""
-    chance = random.Random(seed)
-    steps = rollout_job.PROMPTS // world * rollout_job.EPOCHS // rollout_job.BATCH
-    made = 0
-    for _ in range(kills):
-        processes = start_processes(rollout_job.run, world, ["--fileroot", str(fileroot), "--out", str(out),
-                                                              "--generate-seconds", "0.01"])  # fmt: skip
-        ledger = out / "ledger-rank0.jsonl"
-        lines = len(ledger.read_text().splitlines()) if ledger.exists() else 0
-        target = min(lines + chance.randint(1, 3), steps - 2)
-        deadline = time.monotonic() + 240
-        try:
-            while time.monotonic() < deadline and all(p.is_alive() for p in processes):
-                if ledger.exists() and len(ledger.read_text().splitlines()) >= target:
-                    time.sleep(chance.uniform(0, 0.05))  # while generating, dumping or in between
-                    made += 1
-                    break
-                time.sleep(0.005)
-        finally:
-            for process in processes:
-                if process.is_alive():
-                    os.kill(process.pid, signal.SIGKILL)
-                process.join()
-    run_distributed(rollout_job.run, world, ["--fileroot", str(fileroot), "--out", str(out)])
-    return made
-
-
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_killed_async_rl_job_trains_every_prompt_once_per_epoch_and_ends_bit_equal(tmp_path, world):
     """SIGKILLed at random instants (while generating, while dumping, between) and relaunched:
     every prompt of every epoch is trained on exactly once (none skipped, none repeated), and
-    with seeds derived from each prompt's key the final weights equal an uninterrupted run's."""
-    run_distributed(rollout_job.run, world, ["--fileroot", str(tmp_path / "ref"), "--out", str(tmp_path / "ref-out")])
+    with seeds derived from each prompt's key the final weights equal an uninterrupted run's
+    (`make torture`'s rollout rows, one trial each)."""
+    torture_rollout.run_reference(tmp_path / "reference", world)
     seed = random.randrange(2**32)
-    kills = _run_killed(tmp_path / "killed", tmp_path / "out", world, kills=2 if world == 1 else 1, seed=seed)
-    assert kills >= 1, f"seed {seed}: the job ended before any kill"
-    trained: dict[str, int] = {}
-    for rank in range(world):
-        for line in (tmp_path / "out" / f"ledger-rank{rank}.jsonl").read_text().splitlines():
-            for key in json.loads(line)["keys"]:
-                trained[key] = trained.get(key, 0) + 1
-    expected = {f"{epoch}:{index}" for epoch in range(rollout_job.EPOCHS) for index in range(rollout_job.PROMPTS)}
-    assert set(trained) == expected, f"seed {seed}: skipped {sorted(expected - set(trained))}"
-    assert set(trained.values()) == {1}, f"seed {seed}: repeated {[k for k, n in trained.items() if n > 1]}"
-    for rank in range(world):
-        reference = load_file(tmp_path / "ref-out" / f"final-rank{rank}.safetensors")
-        resumed = load_file(tmp_path / "out" / f"final-rank{rank}.safetensors")
-        assert all(torch.equal(reference[name], resumed[name]) for name in reference), f"seed {seed}"
+    (tmp_path / "trial").mkdir()
+    outcome, note = torture_rollout.one_trial(tmp_path / "trial", tmp_path / "reference", world, 2, random.Random(seed))
+    assert (outcome, note) == ("resumed_correctly", ""), f"seed {seed}"

@@ -37,6 +37,7 @@ from torture_operator import scenario_ctrl_c, scenario_operator  # noqa: E402
 from torture_peers import scenario_peers  # noqa: E402
 from torture_power import scenario_power_loss  # noqa: E402
 from torture_preemption import scenario_preemption  # noqa: E402
+from torture_rollout import scenario_rollout  # noqa: E402
 
 import areal_ckpt as ac  # noqa: E402
 from areal_ckpt.tools.inspection import verify  # noqa: E402
@@ -493,6 +494,7 @@ def run_all(trials: int, seed: int = 0, select: str | None = None) -> list[Row]:
         rows += scenario_objects(max(2, trials // 10), rng, work, select)
         rows += scenario_peers(max(2, trials // 10), rng, work, select)
         rows += scenario_preemption(max(2, trials // 10), rng, work, select)
+        rows += scenario_rollout(max(2, trials // 10), rng, work, select)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return rows
@@ -507,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         "--select",
         default=None,
         help="run only scenarios whose id contains this (ids: kill-{recover,saver}-{1,2}-{sync,async}, "
-        "kill-one-rank, disk-full, corruption, hostile, two-jobs, bad-config, ctrl-c, operator, power-loss, s3-kill, gs-kill, az-kill, peers-kill)",
+        "kill-one-rank, disk-full, corruption, hostile, two-jobs, bad-config, ctrl-c, operator, power-loss, s3-kill, gs-kill, az-kill, peers-kill, preempt-*, rollout-kill-{1rank,2ranks})",
     )
     args = parser.parse_args(argv)
     started = time.time()

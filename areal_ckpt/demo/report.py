@@ -93,8 +93,8 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
         axis.axvline(s + 0.5, color="tab:red", linewidth=2, linestyle=":")
     axis.set_xlabel("global step")
     axis.set_title(
-        "reward; green: HF export, orange dashed: recovery dump, red dotted: killed after this step, "
-        "red: resumed from here (the steps between ran twice)"
+        "reward; green: HF export, orange dashed: recovery dump,\n"
+        "red dotted: killed after this step, red: resumed from here (the steps between ran twice)"
     )
     axis.title.set_fontsize(8)
     axis.legend()
