@@ -111,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         {"id": i, "text": text, "answer": answer}
         for i, (text, answer) in enumerate(make_prompts(demo["dataset_size"], seed))
     ]
-    sampler = DistributedSampler(prompts, num_replicas=1, rank=0, shuffle=True, seed=seed)
+    dataset: Any = prompts  # a list is a map-style dataset
+    sampler: DistributedSampler[dict[str, Any]] = DistributedSampler(
+        dataset, num_replicas=1, rank=0, shuffle=True, seed=seed
+    )
     loader = StatefulDataLoader(prompts, batch_size=batch, sampler=sampler, collate_fn=list)
     frontier = ac.RolloutFrontier(loader, epochs=demo["epochs"], identity=lambda prompt: prompt["id"], seed=seed)
     total = len(prompts) * demo["epochs"] // batch
