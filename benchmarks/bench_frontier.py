@@ -54,15 +54,15 @@ def full_frontier() -> ac.RolloutFrontier:
     return frontier
 
 
-def measure(mib: int, rounds: int, pause: float) -> tuple[int, int, list[dict[str, float]]]:
-    """(state bytes, frontier bytes, one row per round: the seconds of each dump)."""
+def measure(mib: int, rounds: int, pause: float) -> tuple[int, dict[str, int], list[dict[str, float]]]:
+    """(state bytes, the frontier's files' bytes by name, one row per round: each dump's seconds)."""
     model = model_of_size(mib, torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model(input_ids=TOKENS, labels=TOKENS).loss.backward()
     optimizer.step()
     engine = ac.TorchEngine(model, optimizer)
     frontier = full_frontier()
-    added = sum(len(data) for data in encode_frontier(frontier.snapshot(), 0).values())
+    added = {name.rsplit(".", 1)[1]: len(data) for name, data in encode_frontier(frontier.snapshot(), 0).items()}
     size = sum(p.numel() * p.element_size() * 3 for p in model.parameters())
     spec = ac.FinetuneSpec(total_train_epochs=1, dataset_size=1000, train_batch_size=2)
     work = scratch_folder("bench-frontier-")
@@ -93,7 +93,7 @@ def measure(mib: int, rounds: int, pause: float) -> tuple[int, int, list[dict[st
     return size, added, rows
 
 
-def render(size: int, added: int, rows: list[dict[str, float]]) -> str:
+def render(size: int, added: dict[str, int], rows: list[dict[str, float]]) -> str:
     ratios = [row["frontier"] / row["plain"] for row in rows]
     control = [row["control"] / row["plain"] for row in rows]
     seconds = {what: [row[what] for row in rows] for what in ("plain", "frontier")}
@@ -118,8 +118,10 @@ def render(size: int, added: int, rows: list[dict[str, float]]) -> str:
             f"Blocking time with the frontier over without (per round): median {statistics.median(ratios):.2f}x, "
             f"range {min(ratios):.2f}-{max(ratios):.2f}x (goal <= 1.1x); the control (a plain dump over a plain "
             f"dump): median {statistics.median(control):.2f}x, range {min(control):.2f}-{max(control):.2f}x. "
-            f"The frontier adds {added / 2**20:.1f} MiB to the dump ({added / size * 100:.1f}% of this state): "
-            "its tensors' bytes and about 0.2 KiB of JSON per prompt.",
+            f"The frontier adds {sum(added.values()) / 2**20:.1f} MiB to the dump "
+            f"({sum(added.values()) / size * 100:.1f}% of this state): its tensors, "
+            f"{added['safetensors'] / 2**20:.1f} MiB, and {added['json'] / 2**10:.0f} KiB of JSON "
+            f"({added['json'] / TRAJECTORIES:.0f} bytes per prompt).",
             "",
         ]
     )

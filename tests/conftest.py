@@ -93,7 +93,7 @@ def s3_server(tmp_path_factory):
     yield from _serving(SeaweedServer(tmp_path_factory.mktemp("seaweed")))
 
 
-def _fresh_bucket(server, scheme: str, monkeypatch, request) -> str:
+def fresh_bucket(server, scheme: str, monkeypatch, request) -> str:
     """A new bucket on ``server`` named after the test, its client settings in this process's
     environment; its URL."""
     import re
@@ -109,7 +109,7 @@ def _fresh_bucket(server, scheme: str, monkeypatch, request) -> str:
 @pytest.fixture
 def s3_bucket(s3_server, monkeypatch, request):
     """A fresh bucket on the shared S3 server; returns its ``s3://`` URL."""
-    return _fresh_bucket(s3_server, "s3", monkeypatch, request)
+    return fresh_bucket(s3_server, "s3", monkeypatch, request)
 
 
 @pytest.fixture(scope="session")
@@ -145,7 +145,7 @@ def object_server(request):
 def object_bucket(object_server, monkeypatch, request):
     """A fresh bucket (container) on each object store in turn, its client settings in this
     process's environment; returns its URL (``s3://``, ``gs://``, ``az://``)."""
-    return _fresh_bucket(object_server, object_server.scheme, monkeypatch, request)
+    return fresh_bucket(object_server, object_server.scheme, monkeypatch, request)
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,7 @@ def persistent_root(request, tmp_path, monkeypatch) -> PersistentRoot:
     if request.param == "posix":
         return PersistentRoot("posix", str(tmp_path / "shared"), {})
     server = request.getfixturevalue(OBJECT_SERVERS[request.param])
-    bucket = _fresh_bucket(server, request.param, monkeypatch, request)
+    bucket = fresh_bucket(server, request.param, monkeypatch, request)
     return PersistentRoot(request.param, bucket, server.environment())
 
 

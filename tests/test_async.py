@@ -352,3 +352,33 @@ def test_a_rank_that_cannot_stage_stops_every_rank_before_any_copy(tmp_path):
     reports = [(tmp_path / f"report.{rank}").read_text() for rank in range(2)]
     assert reports[0] == reports[1]  # the same error on every rank, naming the rank and its cause
     assert "rank 1: /dev/shm: staging an asynchronous save needs" in reports[0]
+
+
+def _private_bytes() -> int:
+    """This process's private anonymous memory (RssAnon): what a copy of tensors held here adds,
+    unlike the shared-memory staging copy (RssShmem)."""
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("RssAnon:"))) * 1024
+
+
+def test_an_async_dump_holds_no_second_copy_of_the_state_once_staged(tmp_path):
+    """AReaL's #1615: once an asynchronous save is staged, the training process holds no copy of
+    the tensors besides the staging memory the writer reads (measured while the writer writes)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(1024, 1024) for _ in range(16)))  # 64 MiB of weights
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 1024)).sum().backward()
+    optimizer.step()
+    state = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+    engine = ac.TorchEngine(model, optimizer=optimizer)
+    handler = ac.RecoverHandler(recover_config(tmp_path, mode="async"), SPEC)
+    try:
+        handler.dump(engine, step_info(0), force=True)  # the staging memory is made once
+        handler.wait()
+        before = _private_bytes()
+        handler.dump(engine, step_info(1), force=True)
+        during = _private_bytes()  # dump returned once staged; the writer may still be writing
+        handler.wait()
+    finally:
+        handler.close()
+    assert during - before < state // 8, f"{(during - before) / 2**20:.0f} MiB more held than before the dump"

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torture_rollout
+from conftest import OBJECT_SERVERS, fresh_bucket
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -22,11 +23,11 @@ from areal_ckpt.state.frontier_files import frontier_files
 SPEC = ac.FinetuneSpec(total_train_epochs=1, dataset_size=40, train_batch_size=2)
 
 
-def loader(length: int = 10, seed: int = 1) -> StatefulDataLoader:
+def loader(length: int = 10, seed: int = 1, shuffle: bool = True) -> StatefulDataLoader:
     """A shuffled data source whose order is a function of (seed, epoch): the frontier calls
     set_epoch, so every epoch's order is the same after a resume (docs/recovery.md)."""
     data = [{"id": index} for index in range(length)]
-    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=seed)
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=shuffle, seed=seed)
     return StatefulDataLoader(data, batch_size=3, sampler=sampler, collate_fn=list)
 
 
@@ -34,8 +35,11 @@ def frontier_of(source: StatefulDataLoader, **options) -> ac.RolloutFrontier:
     return ac.RolloutFrontier(source, identity=lambda prompt: prompt["id"], **options)
 
 
-def handler(tmp_path: Path) -> ac.RecoverHandler:
-    config = ac.RecoverConfig(experiment_name="e", trial_name="t", fileroot=str(tmp_path), mode="on", user="tester")
+def handler(tmp_path: Path, **where: str) -> ac.RecoverHandler:
+    """A handler of the trial ``t`` under ``tmp_path``, or where ``where`` says (``fileroot``,
+    ``staging_dir``, ``local_dir``)."""
+    place = {"fileroot": str(tmp_path), **where}
+    config = ac.RecoverConfig(experiment_name="e", trial_name="t", mode="on", user="tester", **place)
     return ac.RecoverHandler(config, SPEC)
 
 
@@ -53,23 +57,59 @@ def drawn(frontier: ac.RolloutFrontier, count: int) -> list[str]:
     return [frontier.next()[0] for _ in range(count)]
 
 
-def dump(tmp_path: Path, frontier: ac.RolloutFrontier | None, target: ac.TorchEngine | None = None, **extra) -> None:
-    recover = handler(tmp_path)
+def dump(
+    tmp_path: Path,
+    frontier: ac.RolloutFrontier | None,
+    target: ac.TorchEngine | None = None,
+    where: dict[str, str] | None = None,
+    **extra,
+) -> None:
+    recover = handler(tmp_path, **(where or {}))
     try:
         recover.dump(target or engine(), ac.StepInfo(0, 0, 0, 20), rollout=frontier, force=True, **extra)
     finally:
         recover.close()
 
 
-def load(tmp_path: Path, frontier: ac.RolloutFrontier | None, target: ac.TorchEngine | None = None, **extra):
-    recover = handler(tmp_path)
+def load(
+    tmp_path: Path,
+    frontier: ac.RolloutFrontier | None,
+    target: ac.TorchEngine | None = None,
+    where: dict[str, str] | None = None,
+    **extra,
+):
+    recover = handler(tmp_path, **(where or {}))
     try:
         return recover.load(target or engine(), rollout=frontier, **extra)
     finally:
         recover.close()
 
 
-def test_a_resume_issues_the_prompts_in_flight_first_in_draw_order_then_goes_on_as_if_never_stopped(tmp_path):
+PLACES = [
+    "folder",
+    *(f"{how}-{scheme}" for how in ("object", "tiered") for scheme in ("s3", "gs", "az")),
+    "tiered-posix",
+]
+
+
+@pytest.fixture(params=PLACES)
+def where(request, tmp_path) -> dict[str, str]:
+    """Where the trial lives: a folder; a bucket on each object store (staged in a local
+    folder); a local tier in front of each object store and of a shared folder."""
+    if request.param == "folder":
+        return {"fileroot": str(tmp_path / "trials")}
+    how, scheme = request.param.split("-")
+    if scheme == "posix":
+        return {"fileroot": str(tmp_path / "shared"), "local_dir": str(tmp_path / "local")}
+    server = request.getfixturevalue(OBJECT_SERVERS[scheme])
+    bucket = fresh_bucket(server, scheme, request.getfixturevalue("monkeypatch"), request)
+    if how == "object":
+        return {"fileroot": bucket, "staging_dir": str(tmp_path / "staging")}
+    return {"fileroot": bucket, "local_dir": str(tmp_path / "local")}
+
+
+def test_a_resume_issues_the_prompts_in_flight_first_in_draw_order_then_goes_on_as_if_never_stopped(tmp_path, where):
+    """On every location: a folder, each object store, a local tier in front of each."""
     frontier = frontier_of(loader(), epochs=2)
     keys = drawn(frontier, 5)  # two batches of three drawn: one prompt still queued
     frontier.set_version(4)
@@ -77,11 +117,14 @@ def test_a_resume_issues_the_prompts_in_flight_first_in_draw_order_then_goes_on_
     frontier.finished(keys[1], {"ids": torch.arange(2)})
     frontier.finished(keys[0], {"ids": torch.arange(3)})
     frontier.consumed([keys[1]])
-    dump(tmp_path, frontier)
+    dump(tmp_path, frontier, where=where)
     never_stopped = drawn(frontier, 15)  # the rest of both epochs
 
     resumed = frontier_of(loader(), epochs=2)
-    assert load(tmp_path, resumed) is not None
+    elsewhere = {
+        key: f"{value}-another-node" if key in ("staging_dir", "local_dir") else value for key, value in where.items()
+    }
+    assert load(tmp_path, resumed, where=elsewhere) is not None  # a new node: all of it from the location
     assert [(key, {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in trajectory.items()})
             for key, trajectory in resumed.buffered()] == [
         (keys[3], {"ids": [0, 1, 2, 3], "reward": 0.5}), (keys[0], {"ids": [0, 1, 2]})
@@ -150,7 +193,11 @@ def test_a_frontier_beyond_its_bound_is_a_config_error_at_the_dump_and_the_previ
 
 @pytest.mark.parametrize(
     ("field", "other", "saved", "given"),
-    [("length", {"length": 12}, "10", "12"), ("sampler_seed", {"seed": 2}, "1", "2")],
+    [
+        ("length", {"length": 12}, "10", "12"),
+        ("shuffle", {"shuffle": False}, "True", "False"),
+        ("sampler_seed", {"seed": 2}, "1", "2"),
+    ],
 )
 def test_a_frontier_of_another_data_source_is_refused_naming_the_field_before_any_weight_loads(
     tmp_path, field, other, saved, given

@@ -358,7 +358,9 @@ def find_committed(store: RecoverStore) -> str | None:
     refuse_foreign_layout(store.trial)
     committed = store.committed()
     removed = store.remove_debris(keep=committed, wait=False)
-    if removed:
+    if removed and committed is None:
+        logger.warning("removed recovery generations never committed (the trial has no commit): %s", removed)
+    elif removed:
         logger.warning(
             "removed recovery generations older than the committed %s or never committed: %s", committed, removed
         )

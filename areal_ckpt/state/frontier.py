@@ -33,7 +33,7 @@ STATES = (QUEUED, GENERATING, FINISHED)
 
 #: The data source's facts a frontier records and a load compares: a frontier drawn from one
 #: data set, order or batching means nothing in another.
-SOURCE_FIELDS = ("length", "batch_size", "drop_last", "sampler", "sampler_seed", "seed", "epochs")
+SOURCE_FIELDS = ("length", "batch_size", "drop_last", "sampler", "shuffle", "sampler_seed", "seed", "epochs")
 
 
 @dataclass
@@ -106,6 +106,7 @@ def _describe_source(dataloader: Any, seed: int, epochs: int) -> dict[str, Any]:
         "batch_size": getattr(dataloader, "batch_size", None),
         "drop_last": getattr(dataloader, "drop_last", None),
         "sampler": None if sampler is None else type(sampler).__name__,
+        "shuffle": getattr(sampler, "shuffle", None),
         "sampler_seed": sampler_seed if isinstance(sampler_seed, int) else None,
         "seed": seed,
         "epochs": epochs,
@@ -305,10 +306,11 @@ class RolloutFrontier:
 
     def check(self, snapshot: FrontierSnapshot, source: str) -> None:
         """CheckpointError naming ``source``, the field and both values unless ``snapshot`` was
-        recorded from a data source like this frontier's (:data:`SOURCE_FIELDS`). Pure."""
+        recorded from a data source like this frontier's (each of :data:`SOURCE_FIELDS` it
+        records). Pure."""
         mine = _describe_source(self.dataloader, self.seed, self.epochs)
         for name in SOURCE_FIELDS:
-            if snapshot.source.get(name) != mine[name]:
+            if name in snapshot.source and snapshot.source[name] != mine[name]:  # one an older record lacks: unknown
                 raise CheckpointError(
                     f"{source}: the rollout frontier was recorded for another data source: {name} was "
                     f"{snapshot.source.get(name)!r}, this frontier's is {mine[name]!r}; give load the same data "

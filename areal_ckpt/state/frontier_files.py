@@ -3,18 +3,21 @@
 Each rank that dumps a frontier writes two files into ``recover_info/rollout/``:
 ``rank{r}.json`` (its prompts and states, the data source's facts and position, the counters:
 pickle-free JSON, :mod:`areal_ckpt.state.safe_json`) and ``rank{r}.safetensors`` (the
-finished trajectories' tensors, named ``{order}/{entry}``). Both are listed in the
+finished trajectories' tensors, packed one entry per name and dtype). Both are listed in the
 generation's manifest like every file, so they commit with the weights or not at all, and a
 load checks each one's size and CRC-32 against the manifest before it decodes a byte.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
 import safetensors.torch
+import torch
 
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
@@ -36,35 +39,46 @@ def frontier_files(rank: int) -> tuple[str, str]:
     return f"{base}.json", f"{base}.safetensors"
 
 
+def _packed_name(name: str, dtype: torch.dtype) -> str:
+    """The safetensors entry holding every trajectory's ``name`` tensors of ``dtype``. Pure."""
+    return f"{name}/{str(dtype).removeprefix('torch.')}"
+
+
 def encode_frontier(snapshot: FrontierSnapshot, rank: int) -> dict[str, bytes]:
-    """The two files of ``snapshot`` for rank ``rank``, by path in the generation. Pure;
+    """The two files of ``snapshot`` for rank ``rank``, by path in the generation: the
+    trajectories' tensors packed one entry per (name, dtype) in the prompts' order, each
+    trajectory recording its tensors' entries and shapes (a few large entries instead of one
+    per tensor). The record is JSON; what came from the user (prompts, plain trajectory values,
+    the data source's state) is encoded with :mod:`areal_ckpt.state.safe_json`. Pure;
     ValueError naming the entry a value JSON cannot hold."""
-    tensors: dict[str, Any] = {}
+    parts: dict[str, list[torch.Tensor]] = {}
     prompts = []
     for prompt in snapshot.prompts:
-        values = {}
+        values, shapes = {}, {}
         for name, value in (prompt.trajectory or {}).items():
-            if hasattr(value, "element_size"):
-                tensors[f"{prompt.order}/{name}"] = value
-            else:
+            if not isinstance(value, torch.Tensor):
                 values[name] = value
+                continue
+            packed = _packed_name(name, value.dtype)
+            shapes[name] = [packed, list(value.shape)]
+            parts.setdefault(packed, []).append(value.reshape(-1))
         prompts.append(
             {
                 "key": prompt.key,
-                "prompt": prompt.prompt,
+                "prompt": safe_json.encode(prompt.prompt, f"prompt {prompt.key}"),
                 "epoch": prompt.epoch,
                 "order": prompt.order,
                 "seed": prompt.seed,
                 "state": prompt.state,
                 "version": prompt.version,
                 "finished_order": prompt.finished_order,
-                "values": values,
-                "tensors": sorted(name for name in (prompt.trajectory or {}) if f"{prompt.order}/{name}" in tensors),
+                "values": safe_json.encode(values, f"trajectory {prompt.key}"),
+                "tensors": shapes,
             }
         )
     record = {
         "format_version": FRONTIER_VERSION,
-        "source": snapshot.source,
+        "source": safe_json.encode(snapshot.source, "source"),
         "epoch": snapshot.epoch,
         "drawn_in_epoch": snapshot.drawn_in_epoch,
         "draws": snapshot.draws,
@@ -72,11 +86,12 @@ def encode_frontier(snapshot: FrontierSnapshot, rank: int) -> dict[str, bytes]:
         "consumed": snapshot.consumed,
         "version": snapshot.version,
         "exhausted": snapshot.exhausted,
-        "loader": snapshot.loader,
+        "loader": safe_json.encode(snapshot.loader, "loader"),
         "prompts": prompts,
     }
+    tensors = {packed: torch.cat(pieces) for packed, pieces in parts.items()}
     json_name, tensor_name = frontier_files(rank)
-    return {json_name: safe_json.dumps(record), tensor_name: safetensors.torch.save(tensors)}
+    return {json_name: json.dumps(record, allow_nan=False).encode(), tensor_name: safetensors.torch.save(tensors)}
 
 
 def _read_checked(folder: Path, name: str, files: dict[str, dict[str, int]]) -> bytes:
@@ -172,6 +187,17 @@ def frontier_to_restore(
     return agree.on_every_rank(read, f"{folder}: the rollout frontier cannot be restored")
 
 
+def _unpacked(packed: torch.Tensor, shape: Any, start: int) -> torch.Tensor:
+    """One trajectory's tensor out of its packed entry (a copy); ValueError when its recorded
+    shape does not lie inside the entry."""
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise ValueError(f"shape {str(shape)[:100]} is not a list of sizes")
+    count = math.prod(shape)
+    if start + count > packed.numel():
+        raise ValueError(f"offset {start} and shape {shape} lie outside their entry of {packed.numel()} elements")
+    return packed[start : start + count].reshape(shape).clone()
+
+
 def _integer(value: Any, name: str, optional: bool = False) -> Any:
     if value is None and optional:
         return None
@@ -186,7 +212,8 @@ def _snapshot_of(record: Any, tensors: dict[str, Any]) -> FrontierSnapshot:
     if not isinstance(record, dict) or record.get("format_version") != FRONTIER_VERSION:
         raise ValueError(f"not a rollout frontier of version {FRONTIER_VERSION}")
     prompts = []
-    for entry in record["prompts"]:
+    offsets: dict[str, int] = {}  # where the next trajectory's part of each packed entry starts
+    for entry in sorted(record["prompts"], key=lambda entry: _integer(entry["order"], "order")):
         if entry["state"] not in STATES or not isinstance(entry["key"], str):
             raise ValueError(f"prompt {str(entry.get('key'))[:100]!r}: state {str(entry.get('state'))[:20]!r}")
         order = _integer(entry["order"], "order")
@@ -195,8 +222,9 @@ def _snapshot_of(record: Any, tensors: dict[str, Any]) -> FrontierSnapshot:
             if not isinstance(entry["values"], dict):
                 raise TypeError(f"prompt {entry['key']!r}: values must be an object")
             trajectory = dict(entry["values"])
-            for name in entry["tensors"]:
-                trajectory[name] = tensors[f"{order}/{name}"]
+            for name, (packed, shape) in entry["tensors"].items():
+                trajectory[name] = _unpacked(tensors[packed], shape, offsets.get(packed, 0))
+                offsets[packed] = offsets.get(packed, 0) + math.prod(shape)
         prompts.append(
             Prompt(
                 key=entry["key"],
