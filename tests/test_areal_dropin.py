@@ -9,6 +9,7 @@ import pickle
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -607,3 +608,26 @@ def test_launch_without_a_command_says_how_and_that_form_runs(tmp_path, fileroot
     message = capsys.readouterr().err
     assert "put the job's command after '--', e.g. areal-ckpt launch --config job.yaml -- torchrun" in message
     assert cli_main(["launch", "--config", str(config), "--", sys.executable, "-c", "pass"]) == 0
+
+
+def test_a_saver_given_no_base_model_path_takes_the_engines_configured_folder_and_skips_a_hub_name(
+    fileroot, tmp_path, tokenizer, make_model, caplog
+):
+    """As AReaL's engine configuration names the model (``engine.config.path``): a local folder's
+    files are copied into the export; a hub name is skipped with a warning naming it."""
+    base = make_base_model(tmp_path / "base", tokenizer)
+    saver = ac.Saver(
+        ac.SaverConfig(experiment_name="exp", trial_name="trial", fileroot=str(fileroot), user="tester", mode="sync"),
+        SPEC,
+    )
+    engine = Holder(make_model())
+    engine.config = types.SimpleNamespace(path=str(base))
+    path = Path(saver.save(engine, 0, 1, 1, "actor", force=True))
+    assert (path / "chat_template.jinja").is_file() and (path / "generation_config.json").is_file()
+    engine.config = types.SimpleNamespace(path="Qwen/Qwen2.5-0.5B-Instruct")
+    path = Path(saver.save(engine, 0, 2, 2, "actor", force=True))
+    assert not (path / "chat_template.jinja").exists()
+    assert (
+        "not copying base model files into the export: Qwen/Qwen2.5-0.5B-Instruct is not a local folder" in caplog.text
+    )
+    saver.finalize()
