@@ -307,3 +307,56 @@ def test_nvme_offload_is_refused_on_every_rank_before_anything_is_written(tmp_pa
         assert "offload_optimizer.device is nvme" in outcomes["nvme"] and "Offload to cpu" in outcomes["nvme"]
         assert "t" in outcomes["cpu"] and "latest" in outcomes["cpu"]  # the hint, followed
     assert not (tmp_path / "nvme").exists()
+
+
+def deepspeed_apis_worker(rank: int, world_size: int, root: str, stage: int, report: str) -> None:
+    """Train and dump one engine; load into a fresh one that never stepped; DeepSpeed's own
+    per-parameter reads, its save_checkpoint and a step must work on it and give the saved values."""
+    import json
+
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    def read(engine) -> dict[str, list[torch.Tensor]]:
+        values = {}
+        for name, parameter in engine.module.named_parameters():
+            values[name] = [
+                safe_get_full_fp32_param(parameter).detach().cpu().clone(),
+                *(
+                    safe_get_full_optimizer_state(parameter, key).detach().cpu().clone()
+                    for key in ("exp_avg", "exp_avg_sq")
+                ),
+            ]
+        return values
+
+    tokens = torch.arange(16).reshape(2, 8) % 48
+    trained = deepspeed_engine(trained_model("none"), stage=stage)
+    deepspeed_steps(trained, tokens, 2)
+    saved = read(trained)
+    handler = ac.RecoverHandler(ac.RecoverConfig(experiment_name="e", trial_name="t", fileroot=root, mode="on"), SPEC)
+    handler.dump(ac.DeepSpeedEngine(trained), ac.StepInfo(0, 1, 1, 10), force=True)
+    handler.close()
+    torch.manual_seed(123)
+    fresh = deepspeed_engine(trained_model("none"), stage=stage)
+    handler = ac.RecoverHandler(ac.RecoverConfig(experiment_name="e", trial_name="t", fileroot=root, mode="on"), SPEC)
+    handler.load(ac.DeepSpeedEngine(fresh))
+    handler.close()
+    loaded = read(fresh)
+    differing = [name for name in saved if not all(torch.equal(a, b) for a, b in zip(saved[name], loaded[name]))]
+    fresh.save_checkpoint(f"{root}/native-after-load")
+    deepspeed_steps(fresh, tokens, 1)
+    if rank == 0:
+        Path(report).write_text(json.dumps({"parameters": len(saved), "differing": differing}))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_after_a_load_deepspeeds_own_apis_read_the_loaded_state_and_save(tmp_path, stage):
+    """DeepSpeed links its per-parameter optimizer views at its first step; a load into an engine
+    that never stepped links them too, so safe_get_full_optimizer_state (and fp32 params, and
+    DeepSpeed's own save_checkpoint) work at once and give what was saved."""
+    import json
+
+    report = tmp_path / "report.json"
+    run_distributed(deepspeed_apis_worker, WORLD, str(tmp_path / "root"), stage, str(report))
+    result = json.loads(report.read_text())
+    assert result["parameters"] > 0 and result["differing"] == []
+    assert (tmp_path / "root/native-after-load/latest").is_file()

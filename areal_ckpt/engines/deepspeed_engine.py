@@ -354,6 +354,9 @@ class DeepSpeedEngine:
                 inner.state[master].update(engine_state["optimizer_scalars"][str(index)])
             for field, value in engine_state["loss_scaler"].items():
                 setattr(self.optimizer.loss_scaler, field, value)
+            link = getattr(self.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+            if callable(link):  # DeepSpeed links its per-parameter state views at its first step
+                link()  # (safe_get_full_optimizer_state fails until then): link the loaded state now
         elif self.optimizer is not None and self.stage < 3:
             self.optimizer.refresh_fp32_params()  # masters from the loaded weights (module only)
         if self.stage == 3:
