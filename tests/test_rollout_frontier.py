@@ -37,9 +37,9 @@ def frontier_of(source: StatefulDataLoader, **options) -> ac.RolloutFrontier:
 
 def handler(tmp_path: Path, **where: str) -> ac.RecoverHandler:
     """A handler of the trial ``t`` under ``tmp_path``, or where ``where`` says (``fileroot``,
-    ``staging_dir``, ``local_dir``)."""
-    place = {"fileroot": str(tmp_path), **where}
-    config = ac.RecoverConfig(experiment_name="e", trial_name="t", mode="on", user="tester", **place)
+    ``staging_dir``, ``local_dir``; ``mode``)."""
+    place = {"fileroot": str(tmp_path), "mode": "on", **where}
+    config = ac.RecoverConfig(experiment_name="e", trial_name="t", user="tester", **place)
     return ac.RecoverHandler(config, SPEC)
 
 
@@ -139,6 +139,26 @@ def test_a_resume_issues_the_prompts_in_flight_first_in_draw_order_then_goes_on_
         resumed.next()
     epochs = [key.split(":")[0] for key in [*keys, *never_stopped]]
     assert epochs.count("0") == 10 and epochs.count("1") == 10  # every prompt drawn once per epoch
+
+
+def test_an_asynchronous_dump_commits_the_frontier_as_it_was_when_dump_returned(tmp_path):
+    """mode: async: the frontier is snapshotted before dump returns; what the rollout side does
+    while the background writer writes is not in that dump."""
+    frontier = frontier_of(loader())
+    first = drawn(frontier, 2)
+    frontier.finished(first[0], {"ids": torch.arange(5)})
+    recover = handler(tmp_path, mode="async")
+    try:
+        recover.dump(engine(), ac.StepInfo(0, 0, 0, 20), rollout=frontier, force=True)
+        later = drawn(frontier, 2)  # while the writer may still write
+        frontier.finished(first[1], {"ids": torch.arange(1)})
+        recover.wait()
+    finally:
+        recover.close()
+    resumed = frontier_of(loader())
+    load(tmp_path, resumed)
+    assert [key for key, _ in resumed.buffered()] == [first[0]]
+    assert drawn(resumed, 3) == [first[1], *later]
 
 
 def test_a_dump_while_a_rollout_thread_draws_accounts_for_every_prompt_once(tmp_path):
