@@ -269,3 +269,45 @@ def cmd_launch(args: argparse.Namespace) -> int:
     split = rest.index("--")
     config = load_config(args.config, rest[:split])
     return launch(config.recover, rest[split + 1 :])
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    """Compare two checkpoints (:mod:`areal_ckpt.tools.diff`); exit 0 only when they are equal
+    within the tolerance, 1 when they differ."""
+    from areal_ckpt.tools.diff import diff_checkpoints
+
+    with tempfile.TemporaryDirectory(prefix="areal-ckpt-diff-") as scratch:  # copies of URLs, if any
+        first = place_of(args.first, "A").readable(Path(scratch) / "a")
+        second = place_of(args.second, "B").readable(Path(scratch) / "b")
+        result = diff_checkpoints(first, second, atol=args.atol, rtol=args.rtol)
+    if args.json:
+        print(json.dumps(result.to_json(), indent=1))
+        return 0 if result.equal else 1
+    print(f"A: {args.first} ({result.kinds[0]})\nB: {args.second} ({result.kinds[1]})")
+    for name in result.unpaired_a:
+        print(f"model {name}: only in A")
+    for name in result.unpaired_b:
+        print(f"model {name}: only in B")
+    for section in result.sections:
+        within = sum(1 for d in section.differing if d.within)
+        label = section.a if section.a == section.b else f"{section.a} (A) / {section.b} (B)"
+        print(
+            f"model {label}: {section.compared} tensors compared, {section.compared - len(section.differing)} "
+            f"equal bitwise, {len(section.differing)} differ ({within} within atol={args.atol:g} rtol={args.rtol:g})"
+        )
+        rows = [["tensor", "max |a-b|", "max relative", "within"]]
+        rows += [
+            [d.name, f"{d.max_abs:.3g}", f"{d.max_rel:.3g}", "yes" if d.within else "NO"] for d in section.differing
+        ]
+        if len(rows) > 1:
+            fmt.print_table(rows)
+        for change in section.changed:
+            print(f"  changed {change['name']}: {change['a'][0]} {change['a'][1]} -> {change['b'][0]} {change['b'][1]}")
+        if section.optimizer_only_in is not None:
+            print(f"  optimizer state: only in {section.optimizer_only_in.upper()}, not compared")
+        for name in section.only_a:
+            print(f"  only in A: {name}")
+        for name in section.only_b:
+            print(f"  only in B: {name}")
+    print("equal" if result.equal else "different")
+    return 0 if result.equal else 1

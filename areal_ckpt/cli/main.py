@@ -21,7 +21,8 @@ from areal_ckpt.urls import local_path
 _DESCRIPTION = (
     "Inspect, verify, list and export checkpoints written by areal_ckpt (and AReaL's and DeepSpeed's "
     "own), in a folder or at an object store URL (s3://, gs://, az://: the SDK's own environment variables "
-    "give the endpoint and credentials). Exit 0: done; 1: a checkpoint is damaged (verify); 2: a wrong "
+    "give the endpoint and credentials). Exit 0: done; 1: a checkpoint is damaged (verify) or two differ "
+    "(diff); 2: a wrong "
     "argument or nothing usable there; launch exits as its job did (128+N when preempted by signal N)."
 )
 
@@ -125,6 +126,21 @@ def build_parser() -> argparse.ArgumentParser:
     importer.add_argument("--remove-original", action="store_true", help="delete AReaL's folders once imported")
     importer.set_defaults(run=cli_commands.cmd_import_areal)
 
+    compare = commands.add_parser(
+        "diff",
+        help="compare two checkpoints tensor by tensor (optimizer state too); exit 0 only when equal",
+        description="Compare two checkpoints of any kind areal-ckpt reads (HF exports, recovery checkpoints, "
+        "DeepSpeed tags ours or DeepSpeed's, stock DCP), each a folder or an object store URL: tensors in one "
+        "only, dtype or shape changes, and for each tensor both hold whether it is equal bit for bit, else the "
+        "largest absolute and relative difference. Exit 0 when equal within --atol/--rtol, 1 when not.",
+    )
+    compare.add_argument("first", metavar="A", help="a checkpoint folder or an object store URL (s3://, gs://, az://)")
+    compare.add_argument("second", metavar="B", help="the checkpoint to compare it with")
+    compare.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0: bitwise)")
+    compare.add_argument("--rtol", type=float, default=0.0, help="relative tolerance, as torch.allclose (default 0)")
+    compare.add_argument("--json", action="store_true", help="machine-readable output")
+    compare.set_defaults(run=cli_commands.cmd_diff)
+
     relaunch = commands.add_parser(
         "launch",
         help="run a training command; relaunch it after a crash, up to recover.retries times",
@@ -147,9 +163,12 @@ _READ_FOLDERS = {
     "convert-deepspeed": ("ds_dir", "config"),
     "recover-pointer": ("trial",),
     "import-areal": ("trial", "config_from"),
+    "diff": ("first", "second"),
 }
 #: The arguments of every command that name a file or folder.
-_PATH_ARGUMENTS = ("path", "trial_root", "trial", "recover_dir", "ds_dir", "out_dir", "config_from", "config")
+_PATH_ARGUMENTS = (
+    "path", "trial_root", "trial", "recover_dir", "ds_dir", "out_dir", "config_from", "config", "first", "second"
+)  # fmt: skip
 #: Those that may be an object storage URL instead (docs/storage.md), by command.
 _URL_ARGUMENTS = {
     "inspect": {"path"},
@@ -158,6 +177,7 @@ _URL_ARGUMENTS = {
     "export": {"recover_dir", "out_dir"},
     "convert-deepspeed": {"ds_dir", "out_dir"},
     "recover-pointer": {"trial"},
+    "diff": {"first", "second"},
 }
 
 

@@ -151,7 +151,7 @@ class _StateDictSource:
             yield name, self.tensors[name]
 
 
-def _zero0_module_states(folder: Path) -> dict[str, torch.Tensor] | None:
+def zero0_module_states(folder: Path) -> dict[str, torch.Tensor] | None:
     """The weights of a DeepSpeed ZeRO-0 checkpoint (its ``mp_rank_00_model_states.pt['module']``,
     where ``zero_to_fp32`` cannot look: that tool handles ZeRO 1-3 only); None for ZeRO 1-3.
     Read with the weights-only unpickler (the caller's context)."""
@@ -249,7 +249,7 @@ def export_deepspeed(
         )
     config = AutoConfig.from_pretrained(config_dir, local_files_only=True)
     with weights_only_deepspeed_loads():
-        tensors = _zero0_module_states(folder)
+        tensors = zero0_module_states(folder)
         if tensors is None:
             logger.info("rebuilding full fp32 weights of %s with DeepSpeed's zero_to_fp32", folder)
             tensors = get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=tag)
