@@ -359,8 +359,11 @@ class RecoverHandler:
             },
             {"saver": saver, "evaluator": evaluator, "stats_logger": stats_logger, "dataloader": dataloader},
         )
-        if rollout is not None and restored.frontier is not None:
-            rollout.restore(restored.frontier)
+        frontier = restored.frontier
+        if rollout is not None and frontier is not None:
+            agree.on_every_rank(
+                lambda: rollout.restore(frontier), f"{info.path}: the rollout frontier was not restored"
+            )
         if info.checkpoint_info is not None:
             self._schedule.load_state_dict(info.checkpoint_info)
         self._generation = found

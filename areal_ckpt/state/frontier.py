@@ -320,7 +320,8 @@ class RolloutFrontier:
     def restore(self, snapshot: FrontierSnapshot) -> None:
         """Take ``snapshot`` (checked with :meth:`check`): the finished trajectories back in the
         buffer, queued and generating prompts queued again in draw order, the data source at
-        the recorded position. Call it before the rollout side starts drawing."""
+        the recorded position (CheckpointError when it refuses that position). Call it before
+        the rollout side starts drawing."""
         with self._lock:
             self._prompts = {}
             for prompt in snapshot.prompts:
@@ -333,8 +334,14 @@ class RolloutFrontier:
             self._iterator = None
             if snapshot.loader is not None:
                 self._start_epoch()
-                self.dataloader.load_state_dict(snapshot.loader)
-                self._iterator = iter(self.dataloader)
+                try:  # a loader may take the state lazily and refuse it when iterated
+                    self.dataloader.load_state_dict(snapshot.loader)
+                    self._iterator = iter(self.dataloader)
+                except Exception as error:  # a forged or mismatched position: name it
+                    raise CheckpointError(
+                        f"RolloutFrontier: the data source could not take its recorded position: "
+                        f"{type(error).__name__}: {error}"
+                    ) from None
 
     # -- the data source ------------------------------------------------------------------
 
