@@ -292,3 +292,34 @@ def test_a_killed_async_rl_job_trains_every_prompt_once_per_epoch_and_ends_bit_e
     (tmp_path / "trial").mkdir()
     outcome, note = torture_rollout.one_trial(tmp_path / "trial", tmp_path / "reference", world, 2, random.Random(seed))
     assert (outcome, note) == ("resumed_correctly", ""), f"seed {seed}"
+
+
+def two_rank_dump_worker(rank: int, world: int, root: str) -> None:
+    """Each rank's frontier over its own shard: a prompt generating, one finished; dumped."""
+    data = [{"id": index} for index in range(12)]
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=1)
+    frontier = frontier_of(StatefulDataLoader(data, batch_size=2, sampler=sampler, collate_fn=list))
+    first, _ = drawn(frontier, 2)
+    frontier.finished(first, {"ids": torch.arange(3)})
+    dump(Path(root), frontier)
+
+
+def test_a_frontier_dumped_by_two_ranks_is_refused_on_one_unless_per_rank_state_is_dropped(tmp_path, caplog):
+    """Each rank's frontier belongs to its data shard: on another number of ranks the load is
+    refused before any weight loads (fresh RNG streams allowed, so the frontier is what stops
+    it), naming the way out; the way out (drop_rank_state) loads the rest and starts the data
+    afresh, logged."""
+    from distributed import run_distributed
+
+    run_distributed(two_rank_dump_worker, 2, str(tmp_path))
+    target = engine()
+    before = weights(target)
+    with pytest.raises(ac.CheckpointError, match="dumped by 2 ranks, loading on 1: each rank's rollout frontier .* "
+                       "set recover.on_world_size_change: drop_rank_state"):  # fmt: skip
+        load(tmp_path, frontier_of(loader(length=12)), target, where={"on_world_size_change": "fresh_rng"})
+    assert all(torch.equal(before[name], value) for name, value in weights(target).items())
+    fresh = frontier_of(loader(length=12))
+    assert load(tmp_path, fresh, target, drop_rank_state=True) is not None
+    assert fresh.counts() == {"queued": 0, "generating": 0, "finished": 0, "consumed": 0}
+    assert len([key for key, _ in fresh]) == 12
+    assert "the rollout frontier is not restored (drop_rank_state)" in caplog.text
