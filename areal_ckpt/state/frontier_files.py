@@ -50,7 +50,7 @@ def encode_frontier(snapshot: FrontierSnapshot, rank: int) -> dict[str, bytes]:
     trajectory recording its tensors' entries and shapes (a few large entries instead of one
     per tensor). The record is JSON; what came from the user (prompts, plain trajectory values,
     the data source's state) is encoded with :mod:`areal_ckpt.state.safe_json`. Pure;
-    ValueError naming the entry a value JSON cannot hold."""
+    StateEncodingError (a TypeError) naming a prompt or value JSON cannot hold."""
     parts: dict[str, list[torch.Tensor]] = {}
     prompts = []
     for prompt in snapshot.prompts:
