@@ -243,3 +243,32 @@ def test_export_reads_again_when_the_job_supersedes_the_generation_it_reads(pers
         exported = AutoModelForCausalLM.from_pretrained(tmp_path / folder, local_files_only=True)
         for name, tensor in setup.model.state_dict().items():
             assert torch.equal(exported.state_dict()[name], tensor), (folder, name)
+
+
+def test_recover_pointer_on_a_bucket_skips_a_resigned_manifest_as_the_folder_repair_does(
+    object_server, object_bucket, tmp_path, capsys
+):
+    """A manifest re-signed to name a model outside the trial verifies object by object; the
+    repair also checks what a load needs it to list (as a folder's does) and skips it."""
+    from areal_ckpt.publish import render_manifest
+
+    setup = make_setup()
+    handler = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "disk"), SPEC)
+    train_step(setup, 0)
+    handler.dump(setup.engine, step_info(0), force=True)
+    first = objects(object_bucket, f"{TRIAL}/.recover/gen-")
+    train_step(setup, 1)
+    handler.dump(setup.engine, step_info(1), force=True)  # deletes the first generation after its commit
+    handler.close()
+    for key, data in first.items():  # the first generation is back, uncommitted
+        write_object(object_bucket, key, data)
+    (manifest_key,) = [
+        k for k in objects(object_bucket, f"{TRIAL}/.recover/gen-") if k not in first and k.endswith("manifest.json")
+    ]
+    manifest = json.loads(read_object(object_bucket, manifest_key))
+    manifest["models"] = ["../elsewhere"]
+    write_object(object_bucket, manifest_key, render_manifest(manifest))
+    code, stdout, _ = run(capsys, "recover-pointer", f"{object_bucket}/{TRIAL}")
+    generation = next(iter(first)).removeprefix(f"{TRIAL}/.recover/").split("/")[0]
+    assert code == 0 and "model name '../elsewhere' cannot be used as a folder name" in stdout, stdout
+    assert f"-> {generation}: every file matches" in stdout

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from areal_ckpt import fsio
 from areal_ckpt.errors import CheckpointError
@@ -286,11 +286,13 @@ def check_remote_folder(
     source: ObjectURL,
     manifest_name: str,
     progress: Callable[[Iterable[str]], Iterable[str]] = iter,
+    content: Callable[[dict[str, Any]], list[str]] = lambda manifest: [],
 ) -> list[str]:
     """Every problem of the checkpoint ``source`` where it lies (its manifest missing or
-    damaged; a listed object missing, of another size or failing its CRC-32, read by ranged
-    GETs without a local copy; an object the manifest does not list), one line each naming
-    the object's URL. Empty means intact. Blocking; read-only."""
+    damaged, or lacking what ``content`` says a readable one holds; a listed object missing,
+    of another size or failing its CRC-32, read by ranged GETs without a local copy; an object
+    the manifest does not list), one line each naming the object's URL. Empty means intact.
+    Blocking; read-only."""
     base = source.key() + "/"
     sizes = {item.key[len(base) :]: item.size for item in store.list_prefix(base)}
     if manifest_name not in sizes:
@@ -300,9 +302,13 @@ def check_remote_folder(
         (local / manifest_name).parent.mkdir(parents=True, exist_ok=True)
         store.get_file(source.key(manifest_name), local / manifest_name)
         try:
-            files = read_manifest(local, manifest_name)["files"]
+            manifest = read_manifest(local, manifest_name)
         except CheckpointError as error:
             return [str(error).replace(str(local / manifest_name), source.url_of(source.key(manifest_name)))]
+    lacking = content(manifest)
+    if lacking:  # a manifest re-signed to list less than a checkpoint holds: its checksums prove nothing
+        return [f"{source.url_of(source.key(manifest_name))}: {problem}" for problem in lacking]
+    files = manifest["files"]
     problems = []
     for name in progress(sorted(files)):
         url, expected = source.url_of(source.key(name)), files[name]

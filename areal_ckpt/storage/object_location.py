@@ -231,13 +231,14 @@ class ObjectLocation:
         order: Callable[[str], int],
         body: Callable[[str], dict[str, Any]],
         noun: str = "checkpoint",
+        content: Callable[[dict[str, Any]], list[str]] = lambda manifest: [],
     ) -> tuple[str, dict[str, list[str]], bool]:
         """An operator's repair (``recover-pointer``), run while no job writes here: every
         commit record no reader can use is moved out of the log (kept, see
         :meth:`~areal_ckpt.storage.commits.CommitLog.set_aside`); when the newest commit then
-        names a checkpoint that is missing or fails its manifest, the newest present one
-        (``candidate`` names, highest ``order`` first) whose every object verifies is committed
-        again with a new record (``body``). Returns that checkpoint, the ones skipped with their
+        names a checkpoint that is missing or fails its manifest (or ``content``'s check of
+        what the manifest must list), the newest present one (``candidate`` names, highest
+        ``order`` first) whose every object verifies is committed again with a new record (``body``). Returns that checkpoint, the ones skipped with their
         problems, and whether a record was written; CheckpointError naming them all (each a
         ``noun``) when none verifies. Blocking; never deletes a checkpoint."""
         store, log = store_of(self.root), CommitLog(store_of(self.root), self.root)
@@ -249,14 +250,14 @@ class ObjectLocation:
                 skipped[f"commit {sequence}"] = [str(error), f"moved out of the log to {log.set_aside(sequence)}"]
         newest = log.newest()
         if newest is not None:
-            problems = check_remote_folder(store, self.root.child(newest.folder), self.manifest)
+            problems = check_remote_folder(store, self.root.child(newest.folder), self.manifest, content=content)
             if not problems:
                 return newest.folder, skipped, False
             skipped[newest.folder] = problems
         base = self.root.key() + "/"
         present = {item.key[len(base) :].split("/", 1)[0] for item in store.list_prefix(base)}
         for name in sorted((n for n in present if candidate(n) and n not in skipped), key=order, reverse=True):
-            problems = check_remote_folder(store, self.root.child(name), self.manifest)
+            problems = check_remote_folder(store, self.root.child(name), self.manifest, content=content)
             if problems:
                 skipped[name] = problems
                 continue

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_ckpt.errors import CheckpointError
+from areal_ckpt.generations.repoint import missing_parts
 from areal_ckpt.paths import (
     MANIFEST_NAME,
     RECOVER_CURRENT,
@@ -219,7 +220,8 @@ def repoint_remote(trial: ObjectURL) -> tuple[str, dict[str, list[str]], bool]:
     """``recover-pointer`` on object storage: when the newest commit record of the trial
     ``trial`` names a recovery generation that is missing or damaged, commit (a new record,
     create-only) the newest generation under ``.recover/`` whose every object matches its
-    manifest (:meth:`~areal_ckpt.storage.object_location.ObjectLocation.repoint`). Returns the
+    manifest and lists what a load needs (:func:`~areal_ckpt.generations.repoint.missing_parts`,
+    as the folder repair checks) (:meth:`~areal_ckpt.storage.object_location.ObjectLocation.repoint`). Returns the
     generation, the generations skipped with their problems, and whether a record was written.
     Run it while no job writes the trial. Blocking."""
     generations = ObjectGenerations(trial)
@@ -229,6 +231,7 @@ def repoint_remote(trial: ObjectURL) -> tuple[str, dict[str, list[str]], bool]:
         generation_step,
         lambda name: {"run": "recover-pointer", "global_step": generation_step(name)},
         "recovery generation",
+        missing_parts,  # what a load needs listed, as the folder repair checks it
     )
 
 
