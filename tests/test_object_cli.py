@@ -130,8 +130,9 @@ def test_convert_deepspeed_writes_to_the_bucket(object_bucket, tmp_path, capsys)
         assert torch.equal(loaded.state_dict()[name], tensor), name
 
 
-def test_recover_pointer_commits_the_newest_intact_generation(object_server, object_bucket, tmp_path, capsys):
-    trial = f"{object_bucket}/{TRIAL}"
+def _two_dumps(object_bucket: str, tmp_path: Path) -> dict[str, bytes]:
+    """Two dumps of a trial on the bucket; the objects of the first, which the second's
+    retention deleted."""
     setup = make_setup()
     handler = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "disk"), SPEC)
     train_step(setup, 0)
@@ -140,6 +141,12 @@ def test_recover_pointer_commits_the_newest_intact_generation(object_server, obj
     train_step(setup, 1)
     handler.dump(setup.engine, step_info(1), force=True)  # deletes the first generation after its commit
     handler.close()
+    return first
+
+
+def test_recover_pointer_commits_the_newest_intact_generation(object_server, object_bucket, tmp_path, capsys):
+    trial = f"{object_bucket}/{TRIAL}"
+    first = _two_dumps(object_bucket, tmp_path)
     code, stdout, _ = run(capsys, "recover-pointer", trial)
     assert code == 0 and "which is intact; nothing changed" in stdout
 
@@ -252,14 +259,7 @@ def test_recover_pointer_on_a_bucket_skips_a_resigned_manifest_as_the_folder_rep
     repair also checks what a load needs it to list (as a folder's does) and skips it."""
     from areal_ckpt.publish import render_manifest
 
-    setup = make_setup()
-    handler = ac.RecoverHandler(s3_config(object_bucket, tmp_path / "disk"), SPEC)
-    train_step(setup, 0)
-    handler.dump(setup.engine, step_info(0), force=True)
-    first = objects(object_bucket, f"{TRIAL}/.recover/gen-")
-    train_step(setup, 1)
-    handler.dump(setup.engine, step_info(1), force=True)  # deletes the first generation after its commit
-    handler.close()
+    first = _two_dumps(object_bucket, tmp_path)
     for key, data in first.items():  # the first generation is back, uncommitted
         write_object(object_bucket, key, data)
     (manifest_key,) = [
