@@ -11,13 +11,14 @@ nothing read can run code. Local, read-only, single process.
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_io import load_tensors, tensor_index
@@ -39,19 +40,21 @@ class TensorSet:
     read: Callable[[Sequence[str]], Iterator[tuple[str, torch.Tensor]]]
 
 
-def _checked(folder: Path, manifest_name: str, prefix: str = "") -> None:
-    """CheckpointError naming every damaged file under ``prefix`` of the checkpoint ``folder``."""
+def _checked(folder: Path, manifest_name: str, prefix: str = "") -> dict[str, Any]:
+    """The manifest of the checkpoint ``folder``; CheckpointError naming every damaged file
+    under ``prefix``."""
     manifest = read_manifest(folder, manifest_name)
     names = [name for name in manifest["files"] if name.startswith(prefix)]
     problems = check_files(folder, manifest["files"], names)
     if problems:
         raise CheckpointError(f"{folder}: damaged: " + "; ".join(problems))
+    return manifest
 
 
 def _dcp_set(folders: Sequence[Path]) -> TensorSet:
     """The tensors of our DCP folders (a model's, and its frozen part's), read through their
     JSON metadata."""
-    homes: dict[str, tuple[Path, object]] = {}
+    homes: dict[str, tuple[Path, Metadata]] = {}
     index: Index = {}
     for folder in folders:
         metadata = read_metadata_json(folder)
@@ -66,7 +69,7 @@ def _dcp_set(folders: Sequence[Path]) -> TensorSet:
                 name: torch.empty(index[name][1], dtype=index[name][0]) for name in names if homes[name][0] == folder
             }
             if template:
-                load_tensors(template, folder, optional_prefixes=("",), metadata=homes[next(iter(template))][1])  # type: ignore[arg-type]
+                load_tensors(template, folder, optional_prefixes=("",), metadata=homes[next(iter(template))][1])
                 yield from template.items()
 
     return TensorSet(index, read)
@@ -154,10 +157,8 @@ def tensor_sets(path: Path) -> tuple[str, dict[str, TensorSet]]:
             sections[model] = _dcp_set(folders)
         return kind, sections
     if kind == "export":
-        if (path / MANIFEST_NAME).is_file():
-            _checked(path, MANIFEST_NAME)
-        name = json.loads((path / MANIFEST_NAME).read_text()).get("name") if (path / MANIFEST_NAME).is_file() else None
-        return kind, {name or "model": _safetensors_set(path)}
+        name = _checked(path, MANIFEST_NAME).get("name") if (path / MANIFEST_NAME).is_file() else None
+        return kind, {name if isinstance(name, str) and name else "model": _safetensors_set(path)}
     if kind == "deepspeed":
         folder = deepspeed_folder(path)
         if folder is None:
