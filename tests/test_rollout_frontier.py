@@ -194,20 +194,25 @@ def test_a_dump_while_a_rollout_thread_draws_accounts_for_every_prompt_once(tmp_
 
 
 def test_a_frontier_beyond_its_bound_is_a_config_error_at_the_dump_and_the_previous_checkpoint_stays(tmp_path):
-    frontier = frontier_of(loader(), max_trajectories=1)
-    dump(tmp_path, frontier)  # an empty frontier: within its bound
-    first, second = drawn(frontier, 2)
-    frontier.finished(first, {"ids": torch.arange(3)})
-    frontier.finished(second, {"ids": torch.arange(3)})
-    with pytest.raises(ac.ConfigError, match="2 finished trajectories .* more than max_trajectories=1"):
-        dump(tmp_path, frontier)
-    too_big = frontier_of(loader(), max_bytes=16)
-    key = drawn(too_big, 1)[0]
-    too_big.finished(key, {"ids": torch.arange(3)})  # 24 bytes of int64
-    with pytest.raises(ac.ConfigError, match="hold 24 bytes of tensors, more than max_bytes=16"):
-        dump(tmp_path, too_big)
+    """One job dumps within the bound, then beyond it (trajectories, then bytes): a ConfigError,
+    nothing committed, the checkpoint before stays what a restart loads."""
+    frontier = frontier_of(loader(), max_trajectories=1, max_bytes=16)
+    recover, target = handler(tmp_path), engine()
+    try:
+        recover.dump(target, ac.StepInfo(0, 0, 0, 20), rollout=frontier, force=True)  # empty: within its bound
+        first, second = drawn(frontier, 2)
+        frontier.finished(first, {"ids": torch.arange(3)})
+        frontier.finished(second, {"ids": torch.arange(3)})
+        with pytest.raises(ac.ConfigError, match="2 finished trajectories .* more than max_trajectories=1"):
+            recover.dump(target, ac.StepInfo(0, 1, 1, 20), rollout=frontier, force=True)
+        frontier.consumed([first])  # one trajectory left: 24 bytes of int64
+        with pytest.raises(ac.ConfigError, match="hold 24 bytes of tensors, more than max_bytes=16"):
+            recover.dump(target, ac.StepInfo(0, 1, 1, 20), rollout=frontier, force=True)
+    finally:
+        recover.close()
     resumed = frontier_of(loader())
-    load(tmp_path, resumed)
+    info = load(tmp_path, resumed)
+    assert info is not None and info.last_step_info.global_step == 0
     assert resumed.counts() == {"queued": 0, "generating": 0, "finished": 0, "consumed": 0}
 
 

@@ -149,7 +149,8 @@ class RecoverHandler:
         ``client_state`` (the loop's own JSON-able state, e.g. a KL coefficient), and its
         ``rollout`` frontier if it has one (:class:`~areal_ckpt.state.frontier.RolloutFrontier`:
         the prompts in flight and the data source's position, snapshotted at one instant and
-        committed with the weights; ConfigError on every rank when one exceeds its bound). The model's HF
+        committed with the weights, taken as the dump captures the tensors; ConfigError on every
+        rank when one exceeds its bound). The model's HF
         config, ``tokenizer``, ``processor`` and the base model's other files are recorded so
         ``areal-ckpt export`` can make a complete HF folder. Returns None when no dump was due
         (or mode is off), else the generation's path.
@@ -191,10 +192,6 @@ class RecoverHandler:
             "rng": capture_rng_state(),
             "client_state": dict(client_state or {}),
         }
-        own_files = agree.on_every_rank(
-            lambda: {} if rollout is None else encode_frontier(rollout.snapshot(), dist.rank()),
-            "RecoverHandler.dump: the rollout frontier",
-        )
         start = time.perf_counter()
         self._jobs.wait()
         what = f"{self.store.root}: recovery dump at global step {step_info.global_step}"
@@ -212,7 +209,7 @@ class RecoverHandler:
                     rank_state,
                     assets,
                     self._run,
-                    own_files,
+                    None if rollout is None else lambda: encode_frontier(rollout.snapshot(), dist.rank()),
                 ),
                 self.config.write_retries,
                 what,

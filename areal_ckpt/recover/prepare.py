@@ -19,7 +19,7 @@ from areal_ckpt import agree, dist
 from areal_ckpt.config import RecoverConfig
 from areal_ckpt.engines.accept import HFAssets, export_files
 from areal_ckpt.engines.contract import Engine
-from areal_ckpt.errors import CollectiveError, RankMismatchError, TransientError
+from areal_ckpt.errors import CollectiveError, ConfigError, RankMismatchError, TransientError
 from areal_ckpt.formats.hf_export import HFFiles
 from areal_ckpt.fsio import FileRecord
 from areal_ckpt.generations.store import RecoverStore
@@ -68,13 +68,14 @@ def prepare_dump(
     rank_state: dict[str, Any],
     assets: dict[str, HFAssets],
     run: str = "",
-    own_files: Mapping[str, bytes] | None = None,
+    own_files: Callable[[], Mapping[str, bytes]] | None = None,
 ) -> tuple[DumpJob, dict[str, torch.Tensor], dict[str, list[int]]]:
     """Create the generation (rank 0, with ``begin``), encode its JSON files, capture the
     tensors; returns the second half's job, the tensors and the frozen models' fingerprints.
     ``run`` names the job in its commits where the trial persists; ``publication`` says when
-    the commit reaches there (:mod:`areal_ckpt.recover.publication`); ``own_files``: this
-    rank's further small files, by path in the generation (its rollout frontier's).
+    the commit reaches there (:mod:`areal_ckpt.recover.publication`); ``own_files``: what
+    makes this rank's further small files, by path in the generation (its rollout frontier's,
+    snapshotted as the tensors are captured; a ConfigError it raises is every rank's, not retried).
 
     Collective. Raises RankMismatchError when ranks disagree on the step or the models, the
     refusal ``begin`` raises, or TransientError on every rank (after discarding the
@@ -104,8 +105,9 @@ def prepare_dump(
                     collected.files[f"{RECOVER_INFO}/{file_name}"] = data
             file_name, data = encode_rank_state(rank, rank_state)
             collected.files[f"{RECOVER_INFO}/{file_name}"] = data
-            collected.files.update(own_files or {})
-        except (RankMismatchError, CollectiveError):
+            if own_files is not None:
+                collected.files.update(own_files())
+        except (RankMismatchError, CollectiveError, ConfigError):
             raise
         except Exception as error:  # retried, once every rank knows
             raise TransientError(f"{type(error).__name__}: {error}") from error

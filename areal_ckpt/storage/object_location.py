@@ -238,9 +238,10 @@ class ObjectLocation:
         :meth:`~areal_ckpt.storage.commits.CommitLog.set_aside`); when the newest commit then
         names a checkpoint that is missing or fails its manifest (or ``content``'s check of
         what the manifest must list), the newest present one (``candidate`` names, highest
-        ``order`` first) whose every object verifies is committed again with a new record (``body``). Returns that checkpoint, the ones skipped with their
-        problems, and whether a record was written; CheckpointError naming them all (each a
-        ``noun``) when none verifies. Blocking; never deletes a checkpoint."""
+        ``order`` first) whose every object verifies is committed again with a new record
+        (``body``). Returns that checkpoint, the ones skipped with their problems, and whether a
+        record was written; CheckpointError naming them all (each a ``noun``) when none
+        verifies. Blocking; never deletes a checkpoint."""
         store, log = store_of(self.root), CommitLog(store_of(self.root), self.root)
         skipped: dict[str, list[str]] = {}
         for sequence in log.sequences():  # a record no reader can use would stop every later load and tidy

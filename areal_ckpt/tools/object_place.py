@@ -219,9 +219,10 @@ def commit_output(folder: Path, url: ObjectURL) -> str:
 def repoint_remote(trial: ObjectURL) -> tuple[str, dict[str, list[str]], bool]:
     """``recover-pointer`` on object storage: when the newest commit record of the trial
     ``trial`` names a recovery generation that is missing or damaged, commit (a new record,
-    create-only) the newest generation under ``.recover/`` whose every object matches its
-    manifest and lists what a load needs (:func:`~areal_ckpt.generations.repoint.missing_parts`,
-    as the folder repair checks) (:meth:`~areal_ckpt.storage.object_location.ObjectLocation.repoint`). Returns the
+    create-only) the newest generation under ``.recover/`` whose manifest lists what a load
+    needs (:func:`~areal_ckpt.generations.repoint.missing_parts`, as the folder repair checks)
+    and whose every object matches it
+    (:meth:`~areal_ckpt.storage.object_location.ObjectLocation.repoint`). Returns the
     generation, the generations skipped with their problems, and whether a record was written.
     Run it while no job writes the trial. Blocking."""
     generations = ObjectGenerations(trial)
