@@ -77,8 +77,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from areal_ckpt.tools.catalog import verify_found
+
     place = place_of(args.path, "path")
-    results = place.verify(progress=fmt.progress(place.unit))
+    results = verify_found(place.found(), progress=fmt.progress(place.unit))
     bad = 0
     for checkpoint, problems in results:
         if problems:

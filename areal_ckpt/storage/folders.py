@@ -51,6 +51,14 @@ class FileSource(Protocol):
         """Write the bytes of ``file`` into the local ``path`` (replacing it whole); CheckpointError
         naming ``file``'s location when it is missing or cannot be read."""
 
+    def listing(self) -> dict[str, int | None]:
+        """Every entry under the checkpoint by its relative path: a file's size, None for
+        what is no regular file (a link, a FIFO: never read). One listing; read-only."""
+
+    def crc32(self, file: str, size: int) -> int:
+        """The CRC-32 of ``file`` (``size`` bytes, as listed), read where it lies without a
+        local copy; CheckpointError naming it when it cannot be read. Read-only."""
+
 
 @dataclass(frozen=True)
 class Opened:
@@ -81,6 +89,15 @@ class ObjectSource:
         """Download the object (the store's parallel ranged reads)."""
         store_of(self.url).get_file(self.url.key(file), path)
 
+    def listing(self) -> dict[str, int | None]:
+        """The objects under the prefix with their sizes (one listing)."""
+        base = self.url.key() + "/"
+        return {item.key[len(base) :]: item.size for item in store_of(self.url).list_prefix(base)}
+
+    def crc32(self, file: str, size: int) -> int:
+        """:func:`object_crc32` (ranged reads)."""
+        return object_crc32(store_of(self.url), self.url.key(file), size)
+
 
 @dataclass(frozen=True)
 class FolderSource:
@@ -110,6 +127,29 @@ class FolderSource:
             raise CheckpointError(f"{source}: missing") from None
         except OSError as error:
             raise CheckpointError(f"{source}: cannot copy: {error}") from None
+
+    def listing(self) -> dict[str, int | None]:
+        """Every entry under the folder, walked through no link (a link is listed, never
+        followed); empty when the folder is missing."""
+        listing: dict[str, int | None] = {}
+        for top, folders, names in os.walk(self.folder):
+            for name in [*names, *folders]:
+                path = Path(top) / name
+                if path.is_symlink() or not path.is_dir():
+                    regular = path.is_file() and not path.is_symlink()
+                    listing[path.relative_to(self.folder).as_posix()] = path.stat().st_size if regular else None
+        return listing
+
+    def crc32(self, file: str, size: int) -> int:
+        """The file read once (:func:`~areal_ckpt.fsio.record_of`), never through a link."""
+        path = self.folder / file
+        try:
+            link = fsio.link_on_path(path, self.folder)
+            if link is not None:
+                raise OSError(f"{link} is a link; not reading through it")
+            return fsio.record_of(path).crc32
+        except OSError as error:
+            raise CheckpointError(f"{path}: cannot read: {error}") from None
 
 
 def listing_of(folder: Path) -> dict[str, int]:
@@ -281,50 +321,55 @@ def _download(source: FileSource, folder: Path, name: str) -> None:
     source.get_file(name, path)
 
 
-def check_remote_folder(
-    store: ObjectStore,
-    source: ObjectURL,
+def check_checkpoint(
+    source: FileSource,
     manifest_name: str,
     progress: Callable[[Iterable[str]], Iterable[str]] = iter,
     content: Callable[[dict[str, Any]], list[str]] = lambda manifest: [],
 ) -> list[str]:
-    """Every problem of the checkpoint ``source`` where it lies (its manifest missing or
-    damaged, or lacking what ``content`` says a readable one holds; a listed object missing,
-    of another size or failing its CRC-32, read by ranged GETs without a local copy; an object
-    the manifest does not list), one line each naming the object's URL. Empty means intact.
-    Blocking; read-only."""
-    base = source.key() + "/"
-    sizes = {item.key[len(base) :]: item.size for item in store.list_prefix(base)}
-    if manifest_name not in sizes:
-        return [f"{source.url_of(source.key(manifest_name))}: missing: the checkpoint is incomplete"]
-    with tempfile.TemporaryDirectory(prefix="areal_ckpt-manifest-") as scratch:
-        local = Path(scratch)
-        (local / manifest_name).parent.mkdir(parents=True, exist_ok=True)
-        store.get_file(source.key(manifest_name), local / manifest_name)
-        try:
-            manifest = read_manifest(local, manifest_name)
-        except CheckpointError as error:
-            return [str(error).replace(str(local / manifest_name), source.url_of(source.key(manifest_name)))]
+    """Every problem of the committed checkpoint ``source`` where it lies, whatever the
+    location: its manifest missing or damaged, or lacking what ``content`` says a readable one
+    holds; a listed file missing, not a regular file, of another size or failing its CRC-32
+    (all read, no local copy); an entry the manifest does not list. One line each naming the
+    file's path or URL; empty means intact. Blocking; read-only."""
+    listing = source.listing()
+    if manifest_name not in listing:
+        return [f"{source.where(manifest_name)}: missing: the checkpoint is incomplete"]
+    try:
+        manifest = manifest_of(source, manifest_name)
+    except CheckpointError as error:
+        return [str(error)]
     lacking = content(manifest)
     if lacking:  # a manifest re-signed to list less than a checkpoint holds: its checksums prove nothing
-        return [f"{source.url_of(source.key(manifest_name))}: {problem}" for problem in lacking]
+        return [f"{source.where(manifest_name)}: {problem}" for problem in lacking]
     files = manifest["files"]
     problems = []
     for name in progress(sorted(files)):
-        url, expected = source.url_of(source.key(name)), files[name]
-        if name not in sizes:
-            problems.append(f"{url}: missing")
-        elif sizes[name] != expected["size"]:
-            problems.append(
-                f"{url}: size {sizes[name]} bytes, manifest says {expected['size']} (truncated or replaced)"
-            )
-        elif object_crc32(store, source.key(name), sizes[name]) != expected["crc32"]:
-            problems.append(f"{url}: checksum mismatch (object corrupted)")
-    for extra in sorted(set(sizes) - set(files) - {manifest_name}):
-        problems.append(
-            f"{source.url_of(source.key(extra))}: not listed in the manifest (added after the checkpoint was written)"
-        )
+        where, expected, size = source.where(name), files[name], listing.get(name, -1)
+        if size == -1:
+            problems.append(f"{where}: missing")
+        elif size is None:
+            problems.append(f"{where}: not a regular file")
+        elif size != expected["size"]:
+            problems.append(f"{where}: size {size} bytes, manifest says {expected['size']} (truncated or replaced)")
+        elif source.crc32(name, size) != expected["crc32"]:
+            problems.append(f"{where}: checksum mismatch (corrupted)")
+    for extra in sorted(set(listing) - set(files) - {manifest_name}):
+        problems.append(f"{source.where(extra)}: not listed in the manifest (added after the checkpoint was written)")
     return problems
+
+
+def manifest_of(source: FileSource, manifest_name: str) -> dict[str, Any]:
+    """The checked manifest of the checkpoint ``source`` (:func:`~areal_ckpt.publish.read_manifest`,
+    read through a private temporary copy); CheckpointError naming its path or URL. Read-only."""
+    with tempfile.TemporaryDirectory(prefix="areal_ckpt-manifest-") as scratch:
+        local = Path(scratch)
+        (local / manifest_name).parent.mkdir(parents=True, exist_ok=True)
+        source.get_file(manifest_name, local / manifest_name)
+        try:
+            return read_manifest(local, manifest_name)
+        except CheckpointError as error:
+            raise CheckpointError(str(error).replace(str(local / manifest_name), source.where(manifest_name))) from None
 
 
 def object_crc32(store: ObjectStore, key: str, size: int) -> int:

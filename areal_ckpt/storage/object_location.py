@@ -29,7 +29,7 @@ from areal_ckpt.storage.folders import (
     FileSource,
     ObjectSource,
     Opened,
-    check_remote_folder,
+    check_checkpoint,
     check_uploaded,
     fetch_shared,
     staging_root,
@@ -251,14 +251,14 @@ class ObjectLocation:
                 skipped[f"commit {sequence}"] = [str(error), f"moved out of the log to {log.set_aside(sequence)}"]
         newest = log.newest()
         if newest is not None:
-            problems = check_remote_folder(store, self.root.child(newest.folder), self.manifest, content=content)
+            problems = check_checkpoint(self.files_of(newest.folder), self.manifest, content=content)
             if not problems:
                 return newest.folder, skipped, False
             skipped[newest.folder] = problems
         base = self.root.key() + "/"
         present = {item.key[len(base) :].split("/", 1)[0] for item in store.list_prefix(base)}
         for name in sorted((n for n in present if candidate(n) and n not in skipped), key=order, reverse=True):
-            problems = check_remote_folder(store, self.root.child(name), self.manifest, content=content)
+            problems = check_checkpoint(self.files_of(name), self.manifest, content=content)
             if problems:
                 skipped[name] = problems
                 continue

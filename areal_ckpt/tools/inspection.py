@@ -16,15 +16,15 @@ from areal_ckpt.paths import (
     LATEST,
     MANIFEST_NAME,
     RECOVER_MANIFEST,
-    RECOVER_STORE,
     TAGGED_FORMAT,
     is_stock_dcp,
     parse_export_leaf,
-    recover_pointer,
 )
-from areal_ckpt.publish import check_files, read_manifest
+from areal_ckpt.publish import read_manifest
 from areal_ckpt.storage.folder_location import FolderLocation
 from areal_ckpt.storage.pointers import PointerFile
+from areal_ckpt.storage.retention import Committed
+from areal_ckpt.tools.catalog import Found, Unverifiable, list_found, verify_found
 from areal_ckpt.tools.local_tier import describe_tier, held_entries, tier_holdings
 
 _MAX_SAFETENSORS_HEADER = 100 << 20
@@ -257,70 +257,66 @@ def _describe_recovery(path: Path) -> dict[str, Any]:
 
 
 def verify(path: Path, progress: Callable[[Iterable[str]], Iterable[str]] = iter) -> list[str]:
-    """Every problem with the checkpoint at ``path`` (missing, truncated, corrupted, unlisted
-    files; missing manifest), one line each naming the file. Empty means intact. Read-only."""
-    path = Path(path)
+    """Every problem with the one checkpoint at ``path`` (:func:`found_at`; missing, truncated,
+    corrupted, unlisted files; missing manifest), one line each naming the file. Empty means
+    intact. Read-only."""
+    return [problem for _, problems in verify_found([found_at(Path(path))], progress) for problem in problems]
+
+
+def found_at(path: Path) -> Found | Unverifiable:
+    """The one checkpoint at ``path`` (an export, a recovery checkpoint through any of its
+    paths, a DeepSpeed tag or save_dir), or why there is none to check. Read-only."""
     kind = kind_of(path) if path.is_dir() else "unknown"
     if kind == "export":
-        folder, manifest_name = path, MANIFEST_NAME
-    elif kind == "recover":
-        folder, manifest_name = resolve_recovery(path)[0], RECOVER_MANIFEST
-    elif kind == "dcp":
-        return [f"{path}: stock DCP carries no checksums; nothing to verify it against"]
-    elif kind == "deepspeed":
-        folder, manifest_name = _tag_folder(path), MANIFEST_NAME
-        if not (folder / manifest_name).is_file():
-            return [f"{folder}: DeepSpeed's own layout carries no checksums; nothing to verify it against"]
-    else:
-        return [f"{path}: not a checkpoint folder"]
-    try:
-        manifest = read_manifest(folder, manifest_name)
-    except CheckpointError as error:
-        return [str(error)]
-    files = manifest["files"]
-    problems = [problem for name in progress(sorted(files)) for problem in check_files(folder, files, [name])]
-    on_disk = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink()}
-    for extra in sorted(on_disk - set(files) - {manifest_name}):
-        problems.append(f"{folder / extra}: not listed in the manifest (added after the checkpoint was written)")
-    return problems
+        return Found("export", path.parent.name, FolderLocation(path.parent), _entry(path), MANIFEST_NAME)
+    if kind == "recover":
+        generation = resolve_recovery(path)[0]
+        return Found("recover", "", FolderLocation(generation.parent), _entry(generation), RECOVER_MANIFEST)
+    if kind == "dcp":
+        return Unverifiable(str(path), f"{path}: stock DCP carries no checksums; nothing to verify it against")
+    if kind == "deepspeed":
+        folder = _tag_folder(path)
+        if not (folder / MANIFEST_NAME).is_file():
+            return Unverifiable(
+                str(path), f"{folder}: DeepSpeed's own layout carries no checksums; nothing to verify it against"
+            )
+        return Found("deepspeed", folder.name, FolderLocation(folder.parent), _entry(folder), MANIFEST_NAME)
+    return Unverifiable(str(path), f"{path}: not a checkpoint folder")
 
 
-def checkpoints_in(path: Path) -> list[Path]:
-    """What ``verify`` checks for ``path``: a trial folder's every export (by model name, then
-    global step) and its recovery checkpoint (the trial folder itself); any other folder as it
-    is. Read-only."""
+def _entry(folder: Path) -> Committed:
+    """A checkpoint folder's entry in its parent (step unknown; its time the folder's)."""
+    return Committed(folder.name, -1, 0, when=folder.stat().st_mtime)
+
+
+def _export_step(name: str) -> int | None:
+    """The global step an export folder's name holds; None for any other name."""
+    leaf = parse_export_leaf(name)
+    return None if leaf is None else leaf[2]
+
+
+def found_in(path: Path) -> list[Found | Unverifiable]:
+    """What ``verify`` and ``list`` go through for ``path``: a trial folder's every committed
+    export (by model name, then global step) and its recovery checkpoint (the generation its
+    commit record names; a broken or missing record is reported as such); any other folder as
+    the one checkpoint it is (:func:`found_at`). Read-only."""
     path = Path(path)
-    exports = sorted(
-        (
-            export
-            for model in _model_folders(path)
-            for export in model.iterdir()
-            if export.is_dir() and not export.is_symlink() and parse_export_leaf(export.name) is not None
-        ),
-        key=lambda export: (export.parent.name, parse_export_leaf(export.name)),
-    )
-    has_recovery = recover_pointer(path).is_symlink() or (path / RECOVER_STORE).exists()
-    if not exports and not has_recovery:
-        return [path]
-    return [*exports, *([path] if has_recovery else [])]
-
-
-def verify_each(path: Path, progress: Callable[[Iterable[str]], Iterable[str]] = iter) -> list[tuple[Path, list[str]]]:
-    """(checkpoint, problems) for each checkpoint :func:`checkpoints_in` finds under ``path``;
-    a trial's recovery checkpoint is found through its commit record, whose problems (missing,
-    broken) are reported as such. Read-only."""
-    results = []
-    for checkpoint in checkpoints_in(path):
-        if checkpoint == Path(path) and (checkpoint / RECOVER_STORE).exists():
-            try:
-                if RecoverStore(checkpoint).committed() is None:
-                    results.append((checkpoint, [f"{checkpoint / RECOVER_STORE}: no committed recovery checkpoint"]))
-                    continue
-            except CheckpointError as error:
-                results.append((checkpoint, [str(error)]))
-                continue
-        results.append((checkpoint, verify(checkpoint, progress)))
-    return results
+    exports: list[Found | Unverifiable] = [
+        Found("export", model.name, location, entry, MANIFEST_NAME)
+        for model in _model_folders(path)
+        for location in [FolderLocation(model)]
+        for entry in sorted(location.committed(_export_step), key=lambda entry: entry.step)
+    ]
+    store = RecoverStore(path)
+    if not store.pointer.is_symlink() and not store.root.exists():
+        return exports or [found_at(path)]
+    try:
+        committed = store.committed()
+    except CheckpointError as error:
+        return [*exports, Unverifiable(str(path), str(error), "recover")]
+    if committed is None:
+        return [*exports, Unverifiable(str(path), f"{store.root}: no committed recovery checkpoint")]
+    return [*exports, Found("recover", "", store.location, _entry(store.path(committed)), RECOVER_MANIFEST)]
 
 
 def _model_folders(trial: Path) -> list[Path]:
@@ -331,56 +327,16 @@ def _model_folders(trial: Path) -> list[Path]:
 
 
 def list_trial(trial: Path) -> list[dict[str, Any]]:
-    """Every export (all model names) and the recovery checkpoint of a trial, newest first."""
+    """Every committed export (all model names) and the recovery checkpoint of a trial
+    (:func:`~areal_ckpt.tools.catalog.list_found`), and what a local tier holds besides, newest
+    first; CheckpointError when ``trial`` is no folder."""
     trial = Path(trial)
     if not trial.is_dir():
         raise CheckpointError(f"{trial}: not a folder")
-    entries = []
     held = tier_holdings(trial)
-    for model in sorted(p for p in trial.iterdir() if p.is_dir() and not p.name.startswith(".")):
-        for export in model.iterdir():
-            parsed = parse_export_leaf(export.name)
-            if parsed is None or not export.is_dir():
-                continue
-            size = sum(p.stat().st_size for p in export.iterdir() if p.is_file())
-            entries.append(
-                {
-                    "kind": "export",
-                    "name": model.name,
-                    "epoch": parsed[0],
-                    "epoch_step": parsed[1],
-                    "global_step": parsed[2],
-                    "bytes": size,
-                    "created_unix": export.stat().st_mtime,
-                    "path": str(export),
-                }
-            )
-    if recover_pointer(trial).is_symlink():
-        try:
-            recovery = _describe_recovery(trial)
-        except CheckpointError as error:  # shown, not hidden: a damaged checkpoint is news
-            recovery = {
-                "models": {},
-                "step": None,
-                "bytes": None,
-                "created_unix": None,
-                "path": str(recover_pointer(trial)),
-                "problem": str(error),
-            }
-        step = recovery["step"] or {}
-        entries.append(
-            {
-                "kind": "recover",
-                "name": ",".join(recovery["models"]),
-                "epoch": step.get("epoch"),
-                "epoch_step": step.get("epoch_step"),
-                "global_step": step.get("global_step"),
-                "bytes": recovery["bytes"],
-                "created_unix": recovery["created_unix"],
-                "path": recovery["path"],
-                **({"problem": recovery["problem"]} if "problem" in recovery else {}),
-                "copied_files": sum(entry["copied_files"] for entry in held if entry["committed"]),
-            }
-        )
+    entries = list_found(found_in(trial))
+    for entry in entries:
+        if entry["kind"] == "recover":
+            entry["copied_files"] = sum(held_entry["copied_files"] for held_entry in held if held_entry["committed"])
     entries += held_entries(held)  # a local tier: what it holds besides the committed generation
     return sorted(entries, key=lambda e: (e["global_step"] or 0, e["created_unix"] or 0), reverse=True)

@@ -9,10 +9,7 @@ are neither listed nor verified.
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,18 +22,16 @@ from areal_ckpt.paths import (
     RECOVER_STORE,
     generation_step,
     is_generation_name,
-    parse_export_leaf,
 )
 from areal_ckpt.persistence.remote import ObjectGenerations
 from areal_ckpt.publish import read_manifest
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.folder_location import FolderLocation
-from areal_ckpt.storage.folders import check_remote_folder, fetch_folder
+from areal_ckpt.storage.folders import fetch_folder
 from areal_ckpt.storage.object_location import ObjectLocation, locations_in
-from areal_ckpt.storage.objects import ObjectInfo
 from areal_ckpt.storage.pointers import PointerLink
-from areal_ckpt.storage.retention import Committed
 from areal_ckpt.tags.save_dir import SaveDir
+from areal_ckpt.tools.catalog import Found, Unverifiable, list_found
 from areal_ckpt.tools.inspection import describe
 from areal_ckpt.tools.place_contract import Repointed
 from areal_ckpt.urls import ObjectURL
@@ -44,112 +39,32 @@ from areal_ckpt.urls import ObjectURL
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RemoteCheckpoint:
-    """One committed checkpoint on object storage: ``export``, ``recover`` or ``deepspeed``
-    (a ``save_checkpoint`` tag), the model (or the tag) it holds, the location it is committed
-    in and its entry there (name, commit order, what its commit recorded, when), its size."""
-
-    kind: str
-    name: str
-    location: ObjectLocation
-    entry: Committed
-    bytes: int
-
-    @property
-    def url(self) -> ObjectURL:
-        """The checkpoint's prefix."""
-        return self.location.root.child(self.entry.name)
-
-    @property
-    def manifest_name(self) -> str:
-        """Where in its folder the manifest lies."""
-        return self.location.manifest
-
-
-def committed_under(url: ObjectURL) -> list[RemoteCheckpoint]:
+def committed_under(url: ObjectURL) -> list[Found]:
     """The committed checkpoints ``url`` names: a trial's (every model's exports and
     the recovery checkpoint), a model's exports (its prefix), or the one committed folder it
     is. One listing plus one read per commit record. CheckpointError when there is none."""
     listing = store_of(url).list_prefix(url.key() + "/" if url.key() else "")
-    found = [checkpoint for root in locations_in(url, listing) for checkpoint in _committed_in(root, listing)]
+    found = [checkpoint for root in locations_in(url, listing) for checkpoint in _committed_in(root)]
     if not found and url.key():  # the URL may be one committed folder
         parent, folder = url.parent()
-        found = [c for c in _committed_in(parent, listing) if c.entry.name == folder]
+        found = [c for c in _committed_in(parent) if c.entry.name == folder]
     if not found:
         raise CheckpointError(f"{url}: no committed checkpoint there (no commit record under it or naming it)")
     return found
 
 
-def _committed_in(root: ObjectURL, listing: list[ObjectInfo]) -> list[RemoteCheckpoint]:
-    """The checkpoints committed in the location ``root``; sizes from ``listing``."""
+def _committed_in(root: ObjectURL) -> list[Found]:
+    """The checkpoints committed in the location ``root``."""
     last = root.key().rsplit("/", 1)[-1]
     kind = "recover" if last == RECOVER_STORE else "export"
-    location = ObjectLocation(root, RECOVER_MANIFEST if kind == "recover" else MANIFEST_NAME)
-    found = []
-    for entry in location.committed():
-        base = root.child(entry.name).key() + "/"
-        size = sum(item.size for item in listing if item.key.startswith(base))
-        if kind == "export" and entry.label:
-            found.append(RemoteCheckpoint("deepspeed", entry.label, location, entry, size))
-        else:
-            found.append(RemoteCheckpoint(kind, "" if kind == "recover" else last, location, entry, size))
-    return found
-
-
-def verify_remote(
-    url: ObjectURL, progress: Callable[[Iterable[str]], Iterable[str]] = iter
-) -> list[tuple[str, list[str]]]:
-    """(checkpoint URL, problems) for every committed checkpoint ``url`` names, each object
-    checked by size and CRC-32 where it lies (ranged reads, no local copy). Read-only."""
+    manifest = RECOVER_MANIFEST if kind == "recover" else MANIFEST_NAME
+    location = ObjectLocation(root, manifest)
     return [
-        (str(c.url), check_remote_folder(store_of(c.url), c.url, c.manifest_name, progress))
-        for c in committed_under(url)
+        Found("deepspeed", entry.label, location, entry, manifest)
+        if kind == "export" and entry.label
+        else Found(kind, "" if kind == "recover" else last, location, entry, manifest)
+        for entry in location.committed()
     ]
-
-
-def list_remote(url: ObjectURL) -> list[dict[str, Any]]:
-    """Every committed export and recovery checkpoint under ``url``, newest first,
-    in the entries ``areal-ckpt list`` prints for a local trial. Read-only."""
-    entries = []
-    for checkpoint in committed_under(url):
-        entry: dict[str, Any] = {
-            "kind": checkpoint.kind,
-            "name": checkpoint.name,
-            "bytes": checkpoint.bytes,
-            "created_unix": checkpoint.entry.when,
-            "path": str(checkpoint.url),
-        }
-        if checkpoint.kind == "deepspeed":
-            step: Any = {}
-        elif checkpoint.kind == "export":
-            step = checkpoint.entry.facts.get("step") or {}
-            if not step and (leaf := parse_export_leaf(checkpoint.entry.name.split(".")[0])) is not None:
-                step = dict(zip(("epoch", "epoch_step", "global_step"), leaf, strict=True))
-        else:
-            manifest = _remote_json(checkpoint.url, RECOVER_MANIFEST)
-            step = manifest.get("step") or {}
-            entry["name"] = ",".join(manifest.get("models", []))
-        entries.append(
-            {**entry, **{k: step.get(k) for k in ("epoch", "epoch_step", "global_step")}}
-            if isinstance(step, dict)
-            else {**entry, "epoch": None, "epoch_step": None, "global_step": None}
-        )
-    return sorted(entries, key=lambda e: (e["global_step"] or 0, e["created_unix"] or 0), reverse=True)
-
-
-def _remote_json(folder: ObjectURL, name: str) -> dict[str, Any]:
-    """The JSON object ``name`` of ``folder``; CheckpointError naming its URL otherwise."""
-    raw = store_of(folder).get_bytes(folder.key(name))
-    try:
-        if raw is None:
-            raise ValueError("missing")
-        value = json.loads(raw)
-        if not isinstance(value, dict):
-            raise ValueError("not a JSON object")
-    except ValueError as error:
-        raise CheckpointError(f"{folder.url_of(folder.key(name))}: unreadable ({error})") from None
-    return value
 
 
 def fetch_checkpoint(url: ObjectURL, scratch: Path) -> tuple[Path, str]:
@@ -169,7 +84,7 @@ def fetch_checkpoint(url: ObjectURL, scratch: Path) -> tuple[Path, str]:
             RECOVER_MANIFEST,
         )
         store.point(checkpoint.entry.name)  # a local trial holding that one generation
-        return scratch, str(checkpoint.url)
+        return scratch, checkpoint.where
     tags = [c for c in found if c.kind == "deepspeed"]
     if tags:
         found = [c for c in tags if c.entry.facts.get("latest")] or tags
@@ -179,7 +94,7 @@ def fetch_checkpoint(url: ObjectURL, scratch: Path) -> tuple[Path, str]:
     checkpoint = max(found, key=lambda c: c.entry.order)
     folder = scratch / checkpoint.entry.name
     fetch_folder(checkpoint.location.files_of(checkpoint.entry.name), folder, MANIFEST_NAME)
-    return folder, str(checkpoint.url)
+    return folder, checkpoint.where
 
 
 def fetch_tag_into(root: ObjectURL, tag: str | None, scratch: Path) -> Path:
@@ -251,13 +166,15 @@ class ObjectPlace:
         local, url = fetch_checkpoint(self.url, scratch)
         return {**describe(local), "path": url}
 
-    def verify(self, progress: Callable[[Iterable[str]], Iterable[str]] = iter) -> list[tuple[str, list[str]]]:
-        """:func:`verify_remote`."""
-        return verify_remote(self.url, progress)
+    def found(self) -> list[Found | Unverifiable]:
+        """:func:`committed_under` the URL."""
+        return list(committed_under(self.url))
 
     def list(self) -> list[dict[str, Any]]:
-        """:func:`list_remote`."""
-        return list_remote(self.url)
+        """:func:`~areal_ckpt.tools.catalog.list_found` of what is committed, newest first."""
+        return sorted(
+            list_found(self.found()), key=lambda e: (e["global_step"] or 0, e["created_unix"] or 0), reverse=True
+        )
 
     def readable(self, scratch: Path) -> Path:
         """A checked copy in ``scratch`` (:func:`fetch_checkpoint`)."""

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from areal_ckpt.tools.catalog import Found, Unverifiable
+
 Progress = Callable[[Iterable[str]], Iterable[str]]
 
 
@@ -36,12 +38,15 @@ class CheckpointPlace(Protocol):
         """The facts ``inspect`` prints of the one checkpoint this names (``scratch``: an empty
         folder for a copy, if one is needed)."""
 
-    def verify(self, progress: Progress = iter) -> list[tuple[str, list[str]]]:
-        """(checkpoint, problems) for every committed checkpoint this names, every file checked
-        by size and CRC-32 where it lies. Read-only."""
+    def found(self) -> list[Found | Unverifiable]:
+        """Every committed checkpoint this names (what ``verify`` checks,
+        :func:`~areal_ckpt.tools.catalog.verify_found`), and what it names but cannot check.
+        Read-only."""
 
     def list(self) -> list[dict[str, Any]]:
-        """Every export and the recovery checkpoint under this trial, newest first. Read-only."""
+        """Every export and the recovery checkpoint under this trial
+        (:func:`~areal_ckpt.tools.catalog.list_found`, with what a place holds besides), newest
+        first. Read-only."""
 
     def readable(self, scratch: Path) -> Path:
         """A local folder holding the one checkpoint this names (itself, or a checked copy in

@@ -17,8 +17,9 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.generations.repoint import repoint_newest_verified
 from areal_ckpt.generations.store import RecoverStore, resolve_recovery
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
-from areal_ckpt.tools.inspection import describe, list_trial, verify_each
-from areal_ckpt.tools.place_contract import CheckpointPlace, Progress, Repointed
+from areal_ckpt.tools.catalog import Found, Unverifiable
+from areal_ckpt.tools.inspection import describe, found_in, list_trial
+from areal_ckpt.tools.place_contract import CheckpointPlace, Repointed
 from areal_ckpt.urls import locate
 
 
@@ -34,11 +35,11 @@ class FolderPlace:
         """:func:`~areal_ckpt.tools.inspection.describe` of the folder."""
         return describe(self.path)
 
-    def verify(self, progress: Progress = iter) -> list[tuple[str, list[str]]]:
-        """:func:`~areal_ckpt.tools.inspection.verify_each` of the folder; CheckpointError when
-        the path is no folder (a wrong argument, not damage)."""
+    def found(self) -> list[Found | Unverifiable]:
+        """:func:`~areal_ckpt.tools.inspection.found_in` the folder; CheckpointError when the
+        path is no folder (a wrong argument, not damage)."""
         self._check_folder()
-        return [(str(path), problems) for path, problems in verify_each(self.path, progress=progress)]
+        return found_in(self.path)
 
     def _check_folder(self) -> None:
         """CheckpointError ``{path}: not a folder`` unless the path is one (links followed, as
