@@ -151,6 +151,26 @@ def test_recover_pointer_skips_a_damaged_newer_generation(fileroot, capsys):
     assert committed_generation(fileroot) == good
 
 
+def test_recover_pointer_moves_current_off_a_damaged_generation_to_the_newest_intact_one(fileroot, capsys):
+    """As on object storage: ``current`` naming a generation whose file rotted is repaired to
+    the newest intact one; nothing is deleted."""
+    _two_dumps(fileroot)
+    good = committed_generation(fileroot)
+    newer = good.parent / "gen-00000009-0badf00d"
+    shutil.copytree(good, newer)
+    (good.parent / "current").unlink()
+    (good.parent / "current").symlink_to(newer.name)
+    shard = newer / "default/__0_0.distcp"
+    shard.write_bytes(bytes([shard.read_bytes()[0] ^ 1]) + shard.read_bytes()[1:])
+    trial = str(trial_dir(fileroot))
+    assert cli_main(["recover-pointer", trial]) == 0
+    out = capsys.readouterr().out
+    assert f"SKIP {newer.name}: " in out and "checksum mismatch" in out and f"-> {good.name}:" in out
+    assert committed_generation(fileroot) == good and newer.is_dir()
+    assert cli_main(["recover-pointer", trial]) == 0
+    assert f"already names {good.name}, which is intact; nothing changed" in capsys.readouterr().out
+
+
 def test_a_complete_generation_newer_than_the_committed_one_is_kept_until_a_newer_commit(fileroot):
     setup = _two_dumps(fileroot)
     good = committed_generation(fileroot)
@@ -486,7 +506,7 @@ def test_recover_pointer_names_two_generations_of_the_same_step(fileroot, caplog
     assert cli_main(["recover-pointer", str(trial_dir(fileroot))]) == 0
     chosen = committed_generation(fileroot).name
     other = ({good.name, twin.name} - {chosen}).pop()
-    assert f"{chosen} and ['{other}'] hold the same global step 1; pointing at {chosen}" in caplog.text
+    assert f"{chosen} and ['{other}'] hold the same step 1; pointing at {chosen}" in caplog.text
 
 
 def test_a_model_named_recover_info_is_refused_before_anything_is_written(fileroot):

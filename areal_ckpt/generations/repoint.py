@@ -7,50 +7,46 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from areal_ckpt.errors import CheckpointError
 from areal_ckpt.generations.foreign import refuse_foreign_layout
 from areal_ckpt.generations.store import RecoverStore
-from areal_ckpt.paths import METADATA_JSON, RECOVER_INFO, RECOVER_MANIFEST, STEP_FILE, check_model_name, generation_step
-from areal_ckpt.publish import check_files, read_manifest
+from areal_ckpt.paths import (
+    METADATA_JSON,
+    RECOVER_INFO,
+    RECOVER_MANIFEST,
+    STEP_FILE,
+    check_model_name,
+    generation_step,
+    is_generation_name,
+)
+from areal_ckpt.publish import read_manifest
+from areal_ckpt.storage.location import recommit_newest_intact
 
 logger = logging.getLogger(__name__)
 
 
-def repoint_newest_verified(store: RecoverStore) -> tuple[str, dict[str, list[str]]]:
-    """Point ``store``'s ``current`` at the newest generation whose manifest names what a load
-    needs (:func:`missing_parts`) and whose every file matches it (sizes and CRC-32, all read);
-    returns it and the problems of the newer ones skipped. Warns when another generation holds
-    the same step. Durable on return. Raises CheckpointError, changing nothing, when the store
-    is not a real folder, the trial holds AReaL's folders (an interrupted import: running
-    import-areal again finishes it), or no generation verifies."""
+def repoint_newest_verified(store: RecoverStore) -> tuple[str, dict[str, list[str]], bool]:
+    """Make ``store``'s ``current`` name its newest generation whose manifest names what a load
+    needs (:func:`missing_parts`) and whose every file matches it (sizes and CRC-32, all read),
+    unless it names such a one already
+    (:func:`~areal_ckpt.storage.location.recommit_newest_intact`, as on object storage), then
+    place the trial's fixed links. Returns the generation, the problems of those skipped, and
+    whether ``current`` changed. Durable on return. Raises CheckpointError, changing nothing,
+    when the store is not a real folder, the trial holds AReaL's folders (an interrupted import:
+    running import-areal again finishes it), or no generation verifies."""
     store.check_root()
     refuse_foreign_layout(store.trial)
-    skipped: dict[str, list[str]] = {}
-    generations = store.generations()
-    for name in reversed(generations):
-        try:
-            manifest = read_manifest(store.path(name), RECOVER_MANIFEST)
-        except CheckpointError as error:
-            skipped[name] = [str(error)]
-            continue
-        problems = missing_parts(manifest) or check_files(store.path(name), manifest["files"], manifest["files"])
-        if problems:
-            skipped[name] = problems
-            continue
-        twins = [other for other in generations if other != name and generation_step(other) == generation_step(name)]
-        if twins:
-            logger.warning(
-                "%s: %s and %s hold the same global step %d; pointing at %s",
-                store.root,
-                name,
-                twins,
-                generation_step(name),
-                name,
-            )
-        store.location.point(name)
-        store.ensure_links(manifest["models"])
-        return name, skipped
-    raise CheckpointError(f"{store.root}: no recovery generation verifies: {skipped or 'there is none'}")
+    name, skipped, changed = recommit_newest_intact(
+        store.location,
+        RECOVER_MANIFEST,
+        is_generation_name,
+        generation_step,
+        lambda name: {"run": "recover-pointer", "global_step": generation_step(name)},
+        missing_parts,
+        "recovery generation",
+    )
+    if changed:
+        store.ensure_links(read_manifest(store.path(name), RECOVER_MANIFEST)["models"])
+    return name, skipped, changed
 
 
 def missing_parts(manifest: dict[str, Any]) -> list[str]:

@@ -73,7 +73,7 @@ class RecoverStore:
         self.current = PointerLink(RECOVER_CURRENT)
         #: The store as a folder location: generations written in place, committed by switching
         #: ``current``, superseded ones hidden as ``.trash-{name}`` while deleted.
-        self.location = FolderLocation(self.root, self.current, RECOVER_TRASH_PREFIX)
+        self.location = FolderLocation(self.root, self.current, RECOVER_TRASH_PREFIX, pointer_commits=True)
         #: True when this store holds every data file of its previous generation on every node,
         #: so an unchanged part can be hard-linked from it: a plain local trial. A staging copy
         #: holds none (they go to the bucket from memory), a node's local tier only its own

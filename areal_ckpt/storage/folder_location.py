@@ -34,11 +34,14 @@ def _checked_name(name: str, where: str) -> str:
 class FolderLocation:
     """Checkpoint folders under ``root`` on a POSIX file system. ``pointer``: what a pointing
     commit switches (None when this location has none); ``trash_prefix``: what a removed
-    folder's name is prefixed with while it is deleted."""
+    folder's name is prefixed with while it is deleted; ``pointer_commits``: the checkpoints
+    are written in place, so the one the pointer names is the only committed one (the
+    recovery store's ``current``), not one commit among many (DeepSpeed's ``latest``)."""
 
     root: Path
     pointer: Pointer | None = None
     trash_prefix: str = EXPORT_TRASH_PREFIX
+    pointer_commits: bool = False
     shared_staging: ClassVar[bool] = True
 
     def where(self, name: str | None = None) -> str:
@@ -104,7 +107,12 @@ class FolderLocation:
         """Nothing was written outside the staging folder."""
 
     def committed(self, step_of: Callable[[str], int | None] = lambda name: None) -> list[Committed]:
-        """Every real folder (not a link) whose name parses; none when ``root`` is missing."""
+        """Every real folder (not a link) whose name parses, or (``pointer_commits``) the one the
+        pointer names; none when ``root`` is missing."""
+        if self.pointer_commits:
+            name = self.pointed()
+            step = None if name is None else step_of(name)
+            return [] if name is None else [Committed(name, -1 if step is None else step, 0, when=self._mtime(name))]
         if not self.root.is_dir():
             return []
         return [
@@ -113,9 +121,31 @@ class FolderLocation:
             if path.is_dir() and not path.is_symlink() and (step := step_of(path.name)) is not None
         ]
 
+    def _mtime(self, name: str) -> float | None:
+        """The checkpoint folder's modification time; None when it cannot be read."""
+        try:
+            return (self.root / name).stat().st_mtime
+        except OSError:
+            return None
+
     def newest(self, step_of: Callable[[str], int | None] = lambda name: None) -> Committed | None:
         """The committed folder of the highest step, then name (a folder's names commit once)."""
         return max(self.committed(step_of), key=lambda entry: (entry.step, entry.name), default=None)
+
+    def present(self) -> list[str]:
+        """Every real sub-folder not named with a leading dot, committed or not."""
+        if not self.root.is_dir() or self.root.is_symlink():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.is_symlink() and p.name[0] != ".")
+
+    def mend(self) -> dict[str, list[str]]:
+        """Nothing: a pointer that names no folder here is refused by :meth:`pointed`."""
+        return {}
+
+    def recommit(self, name: str, body: dict[str, Any]) -> None:
+        """:meth:`point` at ``name`` (``body`` is what a store's record would hold; a folder's
+        pointer records only the name)."""
+        self.point(_checked_name(name, self.where(name)))
 
     def named(self, label: str) -> str | None:
         """``label`` itself when it is a folder here (a save under it replaced the older one)."""

@@ -38,7 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import FileWriter
 from areal_ckpt.storage.folder_location import FolderLocation
-from areal_ckpt.storage.folders import FileSource, Opened
+from areal_ckpt.storage.folders import FileSource, Opened, check_checkpoint
 from areal_ckpt.storage.object_location import ObjectLocation
 from areal_ckpt.storage.pointers import PointerFile
 from areal_ckpt.storage.retention import Committed, RetentionPolicy, doomed_by
@@ -147,6 +147,18 @@ class Location(Protocol):
         uncommitted (objects no record names, unfinished uploads); nothing in a folder (its
         staging folders are removed with the trial's). Returns the names removed."""
 
+    def present(self) -> list[str]:
+        """Every checkpoint held here, committed or not (an operator's repair looks among
+        them: :func:`recommit_newest_intact`). Read-only."""
+
+    def mend(self) -> dict[str, list[str]]:
+        """An operator's repair, first step: set aside (never delete) whatever records a commit
+        that no reader can use; returns each with its problem and where it went."""
+
+    def recommit(self, name: str, body: dict[str, Any]) -> None:
+        """An operator's repair, last step: make the present, whole checkpoint ``name`` the
+        committed one (``body``: what the commit records). Durable on return."""
+
 
 def location_of(value: str | os.PathLike[str], what: str, pointer: str | None = None) -> Location:
     """``value`` as a location: a prefix on the object store its URL names, or a folder
@@ -177,6 +189,57 @@ def retain(
     except CheckpointError as error:
         logger.warning("retention: could not remove checkpoints older than %s: %s", newest, error)
         return [], []
+
+
+def recommit_newest_intact(
+    location: Location,
+    manifest: str,
+    candidate: Callable[[str], bool],
+    order: Callable[[str], int],
+    body: Callable[[str], dict[str, Any]],
+    content: Callable[[dict[str, Any]], list[str]] = lambda manifest: [],
+    noun: str = "checkpoint",
+) -> tuple[str, dict[str, list[str]], bool]:
+    """An operator's repair (``recover-pointer``) on any location, run while no job writes
+    there: what no reader can use is set aside (:meth:`Location.mend`); when the committed
+    checkpoint is then missing, named by a broken pointer or fails its check (every file by
+    size and CRC-32 where it lies, and ``content``'s check of what its manifest must list), the
+    newest ``candidate`` present (highest ``order``, then name) that passes is committed again
+    (:meth:`Location.recommit` with ``body``), with a warning when another holds the same
+    order. Returns that checkpoint, those skipped with their problems, and whether anything was
+    committed; CheckpointError naming them all (each a ``noun``) when none passes. Blocking;
+    never deletes a checkpoint."""
+    skipped = location.mend()
+    try:
+        newest = location.newest(lambda name: order(name) if candidate(name) else None)
+    except CheckpointError as error:
+        newest, skipped["commit record"] = None, [str(error)]
+    if newest is not None and not candidate(newest.name):
+        skipped[newest.name] = [f"the commit names {newest.name!r}, not a {noun}"]
+        newest = None
+    if newest is not None:
+        problems = check_checkpoint(location.files_of(newest.name), manifest, content=content)
+        if not problems:
+            return newest.name, skipped, False
+        skipped[newest.name] = problems
+    present = [name for name in location.present() if candidate(name)]
+    for name in sorted((n for n in present if n not in skipped), key=lambda n: (order(n), n), reverse=True):
+        problems = check_checkpoint(location.files_of(name), manifest, content=content)
+        if problems:
+            skipped[name] = problems
+            continue
+        twins = [other for other in present if other != name and order(other) == order(name)]
+        if twins:
+            logger.warning(
+                "%s: %s and %s hold the same step %d; pointing at %s", location.where(), name, twins, order(name), name
+            )
+        location.recommit(name, body(name))
+        return name, skipped, True
+    raise CheckpointError(
+        f"{location.where()}: no intact {noun} to point at"
+        + "".join(f"; {name}: {'; '.join(problems)}" for name, problems in skipped.items())
+        + ("" if skipped else " (there is none)")
+    )
 
 
 def remove_trash(folders: list[Path]) -> None:

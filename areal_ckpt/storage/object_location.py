@@ -29,7 +29,6 @@ from areal_ckpt.storage.folders import (
     FileSource,
     ObjectSource,
     Opened,
-    check_checkpoint,
     check_uploaded,
     fetch_shared,
     staging_root,
@@ -225,49 +224,29 @@ class ObjectLocation:
         store = store_of(self.root)
         return remove_debris(store, self.root, CommitLog(store, self.root).committed_folders())
 
-    def repoint(
-        self,
-        candidate: Callable[[str], bool],
-        order: Callable[[str], int],
-        body: Callable[[str], dict[str, Any]],
-        noun: str = "checkpoint",
-        content: Callable[[dict[str, Any]], list[str]] = lambda manifest: [],
-    ) -> tuple[str, dict[str, list[str]], bool]:
-        """An operator's repair (``recover-pointer``), run while no job writes here: every
-        commit record no reader can use is moved out of the log (kept, see
-        :meth:`~areal_ckpt.storage.commits.CommitLog.set_aside`); when the newest commit then
-        names a checkpoint that is missing or fails its manifest (or ``content``'s check of
-        what the manifest must list), the newest present one (``candidate`` names, highest
-        ``order`` first) whose every object verifies is committed again with a new record
-        (``body``). Returns that checkpoint, the ones skipped with their problems, and whether a
-        record was written; CheckpointError naming them all (each a ``noun``) when none
-        verifies. Blocking; never deletes a checkpoint."""
-        store, log = store_of(self.root), CommitLog(store_of(self.root), self.root)
-        skipped: dict[str, list[str]] = {}
-        for sequence in log.sequences():  # a record no reader can use would stop every later load and tidy
+    def present(self) -> list[str]:
+        """The first parts of the keys under the prefix, but those with a leading dot (the
+        records, claims and side files): every checkpoint prefix, committed or not."""
+        base = self.root.key() + "/"
+        found = {item.key[len(base) :].split("/", 1)[0] for item in store_of(self.root).list_prefix(base)}
+        return sorted(name for name in found if not name.startswith("."))
+
+    def mend(self) -> dict[str, list[str]]:
+        """Every commit record no reader can use moved out of the log (kept, see
+        :meth:`~areal_ckpt.storage.commits.CommitLog.set_aside`): it would stop every later load
+        and tidy. Returns each with its problem and where it went."""
+        log = CommitLog(store_of(self.root), self.root)
+        moved: dict[str, list[str]] = {}
+        for sequence in log.sequences():
             try:
                 log.read(sequence)
             except CheckpointError as error:
-                skipped[f"commit {sequence}"] = [str(error), f"moved out of the log to {log.set_aside(sequence)}"]
-        newest = log.newest()
-        if newest is not None:
-            problems = check_checkpoint(self.files_of(newest.folder), self.manifest, content=content)
-            if not problems:
-                return newest.folder, skipped, False
-            skipped[newest.folder] = problems
-        base = self.root.key() + "/"
-        present = {item.key[len(base) :].split("/", 1)[0] for item in store.list_prefix(base)}
-        for name in sorted((n for n in present if candidate(n) and n not in skipped), key=order, reverse=True):
-            problems = check_checkpoint(self.files_of(name), self.manifest, content=content)
-            if problems:
-                skipped[name] = problems
-                continue
-            log.append({**body(name), "folder": name})
-            return name, skipped, True
-        raise CheckpointError(
-            f"{self.root}: no intact {noun} to point at"
-            + "".join(f"; {name}: {'; '.join(problems)}" for name, problems in skipped.items())
-        )
+                moved[f"commit {sequence}"] = [str(error), f"moved out of the log to {log.set_aside(sequence)}"]
+        return moved
+
+    def recommit(self, name: str, body: dict[str, Any]) -> None:
+        """A new create-only commit record naming the present checkpoint ``name``."""
+        CommitLog(store_of(self.root), self.root).append({**body, "folder": name})
 
 
 def locations_in(url: ObjectURL, listing: list[ObjectInfo]) -> list[ObjectURL]:

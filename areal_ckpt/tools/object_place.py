@@ -28,6 +28,7 @@ from areal_ckpt.publish import read_manifest
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.folder_location import FolderLocation
 from areal_ckpt.storage.folders import fetch_folder
+from areal_ckpt.storage.location import recommit_newest_intact
 from areal_ckpt.storage.object_location import ObjectLocation, locations_in
 from areal_ckpt.storage.pointers import PointerLink
 from areal_ckpt.tags.save_dir import SaveDir
@@ -132,22 +133,23 @@ def commit_output(folder: Path, url: ObjectURL) -> str:
 
 
 def repoint_remote(trial: ObjectURL) -> tuple[str, dict[str, list[str]], bool]:
-    """``recover-pointer`` on object storage: when the newest commit record of the trial
-    ``trial`` names a recovery generation that is missing or damaged, commit (a new record,
-    create-only) the newest generation under ``.recover/`` whose manifest lists what a load
-    needs (:func:`~areal_ckpt.generations.repoint.missing_parts`, as the folder repair checks)
-    and whose every object matches it
-    (:meth:`~areal_ckpt.storage.object_location.ObjectLocation.repoint`). Returns the
-    generation, the generations skipped with their problems, and whether a record was written.
-    Run it while no job writes the trial. Blocking."""
+    """``recover-pointer`` on object storage
+    (:func:`~areal_ckpt.storage.location.recommit_newest_intact` of the trial's recovery
+    generations, as in a folder): when the newest commit record names a generation that is
+    missing or damaged, commit (a new record, create-only) the newest one under ``.recover/``
+    whose manifest lists what a load needs (:func:`~areal_ckpt.generations.repoint.missing_parts`)
+    and whose every object matches it. Returns the generation, those skipped with their
+    problems, and whether a record was written. Run it while no job writes the trial. Blocking."""
     generations = ObjectGenerations(trial)
     generations.check_access()
-    return generations.location.repoint(
+    return recommit_newest_intact(
+        generations.location,
+        RECOVER_MANIFEST,
         is_generation_name,
         generation_step,
         lambda name: {"run": "recover-pointer", "global_step": generation_step(name)},
+        missing_parts,
         "recovery generation",
-        missing_parts,  # what a load needs listed, as the folder repair checks it
     )
 
 

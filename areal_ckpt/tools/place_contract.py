@@ -16,15 +16,14 @@ Progress = Callable[[Iterable[str]], Iterable[str]]
 
 @dataclass(frozen=True)
 class Repointed:
-    """What ``recover-pointer`` did: the generation now committed, the newer ones skipped with
-    their problems, whether anything changed, the commit record's path or URL, and whether an
-    unchanged generation was verified (``checked``)."""
+    """What ``recover-pointer`` did: the generation now committed (its every file verified),
+    the newer ones skipped with their problems, whether anything changed, and the commit
+    record's path or URL."""
 
     generation: str
     skipped: dict[str, list[str]]
     changed: bool
     record: str
-    checked: bool = True
 
 
 class CheckpointPlace(Protocol):
@@ -70,4 +69,6 @@ class CheckpointPlace(Protocol):
 
     def repoint(self) -> Repointed:
         """``recover-pointer``: commit the trial's newest generation whose every file verifies,
-        when the commit record is lost or names a damaged one; never deletes anything."""
+        when the commit record is lost or names a damaged one
+        (:func:`~areal_ckpt.storage.location.recommit_newest_intact`, whatever the location);
+        never deletes anything."""

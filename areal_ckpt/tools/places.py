@@ -75,22 +75,16 @@ class FolderPlace:
         return str(folder)
 
     def repoint(self) -> Repointed:
-        """Under the trial's lock, :func:`~areal_ckpt.generations.repoint.repoint_newest_verified`
-        unless ``current`` already names a generation; CheckpointError when the path is no folder."""
+        """Under the trial's lock, :func:`~areal_ckpt.generations.repoint.repoint_newest_verified`;
+        CheckpointError when the path is no folder."""
         self._check_folder()
         store = RecoverStore(self.path)
-        try:
-            committed = store.committed()
-        except CheckpointError:
-            committed = None
-        if committed is not None:
-            return Repointed(committed, {}, False, str(store.pointer), checked=False)
         acquire_trial_lock(store.trial)
         try:
-            generation, skipped = repoint_newest_verified(store)
+            generation, skipped, changed = repoint_newest_verified(store)
         finally:
             release_trial_lock(store.trial)
-        return Repointed(generation, skipped, True, str(store.pointer))
+        return Repointed(generation, skipped, changed, str(store.pointer))
 
 
 def place_of(value: str, what: str) -> CheckpointPlace:
