@@ -140,13 +140,15 @@ SUPERSEDED_ATTEMPTS = 3
 def cmd_export(args: argparse.Namespace) -> int:
     """``export``; a recovery generation that a running job supersedes (and deletes) while it is
     read is read again from the newer one, up to :data:`SUPERSEDED_ATTEMPTS` times, then said so."""
+    from areal_ckpt.tools.catalog import newest_recovery
+
     place, attempt = place_of(args.recover_dir, "recover-dir"), 1
     while True:
-        read = place.newest_recovery()
+        read = newest_recovery(place.found)
         try:
             return _export_once(args)
         except (CheckpointError, OSError) as error:
-            now = place.newest_recovery()
+            now = newest_recovery(place.found)
             if read is None or now == read:
                 raise
             if attempt == SUPERSEDED_ATTEMPTS:

@@ -76,6 +76,17 @@ def verify_found(
     ]
 
 
+def newest_recovery(found: Callable[[], list[Found | Unverifiable]]) -> str | None:
+    """The recovery generation a read of the place ``found`` lists would read now: the one its
+    newest recovery commit names; None when it names none or cannot be read (a job that dumps
+    again supersedes it). Read-only."""
+    try:
+        recoveries = [item for item in found() if isinstance(item, Found) and item.kind == "recover"]
+    except (CheckpointError, OSError):
+        return None
+    return max(recoveries, key=lambda item: item.entry.order).entry.name if recoveries else None
+
+
 def list_found(found: list[Found | Unverifiable]) -> list[dict[str, Any]]:
     """``list``'s rows for the checkpoints of ``found``: kind, name, steps, bytes, commit time and
     path or URL; a recovery checkpoint's steps and models from its manifest (a damaged one is

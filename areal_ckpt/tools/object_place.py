@@ -182,14 +182,6 @@ class ObjectPlace:
         """A checked copy in ``scratch`` (:func:`fetch_checkpoint`)."""
         return fetch_checkpoint(self.url, scratch)[0]
 
-    def newest_recovery(self) -> str | None:
-        """The generation the trial's newest recovery commit record names now."""
-        try:
-            recoveries = [c for c in committed_under(self.url) if c.kind == "recover"]
-        except CheckpointError:
-            return None
-        return max(recoveries, key=lambda c: c.entry.order).entry.name if recoveries else None
-
     def readable_tag(self, tag: str | None, scratch: Path) -> tuple[Path, str | None]:
         """A checked copy of the tag in ``scratch`` (:func:`fetch_tag_into`), and its folder's name."""
         fetched = fetch_tag_into(self.url, tag, scratch)

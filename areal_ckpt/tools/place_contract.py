@@ -51,10 +51,6 @@ class CheckpointPlace(Protocol):
         """A local folder holding the one checkpoint this names (itself, or a checked copy in
         ``scratch``)."""
 
-    def newest_recovery(self) -> str | None:
-        """The name of the recovery generation :meth:`readable` would read now (None when this
-        names none, or it cannot be found): a job that dumps again supersedes it. Read-only."""
-
     def readable_tag(self, tag: str | None, scratch: Path) -> tuple[Path, str | None]:
         """A local save_dir holding ``tag`` (None: the one ``latest`` names), and the tag to read
         there (None: ``latest``)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.generations.repoint import repoint_newest_verified
-from areal_ckpt.generations.store import RecoverStore, resolve_recovery
+from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.tools.catalog import Found, Unverifiable
 from areal_ckpt.tools.inspection import describe, found_in, list_trial
@@ -54,13 +54,6 @@ class FolderPlace:
     def readable(self, scratch: Path) -> Path:
         """The folder itself."""
         return self.path
-
-    def newest_recovery(self) -> str | None:
-        """The generation ``current`` names now."""
-        try:
-            return resolve_recovery(self.path)[0].name
-        except (CheckpointError, OSError):
-            return None
 
     def readable_tag(self, tag: str | None, scratch: Path) -> tuple[Path, str | None]:
         """The folder itself and ``tag``."""
