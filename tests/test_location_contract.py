@@ -7,13 +7,15 @@ exactly these."""
 from __future__ import annotations
 
 import secrets
+import zlib
 
 import pytest
 
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.fsio import write_file_durably
+from areal_ckpt.fsio import FileRecord, write_file_durably
 from areal_ckpt.paths import MANIFEST_NAME
 from areal_ckpt.publish import write_manifest
+from areal_ckpt.storage.folders import check_checkpoint
 from areal_ckpt.storage.location import Location, location_of, retain
 from areal_ckpt.storage.retention import ReplaceSameLabel
 
@@ -23,10 +25,11 @@ def _step_of(name: str) -> int | None:
     return 0 if name.startswith("save") else None
 
 
-def _save(location: Location, label: str, payload: bytes, *, point: bool) -> str:
+def _save(location: Location, label: str, payload: bytes, *, point: bool, recorded: bytes | None = None) -> str:
     """One whole save of ``label`` by a world of one: reserve the label, stage, write a file
     (through the location's writer when it has one), put, manifest, commit recording the label.
-    Returns the reserved name."""
+    ``recorded``: the bytes the manifest's record of that file describes, when not ``payload``
+    (a file that rotted after its record was taken). Returns the reserved name."""
     reserved = location.reserve(label)
     staging = location.stage(label, 0)
     write = location.writer_of(reserved)
@@ -38,6 +41,8 @@ def _save(location: Location, label: str, payload: bytes, *, point: bool) -> str
         writer.write(payload)
         record = writer.close()
         uploaded = {"data.bin"}
+    if recorded is not None:
+        record = FileRecord(len(recorded), zlib.crc32(recorded))
     note = write_file_durably(staging / "note.txt", label.encode())
     location.put_own(staging, reserved, ["note.txt"])
     write_manifest(staging, MANIFEST_NAME, {"data.bin": record, "note.txt": note}, {"label": label})
@@ -103,3 +108,19 @@ def test_an_unfinished_save_is_never_committed_and_leaves_nothing_once_discarded
     assert location.pointed() == committed
     with pytest.raises(CheckpointError, match="data.bin"):  # nothing of it is left to read
         location.files_of(reserved).get_file("data.bin", tmp_path / "half.bin")
+
+
+def test_a_commits_files_are_listed_and_checked_where_they_lie(location):
+    """What ``verify`` and ``recover-pointer`` go by on every location: each file's size from
+    one listing and its CRC-32 read where it lies, checked against the manifest; a manifest
+    record that is not the file's bytes is named."""
+    intact = _save(location, "save1", b"weights" * 1000, point=True)
+    files = location.files_of(intact)
+    listing = files.listing()
+    assert set(listing) == {"data.bin", "note.txt", MANIFEST_NAME} and listing["data.bin"] == 7000
+    assert files.crc32("data.bin", 7000) == zlib.crc32(b"weights" * 1000)
+    assert check_checkpoint(files, MANIFEST_NAME) == []
+
+    lying = _save(location, "save2", b"rotten", point=True, recorded=b"intact")
+    problems = check_checkpoint(location.files_of(lying), MANIFEST_NAME)
+    assert problems == [f"{location.files_of(lying).where('data.bin')}: checksum mismatch (corrupted)"]

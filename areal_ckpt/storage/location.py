@@ -200,8 +200,8 @@ def recommit_newest_intact(
     content: Callable[[dict[str, Any]], list[str]] = lambda manifest: [],
     noun: str = "checkpoint",
 ) -> tuple[str, dict[str, list[str]], bool]:
-    """An operator's repair (``recover-pointer``) on any location, run while no job writes
-    there: what no reader can use is set aside (:meth:`Location.mend`); when the committed
+    """An operator's repair (``recover-pointer``) on a location whose newest commit is the one
+    read (an object prefix; a folder whose pointer commits), run while no job writes there: what no reader can use is set aside (:meth:`Location.mend`); when the committed
     checkpoint is then missing, named by a broken pointer or fails its check (every file by
     size and CRC-32 where it lies, and ``content``'s check of what its manifest must list), the
     newest ``candidate`` present (highest ``order``, then name) that passes is committed again
