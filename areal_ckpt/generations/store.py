@@ -33,7 +33,6 @@ from areal_ckpt.paths import (
     RECOVER_INFO,
     RECOVER_MANIFEST,
     RECOVER_STORE,
-    RECOVER_TRASH_PREFIX,
     generation_name,
     generation_step,
     is_generation_name,
@@ -43,7 +42,7 @@ from areal_ckpt.paths import (
     recover_store,
 )
 from areal_ckpt.publish import check_files, read_manifest, write_manifest
-from areal_ckpt.storage.folder_location import FolderLocation
+from areal_ckpt.storage.location import recovery_location_of
 from areal_ckpt.storage.mirrors import Identity, claim_tier
 from areal_ckpt.storage.pointers import PointerLink
 from areal_ckpt.storage.retention import Committed, KeepNewest, doomed_by
@@ -73,7 +72,7 @@ class RecoverStore:
         self.current = PointerLink(RECOVER_CURRENT)
         #: The store as a folder location: generations written in place, committed by switching
         #: ``current``, superseded ones hidden as ``.trash-{name}`` while deleted.
-        self.location = FolderLocation(self.root, self.current, RECOVER_TRASH_PREFIX, pointer_commits=True)
+        self.location = recovery_location_of(trial)
         #: True when this store holds every data file of its previous generation on every node,
         #: so an unchanged part can be hard-linked from it: a plain local trial. A staging copy
         #: holds none (they go to the bucket from memory), a node's local tier only its own
@@ -254,7 +253,7 @@ class RecoverStore:
             fsync_dir(self.root)
         write_manifest(self.path(generation), RECOVER_MANIFEST, records, header)
         fsync_dir(self.root)  # the generation's own entry, before anything points to it
-        self.location.point(generation)
+        self.location.recommit(generation, {})
         if first:
             marker.unlink(missing_ok=True)
             fsync_dir(self.root)

@@ -24,11 +24,10 @@ from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.range_read import PeerFiles
 from areal_ckpt.fsio import FileWriter
-from areal_ckpt.paths import RECOVER_CURRENT, RECOVER_MANIFEST
-from areal_ckpt.storage.folder_location import FolderLocation
+from areal_ckpt.paths import RECOVER_MANIFEST
 from areal_ckpt.storage.folders import FileSource, fetch_shared
+from areal_ckpt.storage.location import recovery_location_of
 from areal_ckpt.storage.mirrors import Identity
-from areal_ckpt.storage.pointers import PointerLink
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +154,7 @@ def fetch_committed(
     token = agree.decided_by_rank0(lambda: secrets.token_hex(4), f"{behind.where()}: cannot start the fetch")
 
     def point_current(folder: Path) -> None:
-        FolderLocation(store_root, PointerLink(RECOVER_CURRENT)).point(generation)
+        recovery_location_of(store_root.parent).recommit(generation, {})
 
     def fetch() -> None:
         fetch_shared(

@@ -24,9 +24,8 @@ from areal_ckpt.fsio import FileWriter
 from areal_ckpt.paths import RECOVER_MANIFEST, RECOVER_STORE, is_generation_name
 from areal_ckpt.publish import read_manifest
 from areal_ckpt.storage.folders import FileSource, check_local_copy
-from areal_ckpt.storage.location import retain
+from areal_ckpt.storage.location import recovery_location_of, retain
 from areal_ckpt.storage.mirrors import Identity, identity_of
-from areal_ckpt.storage.object_location import ObjectLocation
 from areal_ckpt.storage.retention import Committed, KeepNewest
 from areal_ckpt.urls import ObjectURL
 
@@ -42,7 +41,7 @@ class ObjectGenerations:
     def __init__(self, trial: ObjectURL) -> None:
         self.trial = trial
         self.root = trial.child(RECOVER_STORE)
-        self.location = ObjectLocation(self.root, RECOVER_MANIFEST)
+        self.location = recovery_location_of(trial)
 
     def where(self, generation: str | None = None) -> str:
         """The URL of the trial's generations, or of ``generation``."""

@@ -37,12 +37,13 @@ from typing import Any, Protocol, runtime_checkable
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import FileWriter
+from areal_ckpt.paths import RECOVER_CURRENT, RECOVER_MANIFEST, RECOVER_STORE, RECOVER_TRASH_PREFIX
 from areal_ckpt.storage.folder_location import FolderLocation
 from areal_ckpt.storage.folders import FileSource, Opened, check_checkpoint
 from areal_ckpt.storage.object_location import ObjectLocation
-from areal_ckpt.storage.pointers import PointerFile
+from areal_ckpt.storage.pointers import PointerFile, PointerLink
 from areal_ckpt.storage.retention import Committed, RetentionPolicy, doomed_by
-from areal_ckpt.urls import locate
+from areal_ckpt.urls import ObjectURL, locate
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +171,19 @@ def location_of(value: str | os.PathLike[str], what: str, pointer: str | None = 
     if isinstance(where, Path):
         return FolderLocation(where, None if pointer is None else PointerFile(pointer))
     return ObjectLocation(where)
+
+
+def recovery_location_of(trial: Path | ObjectURL) -> Location:
+    """The recovery generations of the trial folder or prefix ``trial`` as a location: its
+    ``.recover`` folder, each generation written in place and committed by switching the link
+    ``current`` (superseded ones hidden as ``.trash-{name}`` while deleted), or its ``.recover``
+    prefix on a store, committed by create-only records. The one place that layout is decided.
+    Pure: contacts nothing."""
+    if isinstance(trial, Path):
+        return FolderLocation(
+            trial / RECOVER_STORE, PointerLink(RECOVER_CURRENT), RECOVER_TRASH_PREFIX, pointer_commits=True
+        )
+    return ObjectLocation(trial.child(RECOVER_STORE), RECOVER_MANIFEST)
 
 
 def retain(

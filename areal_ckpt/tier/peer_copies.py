@@ -283,5 +283,5 @@ def assemble(
     filled = fill_from_peers(store, generation, every_file, into_load)
     partial = not dist.all_true(not filled.elsewhere)
 
-    agree.decided_by_rank0(lambda: store.location.point(generation), what)
+    agree.decided_by_rank0(lambda: store.location.recommit(generation, {}), what)
     return partial, filled.into_load

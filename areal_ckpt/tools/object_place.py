@@ -17,7 +17,6 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.generations.repoint import missing_parts
 from areal_ckpt.paths import (
     MANIFEST_NAME,
-    RECOVER_CURRENT,
     RECOVER_MANIFEST,
     RECOVER_STORE,
     generation_step,
@@ -26,11 +25,9 @@ from areal_ckpt.paths import (
 from areal_ckpt.persistence.remote import ObjectGenerations
 from areal_ckpt.publish import read_manifest
 from areal_ckpt.storage.backends import store_of
-from areal_ckpt.storage.folder_location import FolderLocation
 from areal_ckpt.storage.folders import fetch_folder
-from areal_ckpt.storage.location import recommit_newest_intact
+from areal_ckpt.storage.location import recommit_newest_intact, recovery_location_of
 from areal_ckpt.storage.object_location import ObjectLocation, locations_in
-from areal_ckpt.storage.pointers import PointerLink
 from areal_ckpt.tags.save_dir import SaveDir
 from areal_ckpt.tools.catalog import Found, Unverifiable, list_found
 from areal_ckpt.tools.inspection import describe
@@ -78,13 +75,13 @@ def fetch_checkpoint(url: ObjectURL, scratch: Path) -> tuple[Path, str]:
     recoveries = [c for c in found if c.kind == "recover"]
     if recoveries:
         checkpoint = max(recoveries, key=lambda c: c.entry.order)
-        store = FolderLocation(scratch / RECOVER_STORE, PointerLink(RECOVER_CURRENT))
+        store = recovery_location_of(scratch)
         fetch_folder(
             checkpoint.location.files_of(checkpoint.entry.name),
             Path(store.where(checkpoint.entry.name)),
             RECOVER_MANIFEST,
         )
-        store.point(checkpoint.entry.name)  # a local trial holding that one generation
+        store.recommit(checkpoint.entry.name, {})  # a local trial holding that one generation
         return scratch, checkpoint.where
     tags = [c for c in found if c.kind == "deepspeed"]
     if tags:
