@@ -19,7 +19,7 @@ from areal_ckpt.paths import (
     is_generation_name,
 )
 from areal_ckpt.publish import read_manifest
-from areal_ckpt.storage.location import recommit_newest_intact
+from areal_ckpt.storage.location import Location, recommit_newest_intact
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +35,19 @@ def repoint_newest_verified(store: RecoverStore) -> tuple[str, dict[str, list[st
     running import-areal again finishes it), or no generation verifies."""
     store.check_root()
     refuse_foreign_layout(store.trial)
-    name, skipped, changed = recommit_newest_intact(
-        store.location,
+    name, skipped, changed = recommit_newest_generation(store.location)
+    if changed:
+        store.ensure_links(read_manifest(store.path(name), RECOVER_MANIFEST)["models"])
+    return name, skipped, changed
+
+
+def recommit_newest_generation(generations: Location) -> tuple[str, dict[str, list[str]], bool]:
+    """:func:`~areal_ckpt.storage.location.recommit_newest_intact` over a trial's recovery
+    generations (:func:`~areal_ckpt.storage.location.recovery_location_of`, a folder or a
+    prefix): each must be a generation whose manifest names what a load needs
+    (:func:`missing_parts`), newest step first; a new commit records this repair. Blocking."""
+    return recommit_newest_intact(
+        generations,
         RECOVER_MANIFEST,
         is_generation_name,
         generation_step,
@@ -44,9 +55,6 @@ def repoint_newest_verified(store: RecoverStore) -> tuple[str, dict[str, list[st
         missing_parts,
         "recovery generation",
     )
-    if changed:
-        store.ensure_links(read_manifest(store.path(name), RECOVER_MANIFEST)["models"])
-    return name, skipped, changed
 
 
 def missing_parts(manifest: dict[str, Any]) -> list[str]:

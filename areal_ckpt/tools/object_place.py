@@ -14,19 +14,17 @@ from pathlib import Path
 from typing import Any
 
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.generations.repoint import missing_parts
+from areal_ckpt.generations.repoint import recommit_newest_generation
 from areal_ckpt.paths import (
     MANIFEST_NAME,
     RECOVER_MANIFEST,
     RECOVER_STORE,
-    generation_step,
-    is_generation_name,
 )
 from areal_ckpt.persistence.remote import ObjectGenerations
 from areal_ckpt.publish import read_manifest
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.folders import fetch_folder
-from areal_ckpt.storage.location import recommit_newest_intact, recovery_location_of
+from areal_ckpt.storage.location import recovery_location_of
 from areal_ckpt.storage.object_location import ObjectLocation, locations_in
 from areal_ckpt.tags.save_dir import SaveDir
 from areal_ckpt.tools.catalog import Found, Unverifiable, list_found
@@ -139,15 +137,7 @@ def repoint_remote(trial: ObjectURL) -> tuple[str, dict[str, list[str]], bool]:
     problems, and whether a record was written. Run it while no job writes the trial. Blocking."""
     generations = ObjectGenerations(trial)
     generations.check_access()
-    return recommit_newest_intact(
-        generations.location,
-        RECOVER_MANIFEST,
-        is_generation_name,
-        generation_step,
-        lambda name: {"run": "recover-pointer", "global_step": generation_step(name)},
-        missing_parts,
-        "recovery generation",
-    )
+    return recommit_newest_generation(generations.location)
 
 
 class ObjectPlace:
