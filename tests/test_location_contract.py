@@ -13,11 +13,12 @@ import pytest
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import FileRecord, write_file_durably
-from areal_ckpt.paths import MANIFEST_NAME
+from areal_ckpt.paths import MANIFEST_NAME, RECOVER_MANIFEST
 from areal_ckpt.publish import write_manifest
 from areal_ckpt.storage.folders import check_checkpoint
-from areal_ckpt.storage.location import Location, location_of, retain
+from areal_ckpt.storage.location import Location, location_of, recommit_newest_intact, recovery_location_of, retain
 from areal_ckpt.storage.retention import ReplaceSameLabel
+from areal_ckpt.urls import locate
 
 
 def _step_of(name: str) -> int | None:
@@ -25,11 +26,20 @@ def _step_of(name: str) -> int | None:
     return 0 if name.startswith("save") else None
 
 
-def _save(location: Location, label: str, payload: bytes, *, point: bool, recorded: bytes | None = None) -> str:
+def _save(
+    location: Location,
+    label: str,
+    payload: bytes,
+    *,
+    point: bool,
+    recorded: bytes | None = None,
+    manifest: str = MANIFEST_NAME,
+) -> str:
     """One whole save of ``label`` by a world of one: reserve the label, stage, write a file
     (through the location's writer when it has one), put, manifest, commit recording the label.
     ``recorded``: the bytes the manifest's record of that file describes, when not ``payload``
-    (a file that rotted after its record was taken). Returns the reserved name."""
+    (a file that rotted after its record was taken); ``manifest``: the location's manifest
+    name. Returns the reserved name."""
     reserved = location.reserve(label)
     staging = location.stage(label, 0)
     write = location.writer_of(reserved)
@@ -45,7 +55,8 @@ def _save(location: Location, label: str, payload: bytes, *, point: bool, record
         record = FileRecord(len(recorded), zlib.crc32(recorded))
     note = write_file_durably(staging / "note.txt", label.encode())
     location.put_own(staging, reserved, ["note.txt"])
-    write_manifest(staging, MANIFEST_NAME, {"data.bin": record, "note.txt": note}, {"label": label})
+    (staging / manifest).parent.mkdir(parents=True, exist_ok=True)
+    write_manifest(staging, manifest, {"data.bin": record, "note.txt": note}, {"label": label})
     location.commit(staging, reserved, uploaded | {"note.txt"}, {"tag": label}, point=point)
     location.unstage(staging, 0)
     return reserved
@@ -124,3 +135,32 @@ def test_a_commits_files_are_listed_and_checked_where_they_lie(location):
     lying = _save(location, "save2", b"rotten", point=True, recorded=b"intact")
     problems = check_checkpoint(location.files_of(lying), MANIFEST_NAME)
     assert problems == [f"{location.files_of(lying).where('data.bin')}: checksum mismatch (corrupted)"]
+
+
+def test_a_recovery_location_is_repaired_to_its_newest_intact_checkpoint_and_keeps_every_one(persistent_root):
+    """``recover-pointer``'s repair over the contract, on a trial's recovery location of every
+    kind (a ``.recover`` folder whose ``current`` commits, a ``.recover`` prefix): a committed
+    checkpoint whose file is not its record is skipped, named, and the newest intact one is
+    committed again; a second repair changes nothing; nothing is deleted."""
+    generations = recovery_location_of(locate(f"{persistent_root.root}/trial-{secrets.token_hex(3)}", "trial"))
+    intact = _save(generations, "save1", b"weights", point=True, manifest=RECOVER_MANIFEST)
+    rotten = _save(generations, "save2", b"rotten", point=True, recorded=b"intact", manifest=RECOVER_MANIFEST)
+    newest = generations.newest()
+    assert newest is not None and newest.name == rotten
+
+    def repair() -> tuple[str, dict[str, list[str]], bool]:
+        return recommit_newest_intact(
+            generations,
+            RECOVER_MANIFEST,
+            lambda name: name.startswith("save"),
+            lambda name: int(name[4]),
+            lambda name: {"repaired": name},
+        )
+
+    name, skipped, changed = repair()
+    assert (name, changed) == (intact, True) and list(skipped) == [rotten]
+    assert skipped[rotten] == [f"{generations.files_of(rotten).where('data.bin')}: checksum mismatch (corrupted)"]
+    newest = generations.newest()
+    assert newest is not None and newest.name == intact
+    assert repair() == (intact, {}, False)
+    assert {intact, rotten} <= set(generations.present())
