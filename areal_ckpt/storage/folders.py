@@ -119,10 +119,7 @@ class FolderSource:
         """Copy the file (:func:`~areal_ckpt.fsio.copy_durably`), refusing one behind a link."""
         source = self.folder / file
         try:
-            link = fsio.link_on_path(source, self.folder)
-            if link is not None:
-                raise OSError(f"{link} is a link; not reading through it")
-            fsio.copy_durably(source, path)
+            fsio.copy_durably(self._reached(file), path)
         except FileNotFoundError:
             raise CheckpointError(f"{source}: missing") from None
         except OSError as error:
@@ -142,25 +139,24 @@ class FolderSource:
 
     def crc32(self, file: str, size: int) -> int:
         """The file read once (:func:`~areal_ckpt.fsio.record_of`), never through a link."""
-        path = self.folder / file
         try:
-            link = fsio.link_on_path(path, self.folder)
-            if link is not None:
-                raise OSError(f"{link} is a link; not reading through it")
-            return fsio.record_of(path).crc32
+            return fsio.record_of(self._reached(file)).crc32
         except OSError as error:
-            raise CheckpointError(f"{path}: cannot read: {error}") from None
+            raise CheckpointError(f"{self.folder / file}: cannot read: {error}") from None
+
+    def _reached(self, file: str) -> Path:
+        """The path of ``file``; OSError when a link stands on it inside the folder."""
+        path = self.folder / file
+        link = fsio.link_on_path(path, self.folder)
+        if link is not None:
+            raise OSError(f"{link} is a link; not reading through it")
+        return path
 
 
 def listing_of(folder: Path) -> dict[str, int]:
-    """The size of every regular file in ``folder`` by its path there (links not followed); local."""
-    listing: dict[str, int] = {}
-    for top, _, names in os.walk(folder):
-        for name in names:
-            path = Path(top) / name
-            if path.is_file() and not path.is_symlink():
-                listing[path.relative_to(folder).as_posix()] = path.stat().st_size
-    return listing
+    """The size of every regular file in ``folder`` by its path there (links not followed; see
+    :meth:`FolderSource.listing`); local."""
+    return {name: size for name, size in FolderSource(folder).listing().items() if size is not None}
 
 
 def staging_root(staging_dir: str | None, url: ObjectURL) -> Path:
