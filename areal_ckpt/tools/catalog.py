@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.paths import RECOVER_MANIFEST, parse_export_leaf
+from areal_ckpt.paths import parse_export_leaf
 from areal_ckpt.storage.folders import FileSource, check_checkpoint, manifest_of
 from areal_ckpt.storage.location import Location
 from areal_ckpt.storage.retention import Committed
@@ -98,10 +98,11 @@ def list_found(found: list[Found | Unverifiable]) -> list[dict[str, Any]]:
                 rows.append({"kind": item.kind, "name": "", **_UNKNOWN, "path": item.where, "problem": item.problem})
             continue
         files = item.files()
+        listing = files.listing()  # once: the row's size and, for a recovery checkpoint, the size check
         row: dict[str, Any] = {
             "kind": item.kind,
             "name": item.name,
-            "bytes": sum(size for size in files.listing().values() if size is not None),
+            "bytes": sum(size for size in listing.values() if size is not None),
             "created_unix": item.entry.when,
             "path": item.where,
         }
@@ -112,10 +113,10 @@ def list_found(found: list[Found | Unverifiable]) -> list[dict[str, Any]]:
                 step = dict(zip(("epoch", "epoch_step", "global_step"), leaf, strict=True))
         elif item.kind == "recover":
             try:
-                manifest = manifest_of(files, RECOVER_MANIFEST)
+                manifest = manifest_of(files, item.manifest)
                 step, row["name"] = manifest.get("step") or {}, ",".join(manifest.get("models", []))
                 row["created_unix"] = row["created_unix"] or manifest.get("created_unix")
-                _check_sizes(files, manifest)
+                _check_sizes(files, listing, manifest)
             except CheckpointError as error:  # shown, not hidden: a damaged checkpoint is news
                 row["problem"] = str(error)
         if not isinstance(step, dict):
@@ -124,10 +125,10 @@ def list_found(found: list[Found | Unverifiable]) -> list[dict[str, Any]]:
     return rows
 
 
-def _check_sizes(files: FileSource, manifest: dict[str, Any]) -> None:
+def _check_sizes(files: FileSource, listing: dict[str, int | None], manifest: dict[str, Any]) -> None:
     """CheckpointError naming the first file the manifest lists that is missing or of another
-    size where it lies (no data read: ``list`` is quick; ``verify`` reads every byte)."""
-    listing = files.listing()
+    size in ``listing`` (``files``' own; no data read: ``list`` is quick; ``verify`` reads every
+    byte)."""
     for name, entry in sorted(manifest["files"].items()):
         if listing.get(name) != entry["size"]:
             found = "missing" if name not in listing else f"{listing[name]} bytes, manifest says {entry['size']}"
