@@ -13,7 +13,7 @@ import pytest
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import FileRecord, write_file_durably
-from areal_ckpt.paths import MANIFEST_NAME, RECOVER_MANIFEST
+from areal_ckpt.paths import MANIFEST_NAME, RECOVER_MANIFEST, generation_name, generation_step, is_generation_name
 from areal_ckpt.publish import write_manifest
 from areal_ckpt.storage.folders import check_checkpoint
 from areal_ckpt.storage.location import Location, location_of, recommit_newest_intact, recovery_location_of, retain
@@ -143,8 +143,15 @@ def test_a_recovery_location_is_repaired_to_its_newest_intact_checkpoint_and_kee
     checkpoint whose file is not its record is skipped, named, and the newest intact one is
     committed again; a second repair changes nothing; nothing is deleted."""
     generations = recovery_location_of(locate(f"{persistent_root.root}/trial-{secrets.token_hex(3)}", "trial"))
-    intact = _save(generations, "save1", b"weights", point=True, manifest=RECOVER_MANIFEST)
-    rotten = _save(generations, "save2", b"rotten", point=True, recorded=b"intact", manifest=RECOVER_MANIFEST)
+    intact = _save(generations, generation_name(1, "aaaaaaaa"), b"weights", point=True, manifest=RECOVER_MANIFEST)
+    rotten = _save(
+        generations,
+        generation_name(2, "bbbbbbbb"),
+        b"rotten",
+        point=True,
+        recorded=b"intact",
+        manifest=RECOVER_MANIFEST,
+    )
     newest = generations.newest()
     assert newest is not None and newest.name == rotten
 
@@ -152,8 +159,8 @@ def test_a_recovery_location_is_repaired_to_its_newest_intact_checkpoint_and_kee
         return recommit_newest_intact(
             generations,
             RECOVER_MANIFEST,
-            lambda name: name.startswith("save"),
-            lambda name: int(name[4]),
+            is_generation_name,
+            generation_step,
             lambda name: {"repaired": name},
         )
 

@@ -268,11 +268,11 @@ def test_copies_and_upload_cadence_need_a_local_tier(tmp_path, field, value):
 
 
 def _orphans_case(rank: int, world_size: int, root: str) -> None:
-    from areal_ckpt.persistence.shared_folder import FolderGenerations
+    from areal_ckpt.persistence.generations import PersistentGenerations
     from areal_ckpt.tier.resume import choose_tier
 
     store = RecoverStore(Path(root) / f"node{rank}" / "trial")
-    behind = FolderGenerations(Path(root) / "shared" / "trial")
+    behind = PersistentGenerations(Path(root) / "shared" / "trial")
     generation = _dump(store, 5, world_size)  # killed before its copies were made
     _lose_disk(store, 0)
     with pytest.raises(CheckpointError, match=r"hold files of gen-00000005-feedbeef, rank 0's node holds none.*"):
@@ -465,11 +465,11 @@ def test_a_restarted_node_receives_what_its_ranks_read_and_everything_when_they_
 
 
 def _shares_case(rank: int, world_size: int, root: str) -> None:
-    from areal_ckpt.persistence.shared_folder import FolderGenerations
+    from areal_ckpt.persistence.generations import PersistentGenerations
 
     store = RecoverStore(Path(root) / f"node{rank}" / "trial")
     generation = _dump(store, 5, world_size, models=True)  # node 0 lacks node 1's data file, as after a resume
-    behind = FolderGenerations(Path(root) / "shared" / "trial")
+    behind = PersistentGenerations(Path(root) / "shared" / "trial")
     with pytest.raises(CheckpointError, match=r"__1_0\.distcp"):  # rank 0 cannot send what it lacks
         behind.publish(store.path(generation), {}, "run", 5)
     shares = peer_copies.shares_held(store, generation)
@@ -486,7 +486,7 @@ def _shares_case(rank: int, world_size: int, root: str) -> None:
         own.write_bytes(_contents(1, 5)["default/__1_0.distcp"])
     behind.publish(store.path(generation), shares, "run", 5)  # each node sends what it holds
     assert behind.newest() == generation
-    shared = behind.store.path(generation)
+    shared = Path(behind.where(generation))
     assert all((shared / name).read_bytes() == data for name, data in _everything(world_size, 5).items())
 
 
@@ -526,10 +526,10 @@ def test_peer_copies_hold_on_any_placement_and_a_damaged_file_comes_from_an_inta
 
 
 def _interrupted_then_moved_case(rank: int, world_size: int, root: str) -> None:
-    from areal_ckpt.persistence.shared_folder import FolderGenerations
+    from areal_ckpt.persistence.generations import PersistentGenerations
     from areal_ckpt.tier.resume import choose_tier
 
-    behind = FolderGenerations(Path(root) / "shared" / "trial")
+    behind = PersistentGenerations(Path(root) / "shared" / "trial")
     here, there = (RecoverStore(Path(root) / f"node{node}" / "trial") for node in (rank, 1 - rank))
     early = _dump(there, 1, world_size)  # an earlier run had rank 0 on node 1: its own commit there
     peer_copies.replicate(there, early, copies=1)
@@ -555,7 +555,7 @@ def test_a_generation_never_committed_is_never_resumed_wherever_rank_0_lands(tmp
 
 def test_a_newer_commit_the_local_tier_cannot_resume_is_named_in_a_warning(tmp_path, caplog):
     # one file of the newest commit replaced by a link: the restart resumed the older one without a word
-    from areal_ckpt.persistence.shared_folder import FolderGenerations
+    from areal_ckpt.persistence.generations import PersistentGenerations
     from areal_ckpt.tier.resume import choose_tier
 
     store = RecoverStore(tmp_path / "node0" / "trial")
@@ -570,7 +570,7 @@ def test_a_newer_commit_the_local_tier_cannot_resume_is_named_in_a_warning(tmp_p
     newest.unlink()
     newest.symlink_to(tmp_path / "elsewhere.distcp")
     with caplog.at_level(logging.WARNING, logger="areal_ckpt.tier.resume"):
-        choice = choose_tier(store, FolderGenerations(tmp_path / "shared" / "trial"))
+        choice = choose_tier(store, PersistentGenerations(tmp_path / "shared" / "trial"))
     assert (choice.local, choice.generation) == (True, older)
     (warned,) = [record.getMessage() for record in caplog.records if "is newer than" in record.getMessage()]
     assert "gen-00000005-feedbeef" in warned and "default/__0_0.distcp" in warned and older in warned

@@ -100,7 +100,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(json.dumps(entries, indent=1))
         return 0
     if not entries:
-        from areal_ckpt.generations.foreign import foreign_recovery_layout
+        from areal_ckpt.storage.foreign import foreign_recovery_layout
         from areal_ckpt.urls import locate
 
         where = locate(args.trial_root, "trial-root")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from areal_ckpt.generations.foreign import refuse_foreign_layout
 from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.paths import (
     METADATA_JSON,
@@ -19,6 +18,7 @@ from areal_ckpt.paths import (
     is_generation_name,
 )
 from areal_ckpt.publish import read_manifest
+from areal_ckpt.storage.foreign import refuse_foreign_layout
 from areal_ckpt.storage.location import Location, recommit_newest_intact
 
 logger = logging.getLogger(__name__)

@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_ckpt.errors import CheckpointError, TransientError
-from areal_ckpt.fsio import FileRecord, fsync_dir, make_dirs, write_file_durably
-from areal_ckpt.generations.foreign import refuse_foreign_layout
+from areal_ckpt.fsio import FileRecord, make_dirs
 from areal_ckpt.generations.tidy import sweep_trash_later, wait_for_deletions
 from areal_ckpt.paths import (
     RECOVER_CURRENT,
@@ -34,31 +33,33 @@ from areal_ckpt.paths import (
     RECOVER_MANIFEST,
     RECOVER_STORE,
     generation_name,
-    generation_step,
     is_generation_name,
-    recover_checkpoint_link,
-    recover_info_link,
     recover_pointer,
     recover_store,
 )
 from areal_ckpt.publish import check_files, read_manifest, write_manifest
+from areal_ckpt.storage.foreign import refuse_foreign_layout
+from areal_ckpt.storage.in_place import (
+    after_commit,
+    check_store_folder,
+    clear_strays,
+    commit_in_place,
+    committed_in_place,
+    generation_folders,
+    is_complete,
+    place_fixed_links,
+    superseded_in_place,
+)
 from areal_ckpt.storage.location import recovery_location_of
 from areal_ckpt.storage.mirrors import Identity, claim_tier
 from areal_ckpt.storage.pointers import PointerLink
-from areal_ckpt.storage.retention import Committed, KeepNewest, doomed_by
+from areal_ckpt.storage.retention import Committed
 
 logger = logging.getLogger(__name__)
-
-#: In the store, beside a trial's first generation while it commits: ``.pending-{generation}``,
-#: made durable before its manifest and removed after the switch (see :meth:`RecoverStore.commit`).
-PENDING_PREFIX = ".pending-"
 
 #: In a tiered trial's local tier, the persistent tier it belonged to as an older version recorded
 #: it (read once by :meth:`RecoverStore.claim_local_tier`, which records the full identity now).
 PERSISTS_AT = ".persists-at"
-
-#: Model folders found to be links, already named in a warning by this process.
-_LINKED_FOLDERS_NAMED: set[Path] = set()
 
 
 class RecoverStore:
@@ -97,72 +98,23 @@ class RecoverStore:
         """Name of the committed generation, None when the trial has none.
 
         Raises CheckpointError (never a silent None) when the store is not a real folder (a
-        regular file, a link), when a commit record exists but does not name a generation
-        folder of this store (dangling, tampered, pointing elsewhere), and when the record is
-        missing although complete generations are there (e.g. a copy that dropped symlinks).
-        Read-only.
+        regular file, a link), or its commit record is broken or missing beside complete
+        generations (:func:`~areal_ckpt.storage.in_place.committed_in_place`). Read-only.
         """
-        self.check_root()
-        target = self.current.read(self.root)
-        if target is None:
-            complete = [name for name in self.complete_generations() if not self.is_pending(name)]
-            if complete:
-                raise CheckpointError(
-                    f"{self.pointer}: the commit record is missing, but {self.root} holds complete recovery "
-                    f"generations {complete}; nothing was deleted. Run `areal-ckpt recover-pointer {self.trial}` to "
-                    "point it at the newest one whose files all verify"
-                )
-            return None
-        if not is_generation_name(target):
-            raise CheckpointError(f"{self.pointer}: points to {target!r}, which is not a generation of this store")
-        if not (self.root / target).is_dir() or (self.root / target).is_symlink():
-            raise CheckpointError(
-                f"{self.pointer}: committed generation {target} is missing; run `areal-ckpt recover-pointer "
-                f"{self.trial}` to point it at the newest generation whose files all verify"
-            )
-        return target
+        return committed_in_place(self.root, self.current, RECOVER_MANIFEST)
 
     def check_root(self) -> None:
-        """Raise CheckpointError unless the store is absent or a real folder."""
-        if self.root.is_symlink():
-            where = os.readlink(self.root)
-            state = "" if self.root.exists() else ", which does not exist (an unmounted volume?)"
-            raise CheckpointError(
-                f"{self.root}: is a symbolic link to {where}{state}; areal_ckpt keeps recovery generations only "
-                "in a real folder and never writes through a link it did not create: move the link away "
-                "(mv it) and put the folder itself there"
-            )
-        if self.root.exists() and not self.root.is_dir():
-            raise CheckpointError(
-                f"{self.root}: expected the folder of recovery generations, found a file; nothing was deleted: "
-                "move it away (mv it) to start this trial fresh"
-            )
+        """Raise CheckpointError unless the store is absent or a real folder
+        (:func:`~areal_ckpt.storage.in_place.check_store_folder`)."""
+        check_store_folder(self.root)
 
     def generations(self) -> list[str]:
         """Generation folders in the store, oldest step first (committed or not); read-only."""
-        if not self.root.is_dir() or self.root.is_symlink():
-            return []
-        names = [
-            e.name for e in self.root.iterdir() if is_generation_name(e.name) and e.is_dir() and not e.is_symlink()
-        ]
-        return sorted(names, key=lambda name: (generation_step(name), name))
-
-    def is_complete(self, generation: str) -> bool:
-        """True when ``generation`` holds a readable manifest (its files are not checked); read-only."""
-        try:
-            read_manifest(self.path(generation), RECOVER_MANIFEST)
-        except CheckpointError:
-            return False
-        return True
-
-    def is_pending(self, generation: str) -> bool:
-        """True when ``generation`` is a trial's first commit that a power cut stopped between its
-        manifest and the switch (its pending marker is still there): never committed. Read-only."""
-        return (self.root / f"{PENDING_PREFIX}{generation}").is_file()
+        return generation_folders(self.root)
 
     def complete_generations(self) -> list[str]:
         """Generations holding a readable manifest, oldest step first; read-only."""
-        return [name for name in self.generations() if self.is_complete(name)]
+        return [name for name in self.generations() if is_complete(self.root, name, RECOVER_MANIFEST)]
 
     def path(self, generation: str) -> Path:
         """Folder of ``generation`` (no side effects)."""
@@ -238,88 +190,33 @@ class RecoverStore:
         models: list[str],
         protected: tuple[str, ...] = (),
     ) -> list[str]:
-        """Write the manifest, switch ``current`` to ``generation``, then hide the generations it
-        supersedes (one rename each); returns their hidden names. Durable on return; until the
-        switch the previous generation stays committed. A trial's first commit is bracketed by a
-        pending marker, so that a power cut between its manifest and the switch leaves a
-        generation known never to have been committed (a fresh start), not one that looks like
-        a lost commit record (which is refused, see :meth:`committed`). The hidden folders are deleted by every
-        rank in parallel (:mod:`areal_ckpt.generations.tidy`: each its own files, then rank 0 the rest).
-        The generations ``protected`` names (a tiered trial's uploads in flight or queued) are kept."""
-        first = not self.pointer.is_symlink()
-        marker = self.root / f"{PENDING_PREFIX}{generation}"
-        if first:  # until the switch, a complete generation without a commit record is this one, not a lost record
-            write_file_durably(marker, b"")
-            fsync_dir(self.root)
-        write_manifest(self.path(generation), RECOVER_MANIFEST, records, header)
-        fsync_dir(self.root)  # the generation's own entry, before anything points to it
-        self.location.recommit(generation, {})
-        if first:
-            marker.unlink(missing_ok=True)
-            fsync_dir(self.root)
-        # housekeeping: the commit above already holds whatever happens from here on
-        try:
-            self.ensure_links(models)
-        except (OSError, CheckpointError) as error:
-            logger.warning("%s: committed %s, but its fixed links were not placed: %s", self.root, generation, error)
-        try:
-            superseded = self._superseded(keep=generation, protected=protected)
-        except OSError as error:
-            logger.warning("%s: committed %s, but tidying up failed: %s", self.root, generation, error)
-            return []
-        return [trash.name for trash in self.location.remove([Committed(name, -1, 0) for name in superseded])]
+        """Write the manifest and switch ``current`` to ``generation``
+        (:func:`~areal_ckpt.storage.in_place.commit_in_place`), then place the trial's links and
+        hide the generations it supersedes (one rename each); returns their hidden names. Durable
+        on return; until the switch the previous generation stays committed. The hidden folders
+        are deleted by every rank in parallel (:mod:`areal_ckpt.generations.tidy`: each its own
+        files, then rank 0 the rest). The generations ``protected`` names (a tiered trial's
+        uploads in flight or queued) are kept."""
+        commit_in_place(
+            self.root,
+            self.current,
+            generation,
+            lambda: write_manifest(self.path(generation), RECOVER_MANIFEST, records, header),
+        )
+        hidden = after_commit(self.root, generation, RECOVER_MANIFEST, models, self._hide, protected)
+        return [trash.name for trash in hidden]
 
     def ensure_links(self, models: list[str]) -> None:
-        """Point ``recover_info`` and each model's ``recover_checkpoint`` at the committed
-        generation, replacing an older link atomically. Never through a link: a model folder
-        that is a link (the user's, e.g. exports on another disk) gets no ``recover_checkpoint``
-        link, with a warning (once per process) naming where the checkpoint is; never over anything but a link
-        (CheckpointError, from :class:`~areal_ckpt.storage.pointers.PointerLink`). Local; durable on return."""
-        wanted = {recover_info_link(self.trial): f"{RECOVER_STORE}/{RECOVER_CURRENT}/{RECOVER_INFO}"}
-        for model in models:
-            wanted[recover_checkpoint_link(self.trial, model)] = f"../{RECOVER_STORE}/{RECOVER_CURRENT}/{model}"
-        for link, target in wanted.items():
-            if link.is_symlink() and os.readlink(link) == target:
-                continue
-            if link.parent.is_symlink():
-                if link.parent in _LINKED_FOLDERS_NAMED:
-                    continue
-                _LINKED_FOLDERS_NAMED.add(link.parent)
-                logger.warning(
-                    "%s is a link (to %s) areal_ckpt did not create: no %s link is placed through it; "
-                    "the model's recovery checkpoint is %s",
-                    link.parent,
-                    os.readlink(link.parent),
-                    link.name,
-                    self.root / RECOVER_CURRENT / link.parent.name,
-                )
-                continue
-            make_dirs(link.parent)
-            PointerLink(link.name).point(link.parent, target)
+        """:func:`~areal_ckpt.storage.in_place.place_fixed_links` of this trial. Local; durable."""
+        place_fixed_links(self.trial, models)
 
-    def _superseded(self, keep: str | None, protected: tuple[str, ...] = ()) -> list[str]:
-        """Generations other than ``keep`` and ``protected`` that are incomplete, or that the
-        :class:`~areal_ckpt.storage.retention.KeepNewest` policy removes beside ``keep``. A
-        complete generation at or after ``keep``'s step (a dump interrupted between its manifest
-        and the switch, so possibly committed after ``keep`` as far as the store can tell) is
-        not among them, with a warning: a checkpoint is never deleted unless a newer committed
-        one exists. Read-only."""
-        names = [name for name in self.generations() if name != keep and name not in protected]
-        complete = [name for name in names if self.is_complete(name) and not self.is_pending(name)]
-        # the committed one first in commit order: an uncommitted complete one of its step sorts after it
-        entries = [Committed(name, generation_step(name), 1) for name in complete]
-        if keep is not None:
-            entries.append(Committed(keep, generation_step(keep), 0))
-        doomed = {entry.name for entry in doomed_by(KeepNewest(), entries, keep or "").remove}
-        for name in complete:
-            if name not in doomed:
-                logger.warning(
-                    "%s: keeping %s: it is complete and not older than the committed %s", self.root, name, keep
-                )
-        return [name for name in names if name not in complete or name in doomed]
+    def _hide(self, names: list[str]) -> list[Path]:
+        """Each generation ``names`` hidden under its trash name; returns the trash folders."""
+        return self.location.remove([Committed(name, -1, 0) for name in names])
 
     def remove_debris(self, keep: str | None, wait: bool = True) -> list[str]:
-        """Remove the generations ``keep`` supersedes (see :meth:`_superseded`) and stray
+        """Remove the generations ``keep`` supersedes
+        (:func:`~areal_ckpt.storage.in_place.superseded_in_place`) and stray
         pointer links; returns the generations removed. Each is hidden at once (one durable
         rename); it and the hidden ones earlier commits left are deleted on this process's
         deletion thread, before this returns with ``wait``, else while the caller goes on
@@ -329,16 +226,9 @@ class RecoverStore:
         wait_for_deletions()
         if not self.root.is_dir() or self.root.is_symlink():
             return []
-        removed = self._superseded(keep)
-        self.location.remove([Committed(name, -1, 0) for name in removed])
-        for entry in self.root.iterdir():
-            if entry.name.startswith(f".{RECOVER_CURRENT}.") and entry.is_symlink():
-                entry.unlink()
-            elif entry.name.startswith(PENDING_PREFIX) and not entry.is_symlink():
-                pending = entry.name[len(PENDING_PREFIX) :]
-                if pending == keep or not (self.root / pending).is_dir():  # committed after all, or removed
-                    entry.unlink()
-        fsync_dir(self.root)
+        removed = superseded_in_place(self.root, keep, RECOVER_MANIFEST)
+        self._hide(removed)
+        clear_strays(self.root, self.current, keep)
         sweep_trash_later(self.root)
         if wait:
             wait_for_deletions()

@@ -1,4 +1,4 @@
-"""Where a trial's recovery generations persist behind its local store: the contract
-(:mod:`~areal_ckpt.persistence.contract`, ``PersistentGenerations``) and its two
-implementations, a prefix of an object store (:mod:`~areal_ckpt.persistence.remote`) and a trial
-folder on a shared file system (:mod:`~areal_ckpt.persistence.shared_folder`)."""
+"""Where a trial's recovery generations persist behind its local store
+(:mod:`~areal_ckpt.persistence.generations`, ``PersistentGenerations``: one class over the trial's
+recovery location, an object prefix or a folder on a shared file system), and how a load reads
+them from there (:mod:`~areal_ckpt.persistence.reading`)."""

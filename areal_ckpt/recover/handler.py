@@ -22,7 +22,8 @@ from areal_ckpt.generations.tidy import remove_trash, wait_for_deletions
 from areal_ckpt.jobs.lifecycle import SaveLifecycle, resolve_async
 from areal_ckpt.jobs.retry import retried
 from areal_ckpt.paths import default_user, recover_info_link, trial_root
-from areal_ckpt.persistence.contract import ReadFrom, new_run_token
+from areal_ckpt.persistence.generations import new_run_token
+from areal_ckpt.persistence.reading import ReadFrom
 from areal_ckpt.recover.dump_runs import DumpRuns, stopped
 from areal_ckpt.recover.frozen import frozen_part, part_fingerprint
 from areal_ckpt.recover.location import trial_location

@@ -20,9 +20,7 @@ from pathlib import Path
 from areal_ckpt.config import RecoverConfig
 from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.paths import default_user, trial_root
-from areal_ckpt.persistence.contract import PersistentGenerations
-from areal_ckpt.persistence.remote import ObjectGenerations
-from areal_ckpt.persistence.shared_folder import FolderGenerations
+from areal_ckpt.persistence.generations import PersistentGenerations
 from areal_ckpt.recover.publication import KeptLocally, Publication, PublishedInBackground, PublishedInDump
 from areal_ckpt.storage.folders import staging_root
 from areal_ckpt.urls import locate
@@ -33,8 +31,8 @@ def persistent_generations(fileroot: str, user: str, experiment: str, trial: str
     object store the URL names, or a trial folder. Pure (nothing is contacted)."""
     where = locate(fileroot, "fileroot")
     if isinstance(where, Path):
-        return FolderGenerations(trial_root(fileroot, user, experiment, trial))
-    return ObjectGenerations(where.child("checkpoints", user, experiment, trial))
+        return PersistentGenerations(trial_root(fileroot, user, experiment, trial))
+    return PersistentGenerations(where.child("checkpoints", user, experiment, trial))
 
 
 def trial_location(config: RecoverConfig) -> tuple[RecoverStore, Publication]:
@@ -54,7 +52,7 @@ def trial_location(config: RecoverConfig) -> tuple[RecoverStore, Publication]:
         return RecoverStore(trial_root(config.fileroot, *names)), KeptLocally()
     remote = where.child("checkpoints", *names)
     staging = RecoverStore(staging_root(config.staging_dir, remote), links_previous_data=False)
-    return staging, PublishedInDump(ObjectGenerations(remote))
+    return staging, PublishedInDump(PersistentGenerations(remote))
 
 
 def trial_store(config: RecoverConfig) -> RecoverStore:

@@ -16,7 +16,7 @@ the handler, the dump's two halves and the load call it without asking which one
   (:mod:`areal_ckpt.tier.resume`).
 
 Where the trial persists (a bucket, a shared folder) is the storage contract
-:class:`~areal_ckpt.persistence.contract.PersistentGenerations`; this module only says *when*.
+:class:`~areal_ckpt.persistence.generations.PersistentGenerations`; this module only says *when*.
 Implementations are plain, picklable data (a dump job carries one to the background writers).
 """
 
@@ -31,13 +31,14 @@ from typing import Protocol, TypeVar
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError, TransientError
 from areal_ckpt.fsio import FileWriter
-from areal_ckpt.generations.foreign import refuse_foreign_layout
 from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.generations.tidy import delete_later
 from areal_ckpt.jobs.retry import retried
 from areal_ckpt.paths import RECOVER_MANIFEST
-from areal_ckpt.persistence.contract import PersistentGenerations, ReadFrom, restore_newest
+from areal_ckpt.persistence.generations import PersistentGenerations
+from areal_ckpt.persistence.reading import ReadFrom, restore_newest
 from areal_ckpt.publish import read_manifest
+from areal_ckpt.storage.foreign import refuse_foreign_layout
 from areal_ckpt.storage.mirrors import set_aside_contents
 from areal_ckpt.tier.nodes import node_of
 from areal_ckpt.tier.resume import TierChoice, restore_from_tiers
@@ -84,7 +85,7 @@ class Publication(Protocol):
         self, store: RecoverStore, restore: Callable[[ReadFrom], T | None]
     ) -> tuple[T | None, TierChoice | None]:
         """Run ``restore(read_from)`` (a collective load of the committed generation, read as
-        :class:`~areal_ckpt.persistence.contract.ReadFrom` says: the local store as it is, where
+        :class:`~areal_ckpt.persistence.reading.ReadFrom` says: the local store as it is, where
         the trial persists, or the assembled local tiers, :mod:`~areal_ckpt.tier.resume`);
         returns its result and the tier choice it followed (None: no choice to make).
         Collective."""

@@ -34,7 +34,7 @@ from areal_ckpt.paths import (
     STEP_FILE,
     generation_step,
 )
-from areal_ckpt.persistence.contract import ReadFrom, fetch_committed
+from areal_ckpt.persistence.reading import ReadFrom, fetch_committed
 from areal_ckpt.publish import check_files, read_manifest
 from areal_ckpt.recover.location import trial_location
 from areal_ckpt.schedule import TriggerSchedule
@@ -77,7 +77,7 @@ def open_committed(
     rollout: RolloutFrontier | None = None,
 ) -> OpenedGeneration | None:
     """The committed generation of ``store``, read as ``read_from`` says
-    (:class:`~areal_ckpt.persistence.contract.ReadFrom`), or None when there is none. With a
+    (:class:`~areal_ckpt.persistence.reading.ReadFrom`), or None when there is none. With a
     source, its newest commit is the one and None when it holds none (whatever the local copy
     holds); the generation's small files come down to the node's local copy first and its
     data files only as a rank reads them (each rank the files its share needs). Assembled (a

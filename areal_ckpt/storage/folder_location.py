@@ -1,22 +1,37 @@
 """A :class:`~areal_ckpt.storage.location.Location` in a folder of a POSIX file system (local
-disk, NFS, Lustre): a checkpoint is committed by one rename of its fsync'd staging folder, and a
-pointing commit then switches the location's pointer (:mod:`areal_ckpt.storage.pointers`: a file
-renamed over, DeepSpeed's ``latest``; or a link switched, the recovery store's ``current``)."""
+disk, NFS, Lustre). Two commit styles behind one interface: a checkpoint staged beside the others
+is committed by one rename of its fsync'd staging folder, and a pointing commit then switches
+the location's pointer (:mod:`areal_ckpt.storage.pointers`: a file renamed over, DeepSpeed's
+``latest``); or, where the pointer commits (the recovery store's link ``current``), each
+checkpoint is a folder written or copied in place and committed by the pointer's switch
+(:mod:`areal_ckpt.storage.in_place`)."""
 
 from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from areal_ckpt.errors import CheckpointError
-from areal_ckpt.fsio import FileWriter, make_dirs
-from areal_ckpt.paths import EXPORT_STAGING_PREFIX, EXPORT_TRASH_PREFIX
-from areal_ckpt.publish import hide_folder, publish
+from areal_ckpt.errors import CheckpointError, TransientError
+from areal_ckpt.fsio import FileRecord, FileWriter, copy_durably, link_on_path, make_dirs
+from areal_ckpt.paths import EXPORT_STAGING_PREFIX, EXPORT_TRASH_PREFIX, MANIFEST_NAME, generation_step
+from areal_ckpt.publish import hide_folder, publish, read_manifest, write_manifest
 from areal_ckpt.storage.folders import FileSource, FolderSource, Opened
+from areal_ckpt.storage.foreign import refuse_foreign_layout
+from areal_ckpt.storage.in_place import (
+    after_commit,
+    check_store_folder,
+    clear_strays,
+    commit_in_place,
+    committed_in_place,
+    generation_folders,
+    is_complete,
+    is_pending,
+    superseded_in_place,
+)
 from areal_ckpt.storage.pointers import Pointer, replace_file
 from areal_ckpt.storage.retention import Committed
 
@@ -36,12 +51,14 @@ class FolderLocation:
     commit switches (None when this location has none); ``trash_prefix``: what a removed
     folder's name is prefixed with while it is deleted; ``pointer_commits``: the checkpoints
     are written in place, so the one the pointer names is the only committed one (the
-    recovery store's ``current``), not one commit among many (DeepSpeed's ``latest``)."""
+    recovery store's ``current``, :mod:`~areal_ckpt.storage.in_place`), not one commit among
+    many (DeepSpeed's ``latest``); ``manifest``: each checkpoint's manifest file."""
 
     root: Path
     pointer: Pointer | None = None
     trash_prefix: str = EXPORT_TRASH_PREFIX
     pointer_commits: bool = False
+    manifest: str = MANIFEST_NAME
     shared_staging: ClassVar[bool] = True
 
     def where(self, name: str | None = None) -> str:
@@ -49,7 +66,17 @@ class FolderLocation:
         return str(self.root if name is None else self.root / name)
 
     def check_access(self) -> None:
-        """Nothing to contact: the commit names what stands in its way."""
+        """Nothing to contact: the commit names what stands in its way; where the pointer
+        commits, CheckpointError naming the folder unless it is absent or a real folder
+        (:func:`~areal_ckpt.storage.in_place.check_store_folder`) and the one above it can be
+        made."""
+        if not self.pointer_commits:
+            return
+        check_store_folder(self.root)
+        try:
+            make_dirs(self.root.parent)
+        except OSError as error:
+            raise CheckpointError(f"{self.root.parent}: cannot create the trial folder: {error}") from None
 
     def reserve(self, name: str) -> str:
         """``name``: a folder's commit replaces a same-named one whole."""
@@ -81,19 +108,81 @@ class FolderLocation:
         """None: files go into the staging folder, renamed into place at the commit."""
         return None
 
-    def put_own(self, staging: Path, reserved: str, names: list[str]) -> None:
-        """Nothing: every file was written in place."""
+    def put_own(
+        self, staging: Path, reserved: str, names: list[str], expected: Mapping[str, tuple[int, int]] | None = None
+    ) -> None:
+        """Nothing when every file was written in place; where the pointer commits and
+        ``staging`` is another folder (a node's local tier), each file copied into
+        ``{root}/{reserved}`` and fsync'd, checked against ``expected`` as copied (one read)."""
+        if self.pointer_commits and staging != self.root / reserved:
+            self._copy_in(staging, reserved, names, expected)
+
+    def _copy_in(
+        self, staging: Path, reserved: str, names: list[str], expected: Mapping[str, tuple[int, int]] | None
+    ) -> None:
+        """Copy ``names`` from ``staging`` into ``{root}/{reserved}`` (never through a link on
+        either side; TransientError naming the file when a copy fails); CheckpointError naming
+        every copy whose size and CRC-32 are not its ``expected`` record."""
+        target = self.root / reserved
+        differing = []
+        for name in names:
+            source, path = staging / name, target / name
+            link = link_on_path(path, self.root.parent) or link_on_path(source, staging)
+            if link is not None:
+                raise CheckpointError(f"{link}: a link; not copying through it")
+            try:
+                make_dirs(path.parent)
+                record = copy_durably(source, path)
+            except OSError as error:
+                raise TransientError(f"cannot copy {source} to {path}: {error}") from error
+            if expected is not None and expected.get(name) != (record.size, record.crc32):
+                differing.append(name)
+        if differing:
+            raise CheckpointError(
+                f"{staging}: {differing[:5]} differ from their records (damaged where they were copied from); "
+                f"not committed in {self.root}"
+            )
 
     def commit(
         self, staging: Path, reserved: str, uploaded: set[str], body: dict[str, Any], point: bool = False
     ) -> int:
         """One rename of ``staging`` to ``{root}/{reserved}`` (fsync'd; an older folder of that
-        name goes to the trash), then (``point``) the pointer file renamed over."""
+        name goes to the trash), then (``point``) the pointer file renamed over. Where the
+        pointer commits: the files ``staging``'s manifest lists beyond ``uploaded`` copied in,
+        then :func:`~areal_ckpt.storage.in_place.commit_in_place` with that manifest
+        and ``body`` in its header, then the trial's links placed (what it superseded stays
+        for :func:`~areal_ckpt.storage.location.retain`).
+        As on a store, the files the commit copies are not checked: a publisher puts them first
+        with :meth:`put_own`'s check."""
+        if self.pointer_commits:
+            self._commit_in_place(staging, reserved, uploaded, body)
+            return 0
         final = self.root / reserved
         publish(staging, final, self.root / f"{self.trash_prefix}{reserved}")
         if point:
             self.point(reserved)
         return 0
+
+    def _commit_in_place(self, staging: Path, reserved: str, uploaded: set[str], body: dict[str, Any]) -> None:
+        """:meth:`commit` where the pointer commits."""
+        assert self.pointer is not None  # a location whose pointer commits has one
+        manifest = read_manifest(staging, self.manifest)
+        listed = {name: (entry["size"], entry["crc32"]) for name, entry in manifest["files"].items()}
+        self._copy_in(staging, reserved, sorted(set(listed) - uploaded), None)
+        header = {key: value for key, value in manifest.items() if key != "files"}
+        records = {name: FileRecord(*record) for name, record in listed.items()}
+        pointer, root = self.pointer, self.root
+        try:
+            make_dirs((root / reserved / self.manifest).parent)
+            commit_in_place(
+                root,
+                pointer,
+                reserved,
+                lambda: write_manifest(root / reserved, self.manifest, records, {**header, **body}),
+            )
+        except OSError as error:
+            raise TransientError(f"{root / reserved}: cannot commit: {error}") from error
+        after_commit(root, reserved, self.manifest, list(header.get("models", [])))
 
     def point(self, name: str) -> None:
         """Make the pointer name the checkpoint ``name`` (already whole and durable here: a
@@ -107,12 +196,13 @@ class FolderLocation:
         """Nothing was written outside the staging folder."""
 
     def committed(self, step_of: Callable[[str], int | None] = lambda name: None) -> list[Committed]:
-        """Every real folder (not a link) whose name parses, or (``pointer_commits``) the one the
-        pointer names; none when ``root`` is missing."""
+        """Every real folder (not a link) whose name parses; none when ``root`` is missing. Where
+        the pointer commits, the one it names (:func:`~areal_ckpt.storage.in_place.committed_in_place`:
+        CheckpointError when it names none, or is missing beside complete generations; its
+        facts its manifest's header), last and of order 1, after the complete generations of
+        lower steps (earlier commits it superseded, order 0)."""
         if self.pointer_commits:
-            name = self.pointed()
-            step = None if name is None else step_of(name)
-            return [] if name is None else [Committed(name, -1 if step is None else step, 0, when=self._mtime(name))]
+            return self._committed_in_place(step_of)
         if not self.root.is_dir():
             return []
         return [
@@ -120,6 +210,23 @@ class FolderLocation:
             for path in self.root.iterdir()
             if path.is_dir() and not path.is_symlink() and (step := step_of(path.name)) is not None
         ]
+
+    def _committed_in_place(self, step_of: Callable[[str], int | None]) -> list[Committed]:
+        """:meth:`committed` where the pointer commits."""
+        assert self.pointer is not None  # a location whose pointer commits has one
+        name = committed_in_place(self.root, self.pointer, self.manifest)
+        if name is None:
+            return []
+        header = read_manifest(self.root / name, self.manifest)
+        facts = {key: value for key, value in header.items() if key != "files"}
+        earlier = [
+            Committed(other, _step(step_of, other), 0, when=self._mtime(other))
+            for other in generation_folders(self.root)
+            if generation_step(other) < generation_step(name)
+            and is_complete(self.root, other, self.manifest)
+            and not is_pending(self.root, other)
+        ]
+        return [*earlier, Committed(name, _step(step_of, name), 1, "", facts, self._mtime(name))]
 
     def _mtime(self, name: str) -> float | None:
         """The checkpoint folder's modification time; None when it cannot be read."""
@@ -129,7 +236,10 @@ class FolderLocation:
             return None
 
     def newest(self, step_of: Callable[[str], int | None] = lambda name: None) -> Committed | None:
-        """The committed folder of the highest step, then name (a folder's names commit once)."""
+        """The committed folder of the highest step, then name (a folder's names commit once);
+        where the pointer commits, the one it names."""
+        if self.pointer_commits:
+            return next(reversed(self._committed_in_place(step_of)), None)
         return max(self.committed(step_of), key=lambda entry: (entry.step, entry.name), default=None)
 
     def present(self) -> list[str]:
@@ -180,6 +290,10 @@ class FolderLocation:
         if not (target.is_file() and not target.is_symlink() and target.read_bytes() == data):
             replace_file(self.root, name, data)
 
+    def _hide(self, names: list[str]) -> list[Path]:
+        """:meth:`remove` of the folders ``names``."""
+        return self.remove([Committed(name, -1, 0) for name in names])
+
     def remove(self, doomed: list[Committed]) -> list[Path]:
         """Each folder renamed to its trash name (vanishes at once); returns the trash folders.
         Nothing when ``root`` is a link (nothing is deleted through a link), with a warning."""
@@ -197,5 +311,27 @@ class FolderLocation:
         return hidden
 
     def tidy(self) -> list[str]:
-        """Nothing: staging and trash folders are removed with the trial's."""
-        return []
+        """Nothing: staging and trash folders are removed with the trial's. Where the pointer
+        commits: CheckpointError when the trial holds AReaL's own recovery folders
+        (:func:`~areal_ckpt.storage.foreign.refuse_foreign_layout`), else what interrupted
+        commits left (:func:`~areal_ckpt.storage.in_place.superseded_in_place` of the committed
+        one, stray links and markers) deleted; returns the generations removed."""
+        if not self.pointer_commits:
+            return []
+        assert self.pointer is not None  # a location whose pointer commits has one
+        refuse_foreign_layout(self.root.parent)
+        if not self.root.is_dir() or self.root.is_symlink():
+            return []
+        keep = committed_in_place(self.root, self.pointer, self.manifest)
+        removed = superseded_in_place(self.root, keep, self.manifest)
+        trash = self._hide(removed)
+        clear_strays(self.root, self.pointer, keep)
+        for folder in trash:
+            shutil.rmtree(folder, ignore_errors=True)
+        return removed
+
+
+def _step(step_of: Callable[[str], int | None], name: str) -> int:
+    """``step_of(name)``, -1 when it gives none."""
+    step = step_of(name)
+    return -1 if step is None else step

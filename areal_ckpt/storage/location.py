@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -92,9 +92,14 @@ class Location(Protocol):
         writer of one file (a path relative to the checkpoint) of the reserved checkpoint, or
         None to write them into the staging folder."""
 
-    def put_own(self, staging: Path, reserved: str, names: list[str]) -> None:
+    def put_own(
+        self, staging: Path, reserved: str, names: list[str], expected: Mapping[str, tuple[int, int]] | None = None
+    ) -> None:
         """Every rank, once its files are written: put ``names`` (relative to ``staging``; not
-        the ones :meth:`writer_of` wrote) where rank 0's commit finds them. Blocking."""
+        the ones :meth:`writer_of` wrote) where rank 0's commit finds them; with ``expected``
+        (name -> size and CRC-32) each is checked against its record first or as it is put,
+        CheckpointError naming those that differ (a local file that rotted or became a link is
+        never committed). Blocking."""
 
     def commit(
         self, staging: Path, reserved: str, uploaded: set[str], body: dict[str, Any], point: bool = False
@@ -145,8 +150,9 @@ class Location(Protocol):
 
     def tidy(self) -> list[str]:
         """Rank 0 when a job starts on the location: remove what earlier writers left
-        uncommitted (objects no record names, unfinished uploads); nothing in a folder (its
-        staging folders are removed with the trial's). Returns the names removed."""
+        uncommitted (objects no record names, unfinished uploads; where a folder's pointer
+        commits, generations it does not name and older than it); nothing in another folder
+        (its staging folders are removed with the trial's). Returns the names removed."""
 
     def present(self) -> list[str]:
         """Every checkpoint held here, committed or not (an operator's repair looks among
@@ -181,7 +187,7 @@ def recovery_location_of(trial: Path | ObjectURL) -> Location:
     Pure: contacts nothing."""
     if isinstance(trial, Path):
         return FolderLocation(
-            trial / RECOVER_STORE, PointerLink(RECOVER_CURRENT), RECOVER_TRASH_PREFIX, pointer_commits=True
+            trial / RECOVER_STORE, PointerLink(RECOVER_CURRENT), RECOVER_TRASH_PREFIX, True, RECOVER_MANIFEST
         )
     return ObjectLocation(trial.child(RECOVER_STORE), RECOVER_MANIFEST)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -29,6 +29,7 @@ from areal_ckpt.storage.folders import (
     FileSource,
     ObjectSource,
     Opened,
+    check_local_copy,
     check_uploaded,
     fetch_shared,
     staging_root,
@@ -99,8 +100,14 @@ class ObjectLocation:
         store = store_of(target)
         return lambda name: store.open_writer(target.key(name))
 
-    def put_own(self, staging: Path, reserved: str, names: list[str]) -> None:
-        """Upload ``names`` from ``staging`` to the reserved prefix."""
+    def put_own(
+        self, staging: Path, reserved: str, names: list[str], expected: Mapping[str, tuple[int, int]] | None = None
+    ) -> None:
+        """Upload ``names`` from ``staging`` to the reserved prefix, each first checked against
+        its ``expected`` record when given (:func:`~areal_ckpt.storage.folders.check_local_copy`)."""
+        if expected is not None:
+            records = {name: {"size": size, "crc32": crc} for name, (size, crc) in expected.items()}
+            check_local_copy(staging, records, sorted(names))
         target = self.root.child(reserved)
         upload_folder_files(store_of(target), staging, sorted(names), target)
 

@@ -33,10 +33,11 @@ from typing import TypeVar
 
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.generations.foreign import refuse_foreign_layout
 from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.paths import generation_step
-from areal_ckpt.persistence.contract import PersistentGenerations, ReadFrom, restore_newest
+from areal_ckpt.persistence.generations import PersistentGenerations
+from areal_ckpt.persistence.reading import ReadFrom, restore_newest
+from areal_ckpt.storage.foreign import refuse_foreign_layout
 from areal_ckpt.storage.peer_reads import PeerReads
 from areal_ckpt.tier.peer_copies import (
     Assembly,

@@ -4,7 +4,7 @@ persists (object storage, a shared folder) in the background, the newest first.
 With ``recover.local_dir`` a dump ends with its local commit (:mod:`areal_ckpt.recover.write`);
 :class:`Uploads` then hands the generation to one upload process per rank (a background writer,
 :mod:`areal_ckpt.jobs.background`, whose own gloo group runs the commit of
-:meth:`~areal_ckpt.persistence.contract.PersistentGenerations.publish`), and the loop goes on.
+:meth:`~areal_ckpt.persistence.generations.PersistentGenerations.publish`), and the loop goes on.
 
 When uploads fall behind dumps: one upload runs at a time; a generation committed meanwhile
 waits as the *pending* one, and a newer commit replaces it, so the generations in between are
@@ -37,7 +37,7 @@ from areal_ckpt.jobs.background import BackgroundWriter, JobOutcome
 from areal_ckpt.jobs.retry import retried
 from areal_ckpt.jobs.shm_arena import ArenaLayout
 from areal_ckpt.paths import RECOVER_MANIFEST, generation_step
-from areal_ckpt.persistence.contract import PersistentGenerations
+from areal_ckpt.persistence.generations import PersistentGenerations
 from areal_ckpt.publish import read_manifest
 from areal_ckpt.tier.peer_copies import replicate, shares_held
 

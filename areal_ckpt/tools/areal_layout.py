@@ -20,8 +20,8 @@ from typing import Any
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.fsio import read_regular_file
-from areal_ckpt.generations.foreign import AREAL_GENERATION_LAYOUT
 from areal_ckpt.paths import RECOVER_CHECKPOINT, check_model_name, recover_info_link
+from areal_ckpt.storage.foreign import AREAL_GENERATION_LAYOUT
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class AReaLCheckpoint:
 
 def areal_checkpoint(trial: Path, found: list[Path]) -> AReaLCheckpoint:
     """The checkpoint AReaL would resume ``trial`` from, given what
-    :func:`~areal_ckpt.generations.foreign.foreign_recovery_layout` ``found`` there: LATEST's
+    :func:`~areal_ckpt.storage.foreign.foreign_recovery_layout` ``found`` there: LATEST's
     generation when there is a LATEST, else the old in-place folders (as AReaL chooses). Read-only;
     raises CheckpointError naming the file and cause when LATEST is malformed, names a generation
     or engine folder that is missing or is a link, when only unpublished generations are there, or

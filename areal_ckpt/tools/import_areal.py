@@ -32,7 +32,6 @@ from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_save import save_tensors
 from areal_ckpt.formats.hf_export import copy_base_model_assets
 from areal_ckpt.fsio import fsync_dir, write_file_durably
-from areal_ckpt.generations.foreign import foreign_recovery_layout
 from areal_ckpt.generations.repoint import missing_parts
 from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
@@ -49,6 +48,7 @@ from areal_ckpt.publish import check_files, read_manifest, write_manifest
 from areal_ckpt.recover.write import dump_header
 from areal_ckpt.state import safe_json
 from areal_ckpt.step import StepInfo
+from areal_ckpt.storage.foreign import foreign_recovery_layout
 from areal_ckpt.tools.areal_layout import areal_checkpoint
 from areal_ckpt.tools.areal_read import read_model, read_recover_info, stored_tensors
 

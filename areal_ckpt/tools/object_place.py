@@ -20,7 +20,6 @@ from areal_ckpt.paths import (
     RECOVER_MANIFEST,
     RECOVER_STORE,
 )
-from areal_ckpt.persistence.remote import ObjectGenerations
 from areal_ckpt.publish import read_manifest
 from areal_ckpt.storage.backends import store_of
 from areal_ckpt.storage.folders import fetch_folder
@@ -135,9 +134,9 @@ def repoint_remote(trial: ObjectURL) -> tuple[str, dict[str, list[str]], bool]:
     whose manifest lists what a load needs (:func:`~areal_ckpt.generations.repoint.missing_parts`)
     and whose every object matches it. Returns the generation, those skipped with their
     problems, and whether a record was written. Run it while no job writes the trial. Blocking."""
-    generations = ObjectGenerations(trial)
-    generations.check_access()
-    return recommit_newest_generation(generations.location)
+    location = recovery_location_of(trial)
+    location.check_access()
+    return recommit_newest_generation(location)
 
 
 class ObjectPlace:

@@ -1,91 +1,30 @@
-"""Where a trial's recovery generations persist behind the node's own copy of the trial.
-
-A recovery dump is always written and committed into a local store first
-(:class:`~areal_ckpt.generations.store.RecoverStore`: a plain trial, the staging copy of a trial on
-object storage, or the local tier of a tiered trial). When the trial persists elsewhere, the
-committed generation is then *published* there and a restart *fetches* the newest one from
-there. :class:`PersistentGenerations` is that contract; its implementations are
-:class:`~areal_ckpt.persistence.remote.ObjectGenerations` (a prefix on any object store: a
-create-only commit record) and :class:`~areal_ckpt.persistence.shared_folder.FolderGenerations` (a
-trial folder on a shared file system: fsync, then the ``current`` link switch). The factory is
-:func:`~areal_ckpt.recover.location.trial_location`; nothing else asks which one it has.
+"""Reading a trial's recovery generations from where they persist
+(:class:`~areal_ckpt.persistence.generations.PersistentGenerations`): what a load reads from
+(:class:`ReadFrom`), a load started again when a running job's commit superseded what it read
+(:func:`restore_newest`), and the committed generation brought into the node's local store
+(:func:`fetch_committed`).
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from areal_ckpt import agree, dist
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.range_read import PeerFiles
-from areal_ckpt.fsio import FileWriter
 from areal_ckpt.paths import RECOVER_MANIFEST
-from areal_ckpt.storage.folders import FileSource, fetch_shared
+from areal_ckpt.persistence.generations import PersistentGenerations
+from areal_ckpt.storage.folders import fetch_shared
 from areal_ckpt.storage.location import recovery_location_of
-from areal_ckpt.storage.mirrors import Identity
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-def new_run_token() -> str:
-    """A token naming one job (one RecoverHandler) in the commits it makes where a trial persists."""
-    return secrets.token_hex(8)
-
-
-class PersistentGenerations(Protocol):
-    """A trial's committed recovery generations where they persist. Every method but
-    :meth:`publish` is local to the calling process; all block; instances are picklable (a
-    background uploader receives one). Errors are CheckpointError naming the location,
-    TransientError where trying again may cure them."""
-
-    def where(self, generation: str | None = None) -> str:
-        """The trial's location, or that of its ``generation``, for messages (a URL or a path)."""
-
-    def identity(self) -> Identity:
-        """The full identity of the trial's location (what a local tier of it records). Pure
-        but for making the store's client."""
-
-    def check_access(self) -> None:
-        """CheckpointError naming the location and the cause unless it can be used."""
-
-    def newest(self) -> str | None:
-        """The newest committed generation's name, None when there is none; CheckpointError when
-        the commit record is broken."""
-
-    def check_owner(self, run: str, loaded: Iterable[str]) -> None:
-        """Rank 0 before a dump or an upload: CheckpointError, nothing written, unless the newest
-        commit is none, one this job (``run``) made, or one of the generations it ``loaded``."""
-
-    def remove_debris(self) -> None:
-        """Rank 0 at a job's first commit here (after :meth:`check_owner`): delete what killed
-        writers left (uncommitted generations, unfinished uploads); committed ones are kept."""
-
-    def publish(
-        self, folder: Path, mine: Mapping[str, tuple[int, int]], run: str, step: int, written: Iterable[str] = ()
-    ) -> None:
-        """Make the committed local generation ``folder`` the newest committed one here: every
-        rank puts its own files (``mine``: name -> size and CRC-32, but those ``written`` here
-        already by :meth:`direct_writer`), then rank 0 the other files the manifest lists, the
-        manifest, and commits (naming ``run`` and ``step``); older generations are deleted
-        after. Every byte put is checked first against its record (a local file that rotted or
-        became a link is never committed here, nor a reason to delete what is). Collective;
-        durable on return; every rank raises the same error when any part failed, and nothing
-        is committed then."""
-
-    def files_of(self, generation: str) -> FileSource:
-        """The files of ``generation``, to fetch."""
-
-    def direct_writer(self, generation: str, part: str) -> Callable[[Path], FileWriter] | None:
-        """What writes a data file of ``part`` straight here, bypassing the local copy (the
-        file is uncommitted until :meth:`publish`), or None when data files are written locally
-        and put here by :meth:`publish`."""
 
 
 @dataclass(frozen=True)
