@@ -171,3 +171,26 @@ def test_a_recovery_location_is_repaired_to_its_newest_intact_checkpoint_and_kee
     assert newest is not None and newest.name == intact
     assert repair() == (intact, {}, False)
     assert {intact, rotten} <= set(generations.present())
+
+
+def test_a_file_that_is_not_its_record_is_never_put_into_a_recovery_location(persistent_root):
+    """What a publisher relies on, on every kind of a trial's recovery location (a ``.recover``
+    folder, where files are copied in; a ``.recover`` prefix, where they are uploaded): with its
+    record given, a file whose bytes are not that record is refused by name and nothing is
+    committed; the same file with its true record is put and commits."""
+    generations = recovery_location_of(locate(f"{persistent_root.root}/trial-{secrets.token_hex(3)}", "trial"))
+    name = generation_name(1, "cccccccc")
+    reserved = generations.reserve(name)
+    staging = generations.stage(name, 0)
+    record = write_file_durably(staging / "data.bin", b"rotted on the local tier")
+    with pytest.raises(CheckpointError, match="data.bin"):
+        generations.put_own(staging, reserved, ["data.bin"], {"data.bin": (record.size, record.crc32 ^ 1)})
+    assert generations.newest() is None
+    generations.put_own(staging, reserved, ["data.bin"], {"data.bin": (record.size, record.crc32)})
+    (staging / RECOVER_MANIFEST).parent.mkdir(parents=True, exist_ok=True)
+    write_manifest(staging, RECOVER_MANIFEST, {"data.bin": record}, {"label": name})
+    generations.commit(staging, reserved, {"data.bin"}, {"run": "token"})
+    generations.unstage(staging, 0)
+    newest = generations.newest()
+    assert newest is not None and newest.name == reserved and newest.facts["run"] == "token"
+    assert check_checkpoint(generations.files_of(reserved), RECOVER_MANIFEST) == []

@@ -97,9 +97,10 @@ class Location(Protocol):
     ) -> None:
         """Every rank, once its files are written: put ``names`` (relative to ``staging``; not
         the ones :meth:`writer_of` wrote) where rank 0's commit finds them; with ``expected``
-        (name -> size and CRC-32) each is checked against its record first or as it is put,
-        CheckpointError naming those that differ (a local file that rotted or became a link is
-        never committed). Blocking."""
+        (name -> size and CRC-32) each file put is checked against its record first or as it is
+        put, CheckpointError naming those that differ (a local file that rotted or became a link
+        is never committed); a folder whose files were written in place puts, and so checks,
+        nothing. Blocking."""
 
     def commit(
         self, staging: Path, reserved: str, uploaded: set[str], body: dict[str, Any], point: bool = False
