@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.formats.dcp_names import tensor_summary
-from areal_ckpt.generations.store import RecoverStore, resolve_recovery
+from areal_ckpt.generations.store import resolve_recovery
 from areal_ckpt.paths import (
     FROZEN_PART,
     LATEST,
@@ -22,6 +23,7 @@ from areal_ckpt.paths import (
 )
 from areal_ckpt.publish import read_manifest
 from areal_ckpt.storage.folder_location import FolderLocation
+from areal_ckpt.storage.location import recovery_location_of
 from areal_ckpt.storage.pointers import PointerFile
 from areal_ckpt.storage.retention import Committed
 from areal_ckpt.tools.catalog import Found, Unverifiable, list_found, verify_found
@@ -307,16 +309,16 @@ def found_in(path: Path) -> list[Found | Unverifiable]:
         for location in [FolderLocation(model)]
         for entry in sorted(location.committed(_export_step), key=lambda entry: entry.step)
     ]
-    store = RecoverStore(path)
-    if not store.pointer.is_symlink() and not store.root.exists():
+    generations = recovery_location_of(path)
+    if not os.path.lexists(generations.where()):
         return exports or [found_at(path)]
     try:
-        committed = store.committed()
+        committed = generations.newest()
     except CheckpointError as error:
         return [*exports, Unverifiable(str(path), str(error), "recover")]
     if committed is None:
-        return [*exports, Unverifiable(str(path), f"{store.root}: no committed recovery checkpoint")]
-    return [*exports, Found("recover", "", store.location, _entry(store.path(committed)), RECOVER_MANIFEST)]
+        return [*exports, Unverifiable(str(path), f"{generations.where()}: no committed recovery checkpoint")]
+    return [*exports, Found("recover", "", generations, committed, RECOVER_MANIFEST)]
 
 
 def _model_folders(trial: Path) -> list[Path]:
