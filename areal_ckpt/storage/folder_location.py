@@ -199,7 +199,7 @@ class FolderLocation:
         """Every real folder (not a link) whose name parses; none when ``root`` is missing. Where
         the pointer commits, the one it names (:func:`~areal_ckpt.storage.in_place.committed_in_place`:
         CheckpointError when it names none, or is missing beside complete generations; its
-        facts its manifest's header), last and of order 1, after the complete generations of
+        facts its manifest's header, none when that does not read), last and of order 1, after the complete generations of
         lower steps (earlier commits it superseded, order 0)."""
         if self.pointer_commits:
             return self._committed_in_place(step_of)
@@ -217,8 +217,12 @@ class FolderLocation:
         name = committed_in_place(self.root, self.pointer, self.manifest)
         if name is None:
             return []
-        header = read_manifest(self.root / name, self.manifest)
-        facts = {key: value for key, value in header.items() if key != "files"}
+        try:  # a reader of the checkpoint finds a broken manifest; the commit's name stands without it
+            facts = {
+                key: value for key, value in read_manifest(self.root / name, self.manifest).items() if key != "files"
+            }
+        except CheckpointError:
+            facts = {}
         earlier = [
             Committed(other, _step(step_of, other), 0, when=self._mtime(other))
             for other in generation_folders(self.root)
