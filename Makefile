@@ -78,6 +78,7 @@ bench: $(STAMP)
 	cd benchmarks && ../$(BIN)/python bench_cli.py --out ../docs/benchmarks-cli.md
 	cd benchmarks && ../$(BIN)/python bench_preemption.py --out ../docs/benchmarks-preemption.md
 	cd benchmarks && ../$(BIN)/python bench_frontier.py --out ../docs/benchmarks-frontier.md
+	cd benchmarks && ../$(BIN)/python bench_diff.py --out ../docs/benchmarks-diff.md
 
 # the paths only a GPU takes, once, one line per check (docs/benchmarks-gpu.md); exits 2 without CUDA.
 # Install a CUDA build of torch: `make gpu-check TORCH_SPEC="torch==2.13.0 --index-url <a CUDA index>"`

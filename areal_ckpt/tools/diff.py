@@ -12,15 +12,21 @@ out, and said). Local, read-only.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from areal_ckpt.paths import OPTIM_PREFIX
-from areal_ckpt.tools.tensor_sets import TensorSet, tensor_sets
+from areal_ckpt.tools.inspection import kind_of
+from areal_ckpt.tools.tensor_sets import CONCURRENT_KINDS, TensorSet, tensor_sets
+
+T = TypeVar("T")
+U = TypeVar("U")
 
 #: Elements compared at once within one tensor (bounds the float64 working copies).
 _CHUNK = 1 << 22
@@ -115,8 +121,22 @@ def compare_tensors(name: str, a: torch.Tensor, b: torch.Tensor, atol: float, rt
 
 
 def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when the bytes are the same (NaNs included, which ``torch.equal`` calls unequal)."""
-    return a.numel() == b.numel() and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    """True when the bytes are the same (NaNs included, which ``torch.equal`` calls unequal),
+    compared as the widest integers the byte count allows (eight bytes at a time is about five
+    times faster than one here)."""
+    if a.numel() != b.numel():
+        return False
+    left, right = _as_bytes(a), _as_bytes(b)
+    for wide in (torch.int64, torch.int32, torch.int16):
+        size = torch.empty((), dtype=wide).element_size()
+        if left.numel() % size == 0 and left.data_ptr() % size == 0 and right.data_ptr() % size == 0:
+            return torch.equal(left.view(wide), right.view(wide))
+    return torch.equal(left, right)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor (a bool tensor's as its bytes too)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _batches(
@@ -160,10 +180,11 @@ def _compare_sections(
                 {"name": name, "a": [str(dtype_a), list(shape_a)], "b": [str(dtype_b), list(shape_b)]}
             )
     same = [name for name in common if a.index[name] == b.index[name]]
+    together = a.concurrent and b.concurrent
     for batch in _batches(same, a.index, batch_bytes):
-        left = dict(a.read(batch))
-        for name, right in b.read(batch):
-            difference = compare_tensors(name, left.pop(name), right, atol, rtol)
+        left, right = _both(partial(_read_all, a, batch), partial(_read_all, b, batch), together)
+        for name in batch:
+            difference = compare_tensors(name, left.pop(name), right.pop(name), atol, rtol)
             result.compared += 1
             if not difference.equal:
                 result.differing.append(difference)
@@ -172,10 +193,12 @@ def _compare_sections(
 
 def diff_checkpoints(a: Path, b: Path, atol: float = 0.0, rtol: float = 0.0, batch_bytes: int = 1 << 28) -> Diff:
     """Compare the checkpoints in the local folders ``a`` and ``b`` (see the module docstring);
-    at most ``batch_bytes`` of tensors per side are held at once. CheckpointError naming a
-    folder that holds no checkpoint we read, or a damaged file. Local, read-only."""
-    kind_a, sections_a = tensor_sets(a)
-    kind_b, sections_b = tensor_sets(b)
+    at most ``batch_bytes`` of tensors per side are held at once. The two sides are checked and
+    read at once, on a helper thread and this one, where both are made of plain file reads
+    (:data:`~areal_ckpt.tools.tensor_sets.CONCURRENT_KINDS`). CheckpointError naming a folder
+    that holds no checkpoint we read, or a damaged file. Local, read-only."""
+    together = a.is_dir() and b.is_dir() and kind_of(a) in CONCURRENT_KINDS and kind_of(b) in CONCURRENT_KINDS
+    (kind_a, sections_a), (kind_b, sections_b) = _both(lambda: tensor_sets(a), lambda: tensor_sets(b), together)
     result = Diff((kind_a, kind_b))
     if len(sections_a) == 1 and len(sections_b) == 1:
         pairs = [(next(iter(sections_a)), next(iter(sections_b)))]
@@ -188,3 +211,25 @@ def diff_checkpoints(a: Path, b: Path, atol: float = 0.0, rtol: float = 0.0, bat
             _compare_sections(name_a, sections_a[name_a], name_b, sections_b[name_b], atol, rtol, batch_bytes)
         )
     return result
+
+
+def _read_all(tensors: TensorSet, names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors ``names`` of ``tensors``, read, by name."""
+    return dict(tensors.read(names))
+
+
+def _both(first: Callable[[], T], second: Callable[[], U], together: bool) -> tuple[T, U]:
+    """``first()`` and ``second()``: with ``together`` the first on a helper thread while the
+    second runs on this one (each side's reads and checksums overlap the other's), else one
+    after the other. Either one's exception is raised once both have ended."""
+    if not together:
+        return first(), second()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="diff-side") as pool:
+        future = pool.submit(first)
+        try:
+            other = second()
+        except BaseException:
+            future.cancel()
+            wait([future])
+            raise
+        return future.result(), other

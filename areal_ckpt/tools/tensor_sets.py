@@ -34,10 +34,13 @@ Index = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 @dataclass(frozen=True)
 class TensorSet:
     """One section's tensors: ``index`` (name -> dtype, shape) and ``read``, which yields each of
-    the names asked for with its tensor (on the CPU, in any order)."""
+    the names asked for with its tensor (on the CPU, in any order); ``concurrent``: ``read`` may
+    run on one thread while another set's reads on another (plain file reads, no process-wide
+    state)."""
 
     index: Index
     read: Callable[[Sequence[str]], Iterator[tuple[str, torch.Tensor]]]
+    concurrent: bool = True
 
 
 def _checked(folder: Path, manifest_name: str, prefix: str = "") -> dict[str, Any]:
@@ -134,13 +137,19 @@ def _stock_dcp_set(folder: Path) -> TensorSet:
             raise CheckpointError(f"{folder}: reading stock DCP records failed: {error}") from None
         yield from template.items()
 
-    return TensorSet(index, read)
+    return TensorSet(index, read, concurrent=False)  # DCP's own loader: not known to be thread-safe
+
+
+#: The kinds whose sections are made with plain file reads only (every file checked against its
+#: manifest, metadata parsed as JSON), so two can be made at once on two threads.
+CONCURRENT_KINDS = ("recover", "export")
 
 
 def tensor_sets(path: Path) -> tuple[str, dict[str, TensorSet]]:
     """What the checkpoint at ``path`` is (``recover``, ``export``, ``deepspeed``, ``dcp``) and
     its sections by name. CheckpointError naming the path when it is none we read, or a file
-    is damaged. Local, read-only."""
+    is damaged. Local, read-only; may run beside another call on another thread when both
+    checkpoints are of :data:`CONCURRENT_KINDS`."""
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a folder")
     kind = kind_of(path)
