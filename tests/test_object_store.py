@@ -10,6 +10,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import fresh_bucket
 
 import areal_ckpt as ac
 from areal_ckpt.storage.backends import store_of
@@ -231,3 +232,12 @@ def test_a_timeout_that_is_not_a_positive_number_of_at_most_a_day_is_a_config_er
         store_of(parse_object_url(f"{scheme}://some-bucket/x", "test")).check_access()
     monkeypatch.setenv("AREAL_CKPT_STORAGE_TIMEOUT", "86400")  # the hint's largest value is taken
     store_of(parse_object_url(f"{scheme}://some-bucket/x", "test"))
+
+
+def test_azurite_serves_the_suite_with_its_telemetry_off(azure_server, monkeypatch, request):
+    """Azurite reports to Azure unless told not to, and then leaves its telemetry client's folder in
+    the temporary folder and a config file beside its data; the suite's Azurite, having served a
+    bucket, leaves neither (nothing the tests start reaches beyond 127.0.0.1)."""
+    fresh_bucket(azure_server, "az", monkeypatch, request)
+    assert not list((azure_server.folder / "tmp").glob("Microsoft-AzureMonitor-*"))
+    assert not (azure_server.folder / "data" / "AzuriteConfig").exists()
