@@ -1,13 +1,14 @@
-"""`areal-ckpt recover-pointer`: point a trial's lost commit record at the newest generation whose
-every file verifies. An operator's repair, run by one process holding the trial's lock; it never
-deletes anything."""
+"""`areal-ckpt recover-pointer`: commit again a trial's newest generation whose every file
+verifies, when its commit record is lost or names a damaged one, in a folder or on a store alike.
+An operator's repair, run by one process (holding a folder trial's lock); it never deletes
+anything."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
-from areal_ckpt.generations.store import RecoverStore
 from areal_ckpt.paths import (
     METADATA_JSON,
     RECOVER_INFO,
@@ -17,28 +18,23 @@ from areal_ckpt.paths import (
     generation_step,
     is_generation_name,
 )
-from areal_ckpt.publish import read_manifest
-from areal_ckpt.storage.foreign import refuse_foreign_layout
-from areal_ckpt.storage.location import Location, recommit_newest_intact
+from areal_ckpt.storage.location import Location, recommit_newest_intact, recovery_location_of
+from areal_ckpt.urls import ObjectURL
 
 logger = logging.getLogger(__name__)
 
 
-def repoint_newest_verified(store: RecoverStore) -> tuple[str, dict[str, list[str]], bool]:
-    """Make ``store``'s ``current`` name its newest generation whose manifest names what a load
-    needs (:func:`missing_parts`) and whose every file matches it (sizes and CRC-32, all read),
-    unless it names such a one already
-    (:func:`~areal_ckpt.storage.location.recommit_newest_intact`, as on object storage), then
-    place the trial's fixed links. Returns the generation, the problems of those skipped, and
-    whether ``current`` changed. Durable on return. Raises CheckpointError, changing nothing,
-    when the store is not a real folder, the trial holds AReaL's folders (an interrupted import:
-    running import-areal again finishes it), or no generation verifies."""
-    store.check_root()
-    refuse_foreign_layout(store.trial)
-    name, skipped, changed = recommit_newest_generation(store.location)
-    if changed:
-        store.ensure_links(read_manifest(store.path(name), RECOVER_MANIFEST)["models"])
-    return name, skipped, changed
+def repoint_trial(trial: Path | ObjectURL) -> tuple[str, dict[str, list[str]], bool]:
+    """``recover-pointer`` on the trial folder or prefix ``trial``: when its newest commit names a
+    generation that is missing or damaged (or none), commit again the newest generation whose
+    manifest names what a load needs (:func:`missing_parts`) and whose every file matches it
+    (:func:`~areal_ckpt.storage.location.recommit_newest_intact` over
+    :func:`~areal_ckpt.storage.location.recovery_location_of`, under a folder trial's lock; a
+    folder's fixed links placed again; a store's new record create-only). Returns the generation,
+    those skipped with their problems, and whether a commit was made. Never deletes anything. CheckpointError, changing nothing, when a folder trial is no
+    folder or holds AReaL's own folders (an interrupted import: running ``import-areal`` again
+    finishes it), or when no generation verifies. Blocking; one process."""
+    return recommit_newest_generation(recovery_location_of(trial))
 
 
 def recommit_newest_generation(generations: Location) -> tuple[str, dict[str, list[str]], bool]:

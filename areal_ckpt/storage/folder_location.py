@@ -8,15 +8,17 @@ checkpoint is a folder written or copied in place and committed by the pointer's
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from areal_ckpt.errors import CheckpointError, TransientError
 from areal_ckpt.fsio import FileRecord, FileWriter, copy_durably, link_on_path, make_dirs
+from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
 from areal_ckpt.paths import EXPORT_STAGING_PREFIX, EXPORT_TRASH_PREFIX, MANIFEST_NAME, generation_step
 from areal_ckpt.publish import hide_folder, publish, read_manifest, write_manifest
 from areal_ckpt.storage.folders import FileSource, FolderSource, Opened
@@ -30,6 +32,7 @@ from areal_ckpt.storage.in_place import (
     generation_folders,
     is_complete,
     is_pending,
+    place_fixed_links,
     superseded_in_place,
 )
 from areal_ckpt.storage.pointers import Pointer, replace_file
@@ -252,14 +255,43 @@ class FolderLocation:
             return []
         return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.is_symlink() and p.name[0] != ".")
 
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Where the pointer commits, the trial's lock (the folder above ``root``) held while the
+        block runs: CheckpointError naming the trial when it is no folder, or the job that holds
+        it. Elsewhere nothing is held."""
+        if not self.pointer_commits:
+            yield
+            return
+        trial = self.root.parent
+        if not trial.is_dir():
+            raise CheckpointError(f"{trial}: not a folder")
+        acquire_trial_lock(trial)
+        try:
+            yield
+        finally:
+            release_trial_lock(trial)
+
     def mend(self) -> dict[str, list[str]]:
-        """Nothing: a pointer that names no folder here is refused by :meth:`pointed`."""
+        """Nothing to set aside: a pointer that names no folder here is refused by
+        :meth:`pointed`. Where the pointer commits, CheckpointError, changing nothing, unless the
+        folder is absent or a real folder and the trial holds none of AReaL's own recovery folders
+        (:func:`~areal_ckpt.storage.foreign.refuse_foreign_layout`: an interrupted import, which
+        ``import-areal`` finishes)."""
+        if self.pointer_commits:
+            check_store_folder(self.root)
+            refuse_foreign_layout(self.root.parent)
         return {}
 
     def recommit(self, name: str, body: dict[str, Any]) -> None:
         """:meth:`point` at ``name`` (``body`` is what a store's record would hold; a folder's
-        pointer records only the name)."""
+        pointer records only the name); where the pointer commits, the trial's fixed links then
+        placed for the models its manifest names
+        (:func:`~areal_ckpt.storage.in_place.place_fixed_links`). Durable on return."""
         self.point(_checked_name(name, self.where(name)))
+        if self.pointer_commits:
+            models = read_manifest(self.root / name, self.manifest).get("models")
+            place_fixed_links(self.root.parent, models if isinstance(models, list) else [])
 
     def named(self, label: str) -> str | None:
         """``label`` itself when it is a folder here (a save under it replaced the older one)."""

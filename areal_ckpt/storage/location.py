@@ -28,6 +28,7 @@ blocking and local to the calling process (no collective); the callers say which
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -159,9 +160,16 @@ class Location(Protocol):
         """Every checkpoint held here, committed or not (an operator's repair looks among
         them: :func:`recommit_newest_intact`). Read-only."""
 
+    def exclusive(self) -> contextlib.AbstractContextManager[None]:
+        """An operator's repair: the location held against its writers while the block runs (a
+        folder trial's lock: CheckpointError naming the job that holds it, or the trial when it
+        is no folder); nothing on a store, where the repair runs while no job writes."""
+
     def mend(self) -> dict[str, list[str]]:
-        """An operator's repair, first step: set aside (never delete) whatever records a commit
-        that no reader can use; returns each with its problem and where it went."""
+        """An operator's repair, first step (inside :meth:`exclusive`): set aside (never delete)
+        whatever records a commit that no reader can use; returns each with its problem and
+        where it went. CheckpointError, changing nothing, where the location holds what it cannot
+        repair (a folder trial holding AReaL's own recovery folders)."""
 
     def recommit(self, name: str, body: dict[str, Any]) -> None:
         """An operator's repair, last step: make the present, whole checkpoint ``name`` the
@@ -222,8 +230,8 @@ def recommit_newest_intact(
     noun: str = "checkpoint",
 ) -> tuple[str, dict[str, list[str]], bool]:
     """An operator's repair (``recover-pointer``) on a location whose newest commit is the one
-    read (an object prefix; a folder whose pointer commits), run while no job writes there: what
-    no reader can use is set aside (:meth:`Location.mend`); when the committed checkpoint is
+    read (an object prefix; a folder whose pointer commits), held against its writers
+    (:meth:`Location.exclusive`): what no reader can use is set aside (:meth:`Location.mend`); when the committed checkpoint is
     then missing, named by a broken pointer or fails its check (every file by size and CRC-32
     where it lies, and ``content``'s check of what its manifest must list), the newest
     ``candidate`` present (highest ``order``, then name) that passes is committed again
@@ -231,6 +239,20 @@ def recommit_newest_intact(
     Returns that checkpoint, those skipped with their problems, and whether anything was
     committed; CheckpointError naming them all (each a ``noun``) when none passes. Blocking;
     never deletes a checkpoint."""
+    with location.exclusive():
+        return _recommit_newest_intact(location, manifest, candidate, order, body, content, noun)
+
+
+def _recommit_newest_intact(
+    location: Location,
+    manifest: str,
+    candidate: Callable[[str], bool],
+    order: Callable[[str], int],
+    body: Callable[[str], dict[str, Any]],
+    content: Callable[[dict[str, Any]], list[str]],
+    noun: str,
+) -> tuple[str, dict[str, list[str]], bool]:
+    """:func:`recommit_newest_intact` while the location is held."""
     skipped = location.mend()
     try:
         newest = location.newest(lambda name: order(name) if candidate(name) else None)

@@ -4,6 +4,7 @@ after its objects (:mod:`areal_ckpt.storage.commits`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 from collections.abc import Callable, Mapping
@@ -237,6 +238,11 @@ class ObjectLocation:
         base = self.root.key() + "/"
         found = {item.key[len(base) :].split("/", 1)[0] for item in store_of(self.root).list_prefix(base)}
         return sorted(name for name in found if not name.startswith("."))
+
+    def exclusive(self) -> contextlib.AbstractContextManager[None]:
+        """Nothing held: a store has no lock (an operator's repair runs while no job writes the
+        prefix)."""
+        return contextlib.nullcontext()
 
     def mend(self) -> dict[str, list[str]]:
         """Every commit record no reader can use moved out of the log (kept, see

@@ -129,7 +129,7 @@ def import_areal_trial(trial: Path, config_from: Path | None = None, remove_orig
             header = _write(store.path(generation), step_info, files, sources, config_from, world_size)
             write_manifest(store.path(generation), RECOVER_MANIFEST, {}, header)  # checksums every file
             fsync_dir(store.root)
-            store.location.recommit(generation, {})  # the commit
+            store.current.point(store.root, generation)  # the commit (the links follow the moves)
         except BaseException:
             store.discard(generation)
             with contextlib.suppress(OSError):
@@ -151,7 +151,7 @@ def _commit_interrupted_import(store: RecoverStore, lost: CheckpointError) -> st
         problems = missing_parts(manifest) or check_files(store.path(name), manifest["files"], manifest["files"])
         if problems:
             raise CheckpointError(f"{store.path(name)}: an interrupted import's generation is damaged: {problems}")
-        store.location.recommit(name, {})
+        store.current.point(store.root, name)
         logger.info("%s: committed %s, which an interrupted import had written", store.trial, name)
         return name
     raise lost

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.generations.repoint import recommit_newest_generation
+from areal_ckpt.generations.repoint import repoint_trial
 from areal_ckpt.paths import (
     MANIFEST_NAME,
     RECOVER_MANIFEST,
@@ -126,19 +126,6 @@ def commit_output(folder: Path, url: ObjectURL) -> str:
     return location.where(reserved)
 
 
-def repoint_remote(trial: ObjectURL) -> tuple[str, dict[str, list[str]], bool]:
-    """``recover-pointer`` on object storage
-    (:func:`~areal_ckpt.storage.location.recommit_newest_intact` of the trial's recovery
-    generations, as in a folder): when the newest commit record names a generation that is
-    missing or damaged, commit (a new record, create-only) the newest one under ``.recover/``
-    whose manifest lists what a load needs (:func:`~areal_ckpt.generations.repoint.missing_parts`)
-    and whose every object matches it. Returns the generation, those skipped with their
-    problems, and whether a record was written. Run it while no job writes the trial. Blocking."""
-    location = recovery_location_of(trial)
-    location.check_access()
-    return recommit_newest_generation(location)
-
-
 class ObjectPlace:
     """A prefix on an object store, for the ``areal-ckpt`` commands
     (:class:`~areal_ckpt.tools.places.CheckpointPlace`): committed checkpoints listed and
@@ -182,6 +169,5 @@ class ObjectPlace:
         return commit_output(folder, self.url)
 
     def repoint(self) -> Repointed:
-        """:func:`repoint_remote`."""
-        generation, skipped, committed = repoint_remote(self.url)
-        return Repointed(generation, skipped, committed, str(self.url))
+        """:func:`~areal_ckpt.generations.repoint.repoint_trial` of the prefix."""
+        return Repointed(*repoint_trial(self.url), str(self.url))

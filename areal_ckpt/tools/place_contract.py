@@ -17,8 +17,8 @@ Progress = Callable[[Iterable[str]], Iterable[str]]
 @dataclass(frozen=True)
 class Repointed:
     """What ``recover-pointer`` did: the generation now committed (its every file verified),
-    the newer ones skipped with their problems, whether anything changed, and the commit
-    record's path or URL."""
+    the newer ones skipped with their problems, whether anything changed, and the trial's path
+    or URL."""
 
     generation: str
     skipped: dict[str, list[str]]
@@ -66,5 +66,5 @@ class CheckpointPlace(Protocol):
     def repoint(self) -> Repointed:
         """``recover-pointer``: commit the trial's newest generation whose every file verifies,
         when the commit record is lost or names a damaged one
-        (:func:`~areal_ckpt.storage.location.recommit_newest_intact`, whatever the location);
-        never deletes anything."""
+        (:func:`~areal_ckpt.generations.repoint.repoint_trial`, written once for every
+        location); never deletes anything."""

@@ -14,9 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from areal_ckpt.errors import CheckpointError
-from areal_ckpt.generations.repoint import repoint_newest_verified
-from areal_ckpt.generations.store import RecoverStore
-from areal_ckpt.lock import acquire_trial_lock, release_trial_lock
+from areal_ckpt.generations.repoint import repoint_trial
 from areal_ckpt.tools.catalog import Found, Unverifiable
 from areal_ckpt.tools.inspection import describe, found_in, list_trial
 from areal_ckpt.tools.place_contract import CheckpointPlace, Repointed
@@ -68,16 +66,8 @@ class FolderPlace:
         return str(folder)
 
     def repoint(self) -> Repointed:
-        """Under the trial's lock, :func:`~areal_ckpt.generations.repoint.repoint_newest_verified`;
-        CheckpointError when the path is no folder."""
-        self._check_folder()
-        store = RecoverStore(self.path)
-        acquire_trial_lock(store.trial)
-        try:
-            generation, skipped, changed = repoint_newest_verified(store)
-        finally:
-            release_trial_lock(store.trial)
-        return Repointed(generation, skipped, changed, str(store.pointer))
+        """:func:`~areal_ckpt.generations.repoint.repoint_trial` of the folder."""
+        return Repointed(*repoint_trial(self.path), str(self.path))
 
 
 def place_of(value: str, what: str) -> CheckpointPlace:
