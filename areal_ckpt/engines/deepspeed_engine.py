@@ -10,9 +10,11 @@ Recovery: we store what DeepSpeed's optimizer actually trains, not its pickled s
   ZeRO-3 each parameter's partition as a 1-D DTensor over the flattened parameter, so the files
   hold whole parameters (``areal-ckpt export`` can rebuild them) and no gather is needed;
 - ZeRO 1-3: this rank's fp32 master partitions and the wrapped optimizer's state tensors, under
-  keys that name the rank (a partition belongs to one data-parallel layout: loading needs the
-  same world size, and says so otherwise), plus hyper-parameters, loss-scaler settings and the
-  engine's step counters as JSON. ZeRO 0 with a torch optimizer goes through TorchEngine.
+  keys that name the rank, plus where each parameter lies in them, hyper-parameters,
+  loss-scaler settings and the engine's step counters as JSON. A ZeRO 1 / 2 load on another
+  number of ranks maps each parameter's elements into its own partitions
+  (:mod:`~areal_ckpt.engines.zero_reshard`); ZeRO-3 partitions load on as many ranks, and a
+  load says so otherwise. ZeRO 0 with a torch optimizer goes through TorchEngine.
 
 ``deepspeed`` is imported only when one of these engines is made.
 """
@@ -32,6 +34,7 @@ from areal_ckpt.engines.experts import expert_prefixes, global_expert_names, ren
 from areal_ckpt.engines.peft_configs import active_adapters, adapter_configs, check_same_adapters
 from areal_ckpt.engines.torch_engine import TorchEngine, unwrap_model
 from areal_ckpt.engines.zero3 import flat_shard, flat_views, master_layout, scatter_whole, unflattened, whole_templates
+from areal_ckpt.engines.zero_reshard import Piece, apply_pieces, plan_for, refusal, reshard_template
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.paths import MODEL_PREFIX, OPTIM_PREFIX
 from areal_ckpt.tensors import TensorSpec, local_crc32
@@ -63,6 +66,10 @@ class DeepSpeedEngine:
                 "supported; use ZeRO stage 1 or higher for mixed precision"
             )
         self._mesh: DeviceMesh | None = None
+        #: A ZeRO 1 / 2 dump of another world size: its master layout, once a load approved it,
+        #: then what fills this rank's partitions (set by recover_template, used by the load).
+        self._saved_layout: list[list[dict[str, Any]]] | None = None
+        self._pieces: list[Piece] | None = None
         self._experts = global_expert_names(self.module)  # expert-parallel MoE (ZeRO 0-2): each rank's own experts
 
     # -- what export needs ------------------------------------------------------------------
@@ -276,7 +283,10 @@ class DeepSpeedEngine:
             tensors = self._model_tensors()
             if self.stage == 3 and stored is not None:  # whole tensors of a ZeRO 0-2 dump
                 tensors.update(whole_templates(self._parameters(), tensors, stored))
-            if with_optimizer_tensors and self.optimizer is not None:
+            if with_optimizer_tensors and self.optimizer is not None and self._saved_layout is not None:
+                self._pieces = plan_for(self.optimizer, self.module, self._saved_layout, stored or {})
+                tensors.update(reshard_template(self._pieces, stored or {}, len(self._masters())))
+            elif with_optimizer_tensors and self.optimizer is not None:
                 inner, prefix = self.optimizer.optimizer, f"{OPTIM_PREFIX}rank{dist.rank()}.state."
                 masters = self._masters()
                 for name, (dtype, shape) in (stored or {}).items():
@@ -297,9 +307,11 @@ class DeepSpeedEngine:
         """Raise ValueError (its message says how to proceed) unless this engine can take the
         dump. The model loads across every ZeRO stage and world size (the files hold whole
         parameters: a ZeRO-3 dump's flattened ones are reshaped or resharded, whole tensors are
-        scattered into ZeRO-3 partitions); the optimizer needs the same world size, and stages
-        whose partitions match (0 with 0; 1 and 2 with each other; 3 with 3). A PEFT model's
-        adapters must have the dump's configurations. Local."""
+        scattered into ZeRO-3 partitions); the optimizer across stages whose partitions match
+        (0 with 0; 1 and 2 with each other; 3 with 3), ZeRO 0 and 3 on the dump's world size, ZeRO
+        1 and 2 on any (each parameter mapped by name: the dump's parameter groups must hold the
+        same names and shapes). A PEFT model's adapters must have the dump's configurations.
+        Local; the same outcome on every rank (they see the same dump and the same model)."""
         saved = engine_state.get("deepspeed")
         if saved is None:
             raise ValueError("not written by a DeepSpeed engine; load it with areal_ckpt.TorchEngine")
@@ -310,15 +322,21 @@ class DeepSpeedEngine:
         module_only = (
             "load the model only (RecoverHandler: recover.no_load_optim; load_checkpoint: load_module_only=True)"
         )
-        if world != dist.world_size() and stage > 0:
-            raise ValueError(
-                f"ZeRO optimizer partitions were written by {world} ranks and cannot be loaded by "
-                f"{dist.world_size()}; {module_only}"
-            )
+        self._saved_layout = None
         if (stage == 0) != (self.stage == 0) or (stage == 3) != (self.stage == 3):
             raise ValueError(
                 f"the optimizer state of ZeRO stage {stage} does not fit stage {self.stage}; {module_only}"
             )
+        if world == dist.world_size() or stage == 0:
+            return
+        why = refusal(stage, saved.get("masters"), lambda: master_layout(self.optimizer, self.stage, self.module))
+        if why is None:
+            self._saved_layout = saved["masters"]
+            return
+        raise ValueError(
+            f"ZeRO optimizer partitions were written by {world} ranks and cannot be loaded by "
+            f"{dist.world_size()} ({why}); {module_only}"
+        )
 
     def load_recover_state(
         self,
@@ -348,6 +366,9 @@ class DeepSpeedEngine:
             inner = self.optimizer.optimizer
             if engine_state.get("masters_in_model"):
                 self.optimizer._restore_from_bit16_weights()  # the masters were stored once, as the weights
+            if self._pieces is not None:  # a dump of another world size: mapped into this rank's partitions
+                apply_pieces(self._pieces, tensors, self._masters(), inner.state)
+                self._pieces = self._saved_layout = None
             for group, stored in zip(inner.param_groups, engine_state["optimizer_param_groups"], strict=True):
                 group.update(stored)
             for index, master in enumerate(self._masters()):
