@@ -13,7 +13,7 @@ Recovery: we store what DeepSpeed's optimizer actually trains, not its pickled s
   keys that name the rank, plus where each parameter lies in them, hyper-parameters,
   loss-scaler settings and the engine's step counters as JSON. A ZeRO 1 / 2 load on another
   number of ranks maps each parameter's elements into its own partitions
-  (:mod:`~areal_ckpt.engines.zero_reshard`); ZeRO-3 partitions load on as many ranks, and a
+  (:mod:`~areal_ckpt.engines.zero_optimizer`); ZeRO-3 partitions load on as many ranks, and a
   load says so otherwise. ZeRO 0 with a torch optimizer goes through TorchEngine.
 
 ``deepspeed`` is imported only when one of these engines is made.
@@ -34,7 +34,7 @@ from areal_ckpt.engines.experts import expert_prefixes, global_expert_names, ren
 from areal_ckpt.engines.peft_configs import active_adapters, adapter_configs, check_same_adapters
 from areal_ckpt.engines.torch_engine import TorchEngine, unwrap_model
 from areal_ckpt.engines.zero3 import flat_shard, flat_views, master_layout, scatter_whole, unflattened, whole_templates
-from areal_ckpt.engines.zero_reshard import Piece, apply_pieces, plan_for, refusal, reshard_template
+from areal_ckpt.engines.zero_optimizer import Piece, plan_for, refusal, reshard_template, restore_optimizer
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.paths import MODEL_PREFIX, OPTIM_PREFIX
 from areal_ckpt.tensors import TensorSpec, local_crc32
@@ -363,21 +363,8 @@ class DeepSpeedEngine:
             if not self._torch.is_own_memory(model_state):
                 self.module.load_state_dict(model_state, strict=strict)
         if include_optimizer and self.optimizer is not None:
-            inner = self.optimizer.optimizer
-            if engine_state.get("masters_in_model"):
-                self.optimizer._restore_from_bit16_weights()  # the masters were stored once, as the weights
-            if self._pieces is not None:  # a dump of another world size: mapped into this rank's partitions
-                apply_pieces(self._pieces, tensors, self._masters(), inner.state)
-                self._pieces = self._saved_layout = None
-            for group, stored in zip(inner.param_groups, engine_state["optimizer_param_groups"], strict=True):
-                group.update(stored)
-            for index, master in enumerate(self._masters()):
-                inner.state[master].update(engine_state["optimizer_scalars"][str(index)])
-            for field, value in engine_state["loss_scaler"].items():
-                setattr(self.optimizer.loss_scaler, field, value)
-            link = getattr(self.optimizer, "_lazy_init_hp_params_optimizer_state", None)
-            if callable(link):  # DeepSpeed links its per-parameter state views at its first step
-                link()  # (safe_get_full_optimizer_state fails until then): link the loaded state now
+            restore_optimizer(self.optimizer, self._masters(), tensors, engine_state, self._pieces)
+            self._pieces = self._saved_layout = None
         elif self.optimizer is not None and self.stage < 3:
             self.optimizer.refresh_fp32_params()  # masters from the loaded weights (module only)
         if self.stage == 3:

@@ -1,4 +1,5 @@
-"""ZeRO-1 / 2 optimizer state saved on one number of ranks, loaded on another.
+"""ZeRO 1-3 optimizer state restored from a dump: on the dump's number of ranks, in place; ZeRO
+1 / 2 on another, mapped parameter by parameter (:func:`plan_pieces`).
 
 Under ZeRO 1 and 2 each parameter group is one flat buffer (the parameters one after another,
 each at the offset the dump's master layout records, then padding) that the ranks' partitions
@@ -138,6 +139,34 @@ def reshard_template(
                 if name == prefix or (prefix.endswith(".") and name.startswith(prefix)):
                     template[name] = torch.empty(shape, dtype=dtype)
     return template
+
+
+def restore_optimizer(
+    optimizer: Any,
+    masters: list[torch.Tensor],
+    loaded: dict[str, torch.Tensor],
+    engine_state: dict[str, Any],
+    pieces: list[Piece] | None,
+) -> None:
+    """Restore the ZeRO ``optimizer`` (its fp32 ``masters``, one per group) from a dump: the
+    masters from the weights where the dump stored them once as such (ZeRO-3, fp32), or from the
+    saved partitions of another world size (``pieces``; on the dump's world size ``loaded``
+    filled them in place); then the hyper-parameters, the scalar state, the loss scaler, and
+    DeepSpeed's per-parameter state views linked. Local."""
+    inner = optimizer.optimizer
+    if engine_state.get("masters_in_model"):
+        optimizer._restore_from_bit16_weights()  # the masters were stored once, as the weights
+    if pieces is not None:  # a dump of another world size: mapped into this rank's partitions
+        apply_pieces(pieces, loaded, masters, inner.state)
+    for group, stored in zip(inner.param_groups, engine_state["optimizer_param_groups"], strict=True):
+        group.update(stored)
+    for index, master in enumerate(masters):
+        inner.state[master].update(engine_state["optimizer_scalars"][str(index)])
+    for field, value in engine_state["loss_scaler"].items():
+        setattr(optimizer.loss_scaler, field, value)
+    link = getattr(optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if callable(link):  # DeepSpeed links its per-parameter state views at its first step
+        link()  # (safe_get_full_optimizer_state fails until then): link the loaded state now
 
 
 def apply_pieces(
