@@ -11,10 +11,10 @@ Recovery: we store what DeepSpeed's optimizer actually trains, not its pickled s
   hold whole parameters (``areal-ckpt export`` can rebuild them) and no gather is needed;
 - ZeRO 1-3: this rank's fp32 master partitions and the wrapped optimizer's state tensors, under
   keys that name the rank, plus where each parameter lies in them, hyper-parameters,
-  loss-scaler settings and the engine's step counters as JSON. A ZeRO 1 / 2 load on another
-  number of ranks maps each parameter's elements into its own partitions
-  (:mod:`~areal_ckpt.engines.zero_optimizer`); ZeRO-3 partitions load on as many ranks, and a
-  load says so otherwise. ZeRO 0 with a torch optimizer goes through TorchEngine.
+  loss-scaler settings and the engine's step counters as JSON. A load into other partitions
+  (another number of ranks, ZeRO 1 / 2 against 3) maps each parameter's elements into its own
+  (:mod:`~areal_ckpt.engines.zero_optimizer`). ZeRO 0 with a torch optimizer goes through
+  TorchEngine.
 
 ``deepspeed`` is imported only when one of these engines is made.
 """
@@ -66,9 +66,10 @@ class DeepSpeedEngine:
                 "supported; use ZeRO stage 1 or higher for mixed precision"
             )
         self._mesh: DeviceMesh | None = None
-        #: A ZeRO 1 / 2 dump of another world size: its master layout, once a load approved it,
+        #: A ZeRO 1-3 dump of other partitions: its master layout and stage, once a load approved it,
         #: then what fills this rank's partitions (set by recover_template, used by the load).
         self._saved_layout: list[list[dict[str, Any]]] | None = None
+        self._saved_stage = 0
         self._pieces: list[Piece] | None = None
         self._experts = global_expert_names(self.module)  # expert-parallel MoE (ZeRO 0-2): each rank's own experts
 
@@ -284,7 +285,15 @@ class DeepSpeedEngine:
             if self.stage == 3 and stored is not None:  # whole tensors of a ZeRO 0-2 dump
                 tensors.update(whole_templates(self._parameters(), tensors, stored))
             if with_optimizer_tensors and self.optimizer is not None and self._saved_layout is not None:
-                self._pieces = plan_for(self.optimizer, self.module, self._saved_layout, stored or {})
+                self._pieces = plan_for(
+                    self.optimizer,
+                    self.stage,
+                    self.module,
+                    self._masters(),
+                    self._saved_layout,
+                    self._saved_stage,
+                    stored or {},
+                )
                 tensors.update(reshard_template(self._pieces, stored or {}, len(self._masters())))
             elif with_optimizer_tensors and self.optimizer is not None:
                 inner, prefix = self.optimizer.optimizer, f"{OPTIM_PREFIX}rank{dist.rank()}.state."
@@ -307,11 +316,10 @@ class DeepSpeedEngine:
         """Raise ValueError (its message says how to proceed) unless this engine can take the
         dump. The model loads across every ZeRO stage and world size (the files hold whole
         parameters: a ZeRO-3 dump's flattened ones are reshaped or resharded, whole tensors are
-        scattered into ZeRO-3 partitions); the optimizer across stages whose partitions match
-        (0 with 0; 1 and 2 with each other; 3 with 3), ZeRO 0 and 3 on the dump's world size, ZeRO
-        1 and 2 on any (each parameter mapped by name: the dump's parameter groups must hold the
-        same names and shapes). A PEFT model's adapters must have the dump's configurations.
-        Local; the same outcome on every rank (they see the same dump and the same model)."""
+        scattered into ZeRO-3 partitions); the optimizer of ZeRO 0 into ZeRO 0 on any world size,
+        of ZeRO 1-3 into ZeRO 1-3 on any (other partitions mapped by parameter name: the dump must
+        hold this model's parameters). A PEFT model's adapters must have the dump's
+        configurations. Local; one outcome on every rank (the same dump, the same model)."""
         saved = engine_state.get("deepspeed")
         if saved is None:
             raise ValueError("not written by a DeepSpeed engine; load it with areal_ckpt.TorchEngine")
@@ -323,20 +331,19 @@ class DeepSpeedEngine:
             "load the model only (RecoverHandler: recover.no_load_optim; load_checkpoint: load_module_only=True)"
         )
         self._saved_layout = None
-        if (stage == 0) != (self.stage == 0) or (stage == 3) != (self.stage == 3):
+        if (stage == 0) != (self.stage == 0):
             raise ValueError(
                 f"the optimizer state of ZeRO stage {stage} does not fit stage {self.stage}; {module_only}"
             )
-        if world == dist.world_size() or stage == 0:
-            return
-        why = refusal(stage, saved.get("masters"), lambda: master_layout(self.optimizer, self.stage, self.module))
-        if why is None:
-            self._saved_layout = saved["masters"]
-            return
-        raise ValueError(
-            f"ZeRO optimizer partitions were written by {world} ranks and cannot be loaded by "
-            f"{dist.world_size()} ({why}); {module_only}"
-        )
+        if stage == 0 or (world == dist.world_size() and (stage == 3) == (self.stage == 3)):
+            return  # the saved partitions are this engine's: read in place
+        why = refusal(saved.get("masters"), lambda: master_layout(self.optimizer, self.stage, self.module))
+        if why is not None:
+            raise ValueError(
+                f"the optimizer partitions of ZeRO stage {stage} on {world} ranks cannot be mapped into stage "
+                f"{self.stage} on {dist.world_size()} ({why}); {module_only}"
+            )
+        self._saved_layout, self._saved_stage = saved["masters"], stage
 
     def load_recover_state(
         self,

@@ -1,23 +1,28 @@
-"""ZeRO 1-3 optimizer state restored from a dump: on the dump's number of ranks, in place; ZeRO
-1 / 2 on another, mapped parameter by parameter (:func:`plan_pieces`).
+"""ZeRO 1-3 optimizer state restored from a dump: into the dump's own partitions in place, or
+into other partitions (another number of ranks, ZeRO 1 / 2 against 3) parameter by parameter.
 
-Under ZeRO 1 and 2 each parameter group is one flat buffer (the parameters one after another,
-each at the offset the dump's master layout records, then padding) that the ranks' partitions
-tile in rank order; a rank's fp32 masters and its optimizer's per-element state (Adam's moments)
-are its partition of that buffer. A dump stores each rank's partitions whole, under keys that
-name the rank (:meth:`~areal_ckpt.engines.deepspeed_engine.DeepSpeedEngine.recover_state`).
+Where a parameter's elements lie: under ZeRO 1 and 2 each parameter group is one flat buffer
+(the parameters one after another, at the offsets the dump's master layout records, then
+padding) that the ranks' partitions tile in rank order; under ZeRO-3 each parameter is split
+into equal parts, rank r holding part r, and a rank's partition of a group is its parts of the
+group's parameters one after another. A rank's fp32 masters and its optimizer's per-element
+state (Adam's moments) are its partitions. A dump stores each rank's partitions whole, under
+keys that name the rank, with the layout
+(:meth:`~areal_ckpt.engines.deepspeed_engine.DeepSpeedEngine.recover_state`).
 
-A load on another number of ranks maps each parameter, by name, from where it lay in the saved
-buffer to where it lies in this engine's, and copies the elements of this rank's new partition
-from the saved partitions that hold them (:func:`plan_pieces`): each rank reads only the saved
-partitions that overlap its own (about its own share plus two neighbours', never the whole
-optimizer), and the padding of its partition is zero, as DeepSpeed makes it. Scalar state
-(Adam's ``step``) is the same on every rank and is taken from the first partition read.
+Into other partitions, each parameter is found by name in the saved layout and the elements of
+this rank's partitions are copied from the saved partitions that hold them (:func:`plan_for`):
+each rank reads only those (about its own share and two neighbours' under ZeRO 1 / 2), never the
+whole optimizer, and the padding of its partitions is zero, as DeepSpeed makes it. Scalar state
+(Adam's ``step``) is the same everywhere and is taken from the first saved partition read; a
+ZeRO-3 dump that kept its fp32 masters as the weights gives them through the loaded weights.
 Helpers of :class:`~areal_ckpt.engines.deepspeed_engine.DeepSpeedEngine`.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,93 +39,90 @@ Layout = list[list[dict[str, Any]]]
 
 @dataclass(frozen=True)
 class Piece:
-    """``length`` elements of group ``group``'s buffer: at ``saved_start`` in saved rank
-    ``saved_rank``'s partition, at ``start`` in this rank's."""
+    """``length`` elements of this rank's partition of group ``group``, from ``start``: found at
+    ``saved_start`` in saved rank ``saved_rank``'s partition of the saved group ``saved_group``."""
 
     group: int
+    saved_group: int
     saved_rank: int
     saved_start: int
     start: int
     length: int
 
 
-def refusal(stage: int, saved: Layout | None, current: Callable[[], Layout]) -> str | None:
-    """Why the optimizer partitions of a ZeRO ``stage`` dump (its master layout ``saved``)
-    cannot be loaded on another number of ranks into an engine whose layout is ``current()``, in
-    words; None when they can (ZeRO 1 / 2, the same parameter groups of the same parameters)."""
-    if stage == 3:
-        return "ZeRO-3 partitions load on as many ranks only"
+def refusal(saved: Layout | None, current: Callable[[], Layout]) -> str | None:
+    """Why the optimizer partitions of a ZeRO 1-3 dump (its master layout ``saved``) cannot be
+    mapped into an engine whose layout is ``current()``, in words; None when they can (the same
+    parameters, by name and shape, whatever their groups)."""
     if saved is None:
         return "the dump records no master layout (expert-parallel)"
-    return _layout_mismatch(saved, current())
+    before = {entry["name"]: list(entry["shape"]) for group in saved for entry in group}
+    now = {entry["name"]: list(entry["shape"]) for group in current() for entry in group}
+    differing = sorted(set(before) ^ set(now)) or sorted(name for name in now if before[name] != now[name])
+    return f"the dump's parameters differ from this model's in {differing[:5]}" if differing else None
 
 
-def _layout_mismatch(saved: Layout, current: Layout) -> str | None:
-    """Why the parameters of the saved master layout cannot be mapped onto the current one (the
-    groups, or a group's parameter names and shapes, differ), in words; None when they can."""
-    if len(saved) != len(current):
-        return f"the dump has {len(saved)} parameter groups, this optimizer {len(current)}"
-    for index, (before, now) in enumerate(zip(saved, current, strict=True)):
-        shapes_before = {entry["name"]: list(entry["shape"]) for entry in before}
-        shapes_now = {entry["name"]: list(entry["shape"]) for entry in now}
-        if shapes_before != shapes_now:
-            names = sorted(set(shapes_before) ^ set(shapes_now)) or sorted(
-                name for name in shapes_now if shapes_before[name] != shapes_now[name]
-            )
-            return f"parameter group {index} differs in {names[:5]}"
-    return None
+def plan_for(
+    optimizer: Any,
+    stage: int,
+    module: torch.nn.Module,
+    masters: list[torch.Tensor],
+    saved: Layout,
+    saved_stage: int,
+    stored: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+) -> list[Piece]:
+    """What fills this rank's partitions (``masters``, one per group) of the ZeRO ``stage``
+    ``optimizer`` from a ZeRO ``saved_stage`` dump whose layout is ``saved`` and whose index is
+    ``stored``: each parameter's elements this rank holds (under ZeRO 1 / 2 its part of the flat
+    group, split as DeepSpeed splits it: equal parts in rank order, the remainder to the first
+    ranks; under ZeRO-3 its own partition of each parameter), found where the dump kept them and
+    split where the saved partitions meet. Local; reads nothing."""
+    world, rank = dist.world_size(), dist.rank()
+    current = master_layout(optimizer, stage, module)
+    if stage < 3:
+        flats = [flat.numel() for flat in optimizer.bit16_groups_flat]
+        starts = [rank * (total // world) + min(rank, total % world) for total in flats]
+    bounds = [list(itertools.accumulate(_partition_sizes(stored, group), initial=0)) for group in range(len(saved))]
+    where = {entry["name"]: (group, entry) for group, entries in enumerate(saved) for entry in entries}
+    pieces = []
+    for group, entries in enumerate(current):
+        for entry in entries:
+            offset, numel = int(entry["offset"]), math.prod(entry["shape"])
+            if stage == 3:  # this rank's partition of the parameter, at its offset in the group
+                first = rank * int(entry["partition"])
+                last, position = min(first + int(entry["partition"]), numel), offset
+            else:  # the parameter's elements inside this rank's part of the group's flat buffer
+                low, high = starts[group], starts[group] + masters[group].numel()
+                first, last = max(offset, low) - offset, min(offset + numel, high) - offset
+                position = offset + first - low
+            saved_group, saved_entry = where[entry["name"]]
+            while first < last:
+                saved_rank, saved_start, run = _saved_at(saved_entry, saved_stage, bounds[saved_group], first)
+                length = min(last - first, run)
+                pieces.append(Piece(group, saved_group, saved_rank, saved_start, position, length))
+                first, position = first + length, position + length
+    return pieces
 
 
-def partition_sizes(stored: dict[str, tuple[torch.dtype, tuple[int, ...]]], group: int) -> list[int]:
-    """The saved partitions' sizes of ``group``, in rank order, from the checkpoint's index."""
+def _saved_at(entry: dict[str, Any], stage: int, bounds: list[int], element: int) -> tuple[int, int, int]:
+    """Where element ``element`` of the (flattened) parameter ``entry`` of a saved layout lies:
+    the saved rank, the position in its partition of the group, and how many elements follow it
+    there before that partition ends."""
+    if stage == 3:  # each rank holds the same-sized part of every parameter
+        part = int(entry["partition"])
+        return element // part, int(entry["offset"]) + element % part, part - element % part
+    flat = int(entry["offset"]) + element
+    rank = bisect.bisect_right(bounds, flat) - 1
+    return rank, flat - bounds[rank], bounds[rank + 1] - flat
+
+
+def _partition_sizes(stored: dict[str, tuple[torch.dtype, tuple[int, ...]]], group: int) -> list[int]:
+    """The saved partitions' sizes of ``group``, in rank order, from the checkpoint's index
+    (none where the dump kept its masters as the weights: a ZeRO-3 dump, where none is needed)."""
     sizes: list[int] = []
     while (key := f"{OPTIM_PREFIX}rank{len(sizes)}.master.{group}") in stored:
         sizes.append(math.prod(stored[key][1]))
     return sizes
-
-
-def plan_for(
-    optimizer: Any, module: torch.nn.Module, saved: Layout, stored: dict[str, tuple[torch.dtype, tuple[int, ...]]]
-) -> list[Piece]:
-    """:func:`plan_pieces` for this rank of the ZeRO 1 / 2 ``optimizer`` (its flat groups split
-    as DeepSpeed splits them: equal parts in rank order, the remainder to the first ranks) from
-    a dump whose layout is ``saved`` and whose index is ``stored``. Local."""
-    flats = [flat.numel() for flat in optimizer.bit16_groups_flat]
-    world, rank = dist.world_size(), dist.rank()
-    starts = [rank * (total // world) + min(rank, total % world) for total in flats]
-    sizes = [master.numel() for master in optimizer.single_partition_of_fp32_groups]
-    saved_sizes = [partition_sizes(stored, group) for group in range(len(flats))]
-    return plan_pieces(saved, master_layout(optimizer, 2, module), saved_sizes, starts, sizes)
-
-
-def plan_pieces(
-    saved: Layout,
-    current: Layout,
-    saved_sizes: list[list[int]],
-    starts: list[int],
-    sizes: list[int],
-) -> list[Piece]:
-    """What fills this rank's partitions: for each group, each parameter's elements inside this
-    rank's partition (``starts`` / ``sizes``: where it lies in each group's buffer), found at
-    the parameter's saved offset and split where the saved partitions (``saved_sizes``, in rank
-    order) meet. Pure."""
-    pieces = []
-    for group, entries in enumerate(current):
-        saved_offsets = {entry["name"]: int(entry["offset"]) for entry in saved[group]}
-        bounds = [0]
-        for size in saved_sizes[group]:
-            bounds.append(bounds[-1] + size)
-        low, high = starts[group], starts[group] + sizes[group]
-        for entry in entries:
-            offset, numel = int(entry["offset"]), math.prod(entry["shape"])
-            first, last = max(offset, low), min(offset + numel, high)
-            position = saved_offsets[entry["name"]] + (first - offset)
-            while first < last:
-                rank = next(r for r in range(len(bounds) - 1) if bounds[r] <= position < bounds[r + 1])
-                length = min(last - first, bounds[rank + 1] - position)
-                pieces.append(Piece(group, rank, position - bounds[rank], first - low, length))
-                first, position = first + length, position + length
-    return pieces
 
 
 def reshard_template(
@@ -128,16 +130,18 @@ def reshard_template(
     stored: dict[str, tuple[torch.dtype, tuple[int, ...]]],
     groups: int,
 ) -> dict[str, torch.Tensor]:
-    """Fresh tensors for the saved partitions ``pieces`` read from (masters and state), plus
-    the state of saved rank 0 for a group no piece reads (its scalar state is still needed)."""
-    ranks = {(piece.group, piece.saved_rank) for piece in pieces}
-    ranks |= {(group, 0) for group in range(groups) if not any(g == group for g, _ in ranks)}
+    """Fresh tensors for the saved partitions ``pieces`` read from (masters, where the dump
+    stored them, and state), plus saved rank 0's of the first group for a group of this rank's
+    that no piece reads (its scalar state is still needed)."""
+    sources = {(piece.saved_group, piece.saved_rank) for piece in pieces}
+    if len({piece.group for piece in pieces}) < groups:
+        sources.add((0, 0))
     template = {}
-    for group, rank in sorted(ranks):
-        for prefix in (f"{OPTIM_PREFIX}rank{rank}.master.{group}", f"{OPTIM_PREFIX}rank{rank}.state.{group}."):
-            for name, (dtype, shape) in stored.items():
-                if name == prefix or (prefix.endswith(".") and name.startswith(prefix)):
-                    template[name] = torch.empty(shape, dtype=dtype)
+    for group, rank in sorted(sources):
+        master, state = f"{OPTIM_PREFIX}rank{rank}.master.{group}", f"{OPTIM_PREFIX}rank{rank}.state.{group}."
+        for name, (dtype, shape) in stored.items():
+            if name == master or name.startswith(state):
+                template[name] = torch.empty(shape, dtype=dtype)
     return template
 
 
@@ -161,7 +165,8 @@ def restore_optimizer(
     for group, stored in zip(inner.param_groups, engine_state["optimizer_param_groups"], strict=True):
         group.update(stored)
     for index, master in enumerate(masters):
-        inner.state[master].update(engine_state["optimizer_scalars"][str(index)])
+        scalars = engine_state["optimizer_scalars"]  # a dump of other groups: the same on each
+        inner.state[master].update(scalars.get(str(index)) or scalars.get("0", {}))
     for field, value in engine_state["loss_scaler"].items():
         setattr(optimizer.loss_scaler, field, value)
     link = getattr(optimizer, "_lazy_init_hp_params_optimizer_state", None)
@@ -190,8 +195,9 @@ def _apply(
 ) -> None:
     """:func:`apply_pieces`, gradients off."""
     for group, master in enumerate(masters):
-        read = sorted({p.saved_rank for p in pieces if p.group == group}) or [0]
-        prefix = f"{OPTIM_PREFIX}rank{read[0]}.state.{group}."
+        mine = [piece for piece in pieces if piece.group == group]
+        saved_group, saved_rank = (mine[0].saved_group, mine[0].saved_rank) if mine else (0, 0)
+        prefix = f"{OPTIM_PREFIX}rank{saved_rank}.state.{saved_group}."
         entry = state.setdefault(master, {})
         per_element = []
         for name, value in loaded.items():
@@ -202,11 +208,14 @@ def _apply(
                 else:
                     entry[key] = torch.zeros_like(master, dtype=value.dtype)
                     per_element.append(key)
-        master.zero_()
-        for piece in (p for p in pieces if p.group == group):
+        masters_stored = f"{OPTIM_PREFIX}rank{saved_rank}.master.{saved_group}" in loaded
+        if masters_stored:  # else they were restored from the weights they equal
+            master.zero_()
+        for piece in mine:
             source = f"{OPTIM_PREFIX}rank{piece.saved_rank}"
             span = slice(piece.saved_start, piece.saved_start + piece.length)
             target = slice(piece.start, piece.start + piece.length)
-            master[target].copy_(loaded[f"{source}.master.{group}"].reshape(-1)[span])
+            if masters_stored:
+                master[target].copy_(loaded[f"{source}.master.{piece.saved_group}"].reshape(-1)[span])
             for key in per_element:
-                entry[key][target].copy_(loaded[f"{source}.state.{group}.{key}"].reshape(-1)[span])
+                entry[key][target].copy_(loaded[f"{source}.state.{piece.saved_group}.{key}"].reshape(-1)[span])
