@@ -34,7 +34,15 @@ from areal_ckpt.engines.experts import expert_prefixes, global_expert_names, ren
 from areal_ckpt.engines.peft_configs import active_adapters, adapter_configs, check_same_adapters
 from areal_ckpt.engines.torch_engine import TorchEngine, unwrap_model
 from areal_ckpt.engines.zero3 import flat_shard, flat_views, master_layout, scatter_whole, unflattened, whole_templates
-from areal_ckpt.engines.zero_optimizer import Piece, plan_for, refusal, reshard_template, restore_optimizer
+from areal_ckpt.engines.zero_optimizer import (
+    Piece,
+    ZeroLayout,
+    allocate_state,
+    plan_for,
+    refusal,
+    reshard_template,
+    restore_optimizer,
+)
 from areal_ckpt.errors import CheckpointError
 from areal_ckpt.paths import MODEL_PREFIX, OPTIM_PREFIX
 from areal_ckpt.tensors import TensorSpec, local_crc32
@@ -68,8 +76,7 @@ class DeepSpeedEngine:
         self._mesh: DeviceMesh | None = None
         #: A ZeRO 1-3 dump of other partitions: its master layout and stage, once a load approved it,
         #: then what fills this rank's partitions (set by recover_template, used by the load).
-        self._saved_layout: list[list[dict[str, Any]]] | None = None
-        self._saved_stage = 0
+        self._saved: ZeroLayout | None = None
         self._pieces: list[Piece] | None = None
         self._experts = global_expert_names(self.module)  # expert-parallel MoE (ZeRO 0-2): each rank's own experts
 
@@ -284,26 +291,12 @@ class DeepSpeedEngine:
             tensors = self._model_tensors()
             if self.stage == 3 and stored is not None:  # whole tensors of a ZeRO 0-2 dump
                 tensors.update(whole_templates(self._parameters(), tensors, stored))
-            if with_optimizer_tensors and self.optimizer is not None and self._saved_layout is not None:
-                self._pieces = plan_for(
-                    self.optimizer,
-                    self.stage,
-                    self.module,
-                    self._masters(),
-                    self._saved_layout,
-                    self._saved_stage,
-                    stored or {},
-                )
+            if with_optimizer_tensors and self.optimizer is not None and self._saved is not None:
+                layout = ZeroLayout(master_layout(self.optimizer, self.stage, self.module), self.stage)
+                self._pieces = plan_for(self.optimizer, layout, self._masters(), self._saved, stored or {})
                 tensors.update(reshard_template(self._pieces, stored or {}, len(self._masters())))
             elif with_optimizer_tensors and self.optimizer is not None:
-                inner, prefix = self.optimizer.optimizer, f"{OPTIM_PREFIX}rank{dist.rank()}.state."
-                masters = self._masters()
-                for name, (dtype, shape) in (stored or {}).items():
-                    if name.startswith(prefix):
-                        index, _, key = name[len(prefix) :].partition(".")
-                        entry = inner.state.setdefault(masters[int(index)], {})
-                        if key not in entry:
-                            entry[key] = torch.empty(shape, dtype=dtype, device=masters[int(index)].device)
+                allocate_state(self.optimizer.optimizer.state, self._masters(), stored or {})
                 self._optimizer_state(tensors, masters=True if stored is not None else None)
                 if stored is not None:  # masters stored or not (see _masters_in_model): as the dump did
                     master = f"{OPTIM_PREFIX}rank{dist.rank()}.master."
@@ -330,7 +323,7 @@ class DeepSpeedEngine:
         module_only = (
             "load the model only (RecoverHandler: recover.no_load_optim; load_checkpoint: load_module_only=True)"
         )
-        self._saved_layout = None
+        self._saved = None
         if (stage == 0) != (self.stage == 0):
             raise ValueError(
                 f"the optimizer state of ZeRO stage {stage} does not fit stage {self.stage}; {module_only}"
@@ -343,7 +336,7 @@ class DeepSpeedEngine:
                 f"the optimizer partitions of ZeRO stage {stage} on {world} ranks cannot be mapped into stage "
                 f"{self.stage} on {dist.world_size()} ({why}); {module_only}"
             )
-        self._saved_layout, self._saved_stage = saved["masters"], stage
+        self._saved = ZeroLayout(saved["masters"], stage)
 
     def load_recover_state(
         self,
@@ -371,7 +364,7 @@ class DeepSpeedEngine:
                 self.module.load_state_dict(model_state, strict=strict)
         if include_optimizer and self.optimizer is not None:
             restore_optimizer(self.optimizer, self._masters(), tensors, engine_state, self._pieces)
-            self._pieces = self._saved_layout = None
+            self._pieces, self._saved = None, None
         elif self.optimizer is not None and self.stage < 3:
             self.optimizer.refresh_fp32_params()  # masters from the loaded weights (module only)
         if self.stage == 3:

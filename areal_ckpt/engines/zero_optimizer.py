@@ -31,10 +31,18 @@ from typing import Any
 import torch
 
 from areal_ckpt import dist
-from areal_ckpt.engines.zero3 import master_layout
 from areal_ckpt.paths import OPTIM_PREFIX
 
 Layout = list[list[dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class ZeroLayout:
+    """Where the parameters lie in an engine's or a dump's partitions: the master layout and
+    the ZeRO stage that reads it."""
+
+    layout: Layout
+    stage: int
 
 
 @dataclass(frozen=True)
@@ -62,33 +70,47 @@ def refusal(saved: Layout | None, current: Callable[[], Layout]) -> str | None:
     return f"the dump's parameters differ from this model's in {differing[:5]}" if differing else None
 
 
+def allocate_state(
+    state: dict[torch.Tensor, dict[str, Any]],
+    masters: list[torch.Tensor],
+    stored: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+) -> None:
+    """The optimizer ``state`` of each of this rank's ``masters`` given every tensor the dump's
+    index ``stored`` holds for them that it lacks (an optimizer that has not stepped), to be
+    loaded into in place."""
+    prefix = f"{OPTIM_PREFIX}rank{dist.rank()}.state."
+    for name, (dtype, shape) in stored.items():
+        if name.startswith(prefix):
+            index, _, key = name[len(prefix) :].partition(".")
+            entry = state.setdefault(masters[int(index)], {})
+            if key not in entry:
+                entry[key] = torch.empty(shape, dtype=dtype, device=masters[int(index)].device)
+
+
 def plan_for(
     optimizer: Any,
-    stage: int,
-    module: torch.nn.Module,
+    current: ZeroLayout,
     masters: list[torch.Tensor],
-    saved: Layout,
-    saved_stage: int,
+    saved: ZeroLayout,
     stored: dict[str, tuple[torch.dtype, tuple[int, ...]]],
 ) -> list[Piece]:
-    """What fills this rank's partitions (``masters``, one per group) of the ZeRO ``stage``
-    ``optimizer`` from a ZeRO ``saved_stage`` dump whose layout is ``saved`` and whose index is
-    ``stored``: each parameter's elements this rank holds (under ZeRO 1 / 2 its part of the flat
+    """What fills this rank's partitions (``masters``, one per group; the engine's layout
+    ``current``) of the ZeRO ``optimizer`` from the dump whose layout
+    is ``saved`` and whose index is ``stored``: each parameter's elements this rank holds (under ZeRO 1 / 2 its part of the flat
     group, split as DeepSpeed splits it: equal parts in rank order, the remainder to the first
     ranks; under ZeRO-3 its own partition of each parameter), found where the dump kept them and
     split where the saved partitions meet. Local; reads nothing."""
     world, rank = dist.world_size(), dist.rank()
-    current = master_layout(optimizer, stage, module)
-    if stage < 3:
+    if current.stage < 3:
         flats = [flat.numel() for flat in optimizer.bit16_groups_flat]
         starts = [rank * (total // world) + min(rank, total % world) for total in flats]
-    bounds = [list(itertools.accumulate(_partition_sizes(stored, group), initial=0)) for group in range(len(saved))]
-    where = {entry["name"]: (group, entry) for group, entries in enumerate(saved) for entry in entries}
+    bounds = [list(itertools.accumulate(_partition_sizes(stored, g), initial=0)) for g in range(len(saved.layout))]
+    where = {entry["name"]: (group, entry) for group, entries in enumerate(saved.layout) for entry in entries}
     pieces = []
-    for group, entries in enumerate(current):
+    for group, entries in enumerate(current.layout):
         for entry in entries:
             offset, numel = int(entry["offset"]), math.prod(entry["shape"])
-            if stage == 3:  # this rank's partition of the parameter, at its offset in the group
+            if current.stage == 3:  # this rank's partition of the parameter, at its offset in the group
                 first = rank * int(entry["partition"])
                 last, position = min(first + int(entry["partition"]), numel), offset
             else:  # the parameter's elements inside this rank's part of the group's flat buffer
@@ -97,7 +119,7 @@ def plan_for(
                 position = offset + first - low
             saved_group, saved_entry = where[entry["name"]]
             while first < last:
-                saved_rank, saved_start, run = _saved_at(saved_entry, saved_stage, bounds[saved_group], first)
+                saved_rank, saved_start, run = _saved_at(saved_entry, saved.stage, bounds[saved_group], first)
                 length = min(last - first, run)
                 pieces.append(Piece(group, saved_group, saved_rank, saved_start, position, length))
                 first, position = first + length, position + length
