@@ -5,6 +5,7 @@ with one line."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 from pathlib import Path
 
@@ -341,39 +342,63 @@ def _adam_steps(engine) -> list[float]:
     return [float(entry["step"]) for entry in engine.optimizer.optimizer.state.values()]
 
 
-def reshard_dump_worker(rank: int, world: int, root: str, stage: int) -> None:
-    from recover_fixtures import SPEC, recover_config, step_info
+def _reshard_config(fileroot: str, staging: str) -> ac.RecoverConfig:
+    """The trial ``exp/trial`` under ``fileroot`` (a folder or a bucket's URL), an object trial
+    staged in ``staging`` (a node's own disk)."""
+    return ac.RecoverConfig(
+        experiment_name="exp", trial_name="trial", fileroot=fileroot, user="tester", mode="on", staging_dir=staging
+    )
+
+
+def reshard_dump_worker(rank: int, world: int, fileroot: str, out: str, stage: int, environment: dict) -> None:
+    from recover_fixtures import SPEC, step_info
     from safetensors.torch import save_file
 
+    os.environ.update(environment)
     engine = deepspeed_engine(_model(0), stage=stage)
     _train(engine, 2)
-    ac.RecoverHandler(recover_config(Path(root)), SPEC).dump(engine, step_info(1), force=True)
+    ac.RecoverHandler(_reshard_config(fileroot, f"{out}/dump-node"), SPEC).dump(engine, step_info(1), force=True)
     state = _fp32_and_moments(engine)
     if rank == 0:
-        save_file(state, f"{root}/optimizer.safetensors")
-        Path(f"{root}/steps.json").write_text(json.dumps(_adam_steps(engine)))
+        save_file(state, f"{out}/optimizer.safetensors")
+        Path(f"{out}/steps.json").write_text(json.dumps(_adam_steps(engine)))
 
 
-def reshard_load_worker(rank: int, world: int, root: str, stage: int, report: str) -> None:
-    from recover_fixtures import SPEC, recover_config
+def reshard_load_worker(rank: int, world: int, fileroot: str, out: str, stage: int, environment: dict) -> None:
+    from recover_fixtures import SPEC
     from safetensors.torch import load_file
 
+    os.environ.update(environment)
     engine = deepspeed_engine(_model(7), stage=stage)
-    handler = ac.RecoverHandler(recover_config(Path(root)), SPEC)
+    handler = ac.RecoverHandler(_reshard_config(fileroot, f"{out}/load-node"), SPEC)  # a node that never saw it
     info = handler.load(engine, drop_rank_state=True)  # another world size: per-rank RNG cannot carry over
     handler.close()
-    expected, loaded = load_file(f"{root}/optimizer.safetensors"), _fp32_and_moments(engine)
+    expected, loaded = load_file(f"{out}/optimizer.safetensors"), _fp32_and_moments(engine)
     outcome = {
         "step": info.last_step_info.global_step,
         "differing": sorted(name for name in expected if not torch.equal(expected[name], loaded[name])),
         "compared": len(expected),
         "adam_steps": sorted(set(_adam_steps(engine))),
-        "saved_adam_steps": sorted(set(json.loads(Path(f"{root}/steps.json").read_text()))),
+        "saved_adam_steps": sorted(set(json.loads(Path(f"{out}/steps.json").read_text()))),
         "global_steps": int(engine.global_steps),
     }
     _train(engine, 1)  # and it trains on
     outcome["trains"] = True
-    Path(f"{report}.{rank}").write_text(json.dumps(outcome))
+    Path(f"{out}/report.{rank}").write_text(json.dumps(outcome))
+
+
+def _dump_and_load_elsewhere(
+    fileroot: str, out: Path, saved: tuple[int, int], loaded: tuple[int, int], env: dict
+) -> None:
+    """Dump ZeRO ``saved`` = (ranks, stage) under ``fileroot``, load it as ``loaded``; each loading
+    rank's masters, moments, steps and counters are what was saved, and it trains on."""
+    (saved_world, saved_stage), (world, stage) = saved, loaded
+    run_distributed(reshard_dump_worker, saved_world, fileroot, str(out), saved_stage, env)
+    run_distributed(reshard_load_worker, world, fileroot, str(out), stage, env, group=True)
+    for outcome in _reports(out / "report", world):
+        assert outcome["compared"] > 0 and outcome["differing"] == [], outcome
+        assert outcome["step"] == 1 and outcome["global_steps"] == 2 and outcome["trains"], outcome
+        assert outcome["adam_steps"] == outcome["saved_adam_steps"] == [2.0], outcome
 
 
 @pytest.mark.parametrize(
@@ -391,11 +416,10 @@ def test_zero_optimizer_state_loads_into_other_partitions(tmp_path, saved, loade
     ZeRO 1 / 2 and 3: each parameter's fp32 master and Adam moments, read back whole through
     DeepSpeed's own API, are bitwise what was saved, as are Adam's step and the engine's
     counters, and training goes on."""
-    (saved_world, saved_stage), (world, stage) = saved, loaded
-    root = tmp_path / "root"
-    run_distributed(reshard_dump_worker, saved_world, str(root), saved_stage)
-    run_distributed(reshard_load_worker, world, str(root), stage, str(tmp_path / "report"), group=True)
-    for outcome in _reports(tmp_path / "report", world):
-        assert outcome["compared"] > 0 and outcome["differing"] == [], outcome
-        assert outcome["step"] == 1 and outcome["global_steps"] == 2 and outcome["trains"], outcome
-        assert outcome["adam_steps"] == outcome["saved_adam_steps"] == [2.0], outcome
+    _dump_and_load_elsewhere(str(tmp_path / "root"), tmp_path, saved, loaded, {})
+
+
+def test_zero_optimizer_state_maps_from_a_bucket_on_a_node_that_never_held_it(object_server, object_bucket, tmp_path):
+    """The same from object storage, loaded on a node whose staging folder is empty: each rank
+    brings down the saved partitions it reads (another rank's data file among them)."""
+    _dump_and_load_elsewhere(f"{object_bucket}/runs", tmp_path, (2, 3), (3, 1), object_server.environment())
