@@ -70,6 +70,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_async.py --out docs/benchmarks-async.md
 	$(BIN)/python benchmarks/bench_multirank.py --out docs/benchmarks-multirank.md
 	cd benchmarks && ../$(BIN)/python bench_deepspeed.py --out ../docs/benchmarks-deepspeed.md
+	cd benchmarks && ../$(BIN)/python bench_reshard.py --out ../docs/benchmarks-reshard.md
 	$(BIN)/python benchmarks/bench_lora.py --out docs/benchmarks-lora.md
 	cd benchmarks && ../$(BIN)/python bench_dump.py --out ../docs/benchmarks-dump.md
 	cd benchmarks && ../$(BIN)/python bench_objects.py --out ../docs/benchmarks-objects.md

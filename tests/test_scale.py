@@ -5,7 +5,9 @@ sends and receives. A 2-rank and a 4-rank FSDP2 job (gloo) dump the same model t
 load it back; a non-zero rank's bytes and calls must be the same at 4 ranks as at 2 (the model
 is the same, so its shards only get smaller), where ``dcp.save``'s metadata broadcast alone
 would grow them by a chunk record per rank and tensor. The full elastic matrix (1 <-> 2 <-> 3
-<-> 4 ranks, mid-epoch and at an epoch boundary) is marked ``scale`` and runs in ``make scale``.
+<-> 4 ranks, mid-epoch and at an epoch boundary) and the DeepSpeed ZeRO matrix (ZeRO 1-3 on 1-3
+ranks into ZeRO 1-3 on 1-3 ranks, the optimizer mapped) are marked ``scale`` and run in ``make
+scale``.
 """
 
 from __future__ import annotations
@@ -147,3 +149,18 @@ def test_a_rank_deletes_only_its_own_files_and_never_through_a_link(tmp_path):
     assert (outside / "__1_0.distcp").read_bytes() == b"keep"
     remove_trash(store.root)
     assert not hidden.exists() and (outside / "__1_0.distcp").exists()
+
+
+ZERO_LAYOUTS = [(world, stage) for world in (1, 2, 3) for stage in (1, 2, 3)]
+
+
+@pytest.mark.scale
+@pytest.mark.parametrize("saved", ZERO_LAYOUTS, ids=[f"zero{s} on {w}" for w, s in ZERO_LAYOUTS])
+def test_a_zero_dump_loads_with_its_optimizer_into_every_zero_layout(tmp_path, saved):
+    """One ZeRO dump, loaded into ZeRO 1, 2 and 3 on 1, 2 and 3 ranks: every fp32 master and
+    Adam moment bitwise what was saved (read through DeepSpeed's own API), training goes on."""
+    from test_deepspeed_oracle import check_loads_elsewhere, reshard_dump_worker
+
+    run_distributed(reshard_dump_worker, saved[0], str(tmp_path / "root"), str(tmp_path), saved[1], {})
+    for loaded in ZERO_LAYOUTS:
+        check_loads_elsewhere(str(tmp_path / "root"), tmp_path, loaded, {})
