@@ -390,10 +390,15 @@ def reshard_load_worker(rank: int, world: int, fileroot: str, out: str, stage: i
 def _dump_and_load_elsewhere(
     fileroot: str, out: Path, saved: tuple[int, int], loaded: tuple[int, int], env: dict
 ) -> None:
-    """Dump ZeRO ``saved`` = (ranks, stage) under ``fileroot``, load it as ``loaded``; each loading
-    rank's masters, moments, steps and counters are what was saved, and it trains on."""
-    (saved_world, saved_stage), (world, stage) = saved, loaded
-    run_distributed(reshard_dump_worker, saved_world, fileroot, str(out), saved_stage, env)
+    """Dump ZeRO ``saved`` = (ranks, stage) under ``fileroot``, then :func:`check_loads_elsewhere`."""
+    run_distributed(reshard_dump_worker, saved[0], fileroot, str(out), saved[1], env)
+    check_loads_elsewhere(fileroot, out, loaded, env)
+
+
+def check_loads_elsewhere(fileroot: str, out: Path, loaded: tuple[int, int], env: dict) -> None:
+    """Load the dump under ``fileroot`` as ZeRO ``loaded`` = (ranks, stage); each loading rank's
+    masters, moments, steps and counters are what was saved, and it trains on."""
+    world, stage = loaded
     run_distributed(reshard_load_worker, world, fileroot, str(out), stage, env, group=True)
     for outcome in _reports(out / "report", world):
         assert outcome["compared"] > 0 and outcome["differing"] == [], outcome
