@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ import torch.distributed as torch_dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from common import (  # noqa: E402
     evict,
+    free_port,
     fsync_tree,
     machine_description,
     model_of_size,
@@ -47,12 +47,6 @@ from areal_ckpt.formats import cache_fill  # noqa: E402
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _timed(action) -> float:
@@ -125,7 +119,7 @@ def measure(stage: int, mib: int, rounds: int) -> dict:
     work = scratch_folder(f"bench-ds{stage}-")
     result = work / "result.json"
     try:
-        mp.spawn(_worker, args=(2, _free_port(), stage, mib, rounds, str(work), str(result)), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, free_port(), stage, mib, rounds, str(work), str(result)), nprocs=2, join=True)
         return json.loads(result.read_text())
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -34,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
-from common import PeakRss, machine_description, model_of_size, scratch_folder, state_bytes
+from common import PeakRss, free_port, machine_description, model_of_size, scratch_folder, state_bytes
 from torch.distributed.tensor import DTensor
 
 import areal_ckpt as ac
@@ -46,12 +45,6 @@ logging.disable(logging.WARNING)
 SPEC = ac.FinetuneSpec(total_train_epochs=1, dataset_size=1, train_batch_size=1)
 SHARD_SIZE = 256 * 2**20
 AGGREGATE_TARGET = 0.9
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _step(step: int) -> ac.StepInfo:
@@ -130,7 +123,7 @@ def run_configuration(world: int, wrap: str, mib: int, rounds: int, workdir: Pat
     result = folder / "result.json"
     mp.start_processes(
         _worker,
-        args=(world, wrap, _free_port(), mib, rounds, str(folder), str(result)),
+        args=(world, wrap, free_port(), mib, rounds, str(folder), str(result)),
         nprocs=world,
         start_method="spawn",
     )

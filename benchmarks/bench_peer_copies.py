@@ -23,7 +23,6 @@ import gc
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
-from common import machine_description, model_of_size, publish, scratch_folder, size_and_rounds
+from common import free_port, machine_description, model_of_size, publish, scratch_folder, size_and_rounds
 
 import areal_ckpt as ac
 
@@ -65,12 +64,6 @@ loopback, and a load from it keeps what it downloads as an unsynced cache copy. 
 the bucket is the slowest tier and the copies cross NCCL or RDMA: the ratio there is the
 interconnect against the bucket's download speed per node.
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _model(mib: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -177,7 +170,7 @@ def measure(mib: int, rounds: int) -> list[dict[str, float]]:
         out = work / "rows.json"
         mp.start_processes(
             _worker,
-            args=(2, _free_port(), mib, rounds, str(work), server.environment(), str(out)),
+            args=(2, free_port(), mib, rounds, str(work), server.environment(), str(out)),
             nprocs=2,
             start_method="spawn",
         )

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import statistics
 import sys
 import time
@@ -32,19 +31,13 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().paren
 import torch  # noqa: E402
 import torch.distributed as torch_dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from common import evict, machine_description, model_of_size, publish, scratch_folder, size_and_rounds  # noqa: E402
+from common import evict, free_port, machine_description, model_of_size, publish, scratch_folder, size_and_rounds  # noqa: E402
 
 import areal_ckpt as ac  # noqa: E402
 from areal_ckpt.formats import cache_fill  # noqa: E402
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _engine(mib: int, stage: int):  # type: ignore[no-untyped-def]
@@ -93,7 +86,7 @@ def _worker(rank: int, world: int, port: int, task: str, mib: int, folder: str, 
 
 
 def _run(task: str, mib: int, folder: Path, result: Path) -> float | None:
-    mp.spawn(_worker, args=(2, _free_port(), task, mib, str(folder), str(result)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), task, mib, str(folder), str(result)), nprocs=2, join=True)
     return json.loads(result.read_text()) if task != "save" else None
 
 

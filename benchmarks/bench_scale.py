@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
-from common import machine_description, model_of_size, scratch_folder, state_bytes
+from common import free_port, machine_description, model_of_size, scratch_folder, state_bytes
 
 import areal_ckpt as ac
 from areal_ckpt import dist
@@ -47,12 +46,6 @@ SPEC = ac.FinetuneSpec(total_train_epochs=1, dataset_size=1, train_batch_size=1)
 WORLDS = (1, 2, 3, 4)
 EXTRAPOLATE_TO = 1024
 BEGIN, END = "<!-- measured by benchmarks/bench_scale.py: begin -->", "<!-- measured: end -->"
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, mib: int, dumps: int, workdir: str, result: str) -> None:
@@ -136,7 +129,7 @@ def run_world(world: int, mib: int, dumps: int, workdir: Path) -> list[dict]:
     folder = Path(tempfile.mkdtemp(dir=workdir))
     result = folder / "result.json"
     mp.start_processes(
-        _worker, args=(world, _free_port(), mib, dumps, str(folder), str(result)), nprocs=world, start_method="spawn"
+        _worker, args=(world, free_port(), mib, dumps, str(folder), str(result)), nprocs=world, start_method="spawn"
     )
     ranks = json.loads(result.read_text())
     shutil.rmtree(folder)

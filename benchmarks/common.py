@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import tempfile
 import threading
 import warnings
@@ -21,6 +22,14 @@ logging.disable(logging.WARNING)
 def machine_description() -> str:
     """Cores and memory of this machine, for the report's first line."""
     return f"{os.cpu_count()} cores, {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB RAM"
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free now (for a process group's rendezvous)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def scratch_folder(prefix: str) -> Path:
