@@ -370,6 +370,7 @@ def reshard_load_worker(rank: int, world: int, fileroot: str, out: str, stage: i
 
     os.environ.update(environment)
     engine = deepspeed_engine(_model(7), stage=stage)
+    _train(engine, 1)  # its moments exist and DeepSpeed's views of them are linked: the load must fill them
     handler = ac.RecoverHandler(_reshard_config(fileroot, f"{out}/load-node"), SPEC)  # a node that never saw it
     info = handler.load(engine, drop_rank_state=True)  # another world size: per-rank RNG cannot carry over
     handler.close()

@@ -323,7 +323,7 @@ class DeepSpeedEngine:
         module_only = (
             "load the model only (RecoverHandler: recover.no_load_optim; load_checkpoint: load_module_only=True)"
         )
-        self._saved = None
+        self._saved, self._pieces = None, None  # nothing of an earlier load that failed half-way
         if (stage == 0) != (self.stage == 0):
             raise ValueError(
                 f"the optimizer state of ZeRO stage {stage} does not fit stage {self.stage}; {module_only}"

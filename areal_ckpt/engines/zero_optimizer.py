@@ -95,11 +95,11 @@ def plan_for(
     stored: dict[str, tuple[torch.dtype, tuple[int, ...]]],
 ) -> list[Piece]:
     """What fills this rank's partitions (``masters``, one per group; the engine's layout
-    ``current``) of the ZeRO ``optimizer`` from the dump whose layout
-    is ``saved`` and whose index is ``stored``: each parameter's elements this rank holds (under ZeRO 1 / 2 its part of the flat
-    group, split as DeepSpeed splits it: equal parts in rank order, the remainder to the first
-    ranks; under ZeRO-3 its own partition of each parameter), found where the dump kept them and
-    split where the saved partitions meet. Local; reads nothing."""
+    ``current``) of the ZeRO ``optimizer`` from the dump whose layout is ``saved`` and whose
+    index is ``stored``: each parameter's elements this rank holds (under ZeRO 1 / 2 its part of
+    the flat group, split as DeepSpeed splits it: equal parts in rank order, the remainder to the
+    first ranks; under ZeRO-3 its own partition of each parameter), found where the dump kept
+    them and split where the saved partitions meet. Local; reads nothing."""
     world, rank = dist.world_size(), dist.rank()
     if current.stage < 3:
         flats = [flat.numel() for flat in optimizer.bit16_groups_flat]
@@ -175,14 +175,14 @@ def restore_optimizer(
     pieces: list[Piece] | None,
 ) -> None:
     """Restore the ZeRO ``optimizer`` (its fp32 ``masters``, one per group) from a dump: the
-    masters from the weights where the dump stored them once as such (ZeRO-3, fp32), or from the
-    saved partitions of another world size (``pieces``; on the dump's world size ``loaded``
-    filled them in place); then the hyper-parameters, the scalar state, the loss scaler, and
+    masters from the weights where the dump stored them once as such (ZeRO-3, fp32), and from the
+    saved partitions as ``pieces`` map them into other partitions (None: ``loaded`` filled this
+    rank's own in place); then the hyper-parameters, the scalar state, the loss scaler, and
     DeepSpeed's per-parameter state views linked. Local."""
     inner = optimizer.optimizer
     if engine_state.get("masters_in_model"):
         optimizer._restore_from_bit16_weights()  # the masters were stored once, as the weights
-    if pieces is not None:  # a dump of another world size: mapped into this rank's partitions
+    if pieces is not None:  # a dump of other partitions: mapped into this rank's
         apply_pieces(pieces, loaded, masters, inner.state)
     for group, stored in zip(inner.param_groups, engine_state["optimizer_param_groups"], strict=True):
         group.update(stored)
@@ -225,8 +225,12 @@ def _apply(
         for name, value in loaded.items():
             if name.startswith(prefix):
                 key = name[len(prefix) :]
+                held = entry.get(key)
                 if value.dim() == 0:
                     entry[key] = value.clone().to(master.device)
+                elif isinstance(held, torch.Tensor) and held.shape == master.shape and held.dtype == value.dtype:
+                    held.zero_()  # filled in place: views DeepSpeed linked to it stay true
+                    per_element.append(key)
                 else:
                     entry[key] = torch.zeros_like(master, dtype=value.dtype)
                     per_element.append(key)

@@ -31,9 +31,10 @@ def repoint_trial(trial: Path | ObjectURL) -> tuple[str, dict[str, list[str]], b
     (:func:`~areal_ckpt.storage.location.recommit_newest_intact` over
     :func:`~areal_ckpt.storage.location.recovery_location_of`, under a folder trial's lock; a
     folder's fixed links placed again; a store's new record create-only). Returns the generation,
-    those skipped with their problems, and whether a commit was made. Never deletes anything. CheckpointError, changing nothing, when a folder trial is no
-    folder or holds AReaL's own folders (an interrupted import: running ``import-areal`` again
-    finishes it), or when no generation verifies. Blocking; one process."""
+    those skipped with their problems, and whether a commit was made. Never deletes anything.
+    CheckpointError, changing nothing, when a folder trial is no folder or holds AReaL's own
+    folders (an interrupted import: running ``import-areal`` again finishes it), or when no
+    generation verifies. Blocking; one process."""
     return recommit_newest_generation(recovery_location_of(trial))
 
 

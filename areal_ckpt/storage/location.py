@@ -231,9 +231,10 @@ def recommit_newest_intact(
 ) -> tuple[str, dict[str, list[str]], bool]:
     """An operator's repair (``recover-pointer``) on a location whose newest commit is the one
     read (an object prefix; a folder whose pointer commits), held against its writers
-    (:meth:`Location.exclusive`): what no reader can use is set aside (:meth:`Location.mend`); when the committed checkpoint is
-    then missing, named by a broken pointer or fails its check (every file by size and CRC-32
-    where it lies, and ``content``'s check of what its manifest must list), the newest
+    (:meth:`Location.exclusive`): what no reader can use is set aside (:meth:`Location.mend`);
+    when the committed checkpoint is then missing, named by a broken pointer or fails its check
+    (every file by size and CRC-32 where it lies, and ``content``'s check of what its manifest
+    must list), the newest
     ``candidate`` present (highest ``order``, then name) that passes is committed again
     (:meth:`Location.recommit` with ``body``), with a warning when another holds the same order.
     Returns that checkpoint, those skipped with their problems, and whether anything was
