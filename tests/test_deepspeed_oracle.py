@@ -429,3 +429,38 @@ def test_zero_optimizer_state_maps_from_a_bucket_on_a_node_that_never_held_it(ob
     """The same from object storage, loaded on a node whose staging folder is empty: each rank
     brings down the saved partitions it reads (another rank's data file among them)."""
     _dump_and_load_elsewhere(f"{object_bucket}/runs", tmp_path, (2, 3), (3, 1), object_server.environment())
+
+
+def sgd_load_worker(rank: int, world: int, root: str, no_load_optim: bool, report: str) -> None:
+    import deepspeed
+    from recover_fixtures import SPEC, recover_config
+
+    model = _model(7)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True,
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
+    before = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    outcome: dict = {}
+    try:
+        ac.RecoverHandler(recover_config(Path(root), no_load_optim=no_load_optim), SPEC).load(engine)
+        outcome["loaded"] = True
+    except ac.CheckpointError as error:
+        unchanged = all(torch.equal(p, before[name]) for name, p in engine.module.named_parameters())
+        outcome.update(loaded=False, error=str(error), unchanged=unchanged)
+    Path(f"{report}.{rank}").write_text(json.dumps(outcome))
+
+
+def test_an_optimizer_of_another_class_is_refused_naming_both_before_anything_loads(tmp_path):
+    """A ZeRO-2 dump of AdamW loaded into a ZeRO-2 engine with SGD: refused naming both classes,
+    the weights untouched, with the way on (loading the model only), which works."""
+    run_distributed(recover_dump_worker, 1, str(tmp_path / "root"), 2)
+    run_distributed(sgd_load_worker, 1, str(tmp_path / "root"), False, str(tmp_path / "r"), group=True)
+    (entry,) = _reports(tmp_path / "r", 1)
+    assert not entry["loaded"] and entry["unchanged"], entry
+    assert "saved from AdamW and cannot be loaded into SGD" in entry["error"], entry
+    assert "recover.no_load_optim" in entry["error"]
+    run_distributed(sgd_load_worker, 1, str(tmp_path / "root"), True, str(tmp_path / "r"), group=True)  # the hint
+    assert _reports(tmp_path / "r", 1)[0]["loaded"]

@@ -38,6 +38,7 @@ from areal_ckpt.engines.zero_optimizer import (
     Piece,
     ZeroLayout,
     allocate_state,
+    other_optimizer,
     plan_for,
     refusal,
     reshard_template,
@@ -74,8 +75,7 @@ class DeepSpeedEngine:
                 "supported; use ZeRO stage 1 or higher for mixed precision"
             )
         self._mesh: DeviceMesh | None = None
-        #: A ZeRO 1-3 dump of other partitions: its master layout and stage, once a load approved it,
-        #: then what fills this rank's partitions (set by recover_template, used by the load).
+        #: A dump of other ZeRO partitions a load approved, then what fills this rank's (see the load).
         self._saved: ZeroLayout | None = None
         self._pieces: list[Piece] | None = None
         self._experts = global_expert_names(self.module)  # expert-parallel MoE (ZeRO 0-2): each rank's own experts
@@ -257,6 +257,7 @@ class DeepSpeedEngine:
                     scalars[str(index)][key] = value
         scaler = self.optimizer.loss_scaler
         return {
+            "optimizer_class": type(inner).__name__,
             "optimizer_param_groups": [
                 {k: v for k, v in group.items() if k != "params"} for group in inner.param_groups
             ],
@@ -306,13 +307,11 @@ class DeepSpeedEngine:
         return renamed(tensors, self._experts)
 
     def validate_recover_state(self, engine_state: dict[str, Any], include_optimizer: bool) -> None:
-        """Raise ValueError (its message says how to proceed) unless this engine can take the
-        dump. The model loads across every ZeRO stage and world size (the files hold whole
-        parameters: a ZeRO-3 dump's flattened ones are reshaped or resharded, whole tensors are
-        scattered into ZeRO-3 partitions); the optimizer of ZeRO 0 into ZeRO 0 on any world size,
-        of ZeRO 1-3 into ZeRO 1-3 on any (other partitions mapped by parameter name: the dump must
-        hold this model's parameters). A PEFT model's adapters must have the dump's
-        configurations. Local; one outcome on every rank (the same dump, the same model)."""
+        """Raise ValueError (saying how to proceed) unless this engine can take the dump: the
+        model across every ZeRO stage and world size (the files hold whole parameters); the
+        optimizer (of the same class and groups) of ZeRO 0 into 0, of ZeRO 1-3 into 1-3 (other
+        partitions mapped by parameter name), on any world size; a PEFT model's adapters of the
+        dump's configurations. Local; one outcome on every rank (the same dump, the same model)."""
         saved = engine_state.get("deepspeed")
         if saved is None:
             raise ValueError("not written by a DeepSpeed engine; load it with areal_ckpt.TorchEngine")
@@ -324,10 +323,11 @@ class DeepSpeedEngine:
             "load the model only (RecoverHandler: recover.no_load_optim; load_checkpoint: load_module_only=True)"
         )
         self._saved, self._pieces = None, None  # nothing of an earlier load that failed half-way
+        other = other_optimizer(engine_state, self.optimizer)
         if (stage == 0) != (self.stage == 0):
-            raise ValueError(
-                f"the optimizer state of ZeRO stage {stage} does not fit stage {self.stage}; {module_only}"
-            )
+            other = f"the optimizer state of ZeRO stage {stage} does not fit stage {self.stage}"
+        if other is not None:
+            raise ValueError(f"{other}; {module_only}")
         if stage == 0 or (world == dist.world_size() and (stage == 3) == (self.stage == 3)):
             return  # the saved partitions are this engine's: read in place
         why = refusal(saved.get("masters"), lambda: master_layout(self.optimizer, self.stage, self.module))

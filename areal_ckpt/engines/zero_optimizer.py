@@ -58,6 +58,22 @@ class Piece:
     length: int
 
 
+def other_optimizer(engine_state: dict[str, Any], optimizer: Any) -> str | None:
+    """Why the ZeRO ``optimizer`` is not the one the dump's ``engine_state`` was saved from, in
+    words naming both: another class (recorded since dumps name it) or another number of
+    parameter groups; None when it may be (or for ZeRO 0, a torch optimizer's own state)."""
+    inner = getattr(optimizer, "optimizer", None)
+    if inner is None or "optimizer_param_groups" not in engine_state:
+        return None
+    saved, now = engine_state.get("optimizer_class"), type(inner).__name__
+    if saved is not None and saved != now:
+        return f"the optimizer state was saved from {saved} and cannot be loaded into {now}"
+    groups = len(engine_state["optimizer_param_groups"])
+    if groups != len(inner.param_groups):
+        return f"the dump's optimizer has {groups} parameter groups and this {now} {len(inner.param_groups)}"
+    return None
+
+
 def refusal(saved: Layout | None, current: Callable[[], Layout]) -> str | None:
     """Why the optimizer partitions of a ZeRO 1-3 dump (its master layout ``saved``) cannot be
     mapped into an engine whose layout is ``current()``, in words; None when they can (the same
