@@ -40,6 +40,7 @@ from common import (  # noqa: E402
     scratch_folder,
     size_and_rounds,
     state_bytes,
+    zero_engine,
 )
 
 import areal_ckpt as ac  # noqa: E402
@@ -60,7 +61,6 @@ def _timed(action) -> float:
 
 
 def _worker(rank: int, world: int, port: int, stage: int, mib: int, rounds: int, workdir: str, result: str) -> None:
-    import deepspeed
 
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
@@ -68,14 +68,7 @@ def _worker(rank: int, world: int, port: int, stage: int, mib: int, rounds: int,
     torch_dist.init_process_group("gloo", rank=rank, world_size=world)
     model = model_of_size(mib, torch.float32)
     size = state_bytes(model)
-    config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-    }
-    engine, *_ = deepspeed.initialize(
-        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), config=config
-    )
+    engine = zero_engine(model, stage)
     tokens = torch.arange(16).reshape(1, 16)
     engine.backward(engine(input_ids=tokens, labels=tokens).loss)
     engine.step()

@@ -31,7 +31,16 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().paren
 import torch  # noqa: E402
 import torch.distributed as torch_dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from common import evict, free_port, machine_description, model_of_size, publish, scratch_folder, size_and_rounds  # noqa: E402
+from common import (  # noqa: E402
+    evict,
+    free_port,
+    machine_description,
+    model_of_size,
+    publish,
+    scratch_folder,
+    size_and_rounds,
+    zero_engine,
+)
 
 import areal_ckpt as ac  # noqa: E402
 from areal_ckpt.formats import cache_fill  # noqa: E402
@@ -41,19 +50,8 @@ logging.disable(logging.WARNING)
 
 
 def _engine(mib: int, stage: int):  # type: ignore[no-untyped-def]
-    import deepspeed
-
     torch.manual_seed(0)
-    model = model_of_size(mib, torch.float32)
-    config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-    }
-    engine, *_ = deepspeed.initialize(
-        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), config=config
-    )
-    return engine
+    return zero_engine(model_of_size(mib, torch.float32), stage)
 
 
 def _worker(rank: int, world: int, port: int, task: str, mib: int, folder: str, result: str) -> None:

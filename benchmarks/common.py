@@ -32,6 +32,22 @@ def free_port() -> int:
         return port
 
 
+def zero_engine(model: torch.nn.Module, stage: int):  # type: ignore[no-untyped-def]
+    """``deepspeed.initialize`` of ``model`` under ZeRO ``stage`` with AdamW (lr 1e-4), one
+    micro-batch of 1, every ZeRO-3 parameter partitioned (imports DeepSpeed)."""
+    import deepspeed
+
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), config=config
+    )
+    return engine
+
+
 def scratch_folder(prefix: str) -> Path:
     """A new folder to write into: under ./runs (ignored by git) when it exists."""
     return Path(tempfile.mkdtemp(prefix=prefix, dir=Path("runs").absolute() if Path("runs").is_dir() else None))
