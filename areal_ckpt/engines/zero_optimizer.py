@@ -212,6 +212,7 @@ def restore_optimizer(
         link()  # (safe_get_full_optimizer_state fails until then): link the loaded state now
 
 
+@torch.no_grad()  # the masters are leaves that require grad
 def apply_pieces(
     pieces: list[Piece],
     loaded: dict[str, torch.Tensor],
@@ -221,17 +222,6 @@ def apply_pieces(
     """Fill this rank's fp32 ``masters`` and their optimizer ``state`` (allocated here where the
     optimizer has not stepped) from the saved partitions ``loaded`` as ``pieces`` say, padding
     zero; scalar state from the first saved partition read."""
-    with torch.no_grad():  # the masters are leaves that require grad
-        _apply(pieces, loaded, masters, state)
-
-
-def _apply(
-    pieces: list[Piece],
-    loaded: dict[str, torch.Tensor],
-    masters: list[torch.Tensor],
-    state: dict[torch.Tensor, dict[str, Any]],
-) -> None:
-    """:func:`apply_pieces`, gradients off."""
     for group, master in enumerate(masters):
         mine = [piece for piece in pieces if piece.group == group]
         saved_group, saved_rank = (mine[0].saved_group, mine[0].saved_rank) if mine else (0, 0)

@@ -234,57 +234,49 @@ def recommit_newest_intact(
     (:meth:`Location.exclusive`): what no reader can use is set aside (:meth:`Location.mend`);
     when the committed checkpoint is then missing, named by a broken pointer or fails its check
     (every file by size and CRC-32 where it lies, and ``content``'s check of what its manifest
-    must list), the newest
-    ``candidate`` present (highest ``order``, then name) that passes is committed again
-    (:meth:`Location.recommit` with ``body``), with a warning when another holds the same order.
+    must list), the newest ``candidate`` present (highest ``order``, then name) that passes is
+    committed again (:meth:`Location.recommit` with ``body``), with a warning when another holds
+    the same order.
     Returns that checkpoint, those skipped with their problems, and whether anything was
     committed; CheckpointError naming them all (each a ``noun``) when none passes. Blocking;
     never deletes a checkpoint."""
     with location.exclusive():
-        return _recommit_newest_intact(location, manifest, candidate, order, body, content, noun)
-
-
-def _recommit_newest_intact(
-    location: Location,
-    manifest: str,
-    candidate: Callable[[str], bool],
-    order: Callable[[str], int],
-    body: Callable[[str], dict[str, Any]],
-    content: Callable[[dict[str, Any]], list[str]],
-    noun: str,
-) -> tuple[str, dict[str, list[str]], bool]:
-    """:func:`recommit_newest_intact` while the location is held."""
-    skipped = location.mend()
-    try:
-        newest = location.newest(lambda name: order(name) if candidate(name) else None)
-    except CheckpointError as error:
-        newest, skipped["commit record"] = None, [str(error)]
-    if newest is not None and not candidate(newest.name):
-        skipped[newest.name] = [f"the commit names {newest.name!r}, not a {noun}"]
-        newest = None
-    if newest is not None:
-        problems = check_checkpoint(location.files_of(newest.name), manifest, content=content)
-        if not problems:
-            return newest.name, skipped, False
-        skipped[newest.name] = problems
-    present = [name for name in location.present() if candidate(name)]
-    for name in sorted((n for n in present if n not in skipped), key=lambda n: (order(n), n), reverse=True):
-        problems = check_checkpoint(location.files_of(name), manifest, content=content)
-        if problems:
-            skipped[name] = problems
-            continue
-        twins = [other for other in present if other != name and order(other) == order(name)]
-        if twins:
-            logger.warning(
-                "%s: %s and %s hold the same step %d; pointing at %s", location.where(), name, twins, order(name), name
-            )
-        location.recommit(name, body(name))
-        return name, skipped, True
-    raise CheckpointError(
-        f"{location.where()}: no intact {noun} to point at"
-        + "".join(f"; {name}: {'; '.join(problems)}" for name, problems in skipped.items())
-        + ("" if skipped else " (there is none)")
-    )
+        skipped = location.mend()
+        try:
+            newest = location.newest(lambda name: order(name) if candidate(name) else None)
+        except CheckpointError as error:
+            newest, skipped["commit record"] = None, [str(error)]
+        if newest is not None and not candidate(newest.name):
+            skipped[newest.name] = [f"the commit names {newest.name!r}, not a {noun}"]
+            newest = None
+        if newest is not None:
+            problems = check_checkpoint(location.files_of(newest.name), manifest, content=content)
+            if not problems:
+                return newest.name, skipped, False
+            skipped[newest.name] = problems
+        present = [name for name in location.present() if candidate(name)]
+        for name in sorted((n for n in present if n not in skipped), key=lambda n: (order(n), n), reverse=True):
+            problems = check_checkpoint(location.files_of(name), manifest, content=content)
+            if problems:
+                skipped[name] = problems
+                continue
+            twins = [other for other in present if other != name and order(other) == order(name)]
+            if twins:
+                logger.warning(
+                    "%s: %s and %s hold the same step %d; pointing at %s",
+                    location.where(),
+                    name,
+                    twins,
+                    order(name),
+                    name,
+                )
+            location.recommit(name, body(name))
+            return name, skipped, True
+        raise CheckpointError(
+            f"{location.where()}: no intact {noun} to point at"
+            + "".join(f"; {name}: {'; '.join(problems)}" for name, problems in skipped.items())
+            + ("" if skipped else " (there is none)")
+        )
 
 
 def remove_trash(folders: list[Path]) -> None:
